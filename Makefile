@@ -1,0 +1,39 @@
+# The two entry points of the README: `make demo` and `make test`.
+# Both create the virtualenv and install what is needed on a fresh Debian machine.
+
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+
+.PHONY: demo test lint typecheck pytest bench setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/ensure-system-deps
+	sh scripts/ensure-system-deps
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev,bench]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+demo: $(STAMP)
+	$(BIN)/python samples/kprobe_example.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check kprobes tests bench samples
+	$(BIN)/ruff format --check kprobes
+
+typecheck: $(STAMP)
+	$(BIN)/mypy --strict kprobes
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+test: lint typecheck pytest
+
+bench: $(STAMP)
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf $(VENV) tests/programs/bin bench/bin

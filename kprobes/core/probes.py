@@ -1,0 +1,94 @@
+"""Probe objects: what the user builds and registers, with the kernel's field names.
+
+A ``Kprobe`` is a plain object with a lifecycle (unregistered → registered → unregistered),
+like ``struct kprobe``: the user fills in where and which handlers, registration fills in
+``addr`` and the counters. Status bits are an ``enum.Flag`` read through predicates, as the
+kernel's ``KPROBE_FLAG_*`` are read through ``kprobe_gone()`` and ``kprobe_disabled()``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from kprobes.core.table import ProbeSite
+
+# Handler types. ``regs`` is the target's register view (process: a writable Regs).
+PreHandler = Callable[["Kprobe", Any], "bool | int | None"]
+PostHandler = Callable[["Kprobe", Any, int], None]
+FaultHandler = Callable[["Kprobe", Any, int], "bool | int | None"]
+
+# trapnr passed to fault handlers when a Python handler raised rather than the CPU faulting.
+TRAP_HANDLER_EXCEPTION = -1
+
+
+class ProbeFlags(enum.Flag):
+    NONE = 0
+    GONE = enum.auto()  # the code it was placed in is no longer mapped (exec, exit)
+    DISABLED = enum.auto()  # registered but not armed (disable_kprobe or disabled=True)
+
+
+class Location(Protocol):
+    """Where a probe was placed, as the target resolved it."""
+
+    @property
+    def addr(self) -> int: ...
+
+    @property
+    def display(self) -> str: ...
+
+    @property
+    def module_name(self) -> str: ...
+
+
+class Kprobe:
+    """A probe on one instruction: ``Kprobe(symbol="libc:malloc", pre_handler=f)``.
+
+    ``pre_handler(probe, regs)`` runs before the probed instruction; a true result means the
+    handler changed ``regs.ip`` and the instruction must not run. ``post_handler(probe, regs,
+    flags)`` runs after it ran out of line. ``fault_handler(probe, regs, trapnr)`` runs when a
+    handler raises (trapnr -1) or the out-of-line copy faults; a true result means handled.
+    """
+
+    kind = "k"
+
+    def __init__(
+        self,
+        symbol: str | None = None,
+        offset: int = 0,
+        addr: int | None = None,
+        pre_handler: PreHandler | None = None,
+        post_handler: PostHandler | None = None,
+        fault_handler: FaultHandler | None = None,
+        disabled: bool = False,
+    ) -> None:
+        self.symbol = symbol
+        self.offset = offset
+        self.addr = addr
+        self.pre_handler = pre_handler
+        self.post_handler = post_handler
+        self.fault_handler = fault_handler
+        self.flags = ProbeFlags.DISABLED if disabled else ProbeFlags.NONE
+        self.nmissed = 0
+        self.nhit = 0
+        self.location: Location | None = None
+        self.site: ProbeSite | None = None  # set while registered; core-private
+
+    @property
+    def is_registered(self) -> bool:
+        return self.site is not None
+
+    @property
+    def is_disabled(self) -> bool:
+        return ProbeFlags.DISABLED in self.flags
+
+    @property
+    def is_gone(self) -> bool:
+        return ProbeFlags.GONE in self.flags
+
+    def __repr__(self) -> str:
+        where = self.location.display if self.location else (self.symbol or hex(self.addr or 0))
+        state = "registered" if self.is_registered else "unregistered"
+        return f"<{type(self).__name__} {where} {state} nhit={self.nhit} nmissed={self.nmissed}>"

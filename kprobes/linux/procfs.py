@@ -1,0 +1,79 @@
+"""Readers for /proc: tasks, status fields, auxv, and the process memory file.
+
+Memory goes through ``/proc/PID/mem`` with ``pread``/``pwrite``: one syscall for any size, and
+writes succeed on read-only text pages (the kernel forces them, as it does for PTRACE_POKE),
+so the code we patch can stay mapped without write permission.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import Final
+
+AT_ENTRY: Final = 9
+
+
+def list_tasks(pid: int) -> list[int]:
+    return sorted(int(name) for name in os.listdir(f"/proc/{pid}/task"))
+
+
+def read_status(pid: int) -> dict[str, str]:
+    fields: dict[str, str] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
+
+
+def task_state(pid: int, tid: int) -> str:
+    """The one-letter state of a task ('t' is a tracing stop), '' if it is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            data = f.read()
+    except OSError:
+        return ""
+    return data[data.rindex(")") + 2]
+
+
+def tgid_of(tid: int) -> int:
+    try:
+        return int(read_status(tid).get("Tgid", "0"))
+    except OSError:
+        return 0
+
+
+def read_auxv(pid: int) -> dict[int, int]:
+    with open(f"/proc/{pid}/auxv", "rb") as f:
+        data = f.read()
+    out: dict[int, int] = {}
+    for key, value in struct.iter_unpack("<QQ", data):
+        if key == 0:
+            break
+        out[key] = value
+    return out
+
+
+def exe_path(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/exe")
+
+
+def comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def open_mem(pid: int) -> int:
+    return os.open(f"/proc/{pid}/mem", os.O_RDWR | os.O_CLOEXEC)
+
+
+def mem_read(fd: int, addr: int, size: int) -> bytes:
+    return os.pread(fd, size, addr)
+
+
+def mem_write(fd: int, addr: int, data: bytes) -> int:
+    return os.pwrite(fd, data, addr)

@@ -1,0 +1,85 @@
+"""Every byte we patch in the program, and the one way to read code as it was.
+
+Arming writes ``int3`` over the first byte of the probed instruction in every address space
+that has its own copy of the code (the program, and followed fork children); disarming writes
+the saved byte back. ``original()`` is the only way the rest of the package reads code to
+decode it: it undoes our own patches so that no analysis ever sees an int3 of ours.
+
+``ever_patched`` remembers every address we have armed. A thread may have hit a breakpoint
+just before we removed it; its trap then arrives for an address that no longer holds an int3,
+and this set is how the event loop recognises such a stale trap (and a fork child's copy of
+memory is cleaned of every byte we might have left in it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kprobes.errors import InternalError, TargetError
+from kprobes.process.tracee import Tracee
+
+INT3 = 0xCC
+
+
+class Breakpoints:
+    def __init__(self) -> None:
+        self.armed: dict[int, int] = {}  # addr → original byte
+        self.ever_patched: dict[int, int] = {}  # addr → original byte, armed or not
+
+    def arm(self, spaces: Iterable[Tracee], addr: int, original: int) -> None:
+        if addr in self.armed:
+            raise InternalError(f"breakpoint at {addr:#x} is already armed")
+        if original == INT3:
+            raise InternalError(f"original byte at {addr:#x} is already an int3")
+        for space in spaces:
+            space.write(addr, b"\xcc")
+        self.armed[addr] = original
+        self.ever_patched[addr] = original
+
+    def disarm(self, spaces: Iterable[Tracee], addr: int) -> None:
+        original = self.armed.pop(addr, None)
+        if original is None:
+            raise InternalError(f"breakpoint at {addr:#x} is not armed")
+        for space in spaces:
+            space.write(addr, bytes((original,)))
+
+    def is_stale_trap(self, addr: int) -> bool:
+        """A trap at ``addr`` came from an int3 of ours that has since been removed."""
+        return addr in self.ever_patched and addr not in self.armed
+
+    def original(self, space: Tracee, addr: int, size: int) -> bytes:
+        """The program's bytes at [addr, addr+size) with our patches undone."""
+        data = space.read_some(addr, size)
+        if not self.armed:
+            return data
+        end = addr + len(data)
+        patched = [a for a in self.armed if addr <= a < end]
+        if not patched:
+            return data
+        out = bytearray(data)
+        for a in patched:
+            out[a - addr] = self.armed[a]
+        return bytes(out)
+
+    def restore_all(self, space: Tracee) -> None:
+        """Put back every byte we ever patched (detach; a fork child being released)."""
+        for addr, original in self.ever_patched.items():
+            try:
+                if space.read(addr, 1)[0] == INT3:
+                    space.write(addr, bytes((original,)))
+            except TargetError:  # the mapping may be gone (munmap, exec)
+                continue
+
+    def sync(self, space: Tracee) -> None:
+        """Make a fork child's copy match: int3 where armed now, original bytes elsewhere."""
+        for addr, original in self.ever_patched.items():
+            want = b"\xcc" if addr in self.armed else bytes((original,))
+            try:
+                space.write(addr, want)
+            except TargetError:
+                continue
+
+    def forget(self) -> None:
+        """The address space was replaced (exec): nothing of ours is in it any more."""
+        self.armed.clear()
+        self.ever_patched.clear()

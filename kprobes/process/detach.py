@@ -1,0 +1,140 @@
+"""Leave the program exactly as if we had never been there.
+
+Detaching must work from any state the tracer can be caught in: a SIGINT between two lines of
+a hit, threads half-way through an out-of-line copy, stops received but not yet handled. So it
+reads the truth from the threads themselves rather than trusting our bookkeeping:
+
+Step 1: hold every thread (PTRACE_INTERRUPT, wait, trust /proc for stragglers).
+Step 2: write back every byte we ever patched, in every address space with its own copy.
+Step 3: turn the int3 that ends each stepping slot into a ``jmp`` back to the original code,
+        so a thread that is inside a slot, or returns into one from a signal handler, later,
+        finds its way home without us. Slots are never unmapped.
+Step 4: put each thread's rip back on original code: a thread stopped on one of our int3s
+        re-executes the (restored) instruction; one inside a slot continues where the copy was.
+Step 5: release each thread, delivering a signal it was stopped for (or that we held).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+
+from kprobes.arch.x86_64.encode import jmp_rel32
+from kprobes.arch.x86_64.plan import PlanKind
+from kprobes.errors import TargetError
+from kprobes.linux import ptrace
+from kprobes.process import events as ev
+from kprobes.process.threads import Thread, ThreadState
+from kprobes.process.tracee import TraceeKind
+from kprobes.process.tracer import Tracer
+
+SLOT_SIZE = 32
+
+
+def detach_all(tracer: Tracer) -> None:
+    tracer.stop_world()
+    try:
+        # Step 2
+        for tracee in list(tracer.tracees.values()):
+            if tracee.kind is not TraceeKind.VFORK:
+                tracer.breakpoints.restore_all(tracee)
+        # Step 3
+        for slot, prepared in tracer.slot_history.items():
+            if prepared.kind in (PlanKind.STEP, PlanKind.SINGLESTEP):
+                at = slot + prepared.plan.length
+                home = jmp_rel32(at, prepared.plan.next_addr)
+                for tracee in tracer.own_memories():
+                    try:
+                        tracee.write(at, home)
+                    except TargetError:
+                        continue
+        # Steps 4 and 5, until no thread is left (a pending clone may add one)
+        while tracer.threads:
+            for thread in list(tracer.threads.values()):
+                _release(tracer, thread)
+                tracer.drop_thread(thread)
+    finally:
+        for tracee in list(tracer.tracees.values()):
+            tracer.drop_tracee(tracee)
+
+
+def _home(tracer: Tracer, rip: int) -> int:
+    """Where a thread stopped at ``rip`` inside one of our slots belongs in the original code."""
+    xol = tracer.xol
+    if xol is None or not xol.contains(rip):
+        return rip
+    page = xol.page_of(rip)
+    assert page is not None
+    slot = page.start + (rip - page.start) // SLOT_SIZE * SLOT_SIZE
+    prepared = tracer.slot_history.get(slot)
+    if prepared is None:
+        return rip
+    off = rip - slot
+    if off == 0:
+        return prepared.plan.addr
+    if off >= prepared.plan.length:
+        return prepared.plan.next_addr
+    return rip
+
+
+def _release(tracer: Tracer, t: Thread) -> None:
+    sig = 0
+    if t.state is ThreadState.NEW:
+        try:
+            _, first = ptrace.waitpid(t.tid, 0)
+        except ChildProcessError:
+            return
+        if os.WIFEXITED(first) or os.WIFSIGNALED(first):
+            return
+    status = t.pending
+    try:
+        regs = t.load_regs()
+    except ProcessLookupError:
+        return
+    rip = regs.rip
+    if status is not None:
+        event = (status >> 16) & 0xFF
+        if status == ev.SIGTRAP_STOP:
+            if t.pending_from is ThreadState.STEPPING or (
+                tracer.xol and tracer.xol.contains(rip - 1)
+            ):
+                rip = _home(tracer, rip - 1) if rip - 1 != _home(tracer, rip - 1) else rip
+            elif rip - 1 in tracer.breakpoints.ever_patched:
+                rip -= 1  # the hit was not handled: run the restored instruction
+            else:
+                sig = signal.SIGTRAP  # the program's own
+        elif event == 0 and os.WIFSTOPPED(status):
+            sig = os.WSTOPSIG(status)
+        elif event in (
+            ptrace.PTRACE_EVENT_CLONE,
+            ptrace.PTRACE_EVENT_FORK,
+            ptrace.PTRACE_EVENT_VFORK,
+        ):
+            _adopt_child(tracer, t, event)
+    rip = _home(tracer, rip)
+    if rip != regs.rip:
+        regs.rip = rip
+        t.store_regs()
+    if sig and status is not None and (status >> 16) == 0:
+        pass  # a signal-delivery-stop: detaching with sig delivers it with its own siginfo
+    elif not sig and t.held_signals:
+        sig, info = t.held_signals.pop(0)
+        ptrace.setsiginfo(t.tid, info)
+    with contextlib.suppress(ProcessLookupError):
+        ptrace.detach(t.tid, sig)
+
+
+def _adopt_child(tracer: Tracer, parent: Thread, event: int) -> None:
+    """A clone/fork reported while we were stopping: its child must be released too."""
+    child = ptrace.geteventmsg(parent.tid)
+    if child in tracer.threads:
+        return
+    if event == ptrace.PTRACE_EVENT_CLONE:
+        tracer.add_thread(parent.tracee, child, ThreadState.NEW)
+        return
+    kind = TraceeKind.VFORK if event == ptrace.PTRACE_EVENT_VFORK else TraceeKind.RELEASE
+    tracee = tracer.add_tracee(child, kind)
+    tracer.add_thread(tracee, child, ThreadState.NEW)
+    if kind is TraceeKind.RELEASE:
+        tracer.breakpoints.restore_all(tracee)

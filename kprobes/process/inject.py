@@ -1,0 +1,103 @@
+"""Make a stopped thread run a syscall or a function for us, then put it back exactly.
+
+The out-of-line page must be mapped by the program itself (``mmap`` in its own address
+space), and a GNU ifunc resolver must run in the program to say which implementation it
+picked. Both borrow one held thread: save its registers, point it at a ``syscall``
+instruction (or at the function, with a return address on an int3 of ours), let it run until
+it traps, read ``rax``, and restore every register. ``orig_rax = -1`` keeps the kernel from
+"restarting" a syscall the thread was interrupted in; restoring the saved registers brings
+that restart back as it was.
+
+Rejected: writing a ``syscall`` instruction over the thread's current code. Another thread
+could execute those bytes; we only borrow instructions that already exist.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from kprobes.errors import TargetError
+from kprobes.linux import ptrace
+from kprobes.process.threads import Thread, ThreadState
+
+_SAFE_STACK_GAP = 512  # beyond the 128-byte red zone, kept clear of the thread's frame
+
+
+def run_syscall(thread: Thread, syscall_insn: int, nr: int, *args: int) -> int:
+    """Execute syscall ``nr`` in ``thread``; returns the raw rax (negative errno on failure)."""
+    assert thread.state is ThreadState.STOPPED, "inject needs a held thread"
+    view = (bytes(thread.regs.buffer), thread.regs.dirty)  # a handler's unsaved changes
+    regs = thread.load_regs()
+    saved = bytes(regs.buffer)
+    try:
+        regs.rax = nr
+        regs.orig_rax = (1 << 64) - 1
+        for name, value in zip(("rdi", "rsi", "rdx", "r10", "r8", "r9"), args, strict=False):
+            regs.set(name, value)
+        regs.rip = syscall_insn
+        thread.store_regs()
+        ptrace.singlestep(thread.tid, 0)
+        _wait_for_trap(thread, stepping=True)
+        result = thread.load_regs().rax
+    finally:
+        _restore(thread, saved, view)
+    return result - (1 << 64) if result >= 1 << 63 else result
+
+
+def call_function(thread: Thread, func: int, return_trap: int, *args: int) -> int:
+    """Call ``func(*args)`` in ``thread``; ``return_trap`` must hold an int3 of ours."""
+    assert thread.state is ThreadState.STOPPED, "inject needs a held thread"
+    view = (bytes(thread.regs.buffer), thread.regs.dirty)
+    regs = thread.load_regs()
+    saved = bytes(regs.buffer)
+    mem = thread.tracee
+    try:
+        sp = ((regs.rsp - _SAFE_STACK_GAP) & ~0xF) - 8
+        mem.write(sp, return_trap.to_bytes(8, "little"))
+        regs.rsp = sp
+        regs.orig_rax = (1 << 64) - 1
+        regs.rax = 0
+        for name, value in zip(("rdi", "rsi", "rdx", "rcx", "r8", "r9"), args, strict=False):
+            regs.set(name, value)
+        regs.rip = func
+        thread.store_regs()
+        ptrace.cont(thread.tid, 0)
+        _wait_for_trap(thread, stepping=False)
+        after = thread.load_regs()
+        if after.rip != return_trap + 1:
+            raise TargetError(f"injected call to {func:#x} stopped at {after.rip:#x}")
+        result = after.rax
+    finally:
+        _restore(thread, saved, view)
+    return int(result)
+
+
+def _restore(thread: Thread, kernel_regs: bytes, view: tuple[bytes, bool]) -> None:
+    """Put the thread's registers back, and the handler's view of them as it was."""
+    thread.regs.buffer[:] = kernel_regs
+    thread.store_regs()
+    thread.regs.buffer[:] = view[0]
+    thread.regs.dirty = view[1]
+
+
+def _wait_for_trap(thread: Thread, *, stepping: bool) -> None:
+    """Wait for ``thread``'s SIGTRAP; hold other signals for later, fail on faults or exit."""
+    while True:
+        _, status = ptrace.waitpid(thread.tid, 0)
+        if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+            raise TargetError(f"thread {thread.tid} died during an injected call")
+        sig = os.WSTOPSIG(status)
+        event = status >> 16
+        if sig == signal.SIGTRAP and event == 0:
+            return
+        if event:
+            # An interrupt that was still pending: consume it and carry on.
+            restart = ptrace.singlestep if stepping else ptrace.cont
+            restart(thread.tid, 0)
+            continue
+        if sig in (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE):
+            raise TargetError(f"injected code faulted in thread {thread.tid} (signal {sig})")
+        thread.held_signals.append((sig, ptrace.getsiginfo(thread.tid)))
+        restart = ptrace.singlestep if stepping else ptrace.cont
+        restart(thread.tid, 0)

@@ -1,0 +1,532 @@
+"""The Process target: Kprobes on a live process, with the mechanism run by us over ptrace.
+
+``Process`` is what users hold. It implements the core's ``ArchHooks`` (resolve, check,
+prepare, remove, arm, disarm, batch) on top of the event loop in ``tracer.py``, and the
+public API of the Kprobes document: register/unregister (single and batch), enable/disable,
+the ``enabled`` knob, ``list()`` in Appendix A's format, and ``blacklist()``.
+
+``spawn`` starts the program stopped at its entry point, after the dynamic loader has mapped
+its libraries, so that ``libc:malloc`` can be probed before ``main`` runs. ``attach`` seizes
+every thread of a running program and leaves it running.
+"""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import os
+import signal
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from typing import IO, Any
+
+from kprobes.arch.x86_64.decode import check_boundary, iter_insns
+from kprobes.arch.x86_64.plan import PlanKind, build_slot, plan_instruction
+from kprobes.core.manager import ProbeManager
+from kprobes.core.probes import Kprobe
+from kprobes.core.table import ProbeSite
+from kprobes.errors import Blacklisted, NotABoundary, NotRelocatable, TargetError
+from kprobes.linux import procfs, ptrace
+from kprobes.model import BlacklistEntry, ProbeListing
+from kprobes.process import cleanup, inject
+from kprobes.process.detach import detach_all
+from kprobes.process.threads import ThreadState
+from kprobes.process.tracee import Tracee, TraceeKind
+from kprobes.process.tracer import Prepared, Tracer
+from kprobes.process.xol import FLAGS, PROT, XolArea, candidate_addresses
+from kprobes.symbols.elf import SymbolKind
+from kprobes.symbols.maps import Mapping, read_maps
+from kprobes.symbols.resolve import SymbolResolver
+
+OPTIONS = (
+    ptrace.PTRACE_O_TRACECLONE
+    | ptrace.PTRACE_O_TRACEFORK
+    | ptrace.PTRACE_O_TRACEVFORK
+    | ptrace.PTRACE_O_TRACEEXEC
+)
+_NR_MMAP = 9
+_MAX_FUNC_DECODE = 1 << 20
+
+StdStream = int | IO[Any] | None
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeLocation:
+    addr: int
+    display: str
+    module_name: str
+    func_start: int
+    func_size: int
+
+
+class Process:
+    """A traced program. Use ``spawn()`` or ``attach()`` to get one."""
+
+    def __init__(self, pid: int, *, follow_forks: bool = False) -> None:
+        self.pid = pid
+        self.follow_forks = follow_forks
+        self._manager = ProbeManager(self)
+        self._tracer = Tracer(self._manager, follow_forks=follow_forks)
+        self._tracer.on_gone = self._publish
+        self._resolver: SymbolResolver | None = None
+        self._user_blacklist: list[BlacklistEntry] = []
+        self._boundaries: dict[int, frozenset[int]] = {}
+        self._ifuncs: dict[int, int] = {}
+        self._syscall_insn: int | None = None
+        self._attached = True
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def exit_code(self) -> int | None:
+        """Exit status once the program exited; minus the signal number if a signal killed it."""
+        return self._tracer.exit_code
+
+    @property
+    def is_alive(self) -> bool:
+        return self._attached and self._tracer.is_alive
+
+    @property
+    def threads(self) -> list[int]:
+        main = self._tracer.main
+        return sorted(main.threads) if main else []
+
+    def run(self, timeout: float | None = None) -> bool:
+        """Dispatch hits until the program exits (True) or ``timeout`` seconds pass (False)."""
+        if not self._attached:
+            raise TargetError(f"process {self.pid} is detached")
+        done = self._tracer.run(timeout)
+        if done:
+            self._finish()
+        return done
+
+    def detach(self) -> None:
+        """Restore every patched byte and release every thread; the program carries on."""
+        if not self._attached:
+            return
+        try:
+            if self._tracer.is_alive:
+                detach_all(self._tracer)
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self._attached:
+            self._attached = False
+            self._manager.mark_gone()
+            cleanup.forget(self)
+            self._publish()
+
+    def __enter__(self) -> Process:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    def __repr__(self) -> str:
+        state = "running" if self.is_alive else f"exited ({self.exit_code})"
+        return f"<Process {self.pid} {state}>"
+
+    # -- memory ----------------------------------------------------------------------------
+
+    def _memory(self) -> Tracee:
+        main = self._tracer.main
+        if main is None or not self._attached:
+            raise TargetError(f"process {self.pid} is not traced any more")
+        return main
+
+    def read(self, addr: int, size: int) -> bytes:
+        return self._memory().read(addr, size)
+
+    def write(self, addr: int, data: bytes) -> None:
+        self._memory().write(addr, bytes(data))
+
+    def read_string(self, addr: int, max_len: int = 4096) -> bytes:
+        return self._memory().read_string(addr, max_len)
+
+    # -- the Kprobes API -------------------------------------------------------------------
+
+    def register_kprobe(self, kp: Kprobe) -> None:
+        self._require_attached()
+        self._manager.register(kp)
+
+    def register_kprobes(self, kps: Sequence[Kprobe]) -> None:
+        self._require_attached()
+        self._manager.register_many(kps)
+
+    def unregister_kprobe(self, kp: Kprobe) -> None:
+        self._manager.unregister(kp)
+
+    def unregister_kprobes(self, kps: Sequence[Kprobe]) -> None:
+        self._manager.unregister_many(kps)
+
+    def enable_kprobe(self, kp: Kprobe) -> None:
+        self._manager.enable(kp)
+
+    def disable_kprobe(self, kp: Kprobe) -> None:
+        self._manager.disable(kp)
+
+    @property
+    def enabled(self) -> bool:
+        """Appendix A's ``enabled`` knob: False disarms every probe, keeping each one's state."""
+        return self._manager.enabled
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self._manager.set_enabled(value)
+
+    def list(self) -> builtins.list[ProbeListing]:
+        out = []
+        for site in self._manager.table:
+            x: Prepared | None = site.ainsn
+            loc: ProbeLocation = site.location  # type: ignore[assignment]
+            for probe in site.probes:
+                out.append(
+                    ProbeListing(
+                        addr=site.addr,
+                        kind=probe.kind,
+                        where=loc.display,
+                        module=loc.module_name,
+                        is_gone=probe.is_gone,
+                        is_disabled=probe.is_disabled,
+                        plan=x.kind.value if x is not None else "",
+                    )
+                )
+        return sorted(out, key=lambda e: e.addr)
+
+    def blacklist(self) -> builtins.list[BlacklistEntry]:
+        out = list(self._user_blacklist)
+        xol = self._tracer.xol
+        if xol is not None:
+            for page in xol.pages:
+                out.append(BlacklistEntry(page.start, page.end, "kprobes out-of-line area"))
+        return out
+
+    def add_blacklist(self, start: int, end: int | None = None, reason: str = "user") -> None:
+        self._user_blacklist.append(BlacklistEntry(start, end or start + 1, reason))
+
+    def _require_attached(self) -> None:
+        if not self._attached or self._tracer.main is None:
+            raise TargetError(f"process {self.pid} has exited or was detached")
+
+    # -- ArchHooks -------------------------------------------------------------------------
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        tracer = self._tracer
+        if self._attached and tracer.main is not None:
+            tracer.stop_world()
+            try:
+                yield
+            finally:
+                tracer.resume_world()
+                self._publish()
+        else:
+            yield
+
+    def _symbols(self) -> SymbolResolver:
+        if self._resolver is None:
+            self._resolver = SymbolResolver(self.pid)
+        return self._resolver
+
+    def resolve(self, probe: Kprobe) -> ProbeLocation:
+        self._require_attached()
+        resolver = self._symbols()
+        if probe.addr is not None:
+            addr = probe.addr + probe.offset
+            if self._tracer.xol is not None and self._tracer.xol.contains(addr):
+                raise Blacklisted(f"{addr:#x} is inside kprobes' own out-of-line area")
+            try:
+                loc = resolver.locate_address(addr)
+            except NotABoundary:
+                raise
+            except Exception:
+                resolver.refresh()
+                loc = resolver.locate_address(addr)
+        else:
+            assert probe.symbol is not None
+            try:
+                loc = resolver.resolve(probe.symbol, probe.offset)
+            except Exception:
+                resolver.refresh()  # maybe a library was loaded since
+                loc = resolver.resolve(probe.symbol, probe.offset)
+        if loc.symbol is not None and loc.symbol.kind is SymbolKind.IFUNC:
+            impl = self._ifunc_target(loc.addr - loc.offset)
+            loc = resolver.locate_address(impl + loc.offset)
+        return ProbeLocation(
+            addr=loc.addr,
+            display=loc.display,
+            module_name=loc.module.name,
+            func_start=loc.func_start,
+            func_size=loc.func_size,
+        )
+
+    def check(self, probe: Kprobe, location: Any) -> None:
+        loc: ProbeLocation = location
+        for entry in self.blacklist():
+            if loc.addr in entry:
+                raise Blacklisted(f"{loc.addr:#x} ({loc.display}) is blacklisted: {entry.reason}")
+        if loc.func_start >= loc.addr:
+            return
+        bounds = self._boundaries.get(loc.func_start)
+        if bounds is None:
+            size = loc.func_size or (loc.addr - loc.func_start + 16)
+            code = self._original(loc.func_start, min(size, _MAX_FUNC_DECODE))
+            bounds = frozenset(i.addr for i in iter_insns(code, loc.func_start))
+            if loc.func_size:
+                self._boundaries[loc.func_start] = bounds
+        if loc.addr not in bounds:
+            code = self._original(loc.func_start, loc.addr - loc.func_start + 16)
+            check_boundary(code, loc.func_start, loc.addr)
+            raise NotABoundary(f"{loc.addr:#x} ({loc.display}) is not an instruction boundary")
+
+    def prepare(self, site: ProbeSite) -> None:
+        addr = site.addr
+        code = self._original(addr, 16)
+        plan = plan_instruction(code, addr, has_post_handler=site.has_post_handler)
+        old: Prepared | None = site.ainsn
+        if plan.kind is PlanKind.EMULATE:
+            prepared = Prepared(plan, plan.kind, 0, 0)
+        else:
+            xol = self._xol()
+            slot = xol.alloc(addr)
+            try:
+                body = build_slot(plan, code, slot)
+                for space in self._tracer.own_memories():
+                    space.write(slot, body)
+            except BaseException:
+                xol.release(slot)
+                raise
+            prepared = Prepared(plan, plan.kind, slot, len(body))
+            self._tracer.slot_owner[slot] = site
+            self._tracer.slot_history[slot] = prepared
+        site.ainsn = prepared
+        if old is not None and old.slot:
+            self._release_slot(old)
+
+    def remove(self, site: ProbeSite) -> None:
+        old: Prepared | None = site.ainsn
+        if old is not None and old.slot:
+            self._release_slot(old)
+
+    def _release_slot(self, prepared: Prepared) -> None:
+        self._tracer.slot_owner.pop(prepared.slot, None)
+        if self._tracer.xol is not None:
+            self._tracer.xol.release(prepared.slot)
+
+    def arm(self, site: ProbeSite) -> None:
+        original = self._original(site.addr, 1)[0]
+        self._tracer.breakpoints.arm(self._tracer.own_memories(), site.addr, original)
+
+    def disarm(self, site: ProbeSite) -> None:
+        if site.addr in self._tracer.breakpoints.armed:
+            self._tracer.breakpoints.disarm(self._tracer.own_memories(), site.addr)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _original(self, addr: int, size: int) -> bytes:
+        return self._tracer.breakpoints.original(self._memory(), addr, size)
+
+    def _xol(self) -> XolArea:
+        if self._tracer.xol is None:
+            self._tracer.xol = XolArea(self._map_xol_page)
+        return self._tracer.xol
+
+    def _map_xol_page(self, near: int, size: int) -> int:
+        """Have the program mmap an executable page in a free gap within reach of ``near``."""
+        maps = read_maps(self.pid)
+        thread = self._tracer.held_thread()
+        insn = self._find_syscall(maps)
+        for cand in candidate_addresses(maps, near, size):
+            result = inject.run_syscall(
+                thread, insn, _NR_MMAP, cand, size, PROT, FLAGS, (1 << 64) - 1, 0
+            )
+            if result == cand:
+                self._memory().write(cand, b"\xcc" * size)
+                return cand
+            if result >= 0:
+                inject.run_syscall(thread, insn, 11, result, size)  # munmap: wrong place
+                continue
+            if result == -errno.EEXIST:
+                continue
+            raise TargetError(f"mmap of an out-of-line page failed: {os.strerror(-result)}")
+        raise NotRelocatable(
+            f"no free address within ±2 GiB of {near:#x} for an out-of-line page",
+            errno=errno.ERANGE,
+        )
+
+    def _find_syscall(self, maps: builtins.list[Mapping]) -> int:
+        """The address of an existing ``syscall`` instruction (0f 05) in the program."""
+        if self._syscall_insn is not None:
+            return self._syscall_insn
+        mem = self._memory()
+        ordered = sorted(
+            (m for m in maps if "x" in m.perms and m.path not in ("[vsyscall]", "")),
+            key=lambda m: (m.path != "[vdso]", "libc" not in m.path),
+        )
+        for m in ordered:
+            for start in range(m.start, m.end, 0x10000):
+                data = mem.read_some(start, min(0x10001, m.end - start))
+                at = data.find(b"\x0f\x05")
+                if at >= 0:
+                    self._syscall_insn = start + at
+                    return start + at
+        raise TargetError("no syscall instruction found in the program's code")
+
+    def _ifunc_target(self, resolver_addr: int) -> int:
+        """Run a GNU ifunc resolver in the program: the implementation it picks."""
+        impl = self._ifuncs.get(resolver_addr)
+        if impl is None:
+            trap = self._xol().ensure_page(resolver_addr).start
+            impl = inject.call_function(self._tracer.held_thread(), resolver_addr, trap)
+            self._ifuncs[resolver_addr] = impl
+        return impl
+
+    def _publish(self) -> None:
+        cleanup.publish(self, self.list() if self._tracer.main is not None else [])
+
+
+def _fd_of(stream: StdStream) -> int | None:
+    if stream is None:
+        return None
+    if isinstance(stream, int):
+        return stream
+    return stream.fileno()
+
+
+def spawn(
+    argv: Sequence[str],
+    *,
+    stdin: StdStream = None,
+    stdout: StdStream = None,
+    stderr: StdStream = None,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+    follow_forks: bool = False,
+) -> Process:
+    """Start ``argv`` traced and stopped at its entry point (its libraries are mapped)."""
+    if not argv:
+        raise TargetError("nothing to run: empty argv", errno=errno.EINVAL)
+    fds = (_fd_of(stdin), _fd_of(stdout), _fd_of(stderr))
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    pid = os.fork()
+    if pid == 0:  # the child: stop, let the parent seize us, then exec
+        try:
+            os.close(err_r)
+            for target_fd, fd in enumerate(fds):
+                if fd is not None and fd != target_fd:
+                    os.dup2(fd, target_fd)
+            if cwd is not None:
+                os.chdir(cwd)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            if env is None:
+                os.execvp(argv[0], list(argv))
+            else:
+                os.execvpe(argv[0], list(argv), env)
+        except BaseException as exc:
+            code = getattr(exc, "errno", None) or errno.ENOEXEC
+            os.write(err_w, f"{code}:{exc}".encode(errors="replace"))
+        finally:
+            os._exit(127)
+    os.close(err_w)
+    try:
+        proc = _seize_spawned(pid, argv, err_r)
+    finally:
+        os.close(err_r)
+    return proc
+
+
+def _seize_spawned(pid: int, argv: Sequence[str], err_r: int) -> Process:
+    _, status = os.waitpid(pid, os.WUNTRACED)
+    if not os.WIFSTOPPED(status):
+        raise _spawn_failure(argv, err_r)
+    ptrace.seize(pid, OPTIONS)
+    os.kill(pid, signal.SIGCONT)
+    # Step 1: let it exec (group-stop and SIGCONT reports come first).
+    while True:
+        _, status = ptrace.waitpid(pid, 0)
+        if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+            raise _spawn_failure(argv, err_r)
+        event = (status >> 16) & 0xFF
+        if event == ptrace.PTRACE_EVENT_EXEC:
+            break
+        sig = os.WSTOPSIG(status)
+        if event == 0 and sig not in (signal.SIGCONT, signal.SIGSTOP):
+            ptrace.cont(pid, sig)
+        else:
+            ptrace.cont(pid, 0)
+    proc = Process(pid)
+    tracer = proc._tracer
+    main = tracer.add_tracee(pid, TraceeKind.MAIN)
+    thread = tracer.add_thread(main, pid, ThreadState.STOPPED)
+    # Step 2: run the dynamic loader up to the program's entry point.
+    entry = procfs.read_auxv(pid).get(procfs.AT_ENTRY)
+    if entry:
+        original = main.read(entry, 1)
+        main.write(entry, b"\xcc")
+        try:
+            ptrace.cont(pid, 0)
+            while True:
+                _, status = ptrace.waitpid(pid, 0)
+                if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+                    raise TargetError(f"{argv[0]} exited before reaching its entry point")
+                sig = os.WSTOPSIG(status)
+                if sig == signal.SIGTRAP and status >> 16 == 0:
+                    regs = thread.load_regs()
+                    if regs.rip == entry + 1:
+                        regs.rip = entry
+                        thread.store_regs()
+                        break
+                ptrace.cont(pid, sig if status >> 16 == 0 and sig != signal.SIGTRAP else 0)
+        finally:
+            if main.mem_fd >= 0:
+                main.write(entry, original)
+    tracer.hold_all = True
+    cleanup.remember(proc)
+    return proc
+
+
+def _spawn_failure(argv: Sequence[str], err_r: int) -> TargetError:
+    report = os.read(err_r, 4096).decode(errors="replace")
+    code_text, _, message = report.partition(":")
+    code = int(code_text) if code_text.isdigit() else errno.ENOEXEC
+    return TargetError(f"cannot run {argv[0]}: {message or 'it exited at once'}", errno=code)
+
+
+def attach(pid: int, *, follow_forks: bool = False) -> Process:
+    """Seize every thread of the running process ``pid``; it keeps running between hits."""
+    if pid <= 0 or not os.path.exists(f"/proc/{pid}"):
+        raise TargetError(f"no process {pid}", errno=errno.ESRCH)
+    if pid == os.getpid():
+        raise TargetError("a process cannot trace itself", errno=errno.EINVAL)
+    proc = Process(pid, follow_forks=follow_forks)
+    tracer = proc._tracer
+    main = tracer.add_tracee(pid, TraceeKind.MAIN)
+    seized: set[int] = set()
+    while True:
+        try:
+            tids = [t for t in procfs.list_tasks(pid) if t not in seized]
+        except FileNotFoundError as exc:
+            raise TargetError(f"process {pid} exited", errno=errno.ESRCH) from exc
+        if not tids:
+            break
+        for tid in tids:
+            try:
+                ptrace.seize(tid, OPTIONS)
+            except ProcessLookupError:
+                seized.add(tid)
+                continue
+            except PermissionError as exc:
+                for done in seized:
+                    with suppress(OSError):
+                        ptrace.detach(done)
+                tracer_pid = procfs.read_status(pid).get("TracerPid", "0")
+                why = f" (already traced by pid {tracer_pid})" if tracer_pid != "0" else ""
+                raise TargetError(
+                    f"cannot trace process {pid}: {exc.strerror}{why}", errno=errno.EPERM
+                ) from exc
+            seized.add(tid)
+            tracer.add_thread(main, tid, ThreadState.RUNNING)
+    cleanup.remember(proc)
+    return proc

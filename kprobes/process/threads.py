@@ -1,0 +1,110 @@
+"""One traced thread: its ptrace state machine, its register buffer, its held signals.
+
+The state says who owns the thread right now. RUNNING and STEPPING threads belong to the
+kernel (their next stop will be reported); STOPPED and GROUP_STOPPED threads are held by us.
+STEPPING means the thread was resumed into an out-of-line slot and its next trap completes
+the probed instruction. NEW is a thread announced by a clone/fork event whose first stop has
+not been reported yet: it cannot run until we resume it.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import TYPE_CHECKING, Any
+
+from kprobes.arch.x86_64.regs import Regs
+from kprobes.errors import InternalError
+from kprobes.linux import ptrace
+
+if TYPE_CHECKING:
+    from kprobes.core.table import ProbeSite
+    from kprobes.process.tracee import Tracee
+
+
+class ThreadState(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    STEPPING = "stepping"
+    STOPPED = "stopped"
+    GROUP_STOPPED = "group-stopped"
+
+
+S = ThreadState
+_ALLOWED: dict[ThreadState, frozenset[ThreadState]] = {
+    S.NEW: frozenset({S.STOPPED, S.GROUP_STOPPED}),
+    S.RUNNING: frozenset({S.STOPPED, S.GROUP_STOPPED}),
+    S.STEPPING: frozenset({S.STOPPED, S.GROUP_STOPPED}),
+    S.STOPPED: frozenset({S.RUNNING, S.STEPPING, S.GROUP_STOPPED, S.STOPPED}),
+    S.GROUP_STOPPED: frozenset({S.STOPPED, S.RUNNING}),
+}
+
+RUNNING_STATES = frozenset({S.RUNNING, S.STEPPING})
+
+
+class Thread:
+    __slots__ = (
+        "busy",
+        "held_signals",
+        "interrupt_sent",
+        "pending",
+        "pending_from",
+        "regs",
+        "regs_addr",
+        "skip_hit",
+        "state",
+        "step_prep",
+        "step_site",
+        "tid",
+        "tracee",
+    )
+
+    def __init__(self, tid: int, tracee: Tracee, state: ThreadState) -> None:
+        self.tid = tid
+        self.tracee = tracee
+        self.state = state
+        self.regs = Regs(tid)
+        self.regs_addr = ptrace.buffer_address(self.regs.buffer)
+        self.step_site: ProbeSite | None = None  # the site whose slot it is executing
+        self.step_prep: Any = None  # that site's out-of-line state when the step began
+        self.held_signals: list[tuple[int, bytes]] = []  # (signo, siginfo) to deliver later
+        self.pending: int | None = None  # a wait status received while the world was stopping
+        self.pending_from = state  # the state the thread was in when that status came
+        self.interrupt_sent = False
+        self.busy = False  # a handler is running for it: nobody else may resume it
+        self.skip_hit: tuple[int, int] | None = None  # (addr, rsp): handlers already ran
+
+    def to(self, state: ThreadState) -> None:
+        """The one place a thread changes state; impossible transitions are bugs."""
+        if state not in _ALLOWED[self.state]:
+            raise InternalError(f"thread {self.tid}: {self.state.value} -> {state.value}")
+        self.state = state
+
+    def load_regs(self) -> Regs:
+        ptrace.getregs(self.tid, self.regs_addr)
+        self.regs.dirty = False
+        return self.regs
+
+    def store_regs(self) -> None:
+        ptrace.setregs(self.tid, self.regs_addr)
+        self.regs.dirty = False
+
+    def resume(self, sig: int = 0) -> None:
+        """PTRACE_CONT, delivering a held signal (with its original siginfo) if there is one."""
+        if not sig and self.held_signals:
+            sig, info = self.held_signals.pop(0)
+            ptrace.setsiginfo(self.tid, info)
+        ptrace.cont(self.tid, sig)
+        self.to(S.RUNNING)
+
+    def step(self) -> None:
+        ptrace.singlestep(self.tid, 0)
+        self.to(S.STEPPING)
+
+    def __repr__(self) -> str:
+        return f"<Thread {self.tid} {self.state.value}>"
+
+
+def siginfo_code(info: bytes) -> int:
+    """si_code of a raw siginfo (int si_signo, si_errno, si_code)."""
+    return int(struct.unpack_from("<i", info, 8)[0])

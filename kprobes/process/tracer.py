@@ -1,0 +1,607 @@
+"""The event loop: wait for a thread to stop, decide what the stop means, resume it.
+
+A breakpoint hit is the hot path and is handled first, straight from the wait status
+(``0x57f``: stopped by SIGTRAP, no ptrace event), with one PTRACE_GETREGS, the handlers, the
+out-of-line plan, one PTRACE_SETREGS and one PTRACE_CONT. Everything else is decoded into an
+event value (``events.py``) and matched.
+
+Stopping the world (``stop_world``/``resume_world``) is how patches are made safely: every
+running thread gets PTRACE_INTERRUPT and we wait until each has stopped. A thread that stops
+for another reason meanwhile (a hit, a signal, a clone) keeps that status as ``pending`` and is
+handled by ``run()`` once the world runs again; nothing is lost or handled twice.
+
+Signals that arrive while a thread executes an out-of-line copy are held and delivered, with
+their original siginfo, when the copy has finished (a fault in the copy itself restarts the
+instruction at the probed address and is delivered there). The exception is the hardware
+single-step of a ``syscall``: a signal that interrupts a blocking syscall must be delivered at
+once, so its rip is mapped back to the original code first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from kprobes.arch.x86_64.emulate import emulate
+from kprobes.arch.x86_64.plan import Plan, PlanKind, step_fixup
+from kprobes.core.manager import ProbeManager
+from kprobes.core.table import ProbeSite
+from kprobes.errors import InternalError, TargetError
+from kprobes.linux import procfs, ptrace
+from kprobes.process import events as ev
+from kprobes.process.breakpoints import Breakpoints
+from kprobes.process.threads import RUNNING_STATES, Thread, ThreadState, siginfo_code
+from kprobes.process.tracee import Tracee, TraceeKind
+from kprobes.process.xol import XolArea
+
+S = ThreadState
+_SYNC_FAULTS: dict[int, int] = {
+    signal.SIGSEGV: 14,  # page fault (13, general protection, when si_code is SI_KERNEL)
+    signal.SIGBUS: 17,
+    signal.SIGFPE: 0,
+    signal.SIGILL: 6,
+}
+STOP_WORLD_TIMEOUT = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A site's out-of-line state (the kernel's ``ainsn``): its plan and slot."""
+
+    plan: Plan
+    kind: PlanKind
+    slot: int  # 0 for EMULATE
+    slot_len: int
+
+
+# Every tid traced by any Tracer in this process, so a status reaped by one loop reaches the
+# loop that owns the thread.
+_OWNERS: dict[int, Tracer] = {}
+_UNCLAIMED: dict[int, list[int]] = {}
+
+
+class Tracer:
+    def __init__(self, manager: ProbeManager, *, follow_forks: bool) -> None:
+        self.manager = manager
+        self.sites = manager.table.sites
+        self.follow_forks = follow_forks
+        self.tracees: dict[int, Tracee] = {}
+        self.threads: dict[int, Thread] = {}
+        self.main: Tracee | None = None
+        self.breakpoints = Breakpoints()
+        self.xol: XolArea | None = None
+        self.slot_owner: dict[int, ProbeSite] = {}
+        self.slot_history: dict[int, Prepared] = {}  # every slot ever filled, for detach
+        self.hold_all = False  # spawned and not yet run(): keep every thread stopped
+        self.exit_code: int | None = None
+        self.inbox: list[tuple[int, int]] = []
+        self.on_gone: Callable[[], None] = lambda: None
+        self._stop_depth = 0
+
+    # -- bookkeeping -----------------------------------------------------------------------
+
+    def add_tracee(self, pid: int, kind: TraceeKind) -> Tracee:
+        tracee = Tracee(pid, kind)
+        self.tracees[pid] = tracee
+        if kind is TraceeKind.MAIN:
+            self.main = tracee
+        return tracee
+
+    def add_thread(self, tracee: Tracee, tid: int, state: ThreadState) -> Thread:
+        thread = tracee.add_thread(tid, state)
+        self.threads[tid] = thread
+        _OWNERS[tid] = self
+        for status in _UNCLAIMED.pop(tid, []):
+            self.inbox.append((tid, status))
+        return thread
+
+    def drop_thread(self, thread: Thread) -> None:
+        self.threads.pop(thread.tid, None)
+        thread.tracee.threads.pop(thread.tid, None)
+        if _OWNERS.get(thread.tid) is self:
+            del _OWNERS[thread.tid]
+
+    def drop_tracee(self, tracee: Tracee) -> None:
+        for thread in list(tracee.threads.values()):
+            self.drop_thread(thread)
+        tracee.close_memory()
+        self.tracees.pop(tracee.pid, None)
+        if tracee is self.main:
+            self.main = None
+
+    def own_memories(self) -> Iterator[Tracee]:
+        """Address spaces with their own copy of the code: where patches must be written."""
+        for tracee in self.tracees.values():
+            if tracee.kind in (TraceeKind.MAIN, TraceeKind.FORK):
+                yield tracee
+
+    @property
+    def is_alive(self) -> bool:
+        return any(t.kind in (TraceeKind.MAIN, TraceeKind.FORK) for t in self.tracees.values())
+
+    def held_thread(self) -> Thread:
+        """A thread of the program held still, for injection (prefer one no handler holds)."""
+        if self.main is None:
+            raise TargetError("the program has exited")
+        best: Thread | None = None
+        for thread in self.main.threads.values():
+            if thread.state is S.STOPPED and thread.pending is None:
+                if not thread.busy:
+                    return thread
+                best = best or thread
+        if best is None:
+            raise InternalError("no held thread: the world is not stopped")
+        return best
+
+    # -- waiting ---------------------------------------------------------------------------
+
+    def _wait(self, deadline: float | None) -> tuple[int, int]:
+        if self.inbox:
+            return self.inbox.pop(0)
+        if deadline is None:
+            try:
+                return ptrace.waitpid(-1, 0)
+            except ChildProcessError:
+                return 0, 0
+        ptrace.block_sigchld()
+        try:
+            while True:
+                try:
+                    tid, status = ptrace.waitpid(-1, ptrace.WNOHANG)
+                except ChildProcessError:
+                    return 0, 0
+                if tid:
+                    return tid, status
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return 0, 0
+                ptrace.sigchld_wait(remaining)
+        finally:
+            ptrace.unblock_sigchld()
+
+    # -- run -------------------------------------------------------------------------------
+
+    def run(self, timeout: float | None) -> bool:
+        """Dispatch stops until the program is gone (True) or ``timeout`` passes (False)."""
+        if self.hold_all:
+            self.hold_all = False
+            for thread in list(self.threads.values()):
+                if thread.state is S.STOPPED and thread.pending is None and not thread.busy:
+                    thread.resume()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        threads = self.threads
+        sites = self.sites
+        table = self.manager.table
+        while self.is_alive:
+            self._drain_pending()
+            tid, status = self._wait(deadline)
+            if tid == 0:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                self._all_gone()
+                break
+            t = threads.get(tid)
+            if t is None:
+                self._unowned(tid, status)
+                continue
+            if status == ev.SIGTRAP_STOP and t.state is S.RUNNING:
+                # The hot path: a breakpoint (or the program's own trap).
+                t.state = S.STOPPED
+                ptrace.getregs(tid, t.regs_addr)
+                regs = t.regs
+                regs.dirty = False
+                site = sites.get(regs.rip - 1)
+                if site is not None and site.is_armed:
+                    self._hit(t, site)
+                else:
+                    self._foreign_trap(t)
+            else:
+                self.dispatch(t, status)
+            if table.pending_error is not None:
+                exc = table.take_error()
+                assert exc is not None
+                raise exc
+        return True
+
+    def _drain_pending(self) -> None:
+        for thread in list(self.threads.values()):
+            if thread.pending is not None and not thread.busy:
+                status, thread.pending = thread.pending, None
+                thread.state = thread.pending_from
+                self.dispatch(thread, status)
+
+    def _unowned(self, tid: int, status: int) -> None:
+        owner = _OWNERS.get(tid)
+        if owner is not None and owner is not self:
+            owner.inbox.append((tid, status))
+        else:
+            # A new thread or child whose clone/fork event we have not seen yet.
+            _UNCLAIMED.setdefault(tid, []).append(status)
+
+    def _all_gone(self) -> None:
+        for tracee in list(self.tracees.values()):
+            self.drop_tracee(tracee)
+        self.on_gone()
+
+    # -- dispatch --------------------------------------------------------------------------
+
+    def dispatch(self, t: Thread, status: int) -> None:
+        event = ev.decode(t.tid, status)
+        match event:
+            case ev.Trap():
+                stepping = t.state is S.STEPPING
+                t.to(S.STOPPED)
+                regs = t.load_regs()
+                if stepping:
+                    self._finish_step(t)
+                    return
+                site = self.sites.get(regs.rip - 1)
+                if site is not None and site.is_armed:
+                    self._hit(t, site)
+                else:
+                    self._foreign_trap(t)
+            case ev.Signal(signal=sig):
+                self._on_signal(t, sig)
+            case ev.Exited(code=code):
+                self._on_exit(t, code)
+            case ev.Killed(signal=sig):
+                self._on_exit(t, -sig)
+            case ev.NewThread():
+                t.to(S.STOPPED)
+                new_tid = ptrace.geteventmsg(t.tid)
+                if new_tid not in self.threads:
+                    self.add_thread(t.tracee, new_tid, S.NEW)
+                self._resume_if_free(t)
+            case ev.Forked(is_vfork=is_vfork):
+                t.to(S.STOPPED)
+                child = ptrace.geteventmsg(t.tid)
+                if is_vfork:
+                    kind = TraceeKind.VFORK
+                else:
+                    kind = TraceeKind.FORK if self.follow_forks else TraceeKind.RELEASE
+                if child not in self.tracees:
+                    tracee = self.add_tracee(child, kind)
+                    self.add_thread(tracee, child, S.NEW)
+                self._resume_if_free(t)
+            case ev.Exec():
+                self._on_exec(t)
+            case ev.GroupStop():
+                t.to(S.GROUP_STOPPED)
+                t.interrupt_sent = False
+                ptrace.listen(t.tid)
+            case ev.EventStop():
+                # our interrupt, a new thread's first stop, or the end of a group-stop
+                t.interrupt_sent = False
+                was_new = t.state is S.NEW
+                t.to(S.STOPPED)
+                if was_new and t.tracee.kind is not TraceeKind.MAIN:
+                    self._first_stop_of_child(t)
+                else:
+                    self._resume_if_free(t)
+            case ev.OtherEvent():
+                t.to(S.STOPPED)
+                self._resume_if_free(t)
+
+    def _resume_if_free(self, t: Thread) -> None:
+        if not (self.hold_all or self._stop_depth or t.busy):
+            t.resume()
+
+    # -- hits ------------------------------------------------------------------------------
+
+    def _hit(self, t: Thread, site: ProbeSite) -> None:
+        """``t`` stopped on the int3 of ``site``; its registers are loaded."""
+        regs = t.regs
+        addr = site.addr
+        regs.rip = addr  # handlers see ip at the probed instruction (as uprobes does)
+        skip = t.skip_hit
+        if skip is not None and skip == (addr, regs.rsp):
+            t.skip_hit = None  # the handlers already ran for this execution
+        elif site.active:
+            t.busy = True
+            try:
+                redirected = site.run_pre(regs)
+            finally:
+                t.busy = False
+            if redirected:
+                t.store_regs()
+                self._after_handler(t)
+                return
+        x: Prepared = site.ainsn
+        kind = x.kind
+        if kind is PlanKind.EMULATE:
+            emulate(x.plan, regs, t.tracee)
+            if site.posts:
+                t.busy = True
+                try:
+                    site.run_post(regs)
+                finally:
+                    t.busy = False
+            t.store_regs()
+            self._after_handler(t)
+        elif kind is PlanKind.BOOST:
+            regs.rip = x.slot
+            t.store_regs()
+            self._after_handler(t)
+        else:
+            regs.rip = x.slot
+            t.store_regs()
+            t.step_site = site
+            t.step_prep = x
+            if t.pending is None and t.state is S.STOPPED:
+                if kind is PlanKind.STEP:
+                    ptrace.cont(t.tid, 0)
+                    t.state = S.STEPPING
+                else:
+                    t.step()
+
+    def _after_handler(self, t: Thread) -> None:
+        """Resume ``t`` unless a handler stopped the world and left it held."""
+        if t.state is S.STOPPED and t.pending is None and not self.hold_all:
+            t.resume()
+
+    def _finish_step(self, t: Thread) -> None:
+        site = t.step_site
+        if site is None:
+            raise InternalError(f"thread {t.tid} finished a step it was not doing")
+        t.step_site = None
+        x: Prepared = t.step_prep
+        regs = t.regs
+        regs.rip = step_fixup(x.plan, x.slot, regs.rip)
+        if site.posts:
+            t.busy = True
+            try:
+                site.run_post(regs)
+            finally:
+                t.busy = False
+        t.store_regs()
+        self._after_handler(t)
+
+    def _foreign_trap(self, t: Thread) -> None:
+        """A SIGTRAP that is not a live breakpoint of ours."""
+        regs = t.regs
+        rip = regs.rip
+        info = ptrace.getsiginfo(t.tid)
+        if siginfo_code(info) == ptrace.SI_KERNEL and self.breakpoints.is_stale_trap(rip - 1):
+            # It hit an int3 we removed before we saw the trap: run the real instruction.
+            regs.rip = rip - 1
+            t.store_regs()
+            site = self.sites.get(rip - 1)
+            if site is not None:
+                site.miss()
+            self._after_handler(t)
+            return
+        t.resume(signal.SIGTRAP)  # the program's own trap: deliver it
+
+    # -- signals ---------------------------------------------------------------------------
+
+    def _on_signal(self, t: Thread, sig: int) -> None:
+        was = t.state
+        t.to(S.STOPPED)
+        if t.tracee.kind is TraceeKind.RELEASE:
+            t.held_signals.append((sig, ptrace.getsiginfo(t.tid)))
+            return
+        regs = t.load_regs()
+        if was is S.STEPPING:
+            self._signal_while_stepping(t, sig)
+        elif self.xol is not None and self.xol.contains(regs.rip):
+            self._signal_in_slot(t, sig)
+        else:
+            t.resume(sig)
+
+    def _signal_while_stepping(self, t: Thread, sig: int) -> None:
+        site = t.step_site
+        assert site is not None
+        x: Prepared = t.step_prep
+        regs = t.regs
+        info = ptrace.getsiginfo(t.tid)
+        off = regs.rip - x.slot
+        trapnr = _fault_trapnr(sig, info)
+        if trapnr is not None and off == 0:
+            # The copy itself faulted: restart the instruction where it belongs.
+            t.step_site = None
+            self._fault_in_copy(t, site, sig, trapnr)
+        elif x.kind is PlanKind.SINGLESTEP:
+            # A signal interrupting a syscall must be delivered now.
+            t.step_site = None
+            if 0 <= off <= x.plan.length:
+                regs.rip = site.addr + off
+                if off == 0:
+                    t.skip_hit = (site.addr, regs.rsp)
+                t.store_regs()
+            ptrace.cont(t.tid, sig)
+            t.to(S.RUNNING)
+        else:
+            t.held_signals.append((sig, info))
+            ptrace.cont(t.tid, 0)
+            t.to(S.STEPPING)
+
+    def _signal_in_slot(self, t: Thread, sig: int) -> None:
+        """A signal for a thread running a boosted copy: map it back to the original code."""
+        assert self.xol is not None
+        regs = t.regs
+        page = self.xol.page_of(regs.rip)
+        assert page is not None
+        slot = page.start + (regs.rip - page.start) // 32 * 32
+        site = self.slot_owner.get(slot)
+        if site is None:
+            t.resume(sig)
+            return
+        x: Prepared = site.ainsn
+        off = regs.rip - x.slot
+        info = ptrace.getsiginfo(t.tid)
+        trapnr = _fault_trapnr(sig, info)
+        if off == 0 and trapnr is not None:
+            self._fault_in_copy(t, site, sig, trapnr)
+            return
+        if off == 0:
+            regs.rip = site.addr
+            t.skip_hit = (site.addr, regs.rsp)
+            t.store_regs()
+        elif off == x.plan.length:
+            regs.rip = site.addr + x.plan.length
+            t.store_regs()
+        t.resume(sig)
+
+    def _fault_in_copy(self, t: Thread, site: ProbeSite, sig: int, trapnr: int) -> None:
+        regs = t.regs
+        regs.rip = site.addr
+        t.busy = True
+        try:
+            handled = site.run_fault(regs, trapnr)
+        finally:
+            t.busy = False
+        t.store_regs()
+        t.resume(0 if handled else sig)
+
+    # -- life and death --------------------------------------------------------------------
+
+    def _on_exit(self, t: Thread, code: int) -> None:
+        tracee = t.tracee
+        self.drop_thread(t)
+        if t.tid == tracee.pid:
+            tracee.exit_code = code
+            if tracee is self.main:
+                self.exit_code = code
+            self.drop_tracee(tracee)
+            if tracee.kind is TraceeKind.MAIN:
+                self.manager.mark_gone()
+                self.on_gone()
+
+    def _on_exec(self, t: Thread) -> None:
+        tracee = t.tracee
+        former = ptrace.geteventmsg(t.tid)
+        if former != t.tid and former in self.threads:
+            self.drop_thread(self.threads[former])
+        for other in list(tracee.threads.values()):
+            if other is not t:
+                self.drop_thread(other)
+        t.state = S.STOPPED
+        t.step_site = None
+        if tracee.kind is TraceeKind.MAIN:
+            # The code we probed is gone; keep tracing until the new image exits.
+            self.manager.mark_gone()
+            self.breakpoints.forget()
+            if self.xol is not None:
+                self.xol.forget()
+            self.slot_owner.clear()
+            self.slot_history.clear()
+            tracee.open_memory()
+            self.on_gone()
+            self._resume_if_free(t)
+        else:
+            # A child's new image holds nothing of ours.
+            self._release(tracee, clean=False)
+
+    def _first_stop_of_child(self, t: Thread) -> None:
+        tracee = t.tracee
+        if tracee.kind is TraceeKind.RELEASE:
+            self._release(tracee, clean=True)
+        elif tracee.kind is TraceeKind.FORK:
+            self.breakpoints.sync(tracee)
+            self._resume_if_free(t)
+        else:
+            self._resume_if_free(t)
+
+    def _release(self, tracee: Tracee, *, clean: bool) -> None:
+        """Take our bytes out of a child's own memory and let it go."""
+        if clean:
+            self.breakpoints.restore_all(tracee)
+        for thread in list(tracee.threads.values()):
+            sig = 0
+            if thread.held_signals:
+                sig, info = thread.held_signals.pop(0)
+                ptrace.setsiginfo(thread.tid, info)
+            with contextlib.suppress(ProcessLookupError):
+                ptrace.detach(thread.tid, sig)
+        self.drop_tracee(tracee)
+
+    # -- stopping the world ----------------------------------------------------------------
+
+    def stop_world(self) -> None:
+        """Hold every thread of every tracee; nested calls only count."""
+        self._stop_depth += 1
+        if self._stop_depth > 1:
+            return
+        for t in list(self.threads.values()):
+            if t.state in RUNNING_STATES and not t.interrupt_sent:
+                try:
+                    ptrace.interrupt(t.tid)
+                    t.interrupt_sent = True
+                except ProcessLookupError:
+                    self.drop_thread(t)
+        deadline = time.monotonic() + STOP_WORLD_TIMEOUT
+        while any(t.state in RUNNING_STATES for t in self.threads.values()):
+            tid, status = self._wait(deadline)
+            if tid == 0:
+                self._assume_stopped()
+                break
+            held = self.threads.get(tid)
+            if held is None:
+                self._unowned(tid, status)
+                continue
+            self._hold(held, status)
+
+    def _hold(self, t: Thread, status: int) -> None:
+        """Record a stop that arrived while stopping the world."""
+        if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+            self.dispatch(t, status)
+            return
+        event = (status >> 16) & 0xFF
+        is_event_stop = event == ptrace.PTRACE_EVENT_STOP and os.WSTOPSIG(status) == signal.SIGTRAP
+        if is_event_stop and (t.interrupt_sent or t.state is S.NEW):
+            t.interrupt_sent = False
+            was_new = t.state is S.NEW
+            t.to(S.STOPPED)
+            if was_new and t.tracee.kind is TraceeKind.RELEASE:
+                self._release(t.tracee, clean=True)
+            elif was_new and t.tracee.kind is TraceeKind.FORK:
+                self.breakpoints.sync(t.tracee)
+            return
+        t.pending_from = t.state
+        t.pending = status
+        t.state = S.STOPPED
+
+    def _assume_stopped(self) -> None:
+        """Threads we did not hear from in time: trust /proc when it says they are stopped."""
+        for t in list(self.threads.values()):
+            if t.state in RUNNING_STATES:
+                state = procfs.task_state(t.tracee.pid, t.tid)
+                if state == "":
+                    self.drop_thread(t)
+                elif state in "tT":
+                    t.state = S.STOPPED
+                else:
+                    raise TargetError(f"thread {t.tid} did not stop (state {state!r})")
+
+    def resume_world(self) -> None:
+        self._stop_depth -= 1
+        if self._stop_depth:
+            return
+        if self.xol is not None and self.xol.has_quarantine:
+            rips = []
+            for t in self.threads.values():
+                if t.state is S.STOPPED:
+                    rips.append(t.load_regs().rip if not t.busy else t.regs.rip)
+            self.xol.recycle(rips)
+        if self.hold_all:
+            return
+        for t in list(self.threads.values()):
+            if t.state is S.STOPPED and t.pending is None and not t.busy:
+                try:
+                    t.resume()
+                except ProcessLookupError:
+                    self.drop_thread(t)
+
+
+def _fault_trapnr(sig: int, info: bytes) -> int | None:
+    """The x86 trap number of a synchronous fault, or None for any other signal."""
+    trapnr = _SYNC_FAULTS.get(sig)
+    if trapnr is None or siginfo_code(info) <= 0:
+        return None
+    if sig == signal.SIGSEGV and siginfo_code(info) == ptrace.SI_KERNEL:
+        return 13
+    return trapnr

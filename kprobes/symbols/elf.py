@@ -1,0 +1,378 @@
+"""One ELF file as the resolver needs it: its loadable segments and its function symbols.
+
+pyelftools reads the file header, the program headers and the section headers; the symbol
+tables themselves are decoded here with ``struct.iter_unpack`` over the raw section bytes.
+Iterating libc's ``.dynsym`` through pyelftools builds one parsed container per entry and
+takes about 60 ms; unpacking the same 3000 fixed-size ``Elf64_Sym`` records as tuples takes
+a few milliseconds, and a large ``.symtab`` (tens of thousands of entries) stays well under a
+second. Everything is decoded once per file and kept in plain dicts and sorted tuples.
+
+Images are cached by file identity (real path, device, inode, modification time), so every
+process that maps libc shares one ``ElfImage``, and a file rewritten in place is read again.
+Opening reads only the headers and the raw bytes of the symbol sections; the tables are
+decoded on the first query, because a process maps dozens of libraries and most of them are
+never asked about.
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno as _errno
+import os
+import stat
+import struct
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import Enum
+from typing import Final
+
+from elftools.common.exceptions import ELFError
+from elftools.elf.elffile import ELFFile
+
+from kprobes.errors import TargetError
+
+_SYM_FORMAT: Final = "<IBBHQQ"  # Elf64_Sym: st_name st_info st_other st_shndx st_value st_size
+_SYM_SIZE: Final = struct.calcsize(_SYM_FORMAT)
+
+# st_info: type in the low nibble, binding in the high nibble (elf.h).
+_STT_OBJECT: Final = 1
+_STT_FUNC: Final = 2
+_STT_SECTION: Final = 3
+_STT_FILE: Final = 4
+_STT_GNU_IFUNC: Final = 10
+_STB_LOCAL: Final = 0
+_STB_GLOBAL: Final = 1
+_STB_WEAK: Final = 2
+_SHN_UNDEF: Final = 0
+_VERSYM_HIDDEN: Final = 0x8000  # .gnu.version: this entry is not the default version
+
+_TABLE_NAMES: Final = (".symtab", ".dynsym")
+
+
+class SymbolKind(Enum):
+    """What a symbol names, reduced to the distinctions probing cares about."""
+
+    FUNC = "func"
+    IFUNC = "ifunc"  # STT_GNU_IFUNC: the value is a resolver that returns the implementation
+    OBJECT = "object"
+    OTHER = "other"
+
+    @property
+    def is_function(self) -> bool:
+        return self is SymbolKind.FUNC or self is SymbolKind.IFUNC
+
+
+_KIND_OF_TYPE: Final = {
+    _STT_FUNC: SymbolKind.FUNC,
+    _STT_GNU_IFUNC: SymbolKind.IFUNC,
+    _STT_OBJECT: SymbolKind.OBJECT,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Symbol:
+    """A defined symbol; ``value`` is the link-time address, before any load bias."""
+
+    name: str  # without the version suffix
+    value: int
+    size: int
+    kind: SymbolKind
+    table: str  # ".symtab" or ".dynsym"
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One PT_LOAD program header: how a range of the file is laid out in memory."""
+
+    vaddr: int
+    offset: int
+    filesz: int
+    memsz: int
+    flags: int  # PF_X = 1, PF_W = 2, PF_R = 4
+
+
+# A decoded entry with the facts used to choose among same-named symbols, best first:
+# functions before data, default versions before hidden ones, global before weak before
+# local, .symtab before .dynsym. Plain tuples sort and compare without any Python code.
+_Ranked = tuple[tuple[int, int, int, int], Symbol]
+
+_BINDING_RANK: Final = {_STB_GLOBAL: 0, _STB_WEAK: 1, _STB_LOCAL: 2}
+
+
+@dataclass(frozen=True, slots=True)
+class _RawTable:
+    """The undecoded bytes of one symbol table, its string table and its version table."""
+
+    name: str
+    symbols: bytes
+    strings: bytes
+    versions: bytes  # .gnu.version for .dynsym, b"" otherwise
+
+
+@dataclass(frozen=True, slots=True)
+class _Tables:
+    """Everything derived from the symbol tables, built once per image."""
+
+    by_name: dict[str, tuple[Symbol, ...]]  # best first
+    functions: tuple[Symbol, ...]  # FUNC/IFUNC, value != 0, unique by (name, value), by address
+    starts: tuple[int, ...]  # sorted start addresses, one per entry of ``at_start``
+    at_start: tuple[Symbol, ...]  # the preferred function at each start address
+
+
+def _decode(raw: _RawTable) -> Iterator[_Ranked]:
+    """Yield every defined symbol of one table with its rank, skipping the null entry 0."""
+    strings = raw.strings
+    versions = raw.versions
+    table_rank = _TABLE_NAMES.index(raw.name)
+    usable = len(raw.symbols) - len(raw.symbols) % _SYM_SIZE
+    for index, entry in enumerate(struct.iter_unpack(_SYM_FORMAT, raw.symbols[:usable])):
+        st_name, st_info, _other, st_shndx, st_value, st_size = entry
+        if index == 0 or st_shndx == _SHN_UNDEF or st_name >= len(strings):
+            continue
+        if st_info & 0xF in (_STT_SECTION, _STT_FILE):
+            continue
+        end = strings.find(b"\0", st_name)
+        full = strings[st_name : end if end >= 0 else len(strings)].decode("utf-8", "replace")
+        if not full:
+            continue
+        name, at, version = full.partition("@")
+        if at:  # .symtab spells versions into the name: "memcpy@GLIBC_2.2.5" is not the default
+            is_hidden = not version.startswith("@")
+        elif 2 * index + 2 <= len(versions):
+            is_hidden = bool(
+                int.from_bytes(versions[2 * index : 2 * index + 2], "little") & _VERSYM_HIDDEN
+            )
+        else:
+            is_hidden = False
+        kind = _KIND_OF_TYPE.get(st_info & 0xF, SymbolKind.OTHER)
+        rank = (
+            0 if kind.is_function else 1,
+            int(is_hidden),
+            _BINDING_RANK.get(st_info >> 4, 3),
+            table_rank,
+        )
+        yield rank, Symbol(name, st_value, st_size, kind, raw.name)
+
+
+def _display_rank(symbol: Symbol) -> tuple[int, int, int, str]:
+    """Order aliases at one address for display: sized, fewest leading underscores, shortest."""
+    stripped = symbol.name.lstrip("_")
+    return (
+        0 if symbol.size else 1,
+        len(symbol.name) - len(stripped),
+        len(symbol.name),
+        symbol.name,
+    )
+
+
+def _build(raw_tables: tuple[_RawTable, ...]) -> _Tables:
+    ranked: list[_Ranked] = [item for raw in raw_tables for item in _decode(raw)]
+    ranked.sort(key=lambda item: item[0])  # stable: equal ranks keep table order
+    by_name: dict[str, list[Symbol]] = {}
+    functions: dict[tuple[str, int], Symbol] = {}
+    for _rank, symbol in ranked:
+        same_name = by_name.setdefault(symbol.name, [])
+        if all(other.value != symbol.value for other in same_name):  # .symtab repeats .dynsym
+            same_name.append(symbol)
+        if symbol.kind.is_function and symbol.value != 0:
+            functions.setdefault((symbol.name, symbol.value), symbol)
+    # Step 1: one symbol per start address, the one a reader would want to see.
+    best_at: dict[int, Symbol] = {}
+    for symbol in functions.values():
+        current = best_at.get(symbol.value)
+        if current is None or _display_rank(symbol) < _display_rank(current):
+            best_at[symbol.value] = symbol
+    # Step 2: sort by start for bisection.
+    starts = tuple(sorted(best_at))
+    return _Tables(
+        by_name={name: tuple(symbols) for name, symbols in by_name.items()},
+        functions=tuple(sorted(functions.values(), key=lambda s: (s.value, s.name))),
+        starts=starts,
+        at_start=tuple(best_at[start] for start in starts),
+    )
+
+
+# How many earlier functions function_at() examines when the nearest one ends before the
+# address: enough to step over zero-sized labels placed inside a function.
+_LOOKBEHIND: Final = 8
+
+_CacheKey = tuple[str, int, int, int, int]
+_cache: dict[_CacheKey, ElfImage] = {}
+# Files known not to be x86-64 ELF (locale archives, fonts, caches): a maps refresh skips
+# them without reading them again.
+_refused: dict[_CacheKey, str] = {}
+_cache_lock = threading.Lock()
+
+
+class ElfImage:
+    """A parsed x86-64 ELF file; one instance per file identity, shared through a cache."""
+
+    __slots__ = ("_lock", "_raw", "_tables", "is_dyn", "path", "segments", "tables")
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        is_dyn: bool,
+        segments: tuple[Segment, ...],
+        raw_tables: tuple[_RawTable, ...],
+    ) -> None:
+        self.path = path
+        self.is_dyn = is_dyn
+        self.segments = segments
+        self.tables: tuple[str, ...] = tuple(raw.name for raw in raw_tables)
+        self._raw: tuple[_RawTable, ...] | None = raw_tables
+        self._tables: _Tables | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"ElfImage({self.path!r}, is_dyn={self.is_dyn}, tables={self.tables})"
+
+    @classmethod
+    def open(cls, path: str) -> ElfImage:
+        """Return the image of the file at ``path``, reading it only if this file is new.
+
+        Raises TargetError naming the path when the file is unreadable, not ELF, or not an
+        x86-64 ELF64 object.
+        """
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise TargetError(f"cannot read {path}: {exc.strerror}", errno=exc.errno) from exc
+        if not stat.S_ISREG(st.st_mode):
+            # Never open devices: a process may map /dev/dri/* or /dev/mem.
+            raise TargetError(f"{path} is not a regular file", errno=_errno.ENOEXEC)
+        key = (os.path.realpath(path), st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+        with _cache_lock:
+            cached = _cache.get(key)
+            refusal = _refused.get(key)
+        if cached is not None:
+            return cached
+        if refusal is not None:
+            raise TargetError(refusal)
+        try:
+            image = cls._read(path)
+        except TargetError as exc:
+            if exc.errno == _errno.ENOEXEC:  # a property of the file, not of this attempt
+                with _cache_lock:
+                    _refused[key] = exc.message
+            raise
+        with _cache_lock:
+            return _cache.setdefault(key, image)
+
+    @classmethod
+    def _read(cls, path: str) -> ElfImage:
+        try:
+            with open(path, "rb") as stream:
+                if stream.read(4) != b"\x7fELF":
+                    raise TargetError(f"{path} is not an ELF file", errno=_errno.ENOEXEC)
+                stream.seek(0)
+                return cls._parse(path, ELFFile(stream))
+        except OSError as exc:
+            raise TargetError(f"cannot read {path}: {exc.strerror}", errno=exc.errno) from exc
+        except (ELFError, struct.error, ValueError) as exc:
+            raise TargetError(
+                f"{path} is not a valid ELF file: {exc}", errno=_errno.ENOEXEC
+            ) from exc
+
+    @classmethod
+    def _parse(cls, path: str, elf: ELFFile) -> ElfImage:
+        header = elf.header
+        if elf.elfclass != 64 or not elf.little_endian or header.e_machine != "EM_X86_64":
+            raise TargetError(
+                f"{path} is not an x86-64 ELF file (ELF{elf.elfclass}, {header.e_machine})",
+                errno=_errno.ENOEXEC,
+            )
+        segments = tuple(
+            Segment(
+                vaddr=seg.header.p_vaddr,
+                offset=seg.header.p_offset,
+                filesz=seg.header.p_filesz,
+                memsz=seg.header.p_memsz,
+                flags=seg.header.p_flags,
+            )
+            for seg in elf.iter_segments()
+            if seg.header.p_type == "PT_LOAD"
+        )
+        raw_tables: list[_RawTable] = []
+        for name in _TABLE_NAMES:
+            section = elf.get_section_by_name(name)
+            if section is None or section.header.sh_type == "SHT_NOBITS":
+                continue
+            strtab = elf.get_section(section.header.sh_link)
+            versions = b""
+            if name == ".dynsym":
+                versym = elf.get_section_by_name(".gnu.version")
+                if versym is not None:
+                    versions = versym.data()
+            raw_tables.append(_RawTable(name, section.data(), strtab.data(), versions))
+        return cls(
+            path,
+            is_dyn=header.e_type == "ET_DYN",
+            segments=segments,
+            raw_tables=tuple(raw_tables),
+        )
+
+    def _symbols(self) -> _Tables:
+        tables = self._tables
+        if tables is None:
+            with self._lock:
+                if self._tables is None:
+                    raw = self._raw
+                    assert raw is not None, "raw tables are dropped only after decoding"
+                    self._tables = _build(raw)
+                    self._raw = None
+                tables = self._tables
+        return tables
+
+    def lookup(self, name: str) -> Symbol | None:
+        """The best symbol called ``name``: a function, the default version, global, .symtab.
+
+        ``name`` may carry a version suffix ("memcpy@@GLIBC_2.14"); it is ignored.
+        """
+        candidates = self._symbols().by_name.get(name.partition("@")[0])
+        return candidates[0] if candidates else None
+
+    def lookup_all(self, name: str) -> tuple[Symbol, ...]:
+        """Every symbol called ``name`` at a distinct address, best first.
+
+        More than one means the name is ambiguous (static functions of the same name in
+        several source files, or several versions of one libc function).
+        """
+        return self._symbols().by_name.get(name.partition("@")[0], ())
+
+    def iter_functions(self) -> Iterator[Symbol]:
+        """FUNC and IFUNC symbols with a non-zero value, one per (name, value), by address."""
+        return iter(self._symbols().functions)
+
+    def function_at(self, vaddr: int) -> tuple[Symbol, int] | None:
+        """The function whose [value, value + max(size, 1)) holds ``vaddr``, and the offset."""
+        tables = self._symbols()
+        index = bisect.bisect_right(tables.starts, vaddr) - 1
+        for candidate in range(index, max(index - _LOOKBEHIND, -1), -1):
+            symbol = tables.at_start[candidate]
+            if vaddr < symbol.value + max(symbol.size, 1):
+                return symbol, vaddr - symbol.value
+        return None
+
+    def offset_to_vaddr(self, off: int) -> int | None:
+        """The link-time address at which file offset ``off`` is loaded, if it is loaded."""
+        for seg in self.segments:
+            if seg.offset <= off < seg.offset + seg.filesz:
+                return seg.vaddr + (off - seg.offset)
+        return None
+
+    def vaddr_to_offset(self, vaddr: int) -> int | None:
+        """The file offset backing link-time address ``vaddr``; None for .bss or unmapped."""
+        for seg in self.segments:
+            if seg.vaddr <= vaddr < seg.vaddr + seg.filesz:
+                return seg.offset + (vaddr - seg.vaddr)
+        return None
+
+    def segment_for_offset(self, off: int) -> Segment | None:
+        """The PT_LOAD whose page-aligned file range holds ``off`` (how mmap placed it)."""
+        for seg in self.segments:
+            if seg.offset & ~0xFFF <= off < seg.offset + seg.filesz:
+                return seg
+        return None
