@@ -50,7 +50,7 @@ class Thread:
         "pending",
         "pending_from",
         "regs",
-        "regs_addr",
+        "regs_struct",
         "skip_hit",
         "state",
         "step_prep",
@@ -64,7 +64,7 @@ class Thread:
         self.tracee = tracee
         self.state = state
         self.regs = Regs(tid)
-        self.regs_addr = ptrace.buffer_address(self.regs.buffer)
+        self.regs_struct = ptrace.StructBuffer(self.regs.buffer)
         self.step_site: ProbeSite | None = None  # the site whose slot it is executing
         self.step_prep: Any = None  # that site's out-of-line state when the step began
         self.held_signals: list[tuple[int, bytes]] = []  # (signo, siginfo) to deliver later
@@ -81,12 +81,12 @@ class Thread:
         self.state = state
 
     def load_regs(self) -> Regs:
-        ptrace.getregs(self.tid, self.regs_addr)
+        ptrace.getregs(self.tid, self.regs_struct)
         self.regs.dirty = False
         return self.regs
 
     def store_regs(self) -> None:
-        ptrace.setregs(self.tid, self.regs_addr)
+        ptrace.setregs(self.tid, self.regs_struct)
         self.regs.dirty = False
 
     def resume(self, sig: int = 0) -> None:

@@ -79,6 +79,8 @@ class Tracer:
         self.hold_all = False  # spawned and not yet run(): keep every thread stopped
         self.exit_code: int | None = None
         self.inbox: list[tuple[int, int]] = []
+        self.live = 0  # tracees that keep run() going (the program and followed children)
+        self.has_pending = False  # some thread holds a status received while stopping
         self.on_gone: Callable[[], None] = lambda: None
         self._stop_depth = 0
 
@@ -87,6 +89,8 @@ class Tracer:
     def add_tracee(self, pid: int, kind: TraceeKind) -> Tracee:
         tracee = Tracee(pid, kind)
         self.tracees[pid] = tracee
+        if kind in (TraceeKind.MAIN, TraceeKind.FORK):
+            self.live += 1
         if kind is TraceeKind.MAIN:
             self.main = tracee
         return tracee
@@ -109,7 +113,11 @@ class Tracer:
         for thread in list(tracee.threads.values()):
             self.drop_thread(thread)
         tracee.close_memory()
-        self.tracees.pop(tracee.pid, None)
+        if self.tracees.pop(tracee.pid, None) is not None and tracee.kind in (
+            TraceeKind.MAIN,
+            TraceeKind.FORK,
+        ):
+            self.live -= 1
         if tracee is self.main:
             self.main = None
 
@@ -121,7 +129,7 @@ class Tracer:
 
     @property
     def is_alive(self) -> bool:
-        return any(t.kind in (TraceeKind.MAIN, TraceeKind.FORK) for t in self.tracees.values())
+        return self.live > 0
 
     def held_thread(self) -> Thread:
         """A thread of the program held still, for injection (prefer one no handler holds)."""
@@ -176,9 +184,19 @@ class Tracer:
         threads = self.threads
         sites = self.sites
         table = self.manager.table
-        while self.is_alive:
-            self._drain_pending()
-            tid, status = self._wait(deadline)
+        waitpid = os.waitpid
+        wall = ptrace.WALL
+        getregs = ptrace.getregs
+        while self.live:
+            if self.has_pending:
+                self._drain_pending()
+            if deadline is None and not self.inbox:
+                try:
+                    tid, status = waitpid(-1, wall)
+                except ChildProcessError:
+                    tid = status = 0
+            else:
+                tid, status = self._wait(deadline)
             if tid == 0:
                 if deadline is not None and time.monotonic() >= deadline:
                     return False
@@ -191,7 +209,7 @@ class Tracer:
             if status == ev.SIGTRAP_STOP and t.state is S.RUNNING:
                 # The hot path: a breakpoint (or the program's own trap).
                 t.state = S.STOPPED
-                ptrace.getregs(tid, t.regs_addr)
+                getregs(tid, t.regs_struct)
                 regs = t.regs
                 regs.dirty = False
                 site = sites.get(regs.rip - 1)
@@ -208,6 +226,7 @@ class Tracer:
         return True
 
     def _drain_pending(self) -> None:
+        self.has_pending = False
         for thread in list(self.threads.values()):
             if thread.pending is not None and not thread.busy:
                 status, thread.pending = thread.pending, None
@@ -320,11 +339,11 @@ class Tracer:
                     site.run_post(regs)
                 finally:
                     t.busy = False
-            t.store_regs()
+            ptrace.setregs(t.tid, t.regs_struct)
             self._after_handler(t)
         elif kind is PlanKind.BOOST:
             regs.rip = x.slot
-            t.store_regs()
+            ptrace.setregs(t.tid, t.regs_struct)
             self._after_handler(t)
         else:
             regs.rip = x.slot
@@ -341,7 +360,11 @@ class Tracer:
     def _after_handler(self, t: Thread) -> None:
         """Resume ``t`` unless a handler stopped the world and left it held."""
         if t.state is S.STOPPED and t.pending is None and not self.hold_all:
-            t.resume()
+            if t.held_signals:
+                t.resume()
+            else:
+                ptrace.cont(t.tid, 0)
+                t.state = S.RUNNING
 
     def _finish_step(self, t: Thread) -> None:
         site = t.step_site
@@ -563,6 +586,7 @@ class Tracer:
             return
         t.pending_from = t.state
         t.pending = status
+        self.has_pending = True
         t.state = S.STOPPED
 
     def _assume_stopped(self) -> None:

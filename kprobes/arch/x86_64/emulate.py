@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Final, Protocol
 
 from kprobes.arch.x86_64.plan import MemOperand, Op, Plan, PlanKind
-from kprobes.arch.x86_64.regs import CF, OF, PF, SF, ZF, Regs
+from kprobes.arch.x86_64.regs import CF, OF, PF, REG_INDEX, SF, ZF, Regs
 from kprobes.errors import InternalError
 
 _MASK64: Final = (1 << 64) - 1
@@ -37,15 +37,25 @@ class Memory(Protocol):
     def write(self, addr: int, data: bytes) -> None: ...
 
 
-def _address(m: MemOperand, regs: Regs) -> int:
+# Word indexes in the register view (Regs.words); emulation runs on every hit, so it reads and
+# writes words directly instead of going through attribute descriptors.
+_RIP: Final = REG_INDEX["rip"]
+_RSP: Final = REG_INDEX["rsp"]
+_RCX: Final = REG_INDEX["rcx"]
+_EFLAGS: Final = REG_INDEX["eflags"]
+_FS_BASE: Final = REG_INDEX["fs_base"]
+_GS_BASE: Final = REG_INDEX["gs_base"]
+
+
+def _address(m: MemOperand, w: memoryview) -> int:
     """The effective (linear) address of ``m``."""
     ea = m.disp
     if m.base is not None:
-        ea += getattr(regs, m.base)
+        ea += w[REG_INDEX[m.base]]
     if m.index is not None:
-        ea += getattr(regs, m.index) * m.scale
+        ea += w[REG_INDEX[m.index]] * m.scale
     if m.segment is not None:
-        ea += regs.fs_base if m.segment == "fs" else regs.gs_base
+        ea += w[_FS_BASE] if m.segment == "fs" else w[_GS_BASE]
     return ea & _MASK64
 
 
@@ -53,18 +63,18 @@ def _load64(mem: Memory, addr: int) -> int:
     return int.from_bytes(mem.read(addr, 8), "little")
 
 
-def _branch_source(p: Plan, regs: Regs, mem: Memory) -> int:
+def _branch_source(p: Plan, w: memoryview, mem: Memory) -> int:
     """The target of an indirect call/jmp: a register, or a qword in memory."""
     if p.reg is not None:
-        return int(getattr(regs, p.reg))
+        return int(w[REG_INDEX[p.reg]])
     assert p.mem is not None, "plan_instruction gives an indirect branch a reg or a mem"
-    return _load64(mem, _address(p.mem, regs))
+    return _load64(mem, _address(p.mem, w))
 
 
-def _push(regs: Regs, mem: Memory, value: int) -> None:
-    sp = (regs.rsp - 8) & _MASK64
+def _push(w: memoryview, mem: Memory, value: int) -> None:
+    sp = (w[_RSP] - 8) & _MASK64
     mem.write(sp, value.to_bytes(8, "little"))
-    regs.set("rsp", sp)
+    w[_RSP] = sp
 
 
 # The eight base conditions of jcc, indexed by cond >> 1; an odd cond negates
@@ -86,94 +96,94 @@ def condition_holds(cond: int, eflags: int) -> bool:
     return _BASE_CONDITIONS[cond >> 1](eflags) != bool(cond & 1)
 
 
-def _nop(p: Plan, regs: Regs, mem: Memory) -> None:
-    regs.set("rip", p.addr + p.length)
+def _nop(p: Plan, w: memoryview, mem: Memory) -> None:
+    w[_RIP] = p.addr + p.length
 
 
-def _jmp(p: Plan, regs: Regs, mem: Memory) -> None:
-    regs.set("rip", p.target)
+def _jmp(p: Plan, w: memoryview, mem: Memory) -> None:
+    w[_RIP] = p.target
 
 
-def _jcc(p: Plan, regs: Regs, mem: Memory) -> None:
-    taken = _BASE_CONDITIONS[p.cond >> 1](regs.eflags) != bool(p.cond & 1)
-    regs.set("rip", p.target if taken else p.addr + p.length)
+def _jcc(p: Plan, w: memoryview, mem: Memory) -> None:
+    taken = _BASE_CONDITIONS[p.cond >> 1](w[_EFLAGS]) != bool(p.cond & 1)
+    w[_RIP] = p.target if taken else p.addr + p.length
 
 
-def _call(p: Plan, regs: Regs, mem: Memory) -> None:
-    _push(regs, mem, p.addr + p.length)
-    regs.set("rip", p.target)
+def _call(p: Plan, w: memoryview, mem: Memory) -> None:
+    _push(w, mem, p.addr + p.length)
+    w[_RIP] = p.target
 
 
-def _call_indirect(p: Plan, regs: Regs, mem: Memory) -> None:
+def _call_indirect(p: Plan, w: memoryview, mem: Memory) -> None:
     # The target is read before the push: `call [rsp]` and `call rsp` use the old rsp.
-    target = _branch_source(p, regs, mem)
-    _push(regs, mem, p.addr + p.length)
-    regs.set("rip", target)
+    target = _branch_source(p, w, mem)
+    _push(w, mem, p.addr + p.length)
+    w[_RIP] = target & _MASK64
 
 
-def _jmp_indirect(p: Plan, regs: Regs, mem: Memory) -> None:
-    regs.set("rip", _branch_source(p, regs, mem))
+def _jmp_indirect(p: Plan, w: memoryview, mem: Memory) -> None:
+    w[_RIP] = _branch_source(p, w, mem) & _MASK64
 
 
-def _ret(p: Plan, regs: Regs, mem: Memory) -> None:
-    sp = regs.rsp
+def _ret(p: Plan, w: memoryview, mem: Memory) -> None:
+    sp = w[_RSP]
     target = _load64(mem, sp)
-    regs.set("rsp", sp + 8 + p.imm)
-    regs.set("rip", target)
+    w[_RSP] = (sp + 8 + p.imm) & _MASK64
+    w[_RIP] = target
 
 
-def _push_reg(p: Plan, regs: Regs, mem: Memory) -> None:
+def _push_reg(p: Plan, w: memoryview, mem: Memory) -> None:
     # `push rsp` pushes the value rsp had before the instruction.
     assert p.reg is not None, "plan_instruction names the pushed register"
-    _push(regs, mem, getattr(regs, p.reg))
-    regs.set("rip", p.addr + p.length)
+    _push(w, mem, w[REG_INDEX[p.reg]])
+    w[_RIP] = p.addr + p.length
 
 
-def _mov_reg(p: Plan, regs: Regs, mem: Memory) -> None:
+def _mov_reg(p: Plan, w: memoryview, mem: Memory) -> None:
     assert p.reg is not None and p.src is not None, "plan_instruction names both registers"
-    value = getattr(regs, p.src)
+    value = w[REG_INDEX[p.src]]
     # A 32-bit destination zero-extends into the whole register.
-    regs.set(p.reg, value if p.opsize == 8 else value & _MASK32)
-    regs.set("rip", p.addr + p.length)
+    w[REG_INDEX[p.reg]] = value if p.opsize == 8 else value & _MASK32
+    w[_RIP] = p.addr + p.length
 
 
-def _lea(p: Plan, regs: Regs, mem: Memory) -> None:
+def _lea(p: Plan, w: memoryview, mem: Memory) -> None:
     assert p.reg is not None and p.mem is not None, "plan_instruction gives lea a reg and a mem"
-    value = _address(p.mem, regs)
-    regs.set(p.reg, value if p.opsize == 8 else value & _MASK32)
-    regs.set("rip", p.addr + p.length)
+    value = _address(p.mem, w)
+    w[REG_INDEX[p.reg]] = value if p.opsize == 8 else value & _MASK32
+    w[_RIP] = p.addr + p.length
 
 
-def _decrement_counter(p: Plan, regs: Regs) -> int:
+def _decrement_counter(p: Plan, w: memoryview) -> int:
     """rcx (or ecx, opsize 4) minus one, written back; a 32-bit write zero-extends (as the CPU
     does for ``addr32 loop``)."""
-    count = (regs.rcx - 1) & (_MASK64 if p.opsize == 8 else _MASK32)
-    regs.set("rcx", count)
-    return count
+    count = (w[_RCX] - 1) & (_MASK64 if p.opsize == 8 else _MASK32)
+    w[_RCX] = count
+    return int(count)
 
 
-def _loop(p: Plan, regs: Regs, mem: Memory) -> None:
-    taken = _decrement_counter(p, regs) != 0
-    regs.set("rip", p.target if taken else p.addr + p.length)
+def _loop(p: Plan, w: memoryview, mem: Memory) -> None:
+    taken = _decrement_counter(p, w) != 0
+    w[_RIP] = p.target if taken else p.addr + p.length
 
 
-def _loope(p: Plan, regs: Regs, mem: Memory) -> None:
-    taken = _decrement_counter(p, regs) != 0 and regs.eflags & ZF != 0
-    regs.set("rip", p.target if taken else p.addr + p.length)
+def _loope(p: Plan, w: memoryview, mem: Memory) -> None:
+    taken = _decrement_counter(p, w) != 0 and w[_EFLAGS] & ZF != 0
+    w[_RIP] = p.target if taken else p.addr + p.length
 
 
-def _loopne(p: Plan, regs: Regs, mem: Memory) -> None:
-    taken = _decrement_counter(p, regs) != 0 and regs.eflags & ZF == 0
-    regs.set("rip", p.target if taken else p.addr + p.length)
+def _loopne(p: Plan, w: memoryview, mem: Memory) -> None:
+    taken = _decrement_counter(p, w) != 0 and w[_EFLAGS] & ZF == 0
+    w[_RIP] = p.target if taken else p.addr + p.length
 
 
-def _jrcxz(p: Plan, regs: Regs, mem: Memory) -> None:
+def _jrcxz(p: Plan, w: memoryview, mem: Memory) -> None:
     # No decrement: jrcxz/jecxz only test the counter.
-    taken = regs.rcx & (_MASK64 if p.opsize == 8 else _MASK32) == 0
-    regs.set("rip", p.target if taken else p.addr + p.length)
+    taken = w[_RCX] & (_MASK64 if p.opsize == 8 else _MASK32) == 0
+    w[_RIP] = p.target if taken else p.addr + p.length
 
 
-_HANDLERS: Final[dict[Op, Callable[[Plan, Regs, Memory], None]]] = {
+_HANDLERS: Final[dict[Op, Callable[[Plan, memoryview, Memory], None]]] = {
     Op.NOP: _nop,
     Op.JMP: _jmp,
     Op.JCC: _jcc,
@@ -195,4 +205,5 @@ def emulate(plan: Plan, regs: Regs, mem: Memory) -> None:
     """Apply ``plan``'s instruction to ``regs`` (and the stack through ``mem``), rip included."""
     if plan.kind is not _EMULATE or plan.op is None:
         raise InternalError(f"`{plan.text}` at {plan.addr:#x} has no emulation ({plan.kind.value})")
-    _HANDLERS[plan.op](plan, regs, mem)
+    _HANDLERS[plan.op](plan, regs.words, mem)
+    regs.dirty = True

@@ -118,6 +118,11 @@ class Regs:
         self.dirty = False
 
     @property
+    def words(self) -> memoryview:
+        """The registers as unsigned 64-bit words, indexed by ``REG_INDEX`` (for emulation)."""
+        return self._words
+
+    @property
     def buffer(self) -> bytearray:
         """The raw user_regs_struct bytes (the syscall layer reads and writes these)."""
         return self._buf
