@@ -26,7 +26,13 @@ from kprobes.arch.x86_64.plan import PlanKind, build_slot, plan_instruction
 from kprobes.core.manager import ProbeManager
 from kprobes.core.probes import Kprobe
 from kprobes.core.table import ProbeSite
-from kprobes.errors import Blacklisted, NotABoundary, NotRelocatable, TargetError
+from kprobes.errors import (
+    Blacklisted,
+    NotABoundary,
+    NotRelocatable,
+    ProbeRejected,
+    TargetError,
+)
 from kprobes.linux import procfs, ptrace
 from kprobes.model import BlacklistEntry, ProbeListing
 from kprobes.process import cleanup, inject
@@ -58,6 +64,7 @@ class ProbeLocation:
     module_name: str
     func_start: int
     func_size: int
+    is_executable: bool
 
 
 class Process:
@@ -260,10 +267,15 @@ class Process:
             module_name=loc.module.name,
             func_start=loc.func_start,
             func_size=loc.func_size,
+            is_executable=any(m.contains(loc.addr) and "x" in m.perms for m in loc.module.mappings),
         )
 
     def check(self, probe: Kprobe, location: Any) -> None:
         loc: ProbeLocation = location
+        if not loc.is_executable:
+            raise ProbeRejected(
+                f"{loc.addr:#x} ({loc.display}) is not in executable code", errno=errno.EINVAL
+            )
         for entry in self.blacklist():
             if loc.addr in entry:
                 raise Blacklisted(f"{loc.addr:#x} ({loc.display}) is blacklisted: {entry.reason}")

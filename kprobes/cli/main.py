@@ -1,0 +1,47 @@
+"""The ``kprobes`` command: one module per subcommand; the only place that prints.
+
+Every ``ProbeError`` is caught here, in one place, and becomes one line on stderr and an exit
+code: 2 for bad usage or a bad spec, 1 for any other failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kprobes.cli import list_cmd
+from kprobes.errors import ProbeError, SpecError
+
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kprobes", description="Kprobes for live x86-64 Linux processes."
+    )
+    parser.add_argument("--version", action="version", version="kprobes 0.1.0")
+    sub = parser.add_subparsers(dest="command", required=True)
+    list_cmd.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except SpecError as exc:
+        print(f"kprobes: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ProbeError as exc:
+        print(f"kprobes: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
