@@ -4,6 +4,7 @@
 |---|---|---|
 | emulate push | ``work_push`` | emulate ``push %rbp``: 1 stop |
 | emulate lea | ``work_lea`` | emulate ``lea``: 1 stop |
+| colocate | ``work_push`` | as emulate push, after ``proc.colocate()`` put tool and program on one CPU |
 | boost | ``work_boost`` | run ``imul`` out of line, jmp back: 1 stop |
 | boost rip | ``work_rip`` | the same with the rip-relative displacement relocated |
 | step | ``work_boost`` + post handler | copy + int3: 2 stops, the second a cheap int3 |
@@ -35,6 +36,7 @@ TIERS: tuple[tuple[str, str, str, int, str], ...] = (
     # key, label, func, offset, handlers
     ("kprobes-emulate-push", "kprobes, emulate (push)", "work_push", 0, "pre"),
     ("kprobes-emulate-lea", "kprobes, emulate (lea)", "work_lea", 0, "pre"),
+    ("kprobes-colocate", "kprobes, emulate (push), proc.colocate()", "work_push", 0, "colocate"),
     ("kprobes-boost", "kprobes, boost (imul)", "work_boost", 0, "pre"),
     ("kprobes-boost-rip", "kprobes, boost (rip-relative mov)", "work_rip", 0, "pre"),
     ("kprobes-step", "kprobes, step: copy + int3 (imul, post handler)", "work_boost", 0, "post"),
@@ -124,6 +126,8 @@ def run(func: str, offset: int, handlers: str, argv: list[str]) -> int:
                 post_handler=post if handlers == "post" else None,
             )
             proc.register_kprobe(kp)
+            if handlers == "colocate":
+                proc.colocate()  # the tool's own answer to CPU placement
             plan = proc.list()[0].plan
             proc.run()
         exit_code = proc.exit_code

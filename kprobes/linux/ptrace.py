@@ -148,7 +148,11 @@ def setsiginfo(tid: int, info: bytes) -> None:
 
 
 def tgkill(tgid: int, tid: int, sig: int) -> None:
-    _check(_syscall(ctypes.c_long(_SYS_TGKILL), ctypes.c_long(tgid), ctypes.c_long(tid), ctypes.c_long(sig)))
+    _check(
+        _syscall(
+            ctypes.c_long(_SYS_TGKILL), ctypes.c_long(tgid), ctypes.c_long(tid), ctypes.c_long(sig)
+        )
+    )
 
 
 def waitpid(pid: int, options: int) -> tuple[int, int]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from kprobes.arch.x86_64.decode import check_boundary, iter_insns
+from kprobes.arch.x86_64.emulate import emulator_for
 from kprobes.arch.x86_64.plan import PlanKind, build_slot, plan_instruction
 from kprobes.core.manager import ProbeManager
 from kprobes.core.probes import Kprobe
@@ -81,6 +82,7 @@ class Process:
         self._boundaries: dict[int, frozenset[int]] = {}
         self._ifuncs: dict[int, int] = {}
         self._syscall_insn: int | None = None
+        self._saved_affinity: dict[int, set[int]] | None = None
         self._attached = True
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -114,11 +116,54 @@ class Process:
             return
         try:
             if self._tracer.is_alive:
+                self._undo_colocation()
                 detach_all(self._tracer)
         finally:
             self._finish()
 
+    def colocate(self, cpu: int | None = None) -> int:
+        """Run this tool and every thread of the program on one CPU; returns that CPU.
+
+        Every hit is two context switches between the program and the tracer. On one CPU they
+        are plain switches; on two CPUs each is a cross-CPU wake-up, which costs 10x more on
+        these machines (see docs/performance.md). The program's own affinity is restored by
+        ``detach()``. It does narrow a multi-threaded program to one CPU while traced.
+        """
+        if cpu is None:
+            cpu = min(os.sched_getaffinity(0))
+        if self._saved_affinity is None:
+            self._saved_affinity = {0: os.sched_getaffinity(0)}
+            for tid in self.threads:
+                try:
+                    self._saved_affinity[tid] = os.sched_getaffinity(tid)
+                except OSError:
+                    continue
+        os.sched_setaffinity(0, {cpu})
+        for tid in self.threads:
+            try:
+                os.sched_setaffinity(tid, {cpu})
+            except OSError:
+                continue
+        return cpu
+
+    def _undo_colocation(self) -> None:
+        saved, self._saved_affinity = self._saved_affinity, None
+        if saved is None:
+            return
+        program_mask = saved.get(self.pid)
+        for tid in self.threads:
+            mask = saved.get(tid, program_mask)
+            if mask:
+                try:
+                    os.sched_setaffinity(tid, mask)
+                except OSError:
+                    continue
+        os.sched_setaffinity(0, saved[0])
+
     def _finish(self) -> None:
+        if self._saved_affinity is not None:
+            os.sched_setaffinity(0, self._saved_affinity[0])
+            self._saved_affinity = None
         if self._attached:
             self._attached = False
             self._manager.mark_gone()
@@ -299,7 +344,7 @@ class Process:
         plan = plan_instruction(code, addr, has_post_handler=site.has_post_handler)
         old: Prepared | None = site.ainsn
         if plan.kind is PlanKind.EMULATE:
-            prepared = Prepared(plan, plan.kind, 0, 0)
+            prepared = Prepared(plan, plan.kind, 0, 0, emulator_for(plan), is_one_stop=True)
         else:
             xol = self._xol()
             slot = xol.alloc(addr)
@@ -310,7 +355,8 @@ class Process:
             except BaseException:
                 xol.release(slot)
                 raise
-            prepared = Prepared(plan, plan.kind, slot, len(body))
+            one_stop = plan.kind is PlanKind.BOOST
+            prepared = Prepared(plan, plan.kind, slot, len(body), is_one_stop=one_stop)
             self._tracer.slot_owner[slot] = site
             self._tracer.slot_history[slot] = prepared
         site.ainsn = prepared

@@ -26,8 +26,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from kprobes.arch.x86_64.emulate import emulate
+from kprobes.arch.x86_64.emulate import Emulator
 from kprobes.arch.x86_64.plan import Plan, PlanKind, step_fixup
+from kprobes.arch.x86_64.regs import REG_INDEX
 from kprobes.core.manager import ProbeManager
 from kprobes.core.table import ProbeSite
 from kprobes.errors import InternalError, TargetError
@@ -39,6 +40,7 @@ from kprobes.process.tracee import Tracee, TraceeKind
 from kprobes.process.xol import XolArea
 
 S = ThreadState
+_RIP = REG_INDEX["rip"]
 _SYNC_FAULTS: dict[int, int] = {
     signal.SIGSEGV: 14,  # page fault (13, general protection, when si_code is SI_KERNEL)
     signal.SIGBUS: 17,
@@ -56,6 +58,8 @@ class Prepared:
     kind: PlanKind
     slot: int  # 0 for EMULATE
     slot_len: int
+    emulator: Emulator | None = None  # EMULATE: the specialised emulation
+    is_one_stop: bool = False  # EMULATE or BOOST: the hit path can finish it inline
 
 
 # Every tid traced by any Tracer in this process, so a status reaped by one loop reaches the
@@ -187,6 +191,11 @@ class Tracer:
         waitpid = os.waitpid
         wall = ptrace.WALL
         getregs = ptrace.getregs
+        setregs = ptrace.setregs
+        cont = ptrace.cont
+        TRAP = ev.SIGTRAP_STOP
+        RUNNING = S.RUNNING
+        STOPPED = S.STOPPED
         while self.live:
             if self.has_pending:
                 self._drain_pending()
@@ -206,17 +215,44 @@ class Tracer:
             if t is None:
                 self._unowned(tid, status)
                 continue
-            if status == ev.SIGTRAP_STOP and t.state is S.RUNNING:
-                # The hot path: a breakpoint (or the program's own trap).
-                t.state = S.STOPPED
+            if status == TRAP and t.state is RUNNING:
+                # The hot path: a breakpoint hit with a one-stop plan, finished inline.
+                t.state = STOPPED
                 getregs(tid, t.regs_struct)
-                regs = t.regs
-                regs.dirty = False
-                site = sites.get(regs.rip - 1)
-                if site is not None and site.is_armed:
+                w = t.regs.words
+                site = sites.get(w[_RIP] - 1)
+                if site is None or not site.is_armed:
+                    self._foreign_trap(t)
+                elif t.skip_hit is not None:
                     self._hit(t, site)
                 else:
-                    self._foreign_trap(t)
+                    x: Prepared = site.ainsn
+                    w[_RIP] = site.addr
+                    redirected = False
+                    if site.active:
+                        t.busy = True
+                        redirected = site.run_pre(t.regs)
+                        t.busy = False
+                    if (
+                        redirected
+                        or not x.is_one_stop
+                        or site.posts
+                        or t.pending is not None
+                        or t.state is not STOPPED
+                    ):
+                        self._finish_hit(t, site, redirected)
+                    else:
+                        emulator = x.emulator
+                        if emulator is not None:
+                            emulator(w, t.tracee)
+                        else:
+                            w[_RIP] = x.slot
+                        setregs(tid, t.regs_struct)
+                        if t.held_signals:
+                            t.resume()
+                        else:
+                            cont(tid, 0)
+                            t.state = RUNNING
             else:
                 self.dispatch(t, status)
             if table.pending_error is not None:
@@ -317,33 +353,41 @@ class Tracer:
         addr = site.addr
         regs.rip = addr  # handlers see ip at the probed instruction (as uprobes does)
         skip = t.skip_hit
+        redirected = False
         if skip is not None and skip == (addr, regs.rsp):
             t.skip_hit = None  # the handlers already ran for this execution
         elif site.active:
+            t.skip_hit = None
             t.busy = True
             try:
                 redirected = site.run_pre(regs)
             finally:
                 t.busy = False
-            if redirected:
-                t.store_regs()
-                self._after_handler(t)
-                return
+        self._finish_hit(t, site, redirected)
+
+    def _finish_hit(self, t: Thread, site: ProbeSite, redirected: bool) -> None:
+        """Run the probed instruction out of line (unless a pre handler redirected)."""
+        regs = t.regs
+        if redirected:
+            t.store_regs()
+            self._after_handler(t)
+            return
         x: Prepared = site.ainsn
         kind = x.kind
         if kind is PlanKind.EMULATE:
-            emulate(x.plan, regs, t.tracee)
+            assert x.emulator is not None
+            x.emulator(regs.words, t.tracee)
             if site.posts:
                 t.busy = True
                 try:
                     site.run_post(regs)
                 finally:
                     t.busy = False
-            ptrace.setregs(t.tid, t.regs_struct)
+            t.store_regs()
             self._after_handler(t)
         elif kind is PlanKind.BOOST:
             regs.rip = x.slot
-            ptrace.setregs(t.tid, t.regs_struct)
+            t.store_regs()
             self._after_handler(t)
         else:
             regs.rip = x.slot

@@ -207,3 +207,71 @@ def emulate(plan: Plan, regs: Regs, mem: Memory) -> None:
         raise InternalError(f"`{plan.text}` at {plan.addr:#x} has no emulation ({plan.kind.value})")
     _HANDLERS[plan.op](plan, regs.words, mem)
     regs.dirty = True
+
+
+Emulator = Callable[[memoryview, Memory], None]
+
+
+def emulator_for(plan: Plan) -> Emulator:
+    """A callable applying ``plan`` to the register words, specialised once at registration.
+
+    The usual first instructions of a function (push, mov, lea, nop, endbr64) get closures with
+    every register index and constant folded in, so a hit pays one call and a few word
+    accesses; the rest go through the generic handlers.
+    """
+    if plan.kind is not _EMULATE or plan.op is None:
+        raise InternalError(f"`{plan.text}` at {plan.addr:#x} has no emulation ({plan.kind.value})")
+    nxt = plan.addr + plan.length
+    op = plan.op
+    if op is Op.NOP:
+
+        def nop(w: memoryview, mem: Memory) -> None:
+            w[_RIP] = nxt
+
+        return nop
+    if op is Op.PUSH and plan.reg is not None:
+        src = REG_INDEX[plan.reg]
+
+        def push(w: memoryview, mem: Memory) -> None:
+            sp = (w[_RSP] - 8) & _MASK64
+            mem.write(sp, w[src].to_bytes(8, "little"))
+            w[_RSP] = sp
+            w[_RIP] = nxt
+
+        return push
+    if op is Op.MOV_REG and plan.reg is not None and plan.src is not None:
+        dst, src = REG_INDEX[plan.reg], REG_INDEX[plan.src]
+        mask = _MASK64 if plan.opsize == 8 else _MASK32
+
+        def mov(w: memoryview, mem: Memory) -> None:
+            w[dst] = w[src] & mask
+            w[_RIP] = nxt
+
+        return mov
+    m = plan.mem
+    if op is Op.LEA and plan.reg is not None and m is not None and m.segment is None:
+        dst = REG_INDEX[plan.reg]
+        mask = _MASK64 if plan.opsize == 8 else _MASK32
+        disp, scale = m.disp, m.scale
+        base = REG_INDEX[m.base] if m.base is not None else None
+        index = REG_INDEX[m.index] if m.index is not None else None
+        if base is not None and index is not None:
+
+            def lea_bi(w: memoryview, mem: Memory) -> None:
+                w[dst] = (w[base] + w[index] * scale + disp) & mask
+                w[_RIP] = nxt
+
+            return lea_bi
+        if base is not None:
+
+            def lea_b(w: memoryview, mem: Memory) -> None:
+                w[dst] = (w[base] + disp) & mask
+                w[_RIP] = nxt
+
+            return lea_b
+    handler = _HANDLERS[op]
+
+    def generic(w: memoryview, mem: Memory) -> None:
+        handler(plan, w, mem)
+
+    return generic
