@@ -4,7 +4,7 @@
 |---|---|---|
 | emulate push | ``work_push`` | emulate ``push %rbp``: 1 stop |
 | emulate lea | ``work_lea`` | emulate ``lea``: 1 stop |
-| colocate | ``work_push`` | as emulate push, after ``proc.colocate()`` put tool and program on one CPU |
+| colocate | ``work_push`` | emulate push after ``proc.colocate()`` (one CPU for both) |
 | boost | ``work_boost`` | run ``imul`` out of line, jmp back: 1 stop |
 | boost rip | ``work_rip`` | the same with the rip-relative displacement relocated |
 | step | ``work_boost`` + post handler | copy + int3: 2 stops, the second a cheap int3 |
