@@ -41,6 +41,7 @@ from kprobes.process.detach import detach_all
 from kprobes.process.threads import ThreadState
 from kprobes.process.tracee import Tracee, TraceeKind
 from kprobes.process.tracer import Prepared, Tracer
+from kprobes.process.trapguard import TrapGuard
 from kprobes.process.xol import FLAGS, PROT, XolArea, candidate_addresses
 from kprobes.symbols.elf import SymbolKind
 from kprobes.symbols.maps import Mapping, read_maps
@@ -77,6 +78,7 @@ class Process:
         self._manager = ProbeManager(self)
         self._tracer = Tracer(self._manager, follow_forks=follow_forks)
         self._tracer.on_gone = self._publish
+        self._tracer.trap_guard = TrapGuard(pid, lambda: self._find_syscall(read_maps(pid)))
         self._resolver: SymbolResolver | None = None
         self._user_blacklist: list[BlacklistEntry] = []
         self._boundaries: dict[int, frozenset[int]] = {}

@@ -37,6 +37,7 @@ from kprobes.process import events as ev
 from kprobes.process.breakpoints import Breakpoints
 from kprobes.process.threads import RUNNING_STATES, Thread, ThreadState, siginfo_code
 from kprobes.process.tracee import Tracee, TraceeKind
+from kprobes.process.trapguard import TrapGuard
 from kprobes.process.xol import XolArea
 
 S = ThreadState
@@ -86,6 +87,8 @@ class Tracer:
         self.live = 0  # tracees that keep run() going (the program and followed children)
         self.has_pending = False  # some thread holds a status received while stopping
         self.on_gone: Callable[[], None] = lambda: None
+        self.trap_guard: TrapGuard | None = None
+        self.guarding = False  # the trap guard is armed: hits take the full path
         self._stop_depth = 0
 
     # -- bookkeeping -----------------------------------------------------------------------
@@ -223,7 +226,7 @@ class Tracer:
                 site = sites.get(w[_RIP] - 1)
                 if site is None or not site.is_armed:
                     self._foreign_trap(t)
-                elif t.skip_hit is not None:
+                elif t.skip_hit is not None or self.guarding:
                     self._hit(t, site)
                 else:
                     x: Prepared = site.ainsn
@@ -357,12 +360,13 @@ class Tracer:
         if skip is not None and skip == (addr, regs.rsp):
             t.skip_hit = None  # the handlers already ran for this execution
         elif site.active:
-            t.skip_hit = None
             t.busy = True
             try:
                 redirected = site.run_pre(regs)
             finally:
                 t.busy = False
+        if self.trap_guard is not None and self.trap_guard.is_armed:
+            self.trap_guard.repair(t)
         self._finish_hit(t, site, redirected)
 
     def _finish_hit(self, t: Thread, site: ProbeSite, redirected: bool) -> None:
@@ -441,6 +445,10 @@ class Tracer:
                 site.miss()
             self._after_handler(t)
             return
+        if self.trap_guard is not None and not self.trap_guard.is_armed:
+            self.trap_guard.arm_if_needed(t)
+            self.guarding = self.trap_guard.is_armed
+            ptrace.setsiginfo(t.tid, info)  # the injection replaced the stop's siginfo
         t.resume(signal.SIGTRAP)  # the program's own trap: deliver it
 
     # -- signals ---------------------------------------------------------------------------
