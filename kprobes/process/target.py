@@ -491,13 +491,13 @@ def spawn(
             os._exit(127)
     os.close(err_w)
     try:
-        proc = _seize_spawned(pid, argv, err_r)
+        proc = _seize_spawned(pid, argv, err_r, follow_forks)
     finally:
         os.close(err_r)
     return proc
 
 
-def _seize_spawned(pid: int, argv: Sequence[str], err_r: int) -> Process:
+def _seize_spawned(pid: int, argv: Sequence[str], err_r: int, follow_forks: bool) -> Process:
     _, status = os.waitpid(pid, os.WUNTRACED)
     if not os.WIFSTOPPED(status):
         raise _spawn_failure(argv, err_r)
@@ -516,7 +516,7 @@ def _seize_spawned(pid: int, argv: Sequence[str], err_r: int) -> Process:
             ptrace.cont(pid, sig)
         else:
             ptrace.cont(pid, 0)
-    proc = Process(pid)
+    proc = Process(pid, follow_forks=follow_forks)
     tracer = proc._tracer
     main = tracer.add_tracee(pid, TraceeKind.MAIN)
     thread = tracer.add_thread(main, pid, ThreadState.STOPPED)
