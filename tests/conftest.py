@@ -1,0 +1,164 @@
+"""Fixtures shared by the live tests: test programs built on demand, traced processes that are
+always cleaned up, and a per-test deadline so that a hang fails instead of blocking the suite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import signal
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import support
+
+TESTS = Path(__file__).resolve().parent
+PROGRAMS = TESTS / "programs"
+BIN = PROGRAMS / "bin"
+DRIVERS = TESTS / "drivers"
+REPO = TESTS.parent
+
+# Seconds a single test may take before the watchdog fails it (the whole suite aims at ~3 min).
+TEST_DEADLINE = 90
+
+DEBUG = ("-g", "-fno-inline", "-Wall")
+
+
+@dataclass(frozen=True, slots=True)
+class Build:
+    """How one program of tests/programs is compiled."""
+
+    source: str
+    flags: tuple[str, ...] = ("-O1", *DEBUG)
+    libs: tuple[str, ...] = ()
+    needs: tuple[str, ...] = ()  # other builds that must exist first (shared libraries)
+
+
+BUILDS: dict[str, Build] = {
+    "target": Build("target.c"),
+    "target-nopie": Build("target.c", flags=("-O1", *DEBUG, "-no-pie")),
+    "ticker": Build("ticker.c"),
+    "threads": Build("threads.c", flags=("-O1", *DEBUG, "-pthread")),
+    # -O2 for the jump table; no red zone because hand() pushes in inline asm.
+    "fidelity": Build("fidelity.c", flags=("-O2", *DEBUG, "-mno-red-zone")),
+    "signals": Build("signals.c"),
+    "procs": Build("procs.c"),
+    "ifunc": Build("ifunc.c", libs=("-ldl",)),
+    "libkpt.so": Build("libkpt.c", flags=("-O1", *DEBUG, "-fPIC", "-shared")),
+    "uselib": Build(
+        "uselib.c",
+        libs=(f"-L{BIN}", "-lkpt", "-Wl,-rpath,$ORIGIN"),
+        needs=("libkpt.so",),
+    ),
+}
+
+
+def build_program(name: str) -> Path:
+    """Compile tests/programs/<source> into tests/programs/bin/<name> unless it is up to date
+    (newer than its source and than this file, which holds the flags); return its path."""
+    spec = BUILDS[name]
+    for dep in spec.needs:
+        build_program(dep)
+    BIN.mkdir(exist_ok=True)
+    out = BIN / name
+    source = PROGRAMS / spec.source
+    newest_input = max(source.stat().st_mtime, Path(__file__).stat().st_mtime)
+    with open(BIN / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.exists() and out.stat().st_mtime >= newest_input:
+            return out
+        tmp = out.with_name(f".{name}.{os.getpid()}.tmp")
+        cmd = ["gcc", *spec.flags, "-o", str(tmp), str(source), *spec.libs]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr}")
+        os.replace(tmp, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def build() -> Callable[[str], Path]:
+    """``build("target")`` → path of the compiled test program."""
+    return build_program
+
+
+class _Deadline(Exception):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def deadline() -> Iterator[None]:
+    """Fail (instead of hang) any test that runs longer than TEST_DEADLINE seconds."""
+
+    def expired(signum: int, frame: Any) -> None:
+        raise _Deadline(f"test did not finish within {TEST_DEADLINE} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, TEST_DEADLINE)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., Any]]:
+    """``spawn(argv, **kwargs)`` = ``kprobes.spawn`` whose process is detached and killed at
+    teardown if the test left it running (a failing test must not leave a stopped tracee)."""
+    import kprobes
+
+    procs: list[Any] = []
+
+    def _spawn(argv: list[Any], **kwargs: Any) -> Any:
+        proc = kprobes.spawn([str(a) for a in argv], **kwargs)
+        procs.append(proc)
+        return proc
+
+    yield _spawn
+    for proc in procs:
+        support.cleanup_proc(proc)
+
+
+@pytest.fixture
+def attach() -> Iterator[Callable[..., Any]]:
+    """``attach(pid, **kwargs)`` = ``kprobes.attach`` with the same teardown as ``spawn``
+    (except that the process, which the test started, is only detached, not killed)."""
+    import kprobes
+
+    procs: list[Any] = []
+
+    def _attach(pid: int, **kwargs: Any) -> Any:
+        proc = kprobes.attach(pid, **kwargs)
+        procs.append(proc)
+        return proc
+
+    yield _attach
+    for proc in procs:
+        if proc.exit_code is None:
+            with contextlib.suppress(Exception):
+                proc.detach()
+
+
+@pytest.fixture
+def popen() -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
+    """``subprocess.Popen`` whose processes are killed at teardown if still running."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def _popen(argv: list[Any], **kwargs: Any) -> subprocess.Popen[bytes]:
+        p = subprocess.Popen([str(a) for a in argv], **kwargs)
+        started.append(p)
+        return p
+
+    yield _popen
+    for p in started:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+            with contextlib.suppress(Exception):
+                p.wait(timeout=5)

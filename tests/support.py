@@ -1,0 +1,437 @@
+"""Helpers for the live tests that do not involve kprobes itself: reference tools (nm, objdump,
+readelf, the kernel's own uprobes), /proc readers, and bounded waits.
+
+Everything here is independent of the code under test, so that it can serve as the reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import os
+import re
+import select
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# ---------------------------------------------------------------------------------------------
+# ELF reference data from binutils
+
+
+@dataclass(frozen=True, slots=True)
+class Symbol:
+    name: str
+    value: int
+    size: int
+
+
+def nm_symbols(path: Path | str, *, dynamic: bool = False) -> dict[str, Symbol]:
+    """Defined symbols with their sizes, by name (version suffixes like ``@@GLIBC_2.8`` removed;
+    the default version wins over older ones)."""
+    cmd = ["nm", "-S", "--defined-only", *(["-D"] if dynamic else []), str(path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=60).stdout
+    table: dict[str, Symbol] = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 3:  # no size (an assembly label)
+            parts.insert(1, "0")
+        if len(parts) != 4:
+            continue
+        value, size, _kind, full = parts
+        name = full.split("@")[0]
+        if name in table and "@@" not in full:
+            continue
+        table[name] = Symbol(name, int(value, 16), int(size, 16))
+    return table
+
+
+def symbol(path: Path | str, name: str, *, dynamic: bool = False) -> Symbol:
+    return nm_symbols(path, dynamic=dynamic)[name]
+
+
+_OBJDUMP_LINE = re.compile(r"^\s*([0-9a-f]+):\t(?:[0-9a-f]{2} )+\s*\t?(.*)$")
+
+
+def disassemble(path: Path | str, start: int, end: int) -> list[tuple[int, str]]:
+    """(address, instruction text) of every instruction objdump decodes in [start, end)."""
+    cmd = [
+        "objdump",
+        "-d",
+        "-w",
+        f"--start-address={start:#x}",
+        f"--stop-address={end:#x}",
+        str(path),
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=60).stdout
+    insns = []
+    for line in out.splitlines():
+        m = _OBJDUMP_LINE.match(line)
+        if m:
+            insns.append((int(m.group(1), 16), m.group(2).strip()))
+    return insns
+
+
+def function_insns(path: Path | str, name: str, *, dynamic: bool = False) -> list[tuple[int, str]]:
+    """(offset from the symbol, instruction text) of every instruction of function ``name``
+    within the symbol's size, from objdump."""
+    sym = symbol(path, name, dynamic=dynamic)
+    assert sym.size > 0, f"{name} has no size in {path}"
+    return [(a - sym.value, t) for a, t in disassemble(path, sym.value, sym.value + sym.size)]
+
+
+def boundaries(path: Path | str, name: str, *, dynamic: bool = False) -> list[int]:
+    """Offsets of every instruction boundary of ``name``, relative to the symbol."""
+    return [off for off, _ in function_insns(path, name, dynamic=dynamic)]
+
+
+def file_offset(path: Path | str, vaddr: int) -> int:
+    """File offset of a link-time virtual address (what uprobe_events wants), from readelf."""
+    for line in _readelf(str(path), "-lW").splitlines():
+        parts = line.split()
+        if parts and parts[0] == "LOAD":
+            offset, seg_vaddr, filesz = int(parts[1], 16), int(parts[2], 16), int(parts[4], 16)
+            if seg_vaddr <= vaddr < seg_vaddr + filesz:
+                return vaddr - seg_vaddr + offset
+    raise LookupError(f"{vaddr:#x} is in no LOAD segment of {path}")
+
+
+def libc_path(program: Path | str) -> Path:
+    """The libc.so.6 ``program`` loads, resolved (what its /proc/PID/maps will name)."""
+    out = subprocess.run(
+        ["ldd", str(program)], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    for line in out.splitlines():
+        m = re.search(r"libc\.so\.6 => (\S+)", line)
+        if m:
+            return Path(m.group(1)).resolve()
+    raise LookupError(f"{program} does not load libc.so.6")
+
+
+# ---------------------------------------------------------------------------------------------
+# /proc
+
+
+@dataclass(frozen=True, slots=True)
+class Mapping:
+    start: int
+    end: int
+    perms: str
+    offset: int
+    path: str
+
+
+def maps(pid: int) -> list[Mapping]:
+    result = []
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            path = parts[5].strip() if len(parts) > 5 else ""
+            result.append(Mapping(start, end, parts[1], int(parts[2], 16), path))
+    return result
+
+
+def load_base(pid: int, path: Path | str) -> int:
+    """Where the file ``path`` is mapped in ``pid`` (start of its offset-0 mapping)."""
+    real = str(Path(path).resolve())
+    for m in maps(pid):
+        if m.path == real and m.offset == 0:
+            return m.start
+    raise LookupError(f"{real} is not mapped in {pid}")
+
+
+def runtime_address(pid: int, path: Path | str, name: str, *, dynamic: bool = False) -> int:
+    """Run-time address of symbol ``name`` of ``path`` in ``pid`` (PIE or shared: plus the load
+    bias; a fixed-address executable: the symbol's value)."""
+    sym = symbol(path, name, dynamic=dynamic)
+    if _elf_type(path) == "EXEC":
+        return sym.value
+    return load_base(pid, path) + sym.value
+
+
+@functools.cache
+def _readelf(path: str, option: str) -> str:
+    cmd = ["readelf", option, path]
+    return subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=60).stdout
+
+
+def _elf_type(path: Path | str) -> str:
+    m = re.search(r"Type:\s+(\w+)", _readelf(str(path), "-hW"))
+    assert m is not None
+    return m.group(1)
+
+
+def anonymous_exec_mappings(pid: int) -> list[Mapping]:
+    """Executable mappings that belong to no file and are not [vdso]/[vsyscall]: in a plain C
+    program, only an injected page can be one."""
+    return [m for m in maps(pid) if "x" in m.perms and m.path == ""]
+
+
+def raw_read(pid: int, addr: int, n: int) -> bytes:
+    """Bytes of ``pid``'s memory as they really are (through /proc/PID/mem, not kprobes)."""
+    fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+    try:
+        return os.pread(fd, n, addr)
+    finally:
+        os.close(fd)
+
+
+def exe_text(pid: int, path: Path | str) -> tuple[int, bytes]:
+    """(start, bytes) of the executable mapping of ``path`` in ``pid``, read raw."""
+    real = str(Path(path).resolve())
+    for m in maps(pid):
+        if m.path == real and "x" in m.perms:
+            return m.start, raw_read(pid, m.start, m.end - m.start)
+    raise LookupError(f"no executable mapping of {real} in {pid}")
+
+
+def thread_ids(pid: int) -> set[int]:
+    return {int(t) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+def is_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounded waits and cleanup
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+
+
+def wait_child(pid: int, timeout: float) -> int:
+    """waitpid(pid) with a deadline; returns the raw status."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got, status = os.waitpid(pid, os.WNOHANG)
+        if got == pid:
+            return status
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} did not exit within {timeout} s")
+        time.sleep(0.01)
+
+
+def cleanup_proc(proc: Any) -> None:
+    """Detach from a kprobes process if still attached, then make sure it is gone (a failing
+    test must not leave a stopped tracee behind)."""
+    if proc.exit_code is not None:
+        return
+    with contextlib.suppress(Exception):
+        proc.detach()
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(proc.pid, 0)
+
+
+def read_line(stream: int, timeout: float) -> bytes:
+    """One line from a file descriptor (pipe), or AssertionError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    while not data.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"no line within {timeout} s (got {data!r})")
+        ready, _, _ = select.select([stream], [], [], left)
+        if ready:
+            chunk = os.read(stream, 1)
+            if not chunk:
+                raise AssertionError(f"EOF before a complete line (got {data!r})")
+            data += chunk
+    return data
+
+
+def file_lines(path: Path) -> list[str]:
+    try:
+        return path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+
+
+def wait_for_lines(path: Path, count: int, timeout: float) -> list[str]:
+    """Wait until the file has at least ``count`` complete lines."""
+    wait_until(lambda: len(file_lines(path)) >= count, timeout, f"{count} lines in {path}")
+    return file_lines(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel's uprobes, the reference for hit counts
+
+TRACEFS_CANDIDATES = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
+
+
+def tracefs_root() -> Path | None:
+    """The mounted tracefs with uprobe_events (mounting it if needed), or None."""
+    for root in TRACEFS_CANDIDATES:
+        if Path(root, "uprobe_events").exists():
+            return Path(root)
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(
+            ["mount", "-t", "tracefs", "nodev", TRACEFS_CANDIDATES[0]],
+            capture_output=True,
+            timeout=10,
+        )
+    if Path(TRACEFS_CANDIDATES[0], "uprobe_events").exists():
+        return Path(TRACEFS_CANDIDATES[0])
+    return None
+
+
+def _append(path: Path, text: str) -> None:
+    """Write a tracefs control file the way the kernel expects: append, never truncate."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+_TRACE_LINE = re.compile(r"^\s*.*?-(\d+)\s+\[\d+\]\s+\S+\s+[\d.]+:\s+\w+:\s+\((0x[0-9a-f]+)\)")
+_ENTRIES = re.compile(r"entries-in-buffer/entries-written:\s*(\d+)/(\d+)")
+
+# Errors the kernel gives when enabling a uprobe on an instruction it will not probe.
+_REFUSED = {524, errno.EOPNOTSUPP, errno.EINVAL, errno.EILSEQ}  # 524 = the kernel's ENOTSUPP
+
+
+@dataclass(frozen=True, slots=True)
+class UprobeRun:
+    counts: list[int | None]  # per location; None = the kernel refused this location
+    stdout: bytes
+    returncode: int
+
+
+def kernel_uprobe_counts(
+    argv: Sequence[str | Path],
+    locations: Sequence[tuple[Path, int]],
+    *,
+    stdin: bytes,
+    env: dict[str, str] | None = None,
+    timeout: float = 60,
+) -> UprobeRun:
+    """Run ``argv`` with a kernel uprobe on each (file, link-time address) and count the hits
+    of that process alone, per location.
+
+    The program must print a line on stderr and then read ``stdin`` before doing its work:
+    probes are enabled while it waits, so the files are mapped and the kernel analyses (and
+    possibly refuses, ENOTSUPP) each instruction at enable time.
+
+    Each uprobe event of tracefs may hold many locations, and disabling an event costs one
+    RCU synchronisation (tens of ms), so the locations are put in one event whose records
+    carry the probed address; an event the kernel refuses to enable is split in halves until
+    the refused locations are isolated. Events are enabled in a private tracefs instance
+    filtered on the program's pid; hits are counted from the trace records, after checking
+    that none was dropped.
+    """
+    root = tracefs_root()
+    assert root is not None, "tracefs with uprobe_events is not available"
+    group = f"kptref{os.getpid()}"
+    instance = root / "instances" / f"kpt_ref_{os.getpid()}"
+    defined: list[str] = []
+    enabled: list[str] = []
+    refused: set[int] = set()
+    proc = None
+    instance.mkdir()
+    try:
+        _append(instance / "buffer_size_kb", "16384")
+        proc = subprocess.Popen(
+            [str(a) for a in argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        assert proc.stderr is not None
+        read_line(proc.stderr.fileno(), timeout=10)
+        _append(instance / "set_event_pid", str(proc.pid))
+
+        def enable(indices: list[int]) -> None:
+            name = f"g{len(defined)}"
+            for i in indices:
+                path, vaddr = locations[i]
+                probe = f"p:{group}/{name} {path}:{file_offset(path, vaddr):#x}\n"
+                _append(root / "uprobe_events", probe)
+            defined.append(name)
+            try:
+                _append(instance / "events" / group / name / "enable", "1")
+                enabled.append(name)
+            except OSError as e:
+                if e.errno not in _REFUSED:
+                    raise
+                if len(indices) == 1:
+                    refused.add(indices[0])
+                    return
+                enable(indices[: len(indices) // 2])
+                enable(indices[len(indices) // 2 :])
+
+        enable(list(range(len(locations))))
+        runtime = {
+            runtime_address_of(proc.pid, path, vaddr): i
+            for i, (path, vaddr) in enumerate(locations)
+        }
+        stdout, _ = proc.communicate(stdin, timeout=timeout)
+        _append(instance / "tracing_on", "0")
+        trace = (instance / "trace").read_text()
+    finally:
+        for name in enabled:
+            with contextlib.suppress(OSError):
+                _append(instance / "events" / group / name / "enable", "0")
+        for name in defined:
+            with contextlib.suppress(OSError):
+                _append(root / "uprobe_events", f"-:{group}/{name}\n")
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        with contextlib.suppress(OSError):
+            instance.rmdir()
+    m = _ENTRIES.search(trace)
+    assert m is not None and m.group(1) == m.group(2), (
+        f"the kernel dropped trace records: {m and m.group(0)}"
+    )
+    counts: list[int | None] = [None if i in refused else 0 for i in range(len(locations))]
+    for line in trace.splitlines():
+        t = _TRACE_LINE.match(line)
+        if t and int(t.group(1)) == proc.pid:
+            i = runtime[int(t.group(2), 16)]
+            counts[i] = (counts[i] or 0) + 1
+    return UprobeRun(counts, stdout, proc.returncode)
+
+
+def runtime_address_of(pid: int, path: Path | str, vaddr: int) -> int:
+    """Run-time address in ``pid`` of link-time address ``vaddr`` of the file ``path``."""
+    if _elf_type(path) == "EXEC":
+        return vaddr
+    return load_base(pid, path) + vaddr
+
+
+def file_bytes(path: Path | str, vaddr: int, n: int) -> bytes:
+    """``n`` bytes of the file ``path`` at link-time address ``vaddr`` (the pristine code)."""
+    with open(path, "rb") as f:
+        f.seek(file_offset(path, vaddr))
+        return f.read(n)
+
+
+def reference_output(
+    argv: Sequence[str | Path], *, stdin: bytes = b"", timeout: float = 30
+) -> bytes:
+    """stdout of an unprobed run (which must exit 0)."""
+    result = subprocess.run(
+        [str(a) for a in argv], input=stdin, capture_output=True, timeout=timeout, check=True
+    )
+    return result.stdout

@@ -1,0 +1,231 @@
+"""Process life cycle under probes: fork, vfork, posix_spawn, exec, exit, and a probed Python.
+
+tests/programs/procs.c calls work() a known number of times in the parent and in its
+children, so each count is exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import support
+
+import kprobes
+
+pytestmark = pytest.mark.ptrace
+
+
+@pytest.fixture
+def procs(build: Callable[[str], Path]) -> Path:
+    return build("procs")
+
+
+class Hits:
+    """Pre handler recording (tid, first argument) of every hit."""
+
+    def __init__(self) -> None:
+        self.hits: list[tuple[int, int]] = []
+
+    def __call__(self, p: Any, regs: Any) -> None:
+        self.hits.append((regs.tid, regs.rdi))
+
+    def args_of(self, tid: int) -> list[int]:
+        return [a for t, a in self.hits if t == tid]
+
+
+def start(spawn: Callable[..., Any], tmp_path: Path, argv: list[Any], **kw: Any) -> Any:
+    with open(tmp_path / "stdout", "wb") as fo, open(tmp_path / "stderr", "wb") as fe:
+        return spawn(argv, stdout=fo, stderr=fe, **kw)
+
+
+def output(tmp_path: Path) -> bytes:
+    return (tmp_path / "stdout").read_bytes()
+
+
+def child_pid(tmp_path: Path) -> int:
+    m = re.search(rb"child pid=(\d+)", (tmp_path / "stderr").read_bytes())
+    assert m is not None
+    return int(m.group(1))
+
+
+# ---------------------------------------------------------------------------------------------
+# fork
+
+
+def test_fork_child_is_released_and_not_counted(spawn, procs, tmp_path):
+    argv = [procs, "fork", 20, 30, 10]
+    expected = support.reference_output(argv)
+    proc = start(spawn, tmp_path, argv)
+    hits = Hits()
+    kp = kprobes.Kprobe(symbol="work", pre_handler=hits)
+    proc.register_kprobe(kp)
+    assert proc.run(timeout=30)
+    assert proc.exit_code == 0
+    assert output(tmp_path) == expected
+    assert b"child exit=0\n" in expected
+    assert kp.nhit == 30  # 20 before the fork, 10 after; none of the child's 30
+    assert hits.args_of(proc.pid) == list(range(20)) + list(range(2000, 2010))
+    assert {t for t, _ in hits.hits} == {proc.pid}
+
+
+def test_follow_forks_counts_the_child(spawn, procs, tmp_path):
+    argv = [procs, "fork", 20, 30, 10]
+    expected = support.reference_output(argv)
+    proc = start(spawn, tmp_path, argv, follow_forks=True)
+    hits = Hits()
+    kp = kprobes.Kprobe(symbol="work", pre_handler=hits)
+    proc.register_kprobe(kp)
+    assert proc.run(timeout=30)
+    assert proc.exit_code == 0
+    assert output(tmp_path) == expected
+    child = child_pid(tmp_path)
+    assert kp.nhit == 60
+    assert hits.args_of(proc.pid) == list(range(20)) + list(range(2000, 2010))
+    assert hits.args_of(child) == list(range(1000, 1030))
+    assert {t for t, _ in hits.hits} == {proc.pid, child}
+
+
+# ---------------------------------------------------------------------------------------------
+# vfork and posix_spawn: the child runs in the parent's memory, probes and all
+
+
+def test_vfork_children_run_fine(spawn, procs, tmp_path):
+    argv = [procs, "vfork", 15]
+    expected = support.reference_output(argv)
+    assert b"vfork+exec child exit=0\n" in expected
+    assert b"vfork+_exit child exit=5\n" in expected
+    proc = start(spawn, tmp_path, argv)
+    hits = Hits()
+    kp = kprobes.Kprobe(symbol="work", pre_handler=hits)
+    proc.register_kprobe(kp)
+    assert proc.run(timeout=30)
+    assert proc.exit_code == 0
+    assert output(tmp_path) == expected
+    assert hits.args_of(proc.pid) == list(range(15)) + list(range(2000, 2015))
+    # The children's calls (500, 600) hit the breakpoints they share with the parent; whether
+    # they are counted is the tracer's choice, but they must be theirs, not the parent's.
+    assert kp.nhit in (30, 31, 32)
+    assert sorted(a for t, a in hits.hits if t != proc.pid) in ([], [500], [600], [500, 600])
+
+
+def test_posix_spawn_children_run_fine(spawn, procs, tmp_path):
+    argv = [procs, "spawn", 12]
+    expected = support.reference_output(argv)
+    assert expected.count(b"exit=0\n") == 3
+    proc = start(spawn, tmp_path, argv)
+    hits = Hits()
+    work = kprobes.Kprobe(symbol="work", pre_handler=hits)
+    # glibc's posix_spawn child calls execve() on the parent's stack, in the parent's memory.
+    execve_hits = Hits()
+    execve = kprobes.Kprobe(symbol="libc:execve", pre_handler=execve_hits)
+    proc.register_kprobes([work, execve])
+    assert proc.run(timeout=30)
+    assert proc.exit_code == 0
+    assert output(tmp_path) == expected
+    assert work.nhit == 36
+    assert hits.args_of(proc.pid) == [i * 1000 + j for i in range(3) for j in range(12)]
+    assert proc.pid not in {t for t, _ in execve_hits.hits}
+
+
+# ---------------------------------------------------------------------------------------------
+# A probed Python interpreter running a subprocess
+
+
+def test_probed_python_runs_subprocesses(spawn, tmp_path):
+    code = (
+        "import os, subprocess\n"
+        "r = subprocess.run(['true'])\n"
+        "print('true', r.returncode)\n"
+        "r = subprocess.run(['sh', '-c', 'exit 3'])\n"
+        "print('sh', r.returncode)\n"
+        "pid = os.getpid()\n"
+        "print('same', all(os.getpid() == pid for _ in range(1000)))\n"
+    )
+    proc = start(spawn, tmp_path, [sys.executable, "-c", code])
+    getpid = kprobes.Kprobe(symbol="libc:getpid")
+    # Run by the vfork()ed children of subprocess, in the interpreter's memory.
+    execve = kprobes.Kprobe(symbol="libc:execve")
+    proc.register_kprobes([getpid, execve])
+    assert proc.run(timeout=60)
+    assert proc.exit_code == 0
+    assert output(tmp_path) == b"true 0\nsh 3\nsame True\n"
+    assert 1001 <= getpid.nhit <= 1100
+
+
+# ---------------------------------------------------------------------------------------------
+# exec and exit: the probes are GONE
+
+
+def test_exec_makes_probes_gone(spawn, procs, tmp_path):
+    read_end, write_end = os.pipe()
+    try:
+        proc = start(spawn, tmp_path, [procs, "exec", 25, 40], stdin=read_end)
+    finally:
+        os.close(read_end)
+    try:
+        kp = kprobes.Kprobe(symbol="work")
+        other = kprobes.Kprobe(symbol="main", disabled=True)
+        proc.register_kprobes([kp, other])
+        before = {e.addr: str(e) for e in proc.list()}
+        # Run until the new image has printed its first line and waits on stdin.
+        for _ in range(200):
+            if b"phase2 ready\n" in output(tmp_path):
+                break
+            assert proc.run(timeout=0.05) is False
+        assert output(tmp_path) == b"phase1 sum=950\nphase2 ready\n"
+        assert kp.nhit == 25
+        entries = proc.list()
+        assert [e.is_gone for e in entries] == [True, True]
+        for e in entries:
+            assert "[GONE]" in str(e)
+            assert str(e) == before[e.addr].replace("]  [", "]  [GONE]  [", 1)
+    finally:
+        os.close(write_end)
+    assert proc.run(timeout=30)
+    assert proc.exit_code == 0
+    assert output(tmp_path) == b"phase1 sum=950\nphase2 ready\nphase2 sum=14420\n"
+    assert kp.nhit == 25  # the new image's 40 calls are not the old probe's
+
+
+def test_exit_makes_probes_gone(spawn, procs, tmp_path):
+    proc = start(spawn, tmp_path, [procs, "exit", 3])
+    kp = kprobes.Kprobe(symbol="work")
+    proc.register_kprobe(kp)
+    assert proc.exit_code is None
+    assert proc.run(timeout=30) is True
+    assert proc.exit_code == 3
+    assert kp.nhit == 3
+    assert output(tmp_path) == b"works=15\n"
+    (entry,) = proc.list()
+    assert entry.is_gone
+    assert "[GONE]" in str(entry)
+    # Nothing left to wait for: run() returns at once (or says the process is gone).
+    with contextlib.suppress(kprobes.errors.TargetError):
+        assert proc.run(timeout=5) is True
+
+
+def test_killed_while_traced(spawn, build, tmp_path):
+    proc = start(spawn, tmp_path, [build("ticker"), 1000, 1000])
+    kp = kprobes.Kprobe(symbol="work")
+    proc.register_kprobe(kp)
+    assert proc.run(timeout=0.2) is False
+    os.kill(proc.pid, 9)
+    assert proc.run(timeout=10) is True
+    assert proc.exit_code == -9
+    assert all(e.is_gone for e in proc.list())
+
+
+def test_reference_program_outputs(procs):
+    """The expectations above, from unprobed runs."""
+    out = subprocess.run([procs, "exec", "25", "40"], capture_output=True, timeout=10, input=b"")
+    assert out.stdout == b"phase1 sum=950\nphase2 ready\nphase2 sum=14420\n"
+    out = subprocess.run([procs, "exit", "3"], capture_output=True, timeout=10)
+    assert (out.returncode, out.stdout) == (3, b"works=15\n")
