@@ -75,9 +75,9 @@ def test_floor_counts_every_hit(tmp_path: Path) -> None:
 
 @pytest.mark.tracefs
 def test_uprobes_count_every_hit_and_clean_up(tmp_path: Path) -> None:
-    events_before = (TRACEFS / "uprobe_events").read_text()
-    instances_before = sorted(p.name for p in (TRACEFS / "instances").iterdir())
+    # Only the benchmark's own events and instances are checked: other tools (or another test
+    # run) may add and remove theirs at the same time.
     document = run_bench("uprobes", tmp_path)
     assert_every_hit_counted(document, {"uprobes-push", "uprobes-lea"})
-    assert (TRACEFS / "uprobe_events").read_text() == events_before
-    assert sorted(p.name for p in (TRACEFS / "instances").iterdir()) == instances_before
+    assert "kpbench" not in (TRACEFS / "uprobe_events").read_text()
+    assert not [p.name for p in (TRACEFS / "instances").iterdir() if "kpbench" in p.name]
