@@ -34,6 +34,7 @@ test: lint typecheck pytest
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
+	$(BIN)/python -m bench.registration
 
 clean:
 	rm -rf $(VENV) tests/programs/bin bench/bin

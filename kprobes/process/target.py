@@ -32,6 +32,7 @@ from kprobes.errors import (
     NotABoundary,
     NotRelocatable,
     ProbeRejected,
+    SymbolNotFound,
     TargetError,
 )
 from kprobes.linux import procfs, ptrace
@@ -306,8 +307,15 @@ class Process:
                 resolver.refresh()  # maybe a library was loaded since
                 loc = resolver.resolve(probe.symbol, probe.offset)
         if loc.symbol is not None and loc.symbol.kind is SymbolKind.IFUNC:
+            name = loc.symbol.name
             impl = self._ifunc_target(loc.addr - loc.offset)
-            loc = resolver.locate_address(impl + loc.offset)
+            try:
+                loc = resolver.locate_address(impl + loc.offset)
+            except SymbolNotFound as exc:
+                raise SymbolNotFound(
+                    f"{name} is a GNU ifunc whose implementation {impl:#x} is not in "
+                    "a mapped ELF file (the vdso?), where kprobes cannot probe"
+                ) from exc
         return ProbeLocation(
             addr=loc.addr,
             display=loc.display,
