@@ -236,10 +236,18 @@ def cleanup_proc(proc: Any) -> None:
         return
     with contextlib.suppress(Exception):
         proc.detach()
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(proc.pid, signal.SIGKILL)
+    try:
+        got, status = os.waitpid(proc.pid, os.WNOHANG)
+    except ChildProcessError:
+        return  # already reaped (by the test), or not our child: never kill a reused pid
+    if got == proc.pid and not os.WIFSTOPPED(status):
+        return  # it has just exited
+    os.kill(proc.pid, signal.SIGKILL)
     with contextlib.suppress(ChildProcessError):
-        os.waitpid(proc.pid, 0)
+        while True:  # a traced child may report stops before its death
+            _, status = os.waitpid(proc.pid, 0)
+            if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+                break
 
 
 def read_line(stream: int, timeout: float) -> bytes:

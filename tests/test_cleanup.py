@@ -37,15 +37,25 @@ def expected_lines(n: int = N) -> list[str]:
 
 
 @pytest.fixture
-def subreaper() -> Iterator[None]:
+def subreaper() -> Iterator[list[int]]:
     """Orphans of this test (the traced program, once its tracer is gone) become our children,
-    so that their exit status can be collected."""
+    so that their exit status can be collected. Pids put in the yielded list are killed and
+    reaped at teardown if the test left them behind."""
     libc = ctypes.CDLL(None, use_errno=True)
     assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    orphans: list[int] = []
     try:
-        yield
+        yield orphans
     finally:
         libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+        for pid in orphans:
+            try:
+                if os.waitpid(pid, os.WNOHANG) != (0, 0):
+                    continue  # exited just now
+            except ChildProcessError:
+                continue  # already reaped, or still someone else's child: leave it alone
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
 
 
 def tracer_of(pid: int) -> int:
@@ -89,6 +99,7 @@ def test_program_survives_its_tracer_being_signalled(subreaper, popen, build, tm
     exe = build("ticker")
     out = tmp_path / "ticker.out"
     driver, pid, _ = start_driver(popen, exe, out)
+    subreaper.append(pid)
     support.wait_for_lines(out, 20, timeout=20)
     assert tracer_of(pid) == driver.pid
     os.kill(driver.pid, sig)
@@ -105,6 +116,7 @@ def test_program_survives_an_exception_in_a_handler(subreaper, popen, build, tmp
     exe = build("ticker")
     out = tmp_path / "ticker.out"
     driver, pid, _ = start_driver(popen, exe, out, "--raise-at", 30)
+    subreaper.append(pid)
     assert driver.wait(timeout=30) != 0
     assert driver.stderr is not None
     stderr = driver.stderr.read().decode()
