@@ -381,12 +381,7 @@ class Tracer:
         if kind is PlanKind.EMULATE:
             assert x.emulator is not None
             x.emulator(regs.words, t.tracee)
-            if site.posts:
-                t.busy = True
-                try:
-                    site.run_post(regs)
-                finally:
-                    t.busy = False
+            self._run_post(t, site)
             t.store_regs()
             self._after_handler(t)
         elif kind is PlanKind.BOOST:
@@ -405,6 +400,14 @@ class Tracer:
                 else:
                     t.step()
 
+    def _run_post(self, t: Thread, site: ProbeSite) -> None:
+        if site.posts:
+            t.busy = True  # a handler may stop the world: nobody else may resume this thread
+            try:
+                site.run_post(t.regs)
+            finally:
+                t.busy = False
+
     def _after_handler(self, t: Thread) -> None:
         """Resume ``t`` unless a handler stopped the world and left it held."""
         if t.state is S.STOPPED and t.pending is None and not self.hold_all:
@@ -422,12 +425,7 @@ class Tracer:
         x: Prepared = t.step_prep
         regs = t.regs
         regs.rip = step_fixup(x.plan, x.slot, regs.rip)
-        if site.posts:
-            t.busy = True
-            try:
-                site.run_post(regs)
-            finally:
-                t.busy = False
+        self._run_post(t, site)
         t.store_regs()
         self._after_handler(t)
 
