@@ -1,0 +1,41 @@
+"""The public API is what kprobes/__init__.py exports, and nothing is missing from it."""
+
+import kprobes
+
+EXPECTED = {
+    "TRAP_HANDLER_EXCEPTION",
+    "BlacklistEntry",
+    "Kprobe",
+    "ProbeFlags",
+    "ProbeListing",
+    "Process",
+    "Regs",
+    "attach",
+    "errors",
+    "spawn",
+}
+
+
+def test_all_is_exactly_the_public_api() -> None:
+    assert set(kprobes.__all__) == EXPECTED
+    for name in kprobes.__all__:
+        assert hasattr(kprobes, name), name
+
+
+def test_the_process_api_of_the_issue() -> None:
+    for method in (
+        "register_kprobe",
+        "register_kprobes",
+        "unregister_kprobe",
+        "unregister_kprobes",
+        "enable_kprobe",
+        "disable_kprobe",
+        "list",
+        "blacklist",
+        "run",
+        "detach",
+        "read",
+        "write",
+        "read_string",
+    ):
+        assert callable(getattr(kprobes.Process, method)), method
