@@ -34,9 +34,9 @@ from bench.peer import Outcome, Peer, Row, RunError, hits_from_fields
 
 TIERS: tuple[tuple[str, str, str, int, str], ...] = (
     # key, label, func, offset, handlers
-    ("kprobes-emulate-push", "kprobes, emulate (push)", "work_push", 0, "pre"),
+    ("kprobes-push", "kprobes, push site (boosted)", "work_push", 0, "pre"),
     ("kprobes-emulate-lea", "kprobes, emulate (lea)", "work_lea", 0, "pre"),
-    ("kprobes-colocate", "kprobes, emulate (push), proc.colocate()", "work_push", 0, "colocate"),
+    ("kprobes-colocate", "kprobes, push site, proc.colocate()", "work_push", 0, "colocate"),
     ("kprobes-boost", "kprobes, boost (imul)", "work_boost", 0, "pre"),
     ("kprobes-boost-rip", "kprobes, boost (rip-relative mov)", "work_rip", 0, "pre"),
     ("kprobes-step", "kprobes, step: copy + int3 (imul, post handler)", "work_boost", 0, "post"),

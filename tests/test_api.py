@@ -406,7 +406,7 @@ def test_list_format(spawn, target, tmp_path):
     assert insns[0x12].startswith("mov") and insns[0x15].startswith("add")
     proc, _ = start(spawn, tmp_path, [target, N])
     base = support.runtime_address(proc.pid, target, "kpt_asm")
-    push = kprobes.Kprobe(symbol="kpt_asm")  # push %rbx: emulated
+    push = kprobes.Kprobe(symbol="kpt_asm")  # push %rbx, no post handler: boosted
     movabs = kprobes.Kprobe(symbol="kpt_asm", offset=1, disabled=True)  # boostable
     load = kprobes.Kprobe(addr=base + 0x12)  # mov (%rbx),%rcx: boostable
     stepped = kprobes.Kprobe(symbol="kpt_asm+0x15", post_handler=lambda p, r, f: None)
@@ -414,7 +414,7 @@ def test_list_format(spawn, target, tmp_path):
     proc.register_kprobes([call, stepped, load, movabs, push])
     entries = sorted(proc.list(), key=lambda e: e.addr)
     lines = [str(e) for e in entries]
-    assert lines[0] == f"{base:016x}  k  kpt_asm+0x0  [target]  [emulate]"
+    assert lines[0] == f"{base:016x}  k  kpt_asm+0x0  [target]  [boost]"
     assert lines[1] == f"{base + 1:016x}  k  kpt_asm+0x1  [target]  [DISABLED]  [boost]"
     assert lines[2] == f"{base + 0x12:016x}  k  kpt_asm+0x12  [target]  [boost]"
     # With a post handler the copy cannot jump straight back: it is stepped.
@@ -425,12 +425,12 @@ def test_list_format(spawn, target, tmp_path):
     assert lines[4] == f"{base + 0x1B:016x}  k  kpt_asm+0x1b  [target]  [emulate]"
     assert [e.kind for e in entries] == ["k"] * 5
     assert [e.addr - base for e in entries] == [0, 1, 0x12, 0x15, 0x1B]
-    assert [e.plan for e in entries] == ["emulate", "boost", "boost", entries[3].plan, "emulate"]
+    assert [e.plan for e in entries] == ["boost", "boost", "boost", entries[3].plan, "emulate"]
     assert [e.is_disabled for e in entries] == [False, True, False, False, False]
     assert not any(e.is_gone for e in entries)
     run_to_exit(proc)
     after = sorted(proc.list(), key=lambda e: e.addr)
-    assert str(after[0]) == f"{base:016x}  k  kpt_asm+0x0  [target]  [GONE]  [emulate]"
+    assert str(after[0]) == f"{base:016x}  k  kpt_asm+0x0  [target]  [GONE]  [boost]"
     assert str(after[1]) == (
         f"{base + 1:016x}  k  kpt_asm+0x1  [target]  [GONE]  [DISABLED]  [boost]"
     )

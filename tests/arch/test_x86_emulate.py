@@ -54,7 +54,7 @@ def make_regs(**values: int) -> Regs:
 
 
 def run(raw: str, mem: FakeMemory | None = None, **values: int) -> tuple[Regs, FakeMemory, Plan]:
-    plan = plan_instruction(bytes.fromhex(raw), A, has_post_handler=False)
+    plan = plan_instruction(bytes.fromhex(raw), A, has_post_handler=True)
     assert plan.kind is PlanKind.EMULATE
     regs = make_regs(**values)
     mem = FakeMemory() if mem is None else mem
@@ -186,7 +186,7 @@ def test_jcc_all_conditions(cond: int, name: str, form: str) -> None:
     raw = f"{0x70 + cond:02x} 10" if form == "short" else f"0f {0x80 + cond:02x} 00 01 00 00"
     length = len(bytes.fromhex(raw))
     target = A + length + (0x10 if form == "short" else 0x100)
-    plan = plan_instruction(bytes.fromhex(raw), A, has_post_handler=False)
+    plan = plan_instruction(bytes.fromhex(raw), A, has_post_handler=True)
     assert plan.text.startswith(f"j{name} ")
     for flags in FLAG_COMBOS:
         regs = make_regs(eflags=eflags_of(*flags))
@@ -317,7 +317,7 @@ def test_loops(raw: str, before: dict[str, int], after: dict[str, int]) -> None:
 
 @pytest.mark.parametrize("raw", ["55", "e8 00 01 00 00", "ff d0"])
 def test_a_faulting_push_leaves_registers_alone(raw: str) -> None:
-    plan = plan_instruction(bytes.fromhex(raw), A, has_post_handler=False)
+    plan = plan_instruction(bytes.fromhex(raw), A, has_post_handler=True)
     regs = make_regs(rax=0x402000)
     before = regs.as_dict()
     with pytest.raises(OSError):
@@ -327,7 +327,7 @@ def test_a_faulting_push_leaves_registers_alone(raw: str) -> None:
 
 @pytest.mark.parametrize("raw", ["c3", "ff 25 10 00 00 00"])
 def test_a_faulting_load_leaves_registers_alone(raw: str) -> None:
-    plan = plan_instruction(bytes.fromhex(raw), A, has_post_handler=False)
+    plan = plan_instruction(bytes.fromhex(raw), A, has_post_handler=True)
     regs = make_regs()
     before = regs.as_dict()
     with pytest.raises(OSError):
@@ -337,7 +337,7 @@ def test_a_faulting_load_leaves_registers_alone(raw: str) -> None:
 
 @pytest.mark.parametrize("raw", ["48 83 ec 10", "0f 05"])
 def test_only_emulate_plans_are_emulated(raw: str) -> None:
-    plan = plan_instruction(bytes.fromhex(raw), A, has_post_handler=False)
+    plan = plan_instruction(bytes.fromhex(raw), A, has_post_handler=True)
     with pytest.raises(InternalError):
         emulate(plan, make_regs(), FakeMemory())
 
@@ -349,7 +349,7 @@ EVERY_OP = [
 
 
 def test_every_op_is_emulated() -> None:
-    plans = [plan_instruction(bytes.fromhex(raw), A, has_post_handler=False) for raw in EVERY_OP]
+    plans = [plan_instruction(bytes.fromhex(raw), A, has_post_handler=True) for raw in EVERY_OP]
     assert {plan.op for plan in plans} == set(Op)
     for plan in plans:
         mem = FakeMemory()

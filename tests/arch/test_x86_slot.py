@@ -141,7 +141,7 @@ def test_singlestep_slot_is_the_copy_and_a_guard_int3() -> None:
 
 
 def test_emulated_instructions_need_no_slot() -> None:
-    plan, code = planned("55")
+    plan, code = planned("48 89 e5")
     assert build_slot(plan, code, A + 0x1000) == b""
 
 

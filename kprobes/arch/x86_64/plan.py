@@ -334,8 +334,11 @@ def plan_instruction(code: bytes, addr: int, *, has_post_handler: bool) -> Plan:
     # Step 2: emulate what we can: no slot, one stop.
     prefixes = _legacy_prefixes(code)
     emulated = _emulation(instr, prefixes)
-    if emulated is not None:
+    if emulated is not None and not (emulated.op is Op.PUSH and not has_post_handler):
         return emulated
+    # A push writes the stack: emulated, that is one more syscall per hit (measured: 8.9 µs
+    # against 7.6 µs boosted). Without a post handler the copy does it for free; with one,
+    # emulation still saves the second stop, so it stays emulated.
 
     text = format_instruction(instr)
     length = instr.len
