@@ -96,10 +96,8 @@ def _release(tracer: Tracer, t: Thread) -> None:
     if status is not None:
         event = (status >> 16) & 0xFF
         if status == ev.SIGTRAP_STOP:
-            if t.pending_from is ThreadState.STEPPING or (
-                tracer.xol and tracer.xol.contains(rip - 1)
-            ):
-                rip = _home(tracer, rip - 1) if rip - 1 != _home(tracer, rip - 1) else rip
+            if t.pending_from is ThreadState.STEPPING or (tracer.xol and tracer.xol.contains(rip)):
+                pass  # the end of an out-of-line step: _home() below maps rip back
             elif rip - 1 in tracer.breakpoints.ever_patched:
                 rip -= 1  # the hit was not handled: run the restored instruction
             else:
@@ -116,9 +114,9 @@ def _release(tracer: Tracer, t: Thread) -> None:
     if rip != regs.rip:
         regs.rip = rip
         t.store_regs()
-    if sig and status is not None and (status >> 16) == 0:
-        pass  # a signal-delivery-stop: detaching with sig delivers it with its own siginfo
-    elif not sig and t.held_signals:
+    # A signal-delivery-stop detached with its sig keeps its own siginfo; otherwise deliver a
+    # signal we were holding, with the siginfo it came with.
+    if not sig and t.held_signals:
         sig, info = t.held_signals.pop(0)
         ptrace.setsiginfo(t.tid, info)
     with contextlib.suppress(ProcessLookupError):

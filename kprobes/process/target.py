@@ -294,16 +294,14 @@ class Process:
                 raise Blacklisted(f"{addr:#x} is inside kprobes' own out-of-line area")
             try:
                 loc = resolver.locate_address(addr)
-            except NotABoundary:
-                raise
-            except Exception:
-                resolver.refresh()
+            except SymbolNotFound:
+                resolver.refresh()  # maybe a library was loaded since
                 loc = resolver.locate_address(addr)
         else:
             assert probe.symbol is not None
             try:
                 loc = resolver.resolve(probe.symbol, probe.offset)
-            except Exception:
+            except SymbolNotFound:
                 resolver.refresh()  # maybe a library was loaded since
                 loc = resolver.resolve(probe.symbol, probe.offset)
         if loc.symbol is not None and loc.symbol.kind is SymbolKind.IFUNC:
