@@ -11,6 +11,7 @@ handler with the saved registers, and carry on as if nothing happened.
 from kprobes import errors
 from kprobes.arch.x86_64.regs import Regs
 from kprobes.core.probes import TRAP_HANDLER_EXCEPTION, Kprobe, ProbeFlags
+from kprobes.core.retprobes import Jprobe, Kretprobe, KretprobeInstance, Task
 from kprobes.model import BlacklistEntry, ProbeListing
 from kprobes.process.target import Process, attach, spawn
 
@@ -19,11 +20,15 @@ __version__ = "0.1.0"
 __all__ = [
     "TRAP_HANDLER_EXCEPTION",
     "BlacklistEntry",
+    "Jprobe",
     "Kprobe",
+    "Kretprobe",
+    "KretprobeInstance",
     "ProbeFlags",
     "ProbeListing",
     "Process",
     "Regs",
+    "Task",
     "attach",
     "errors",
     "spawn",

@@ -66,3 +66,55 @@ class BlacklistEntry:
 
     def __str__(self) -> str:
         return f"0x{self.start:016x}-0x{self.end:016x}\t{self.reason}"
+
+
+# A fetched value as the evaluator hands it over: an integer (u/s/x/char/bitfield types), a
+# string (string, ustring, symbol, symstr, $comm), None when the fetch faulted (printed as the
+# kernel's "(fault)"), or a tuple of those for the array types ``TYPE[N]``.
+ArgValue = int | str | None | tuple["ArgValue", ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EventArg:
+    """One fetched argument of an event: its name, its spec type (``u32``, ``string``, ...)."""
+
+    name: str
+    type: str
+    value: ArgValue
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One probe hit, the same value for every target (Process, Kernel, Uprobes).
+
+    ``timestamp`` is in seconds, from the same clock for every event of one session
+    (CLOCK_MONOTONIC for the Process target, the trace clock for the kernel's). ``location``
+    is ``sym+off/size`` of ``ip``; for a return event, ``ip`` is where the function returns to
+    (the caller) and ``func`` names the function that returned, as in the kernel's
+    ``(caller+off/size <- func)``.
+    """
+
+    group: str
+    event: str
+    pid: int
+    tid: int
+    comm: str
+    cpu: int
+    timestamp: float
+    ip: int
+    location: str
+    args: tuple[EventArg, ...] = ()
+    is_return: bool = False
+    func: str = ""
+    func_ip: int = 0
+
+    @property
+    def name(self) -> str:
+        """``GROUP/EVENT``."""
+        return f"{self.group}/{self.event}"
+
+    def arg(self, name: str) -> ArgValue:
+        for a in self.args:
+            if a.name == name:
+                return a.value
+        raise KeyError(name)

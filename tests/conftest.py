@@ -37,6 +37,7 @@ class Build:
     flags: tuple[str, ...] = ("-O1", *DEBUG)
     libs: tuple[str, ...] = ()
     needs: tuple[str, ...] = ()  # other builds that must exist first (shared libraries)
+    compiler: str = "gcc"
 
 
 BUILDS: dict[str, Build] = {
@@ -49,6 +50,8 @@ BUILDS: dict[str, Build] = {
     "signals": Build("signals.c"),
     "procs": Build("procs.c"),
     "ifunc": Build("ifunc.c", libs=("-ldl",)),
+    "rets": Build("rets.c", flags=("-O1", *DEBUG, "-pthread")),
+    "rets_cxx": Build("rets_cxx.cpp", compiler="g++"),
     "libkpt.so": Build("libkpt.c", flags=("-O1", *DEBUG, "-fPIC", "-shared")),
     "uselib": Build(
         "uselib.c",
@@ -73,7 +76,7 @@ def build_program(name: str) -> Path:
         if out.exists() and out.stat().st_mtime >= newest_input:
             return out
         tmp = out.with_name(f".{name}.{os.getpid()}.tmp")
-        cmd = ["gcc", *spec.flags, "-o", str(tmp), str(source), *spec.libs]
+        cmd = [spec.compiler, *spec.flags, "-o", str(tmp), str(source), *spec.libs]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr}")

@@ -75,6 +75,7 @@ class Kprobe:
         self.nhit = 0
         self.location: Location | None = None
         self.site: ProbeSite | None = None  # set while registered; core-private
+        self.owner: Any = None  # the Kretprobe or Jprobe this entry probe belongs to
 
     @property
     def is_registered(self) -> bool:

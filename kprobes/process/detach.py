@@ -39,6 +39,8 @@ def detach_all(tracer: Tracer) -> None:
         for tracee in list(tracer.tracees.values()):
             if tracee.kind is not TraceeKind.VFORK:
                 tracer.breakpoints.restore_all(tracee)
+        # Step 2b: every live frame we hooked gets its real return address back.
+        tracer.trampoline.unhook(list(tracer.threads.values()))
         # Step 3
         for slot, prepared in tracer.slot_history.items():
             if prepared.kind in (PlanKind.STEP, PlanKind.SINGLESTEP):
@@ -100,6 +102,10 @@ def _release(tracer: Tracer, t: Thread) -> None:
                 pass  # the end of an out-of-line step: _home() below maps rip back
             elif rip - 1 in tracer.breakpoints.ever_patched:
                 rip -= 1  # the hit was not handled: run the restored instruction
+            elif rip - 1 == tracer.trampoline.addr and tracer.trampoline.addr:
+                home = tracer.trampoline.home_of(t, regs.rsp)
+                if home is not None:
+                    rip = home  # a return not yet reported: go where it was going
             else:
                 sig = signal.SIGTRAP  # the program's own
         elif event == 0 and os.WIFSTOPPED(status):
@@ -136,3 +142,5 @@ def _adopt_child(tracer: Tracer, parent: Thread, event: int) -> None:
     tracer.add_thread(tracee, child, ThreadState.NEW)
     if kind is TraceeKind.RELEASE:
         tracer.breakpoints.restore_all(tracee)
+        tracee.inherited_returns = tracer.trampoline.snapshot(parent)
+        tracer.trampoline.restore_child(tracee)

@@ -16,7 +16,7 @@ import builtins
 import errno
 import os
 import signal
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import IO, Any
@@ -26,6 +26,7 @@ from kprobes.arch.x86_64.emulate import emulator_for
 from kprobes.arch.x86_64.plan import PlanKind, build_slot, plan_instruction
 from kprobes.core.manager import ProbeManager
 from kprobes.core.probes import Kprobe
+from kprobes.core.retprobes import InstancePool, Jprobe, Kretprobe, default_maxactive
 from kprobes.core.table import ProbeSite
 from kprobes.errors import (
     Blacklisted,
@@ -42,6 +43,7 @@ from kprobes.process.detach import detach_all
 from kprobes.process.threads import ThreadState
 from kprobes.process.tracee import Tracee, TraceeKind
 from kprobes.process.tracer import Prepared, Tracer
+from kprobes.process.trampoline import UNWIND_DONE, UNWIND_ENTRIES, UnwindGuard
 from kprobes.process.trapguard import TrapGuard
 from kprobes.process.xol import FLAGS, PROT, XolArea, candidate_addresses
 from kprobes.symbols.elf import SymbolKind
@@ -85,6 +87,7 @@ class Process:
         self._boundaries: dict[int, frozenset[int]] = {}
         self._ifuncs: dict[int, int] = {}
         self._syscall_insn: int | None = None
+        self._unwind_guarded: set[int] = set()
         self._saved_affinity: dict[int, set[int]] | None = None
         self._attached = True
 
@@ -222,6 +225,99 @@ class Process:
     def disable_kprobe(self, kp: Kprobe) -> None:
         self._manager.disable(kp)
 
+    # -- return probes ---------------------------------------------------------------------
+
+    def register_kretprobe(self, rp: Kretprobe) -> None:
+        self.register_kretprobes([rp])
+
+    def register_kretprobes(self, rps: Sequence[Kretprobe]) -> None:
+        """Register return probes; a failure rolls back the ones already registered."""
+        self._require_attached()
+        for rp in rps:
+            if rp.data_size < 0:
+                raise ProbeRejected(f"data_size {rp.data_size} is negative", errno=errno.EINVAL)
+            if rp.is_registered:
+                raise ProbeRejected(f"{rp!r} is already registered", errno=errno.EINVAL)
+        with self.batch():
+            self._ensure_trampoline()
+            done: list[Kretprobe] = []
+            try:
+                for rp in rps:
+                    size = (
+                        rp.maxactive if rp.maxactive > 0 else default_maxactive(len(self.threads))
+                    )
+                    rp.pool = InstancePool(rp, size)
+                    rp.kp.pre_handler = self._tracer.trampoline.entry_handler_for(rp)
+                    try:
+                        self._manager.register(rp.kp)
+                    except BaseException:
+                        rp.pool = None
+                        raise
+                    rp.nmissed = rp.nabandoned = rp.nhit = 0
+                    done.append(rp)
+                self._ensure_unwind_guard()
+            except BaseException:
+                for rp in reversed(done):
+                    self._unregister_kretprobe(rp)
+                raise
+
+    def unregister_kretprobe(self, rp: Kretprobe) -> None:
+        self.unregister_kretprobes([rp])
+
+    def unregister_kretprobes(self, rps: Sequence[Kretprobe]) -> None:
+        """Unregister; every frame still hooked for them gets its real return address back."""
+        with self.batch():
+            for rp in rps:
+                self._unregister_kretprobe(rp)
+
+    def _unregister_kretprobe(self, rp: Kretprobe) -> None:
+        self._manager.unregister(rp.kp)
+        if self._attached and self._tracer.main is not None:
+            self._tracer.trampoline.unhook(list(self._tracer.threads.values()), rp)
+        rp.pool = None
+
+    def enable_kretprobe(self, rp: Kretprobe) -> None:
+        self._manager.enable(rp.kp)
+
+    def disable_kretprobe(self, rp: Kretprobe) -> None:
+        self._manager.disable(rp.kp)
+
+    def _ensure_trampoline(self) -> None:
+        tramp = self._tracer.trampoline
+        if tramp.addr:
+            return
+        xol = self._xol()
+        near = xol.pages[0].start if xol.pages else self._symbols().main_module().start
+        slot = xol.alloc(near)
+        for space in self._tracer.own_memories():
+            space.write(slot, b"\xcc")
+        tramp.addr = slot
+
+    def _ensure_unwind_guard(self) -> None:
+        """Probe the unwinder's entry points in every module that has them (see trampoline.py)."""
+        tramp = self._tracer.trampoline
+        resolver = self._symbols()
+        resolver.refresh()
+        for module in resolver.modules():
+            for name in UNWIND_ENTRIES + UNWIND_DONE:
+                sym = module.image.lookup(name)
+                if sym is None or not sym.kind.is_function:
+                    continue
+                addr = module.bias + sym.value
+                if addr in self._unwind_guarded:
+                    continue
+                on = tramp.on_unwound if name in UNWIND_DONE else tramp.on_unwind
+                kp = Kprobe(addr=addr, pre_handler=_guard_handler(on))
+                kp.owner = tramp.guard
+                try:
+                    self._manager.register(kp)
+                except ProbeRejected:
+                    continue  # an instruction we cannot run out of line: no guard there
+                self._unwind_guarded.add(addr)
+                tramp.guard_probes.append(kp)
+
+    # -- jprobes ---------------------------------------------------------------------------
+
     @property
     def enabled(self) -> bool:
         """Appendix A's ``enabled`` knob: False disarms every probe, keeping each one's state."""
@@ -237,6 +333,8 @@ class Process:
             x: Prepared | None = site.ainsn
             loc: ProbeLocation = site.location  # type: ignore[assignment]
             for probe in site.probes:
+                if isinstance(probe.owner, UnwindGuard):
+                    continue
                 out.append(
                     ProbeListing(
                         addr=site.addr,
@@ -332,6 +430,18 @@ class Process:
         for entry in self.blacklist():
             if loc.addr in entry:
                 raise Blacklisted(f"{loc.addr:#x} ({loc.display}) is blacklisted: {entry.reason}")
+        if isinstance(probe.owner, (Kretprobe, Jprobe)) and loc.func_start != loc.addr:
+            what = "kretprobe" if isinstance(probe.owner, Kretprobe) else "jprobe"
+            raise ProbeRejected(
+                f"a {what} must be at a function entry; {loc.display} is not",
+                errno=errno.EINVAL,
+            )
+        if isinstance(probe.owner, Jprobe):
+            site = self._manager.table.get(loc.addr)
+            if site is not None and any(isinstance(p.owner, Jprobe) for p in site.probes):
+                raise ProbeRejected(
+                    f"{loc.display} already has a jprobe (one per function)", errno=errno.EEXIST
+                )
         if loc.func_start >= loc.addr:
             return
         bounds = self._boundaries.get(loc.func_start)
@@ -451,6 +561,13 @@ class Process:
 
     def _publish(self) -> None:
         cleanup.publish(self, self.list() if self._tracer.main is not None else [])
+
+
+def _guard_handler(on: Callable[[Any], None]) -> Callable[[Kprobe, Any], None]:
+    def pre_handler(_kp: Kprobe, regs: Any) -> None:
+        on(regs)
+
+    return pre_handler
 
 
 def _fd_of(stream: StdStream) -> int | None:

@@ -14,6 +14,7 @@ import struct
 from typing import TYPE_CHECKING, Any
 
 from kprobes.arch.x86_64.regs import Regs
+from kprobes.core.retprobes import KretprobeInstance, Task
 from kprobes.errors import InternalError
 from kprobes.linux import ptrace
 
@@ -47,16 +48,20 @@ class Thread:
         "busy",
         "held_signals",
         "interrupt_sent",
+        "lost",
         "pending",
         "pending_from",
         "regs",
         "regs_struct",
+        "rets",
         "skip_hit",
         "state",
         "step_prep",
         "step_site",
+        "task",
         "tid",
         "tracee",
+        "unhooked",
     )
 
     def __init__(self, tid: int, tracee: Tracee, state: ThreadState) -> None:
@@ -73,6 +78,10 @@ class Thread:
         self.interrupt_sent = False
         self.busy = False  # a handler is running for it: nobody else may resume it
         self.skip_hit: tuple[int, int] | None = None  # (addr, rsp): handlers already ran
+        self.task = Task(tracee.pid, tid)  # what return-probe handlers see as ri.task
+        self.rets: list[KretprobeInstance] = []  # live return-probe instances, oldest first
+        self.lost: dict[int, int] = {}  # stack slot → real return address of released ones
+        self.unhooked = False  # the unwinder has the real return addresses in its frames
 
     def to(self, state: ThreadState) -> None:
         """The one place a thread changes state; impossible transitions are bugs."""

@@ -31,6 +31,9 @@ class Tracee:
         self.threads: dict[int, Thread] = {}
         self.mem_fd = -1
         self.exit_code: int | None = None
+        # (stack slot, real return address) of the frames the forking thread had hooked:
+        # a forked child's copy of the stack holds our trampoline there.
+        self.inherited_returns: list[tuple[int, int]] = []
         self.open_memory()
 
     def open_memory(self) -> None:

@@ -37,6 +37,7 @@ from kprobes.process import events as ev
 from kprobes.process.breakpoints import Breakpoints
 from kprobes.process.threads import RUNNING_STATES, Thread, ThreadState, siginfo_code
 from kprobes.process.tracee import Tracee, TraceeKind
+from kprobes.process.trampoline import Trampoline
 from kprobes.process.trapguard import TrapGuard
 from kprobes.process.xol import XolArea
 
@@ -89,6 +90,7 @@ class Tracer:
         self.on_gone: Callable[[], None] = lambda: None
         self.trap_guard: TrapGuard | None = None
         self.guarding = False  # the trap guard is armed: hits take the full path
+        self.trampoline = Trampoline(self)
         self._stop_depth = 0
 
     # -- bookkeeping -----------------------------------------------------------------------
@@ -111,6 +113,8 @@ class Tracer:
         return thread
 
     def drop_thread(self, thread: Thread) -> None:
+        if thread.rets:
+            self.trampoline.forget_thread(thread)
         self.threads.pop(thread.tid, None)
         thread.tracee.threads.pop(thread.tid, None)
         if _OWNERS.get(thread.tid) is self:
@@ -323,6 +327,8 @@ class Tracer:
                     kind = TraceeKind.FORK if self.follow_forks else TraceeKind.RELEASE
                 if child not in self.tracees:
                     tracee = self.add_tracee(child, kind)
+                    if t.rets and kind is not TraceeKind.VFORK:
+                        tracee.inherited_returns = self.trampoline.snapshot(t)
                     self.add_thread(tracee, child, S.NEW)
                 self._resume_if_free(t)
             case ev.Exec():
@@ -429,10 +435,21 @@ class Tracer:
         t.store_regs()
         self._after_handler(t)
 
+    def _return_hit(self, t: Thread) -> None:
+        """``t`` returned into the kretprobe trampoline."""
+        if self.trap_guard is not None and self.trap_guard.is_armed:
+            self.trap_guard.repair(t)
+        self.trampoline.on_return(t)
+        t.store_regs()
+        self._after_handler(t)
+
     def _foreign_trap(self, t: Thread) -> None:
-        """A SIGTRAP that is not a live breakpoint of ours."""
+        """A SIGTRAP that is not a live breakpoint of ours (or our return trampoline)."""
         regs = t.regs
         rip = regs.rip
+        if rip - 1 == self.trampoline.addr and self.trampoline.addr:
+            self._return_hit(t)
+            return
         info = ptrace.getsiginfo(t.tid)
         if siginfo_code(info) == ptrace.SI_KERNEL and self.breakpoints.is_stale_trap(rip - 1):
             # It hit an int3 we removed before we saw the trap: run the real instruction.
@@ -560,6 +577,7 @@ class Tracer:
             self.breakpoints.forget()
             if self.xol is not None:
                 self.xol.forget()
+            self.trampoline.forget()
             self.slot_owner.clear()
             self.slot_history.clear()
             tracee.open_memory()
@@ -575,6 +593,7 @@ class Tracer:
             self._release(tracee, clean=True)
         elif tracee.kind is TraceeKind.FORK:
             self.breakpoints.sync(tracee)
+            self.trampoline.restore_child(tracee)
             self._resume_if_free(t)
         else:
             self._resume_if_free(t)
@@ -583,6 +602,7 @@ class Tracer:
         """Take our bytes out of a child's own memory and let it go."""
         if clean:
             self.breakpoints.restore_all(tracee)
+            self.trampoline.restore_child(tracee)
         for thread in list(tracee.threads.values()):
             sig = 0
             if thread.held_signals:
@@ -633,6 +653,7 @@ class Tracer:
                 self._release(t.tracee, clean=True)
             elif was_new and t.tracee.kind is TraceeKind.FORK:
                 self.breakpoints.sync(t.tracee)
+                self.trampoline.restore_child(t.tracee)
             return
         t.pending_from = t.state
         t.pending = status

@@ -1,0 +1,227 @@
+"""Return probes and jprobes: the probe objects and the kretprobe instance pool.
+
+A ``Kretprobe`` is, as in the kernel, a kprobe at the function's entry (its ``kp``, listed
+with type ``r``) plus a pool of ``maxactive`` pre-allocated instances. Each call that takes an
+instance keeps it until the function returns (or is found abandoned by ``longjmp`` or an
+exception); a call that finds the pool empty is counted in ``nmissed`` and not hooked.
+
+The pool and the probe objects are generic. How the return address is captured, where the
+trampoline is and how a thread's live instances are matched to a return belong to the target
+(``process/trampoline.py`` for the Process target).
+
+A ``Jprobe`` is a kprobe at a function's entry whose handler is called with the function's
+arguments; it is registered through an entry kprobe (type ``j``) like the kernel's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kprobes.core.probes import Kprobe, Location, ProbeFlags
+
+# handler(ri, regs) and entry_handler(ri, regs); a true entry_handler result cancels the hook.
+RetHandler = Callable[["KretprobeInstance", Any], "bool | int | None"]
+
+DEFAULT_MAXACTIVE_MIN = 10
+MAXACTIVE_LIMIT = 4096  # the kernel's KRETPROBE_MAXACTIVE_MAX for kprobe_events
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """The thread an instance belongs to (the kernel's ``ri->task``)."""
+
+    pid: int
+    tid: int
+
+
+class KretprobeInstance:
+    """One in-flight call of a return-probed function (``struct kretprobe_instance``)."""
+
+    __slots__ = ("data", "probe", "ret_addr", "stack", "task")
+
+    def __init__(self, probe: Kretprobe) -> None:
+        self.probe = probe
+        self.ret_addr = 0  # where the function really returns to
+        self.stack = 0  # address of the return-address slot on the thread's stack
+        self.task: Task = Task(0, 0)
+        self.data = bytearray(probe.data_size)
+
+    def __repr__(self) -> str:
+        return (
+            f"<KretprobeInstance {self.probe.display} tid={self.task.tid} "
+            f"ret={self.ret_addr:#x} stack={self.stack:#x}>"
+        )
+
+
+class Kretprobe:
+    """A return probe: ``Kretprobe(symbol="libc:malloc", handler=h, entry_handler=e)``.
+
+    ``handler(ri, regs)`` runs when the function returns (``regs.return_value`` is its
+    result); ``entry_handler(ri, regs)`` runs at its entry and returning true cancels the
+    return hook for that call. ``ri.data`` is a ``bytearray(data_size)`` shared by the two.
+    """
+
+    kind = "r"
+
+    def __init__(
+        self,
+        symbol: str | None = None,
+        offset: int = 0,
+        addr: int | None = None,
+        handler: RetHandler | None = None,
+        entry_handler: RetHandler | None = None,
+        maxactive: int = 0,
+        data_size: int = 0,
+        disabled: bool = False,
+    ) -> None:
+        self.handler = handler
+        self.entry_handler = entry_handler
+        self.maxactive = maxactive
+        self.data_size = data_size
+        self.kp = Kprobe(symbol=symbol, offset=offset, addr=addr, disabled=disabled)
+        self.kp.kind = "r"
+        self.kp.owner = self
+        self.nmissed = 0  # entries that found no free instance
+        self.nabandoned = 0  # instances dropped because their frame vanished (longjmp, throw)
+        self.nhit = 0  # returns reported
+        self.pool: InstancePool | None = None  # set while registered
+
+    # The entry kprobe carries where the probe is and its state.
+    @property
+    def symbol(self) -> str | None:
+        return self.kp.symbol
+
+    @property
+    def offset(self) -> int:
+        return self.kp.offset
+
+    @property
+    def addr(self) -> int | None:
+        return self.kp.addr
+
+    @property
+    def flags(self) -> ProbeFlags:
+        return self.kp.flags
+
+    @property
+    def location(self) -> Location | None:
+        return self.kp.location
+
+    @property
+    def is_registered(self) -> bool:
+        return self.kp.is_registered
+
+    @property
+    def is_disabled(self) -> bool:
+        return self.kp.is_disabled
+
+    @property
+    def is_gone(self) -> bool:
+        return self.kp.is_gone
+
+    @property
+    def display(self) -> str:
+        if self.kp.location is not None:
+            return self.kp.location.display
+        return self.kp.symbol or hex(self.kp.addr or 0)
+
+    def __repr__(self) -> str:
+        state = "registered" if self.is_registered else "unregistered"
+        return (
+            f"<Kretprobe {self.display} {state} nhit={self.nhit} nmissed={self.nmissed} "
+            f"nabandoned={self.nabandoned}>"
+        )
+
+
+def default_maxactive(nthreads: int) -> int:
+    """The document's ``max(10, 2*NR_CPUS)``, with the program's threads for CPUs."""
+    return max(DEFAULT_MAXACTIVE_MIN, 2 * max(1, nthreads))
+
+
+class InstancePool:
+    """``maxactive`` pre-allocated instances; ``get`` returns None when all are in flight."""
+
+    __slots__ = ("free", "size")
+
+    def __init__(self, probe: Kretprobe, size: int) -> None:
+        self.size = size
+        self.free = [KretprobeInstance(probe) for _ in range(size)]
+
+    def get(self) -> KretprobeInstance | None:
+        free = self.free
+        return free.pop() if free else None
+
+    def put(self, ri: KretprobeInstance) -> None:
+        self.free.append(ri)
+
+    @property
+    def in_flight(self) -> int:
+        return self.size - len(self.free)
+
+
+# entry(*args) for a Jprobe: called with the probed function's arguments.
+JprobeEntry = Callable[..., Any]
+
+
+class Jprobe:
+    """A probe on a function's entry whose handler receives the function's arguments.
+
+    ``Jprobe(symbol="work", entry=fn)``: ``fn(a, b, ...)`` is called with the arguments of
+    each call, typed from DWARF or from ``fn``'s annotations; returning from ``fn`` is the
+    document's ``jprobe_return()``. Registers and the top of the stack are restored after
+    ``fn``, so a jprobe cannot disturb the call (the mirroring principle).
+    """
+
+    kind = "j"
+
+    def __init__(
+        self,
+        symbol: str | None = None,
+        offset: int = 0,
+        addr: int | None = None,
+        entry: JprobeEntry | None = None,
+        disabled: bool = False,
+    ) -> None:
+        self.entry = entry
+        self.kp = Kprobe(symbol=symbol, offset=offset, addr=addr, disabled=disabled)
+        self.kp.kind = "j"
+        self.kp.owner = self
+
+    @property
+    def symbol(self) -> str | None:
+        return self.kp.symbol
+
+    @property
+    def addr(self) -> int | None:
+        return self.kp.addr
+
+    @property
+    def nmissed(self) -> int:
+        return self.kp.nmissed
+
+    @property
+    def nhit(self) -> int:
+        return self.kp.nhit
+
+    @property
+    def location(self) -> Location | None:
+        return self.kp.location
+
+    @property
+    def is_registered(self) -> bool:
+        return self.kp.is_registered
+
+    @property
+    def is_disabled(self) -> bool:
+        return self.kp.is_disabled
+
+    @property
+    def is_gone(self) -> bool:
+        return self.kp.is_gone
+
+    def __repr__(self) -> str:
+        where = self.kp.location.display if self.kp.location else (self.symbol or "?")
+        state = "registered" if self.is_registered else "unregistered"
+        return f"<Jprobe {where} {state} nhit={self.nhit}>"

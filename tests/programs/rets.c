@@ -1,0 +1,136 @@
+/*
+ * The return-probe tests' program.
+ *
+ *   rets leaf N        calls leaf(0..N-1); prints the sum of the results
+ *   rets rec D         rec(D) recursing D deep; prints the result
+ *   rets tail N        tail_a(i) for i < N: tail_a jumps (a tail call) into tail_b
+ *   rets longjmp N     N times: deep(6) longjmps out of its innermost frame; then leaf(1)
+ *   rets threads T N D T threads, each calls rec(D) N times
+ *   rets fork          forker() forks inside; both processes return from it
+ *   rets block D       rec_block(D): at the bottom it reads a line from stdin, then returns
+ */
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+volatile long sink;
+
+__attribute__((noinline)) long leaf(long x) { sink += x; return x * 2 + 1; }
+
+__attribute__((noinline)) long rec(long n)
+{
+	sink += n;
+	if (n <= 0)
+		return 0;
+	return n + rec(n - 1);
+}
+
+__attribute__((noinline)) long tail_b(long x) { sink += x; return x * 3; }
+
+long tail_a(long x);
+/* tail_a(x) = tail_b(x + 1), as a real tail call: a jmp, no frame of its own. */
+__asm__(".text\n"
+	".globl tail_a\n"
+	".type tail_a, @function\n"
+	"tail_a:\n"
+	"  add $1, %rdi\n"
+	"  jmp tail_b\n"
+	".size tail_a, .-tail_a\n");
+
+__attribute__((noinline)) long rec_block(long n)
+{
+	sink += n;
+	if (n <= 0) {
+		char line[64];
+		puts("bottom");
+		fflush(stdout);
+		return fgets(line, sizeof line, stdin) ? 1 : 0;
+	}
+	return n + rec_block(n - 1);
+}
+
+static jmp_buf env;
+
+__attribute__((noinline)) long deep(long n)
+{
+	sink += n;
+	if (n == 0)
+		longjmp(env, 1);
+	return deep(n - 1) + 1;
+}
+
+struct job { long n, depth, sum; };
+
+static void *worker(void *arg)
+{
+	struct job *job = arg;
+	for (long i = 0; i < job->n; i++)
+		job->sum += rec(job->depth);
+	return NULL;
+}
+
+__attribute__((noinline)) long forker(void)
+{
+	pid_t pid = fork();
+	if (pid == 0)
+		return 100;
+	int status = 0;
+	waitpid(pid, &status, 0);
+	return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+int main(int argc, char **argv)
+{
+	const char *mode = argc > 1 ? argv[1] : "leaf";
+	long n = argc > 2 ? atol(argv[2]) : 10;
+	if (!strcmp(mode, "leaf")) {
+		long sum = 0;
+		for (long i = 0; i < n; i++)
+			sum += leaf(i);
+		printf("leaf sum=%ld\n", sum);
+	} else if (!strcmp(mode, "rec")) {
+		printf("rec=%ld\n", rec(n));
+	} else if (!strcmp(mode, "tail")) {
+		long sum = 0;
+		for (long i = 0; i < n; i++)
+			sum += tail_a(i);
+		printf("tail sum=%ld\n", sum);
+	} else if (!strcmp(mode, "longjmp")) {
+		long jumps = 0;
+		for (long i = 0; i < n; i++)
+			if (setjmp(env))
+				jumps++;
+			else
+				deep(6);
+		printf("jumps=%ld leaf=%ld\n", jumps, leaf(1));
+	} else if (!strcmp(mode, "threads")) {
+		long t = n, calls = argc > 3 ? atol(argv[3]) : 10, depth = argc > 4 ? atol(argv[4]) : 5;
+		pthread_t tids[64];
+		struct job jobs[64];
+		for (long i = 0; i < t && i < 64; i++) {
+			jobs[i] = (struct job){calls, depth, 0};
+			pthread_create(&tids[i], NULL, worker, &jobs[i]);
+		}
+		long total = 0;
+		for (long i = 0; i < t && i < 64; i++) {
+			pthread_join(tids[i], NULL);
+			total += jobs[i].sum;
+		}
+		printf("threads total=%ld\n", total);
+	} else if (!strcmp(mode, "block")) {
+		printf("block=%ld\n", rec_block(n));
+	} else if (!strcmp(mode, "fork")) {
+		long r = forker();
+		if (r == 100) {
+			printf("child back\n");
+			fflush(stdout);
+			_exit(7);
+		}
+		printf("parent back child=%ld\n", r);
+	}
+	return 0;
+}
