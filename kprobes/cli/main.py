@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kprobes.cli import list_cmd
+from kprobes.cli import list_cmd, run_cmd
 from kprobes.errors import ProbeError, SpecError
 
 EXIT_FAILURE = 1
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version="kprobes 0.1.0")
     sub = parser.add_subparsers(dest="command", required=True)
     list_cmd.add_parser(sub)
+    run_cmd.add_parser(sub)
     return parser
 
 
