@@ -11,6 +11,7 @@ value is converted to the type of the variable's default.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import sys
@@ -82,10 +83,8 @@ def run(args: argparse.Namespace) -> int:
     exit_fn = getattr(module, "exit", None)
     try:
         module.init(proc)
-        try:
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends the run, like rmmod
             proc.run()
-        except KeyboardInterrupt:
-            pass
         if callable(exit_fn):
             exit_fn(proc)
     finally:
