@@ -43,9 +43,10 @@ def handler_fault(p: kprobes.Kprobe, regs: kprobes.Regs, trapnr: int) -> bool:
 
 
 def build_demo() -> str:
-    if not os.path.exists(DEMO):
+    source = os.path.join(HERE, "demo.c")
+    if not os.path.exists(DEMO) or os.path.getmtime(DEMO) < os.path.getmtime(source):
         os.makedirs(os.path.dirname(DEMO), exist_ok=True)
-        subprocess.run(["gcc", "-O1", "-o", DEMO, os.path.join(HERE, "demo.c")], check=True)
+        subprocess.run(["gcc", "-O1", "-o", DEMO, source], check=True)
     return DEMO
 
 

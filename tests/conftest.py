@@ -52,6 +52,9 @@ BUILDS: dict[str, Build] = {
     "ifunc": Build("ifunc.c", libs=("-ldl",)),
     "rets": Build("rets.c", flags=("-O1", *DEBUG, "-pthread")),
     "rets_cxx": Build("rets_cxx.cpp", compiler="g++"),
+    "backtrace": Build("backtrace.c"),
+    "jprobe": Build("jprobe.c"),
+    "jprobe-nodebug": Build("jprobe.c", flags=("-O1", "-fno-inline")),
     "libkpt.so": Build("libkpt.c", flags=("-O1", *DEBUG, "-fPIC", "-shared")),
     "uselib": Build(
         "uselib.c",

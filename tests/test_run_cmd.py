@@ -56,6 +56,27 @@ def test_kretprobe_sample_prints_return_values_and_durations(demo):
     ]
 
 
+def test_jprobe_sample_prints_the_arguments_of_every_call(demo):
+    result = kprobes_cli("run", SAMPLES / "jprobe_example.py", "-c", f"{demo} 3")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    planted = re.fullmatch(r"Planted jprobe at (0x[0-9a-f]+), handler addr 0x[0-9a-f]+", lines[0])
+    assert planted, lines
+    fractions = ("0.333333", "0.666667", "1.000000")
+    assert lines[1:] == [
+        *(
+            line
+            for i in (1, 2, 3)
+            for line in (
+                f"jprobe: fd = 1, text = 'demo: line {i} of 3\\n', number = {i}, "
+                f"fraction = {fractions[i - 1]}",
+                f"demo: line {i} of 3",
+            )
+        ),
+        f"jprobe at {planted.group(1)} unregistered",
+    ]
+
+
 def test_module_parameters_are_set_before_init(demo):
     result = kprobes_cli(
         "run", SAMPLES / "kretprobe_example.py", "func=libc:snprintf", "-c", f"{demo} 2"

@@ -185,6 +185,9 @@ class Jprobe:
         disabled: bool = False,
     ) -> None:
         self.entry = entry
+        self.plan: Any = (
+            None  # the target's decision of where each argument is (set while registered)
+        )
         self.kp = Kprobe(symbol=symbol, offset=offset, addr=addr, disabled=disabled)
         self.kp.kind = "j"
         self.kp.owner = self

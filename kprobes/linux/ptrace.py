@@ -33,6 +33,8 @@ PTRACE_KILL: Final = 8
 PTRACE_SINGLESTEP: Final = 9
 PTRACE_GETREGS: Final = 12
 PTRACE_SETREGS: Final = 13
+PTRACE_GETFPREGS: Final = 14
+PTRACE_SETFPREGS: Final = 15
 PTRACE_DETACH: Final = 17
 PTRACE_SETOPTIONS: Final = 0x4200
 PTRACE_GETEVENTMSG: Final = 0x4201
@@ -128,6 +130,21 @@ def getregs(tid: int, buf: StructBuffer) -> None:
 def setregs(tid: int, buf: StructBuffer) -> None:
     if _ptrace(PTRACE_SETREGS, tid, None, buf._array) == -1:
         _check(-1)
+
+
+FPREGS_SIZE: Final = 512  # struct user_fpregs_struct (the FXSAVE image)
+
+
+def getfpregs(tid: int) -> bytes:
+    """The FXSAVE image: x87 state, mxcsr, st0-7 at 32, xmm0-15 at 160 (16 bytes each)."""
+    buf = ctypes.create_string_buffer(FPREGS_SIZE)
+    _check(_ptrace(PTRACE_GETFPREGS, tid, None, buf))
+    return buf.raw
+
+
+def setfpregs(tid: int, image: bytes) -> None:
+    buf = ctypes.create_string_buffer(bytes(image), FPREGS_SIZE)
+    _check(_ptrace(PTRACE_SETFPREGS, tid, None, buf))
 
 
 def geteventmsg(tid: int) -> int:

@@ -38,7 +38,7 @@ from kprobes.errors import (
 )
 from kprobes.linux import procfs, ptrace
 from kprobes.model import BlacklistEntry, ProbeListing
-from kprobes.process import cleanup, inject
+from kprobes.process import cleanup, inject, jprobes
 from kprobes.process.detach import detach_all
 from kprobes.process.threads import ThreadState
 from kprobes.process.tracee import Tracee, TraceeKind
@@ -70,6 +70,8 @@ class ProbeLocation:
     func_start: int
     func_size: int
     is_executable: bool
+    module_path: str = ""
+    bias: int = 0  # runtime address = bias + the ELF file's virtual address
 
 
 class Process:
@@ -203,6 +205,60 @@ class Process:
     def read_string(self, addr: int, max_len: int = 4096) -> bytes:
         return self._memory().read_string(addr, max_len)
 
+    # -- stack traces ----------------------------------------------------------------------
+
+    def backtrace(self, regs: Any, max_frames: int = 64) -> builtins.list[tuple[int, str]]:
+        """The call stack of the thread whose registers are ``regs``, innermost first.
+
+        Each frame is ``(address, "func+0xoff [module]")``: the thread's ``rip``, then return
+        addresses, found from each module's unwind tables (see ``symbols/unwind.py``). A frame
+        hooked by a kretprobe shows its real return address, never the trampoline. Call it
+        from a handler: the thread must be stopped where ``regs`` were taken.
+        """
+        from kprobes.symbols.unwind import FoundBy, unwind
+
+        resolver = self._symbols()
+        tramp = self._tracer.trampoline
+        thread = self._tracer.threads.get(regs.tid)
+        refreshed = False
+
+        def module_at(addr: int) -> tuple[str, int] | None:
+            nonlocal refreshed
+            module = resolver.get_module_at(addr)
+            if module is None and not refreshed:  # perhaps mapped since the last look
+                refreshed = True
+                resolver.refresh()
+                module = resolver.get_module_at(addr)
+            return None if module is None else (module.image.path, module.bias)
+
+        def read_word(addr: int) -> int:
+            return int.from_bytes(self.read(addr, 8), "little")
+
+        def real_return(slot: int, value: int) -> int:
+            # The trampoline keys a hooked frame by the stack pointer after its return.
+            if value != tramp.addr or not tramp.addr or thread is None:
+                return value
+            real = tramp.home_of(thread, slot + 8)
+            return value if real is None else real
+
+        out: builtins.list[tuple[int, str]] = []
+        for frame in unwind(regs.as_dict(), read_word, module_at, real_return, max_frames):
+            # A return address may be the first byte after the function that made the call
+            # (a call to a function that never returns): name the call's function.
+            exact = frame.how in (FoundBy.FIRST, FoundBy.SIGNAL)
+            at = frame.addr if exact else frame.addr - 1
+            module = resolver.get_module_at(at)
+            found = None if module is None else module.image.function_at(at - module.bias)
+            if module is None:
+                text = f"{frame.addr:#x}"
+            elif found is None:
+                text = f"{frame.addr:#x} [{module.name}]"
+            else:
+                symbol, offset = found
+                text = f"{symbol.name}+{offset + frame.addr - at:#x} [{module.name}]"
+            out.append((frame.addr, text))
+        return out
+
     # -- the Kprobes API -------------------------------------------------------------------
 
     def register_kprobe(self, kp: Kprobe) -> None:
@@ -318,6 +374,46 @@ class Process:
 
     # -- jprobes ---------------------------------------------------------------------------
 
+    def register_jprobe(self, jp: Jprobe) -> None:
+        self.register_jprobes([jp])
+
+    def register_jprobes(self, jps: Sequence[Jprobe]) -> None:
+        """Register jprobes; a failure rolls back the ones already registered."""
+        self._require_attached()
+        with self.batch():
+            done: list[Jprobe] = []
+            try:
+                for jp in jps:
+                    if jp.is_registered:
+                        raise ProbeRejected(f"{jp!r} is already registered", errno=errno.EINVAL)
+                    loc = self.resolve(jp.kp)
+                    plan = jprobes.plan_jprobe(
+                        jp, loc.module_path, loc.addr - loc.bias, loc.display
+                    )
+                    jp.kp.pre_handler = jprobes.pre_handler_for(jp, plan, self._thread_memory)
+                    jp.plan = plan
+                    self._manager.register(jp.kp)
+                    done.append(jp)
+            except BaseException:
+                for jp in reversed(done):
+                    self._manager.unregister(jp.kp)
+                raise
+
+    def unregister_jprobe(self, jp: Jprobe) -> None:
+        self._manager.unregister(jp.kp)
+
+    def unregister_jprobes(self, jps: Sequence[Jprobe]) -> None:
+        self._manager.unregister_many([jp.kp for jp in jps])
+
+    def enable_jprobe(self, jp: Jprobe) -> None:
+        self._manager.enable(jp.kp)
+
+    def disable_jprobe(self, jp: Jprobe) -> None:
+        self._manager.disable(jp.kp)
+
+    def _thread_memory(self, tid: int) -> Tracee:
+        return self._tracer.threads[tid].tracee
+
     @property
     def enabled(self) -> bool:
         """Appendix A's ``enabled`` knob: False disarms every probe, keeping each one's state."""
@@ -419,7 +515,14 @@ class Process:
             func_start=loc.func_start,
             func_size=loc.func_size,
             is_executable=any(m.contains(loc.addr) and "x" in m.perms for m in loc.module.mappings),
+            module_path=loc.module.path,
+            bias=loc.module.bias,
         )
+
+    def _readable_path(self, path: str) -> str:
+        """The module's file as this process can open it (across mount namespaces)."""
+        inside = f"/proc/{self.pid}/root{path}"
+        return inside if os.path.exists(inside) else path
 
     def check(self, probe: Kprobe, location: Any) -> None:
         loc: ProbeLocation = location
