@@ -316,7 +316,10 @@ def plan_jprobe(jp: Jprobe, module_path: str, link_addr: int, display: str) -> J
             specs.append(ArgSpec.integer())
             converters.append(_int(8, False))
             names.append(positional[i].name if i < len(positional) else f"arg{i + 1}")
-    locations = assign_locations(specs)
+    returns = None
+    if signature is not None and signature.returns is not None:
+        returns = _param_spec(signature.returns)  # a big struct result takes rdi first
+    locations = assign_locations(specs, returns=returns)
     args = tuple(ArgPlan(n, loc, c) for n, loc, c in zip(names, locations, converters, strict=True))
     stack_end = max(
         [MAX_STACK_SIZE]
