@@ -107,6 +107,7 @@ class Event:
     is_return: bool = False
     func: str = ""
     func_ip: int = 0
+    entry_timestamp: float = 0.0  # return events: when the call was entered (0.0 if unknown)
 
     @property
     def name(self) -> str:

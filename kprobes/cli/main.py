@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kprobes.cli import list_cmd, run_cmd
+from kprobes.cli import count_cmd, hist_cmd, latency_cmd, list_cmd, run_cmd, trace_cmd
 from kprobes.errors import ProbeError, SpecError
 
 EXIT_FAILURE = 1
@@ -25,6 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     list_cmd.add_parser(sub)
     run_cmd.add_parser(sub)
+    trace_cmd.add_parser(sub)
+    count_cmd.add_parser(sub)
+    latency_cmd.add_parser(sub)
+    hist_cmd.add_parser(sub)
     return parser
 
 
@@ -35,6 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.func(args)
     except SpecError as exc:
         print(f"kprobes: {exc}", file=sys.stderr)
+        if exc.text:  # point at the column, as the kernel's error_log does
+            print(f"  {exc.text}\n  {' ' * exc.column}^", file=sys.stderr)
         return EXIT_USAGE
     except ProbeError as exc:
         print(f"kprobes: {exc}", file=sys.stderr)

@@ -1,0 +1,106 @@
+"""``kprobes count SPEC|PATTERN...``: hits per probe, like bcc's funccount.
+
+A PATTERN is a glob over the function names of a library or of the program
+(``'libc:str*'``, ``'work*'``); every matching function gets an entry probe. Functions that
+cannot be probed (an instruction that cannot run out of line) are skipped and listed.
+``-i SECONDS`` prints and resets the counts every interval; ``--json`` prints
+``{"probe": ..., "hits": ...}`` lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from datetime import datetime
+from typing import Any
+
+from kprobes.cli.session import Session, add_common_arguments, parse_spec
+from kprobes.errors import ProbeRejected, SpecError
+from kprobes.model import Event
+from kprobes.output.counts import format_counts, format_counts_json, format_interval_header
+from kprobes.process.target import Process
+from kprobes.process.tracing import SpecTracer
+from kprobes.spec import ProbeSpec
+
+_GLOB = set("*?[")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("count", help="count hits per probe (funccount)")
+    p.add_argument("targets", nargs="+", metavar="SPEC|PATTERN", help="probe lines or globs")
+    add_common_arguments(p)
+    p.add_argument("-i", "--interval", type=float, help="print and reset every SECONDS")
+    p.add_argument("--json", action="store_true", help='{"probe": ..., "hits": ...} lines')
+    p.set_defaults(func=run)
+
+
+def _is_pattern(text: str) -> bool:
+    word = text.split()[0] if text.split() else text
+    return not text.startswith(("p ", "p:", "r ", "r:")) and bool(_GLOB & set(word))
+
+
+def run(args: argparse.Namespace) -> int:
+    patterns = [t for t in args.targets if _is_pattern(t)]
+    specs = [parse_spec(t) for t in args.targets if not _is_pattern(t)]
+    session = Session(args, specs)
+    counts: Counter[str] = Counter()
+    label: dict[str, str] = {}  # event name -> what the table shows
+    for text, spec in zip((t for t in args.targets if not _is_pattern(t)), specs, strict=True):
+        label[spec.effective_event] = text
+    skipped: list[str] = []
+
+    def expand(proc: Process, tracer: SpecTracer) -> None:
+        resolver = proc._symbols()
+        for pattern in patterns:
+            module, sep, glob = pattern.rpartition(":")
+            found = list(resolver.iter_functions(glob, module if sep else None))
+            if not found:
+                raise SpecError(f"no function matches {pattern!r}", column=0, text=pattern)
+            seen: set[int] = set()
+            for loc in found:
+                if loc.addr in seen or loc.symbol is None:
+                    continue
+                seen.add(loc.addr)
+                name = loc.symbol.name
+                where = f"{module}:{name}" if sep else name
+                spec: ProbeSpec = parse_spec(where)
+                try:
+                    tracer.place([spec])
+                except ProbeRejected as exc:
+                    skipped.append(f"{where}: {exc}")
+                    continue
+                label[spec.effective_event] = name
+
+    def handle(ev: Event) -> None:
+        counts[label.get(ev.event, ev.event)] += 1
+
+    def table(when: datetime | None = None) -> str:
+        if args.json:
+            return format_counts_json(counts, when=when)
+        return format_counts(counts)
+
+    def tick() -> None:
+        now = datetime.now()
+        if not args.json:
+            sys.stdout.write("\n" + format_interval_header(now) + "\n")
+        sys.stdout.write(table(now))
+        sys.stdout.flush()
+        counts.clear()
+
+    session.prepare = expand if patterns else None
+    session.handle = handle
+    if args.interval:
+        session.interval = args.interval
+        session.on_interval = tick
+    session.run()
+    for line in skipped:
+        sys.stderr.write(f"skipped {line}\n")
+    for p in session.placed:  # every placed probe appears, with 0 if it never hit
+        counts.setdefault(label.get(p.spec.effective_event, p.spec.effective_event), 0)
+    if args.interval:
+        tick()
+    else:
+        sys.stdout.write(table())
+    sys.stderr.write(session.summary())
+    return 0

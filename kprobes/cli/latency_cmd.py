@@ -1,0 +1,53 @@
+"""``kprobes latency FUNC``: a log2 histogram of each call's duration, like bcc's funclatency.
+
+Entry and return are paired per call by the return probe's instances (per thread, nested
+calls included), so recursion and threads do not mix durations up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from kprobes.cli.session import Session, add_common_arguments, parse_spec
+from kprobes.model import Event
+from kprobes.output.hist import LatencyStats, Log2Histogram, format_average
+
+UNITS = {"nsecs": 1e9, "usecs": 1e6, "msecs": 1e3}
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("latency", help="histogram of a function's call durations (funclatency)")
+    p.add_argument("function", metavar="FUNC", help="the function: func, lib:func, /path:func")
+    add_common_arguments(p)
+    unit = p.add_mutually_exclusive_group()
+    unit.add_argument("-u", "--microseconds", action="store_true", help="in microseconds")
+    unit.add_argument("-m", "--milliseconds", action="store_true", help="in milliseconds")
+    p.add_argument("--maxactive", type=int, default=0, help="instances per function")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    unit = "msecs" if args.milliseconds else "usecs" if args.microseconds else "nsecs"
+    scale = UNITS[unit]
+    maxactive = str(args.maxactive) if args.maxactive > 0 else ""
+    spec = parse_spec(f"r{maxactive} {args.function}")
+    session = Session(args, [spec])
+    hist = Log2Histogram()
+    stats = LatencyStats()
+
+    def handle(ev: Event) -> None:
+        if ev.entry_timestamp:
+            delta = int((ev.timestamp - ev.entry_timestamp) * scale)
+            hist.add(delta)
+            stats.add(delta)
+
+    session.handle = handle
+    sys.stderr.write(f'Tracing 1 functions for "{args.function}"... Hit Ctrl-C to end.\n')
+    session.run()
+    sys.stdout.write(hist.format(unit))
+    if stats.count:
+        sys.stdout.write("\n" + format_average(stats, unit) + "\n")
+    sys.stderr.write(session.summary())
+    return 0

@@ -1,0 +1,169 @@
+"""What every tracing subcommand shares: options, spec parsing, the run loop, the summary.
+
+``trace``, ``count``, ``latency`` and ``hist`` differ only in what they do with each event
+(the sink) and what they print at the end. The loop here owns the rest: the target
+(``-p``/``-c``), ``-d`` duration, ``-n`` max events, ``--filter``, Ctrl-C, a live status line
+on stderr when it is a terminal, and the summary that counts every missed hit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from kprobes.cli.targets import add_target_arguments, open_target
+from kprobes.errors import SpecError
+from kprobes.model import Event
+from kprobes.output.status import format_status, format_summary
+from kprobes.process.target import Process
+from kprobes.process.tracing import PlacedSpec, SpecTracer
+from kprobes.spec import FieldKind, ProbeSpec, compile_filter, parse, parse_filter
+
+STATUS_PERIOD = 0.5
+
+
+class EnoughEvents(Exception):
+    """Raised from a handler when ``-n`` events have been seen: ends the run after the hit."""
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    add_target_arguments(parser)
+    parser.add_argument("-d", "--duration", type=float, help="stop after SECONDS")
+    parser.add_argument("-n", "--max-events", type=int, help="stop after N events")
+    parser.add_argument("--filter", metavar="EXPR", help="the kernel's event filter syntax")
+
+
+_COMMAND = re.compile(r"\s*(?:(?:p|r\d*)(?::\S*)?(?:\s|$)|-:)")
+
+
+def parse_spec(text: str) -> ProbeSpec:
+    """A probe line; a bare location (``libc:malloc size=%di``) means ``p LOCATION``."""
+    if _COMMAND.match(text):
+        return parse(text)
+    try:
+        return parse("p " + text)
+    except SpecError as exc:
+        raise SpecError(exc.message, column=max(exc.column - 2, 0), text=text) from exc
+
+
+def event_fields(event: Event) -> dict[str, object]:
+    fields: dict[str, object] = {
+        "common_pid": event.tid,
+        "pid": event.tid,
+        "comm": event.comm,
+        "cpu": event.cpu,
+    }
+    for arg in event.args:
+        fields[arg.name] = arg.value
+    return fields
+
+
+class Session:
+    """One run of a tracing command against one process."""
+
+    def __init__(self, args: argparse.Namespace, specs: Sequence[ProbeSpec]) -> None:
+        self.args = args
+        self.specs = list(specs)
+        self.events = 0
+        self.started = time.monotonic()
+        self.handle: Callable[[Event], None] = lambda ev: None
+        self.on_interval: Callable[[], None] | None = None
+        self.interval: float | None = None
+        self._filter = self._compile_filter(args.filter, self.specs)
+        self._max = args.max_events
+        self._status = sys.stderr.isatty()
+        self.proc: Process | None = None
+        self.tracer: SpecTracer | None = None
+        self.placed: list[PlacedSpec] = []
+        # Called with the open process before placing: may add specs (glob patterns) and
+        # place some itself (one by one, skipping those that cannot be placed).
+        self.prepare: Callable[[Process, SpecTracer], None] | None = None
+
+    @staticmethod
+    def _compile_filter(
+        text: str | None, specs: Sequence[ProbeSpec]
+    ) -> Callable[[dict[str, object]], bool] | None:
+        if not text:
+            return None
+        fields: dict[str, FieldKind] = {}
+        for spec in specs:
+            fields.update(spec.filter_fields)
+        return compile_filter(parse_filter(text, fields))
+
+    def sink(self, event: Event) -> None:
+        if self._filter is not None and not self._filter(event_fields(event)):
+            return
+        self.events += 1
+        self.handle(event)
+        if self._max is not None and self.events >= self._max:
+            raise EnoughEvents
+
+    def run(self) -> None:
+        self.proc = proc = open_target(self.args)
+        try:
+            self.tracer = SpecTracer(proc, self.sink)
+            if self.prepare is not None:
+                self.prepare(proc, self.tracer)
+            self.placed = self.tracer.place(self.specs) + [
+                p for p in self.tracer.placed if p.spec not in self.specs
+            ]
+            self._loop(proc)
+        finally:
+            proc.detach()
+            if self.tracer is not None:
+                self.tracer.close()
+            if self._status:
+                sys.stderr.write("\r\x1b[K")
+
+    def _loop(self, proc: Process) -> None:
+        deadline = None if self.args.duration is None else self.started + self.args.duration
+        next_tick = None if self.interval is None else self.started + self.interval
+        periodic = self._status or next_tick is not None
+        try:
+            while True:
+                now = time.monotonic()
+                waits = [t - now for t in (deadline, next_tick) if t is not None]
+                if self._status:
+                    waits.append(STATUS_PERIOD)
+                timeout = max(min(waits), 0.0) if waits else None
+                done = proc.run(timeout=timeout)
+                now = time.monotonic()
+                if self._status:
+                    self._print_status(now)
+                if next_tick is not None and now >= next_tick and self.on_interval is not None:
+                    self.on_interval()
+                    next_tick += self.interval or 0.0
+                if done or (deadline is not None and now >= deadline):
+                    return
+                if not periodic and timeout is None:
+                    return
+        except (EnoughEvents, KeyboardInterrupt):
+            return
+
+    def _print_status(self, now: float) -> None:
+        elapsed = max(now - self.started, 1e-9)
+        sys.stderr.write(
+            format_status(self.events, self.events / elapsed, self.hits, self.missed, 0)
+        )
+        sys.stderr.flush()
+
+    @property
+    def hits(self) -> int:
+        return sum(p.hits for p in self.placed)
+
+    @property
+    def missed(self) -> int:
+        return sum(p.missed for p in self.placed)
+
+    def summary(self) -> str:
+        return format_summary(
+            events=self.events,
+            hits=self.hits,
+            misses=self.missed,
+            dropped=0,
+            duration=time.monotonic() - self.started,
+            missed_by_probe={p.name: p.missed for p in self.placed},
+        )

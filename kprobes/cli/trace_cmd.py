@@ -1,0 +1,64 @@
+"""``kprobes trace SPEC...``: print every event, in the kernel's trace format or as JSON lines.
+
+    kprobes trace -c ./prog 'p:alloc libc:malloc size=%di:u64' 'r libc:malloc ptr=$retval'
+
+Each line is what the kernel's ``trace`` file shows for the same probe
+(``comm-pid [cpu] timestamp: EVENT: (sym+off/size) name=value``; returns as
+``(caller+off/size <- func)``), or with ``--json`` one object per line. ``--perfetto FILE``
+also writes a trace for ui.perfetto.dev with entry/return pairs as slices per thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import IO, Any
+
+from kprobes.cli.session import Session, add_common_arguments, parse_spec
+from kprobes.model import Event
+from kprobes.output.jsonl import format_json
+from kprobes.output.perfetto import PerfettoWriter
+from kprobes.output.text import format_event
+from kprobes.spec import SymbolLocation
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("trace", help="print each probe hit (ftrace format or --json)")
+    p.add_argument("specs", nargs="+", metavar="SPEC", help="kprobe_events-style probe lines")
+    add_common_arguments(p)
+    p.add_argument("--json", action="store_true", help="one JSON object per event")
+    p.add_argument("--perfetto", metavar="FILE", help="also write a Perfetto (JSON) trace")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    specs = [parse_spec(text) for text in args.specs]
+    session = Session(args, specs)
+    out = sys.stdout
+    fmt = format_json if args.json else format_event
+    perfetto_file: IO[str] | None = None
+    perfetto: PerfettoWriter | None = None
+    if args.perfetto:
+        perfetto_file = open(args.perfetto, "w")  # noqa: SIM115 - closed below
+        returns = {
+            s.location.symbol
+            for s in specs
+            if s.is_return and isinstance(s.location, SymbolLocation)
+        }
+        perfetto = PerfettoWriter(perfetto_file, return_funcs=returns)
+
+    def handle(ev: Event) -> None:
+        out.write(fmt(ev) + "\n")
+        if perfetto is not None:
+            perfetto.write(ev)
+
+    session.handle = handle
+    try:
+        session.run()
+    finally:
+        out.flush()
+        if perfetto is not None and perfetto_file is not None:
+            perfetto.close()
+            perfetto_file.close()
+    sys.stderr.write(session.summary())
+    return 0
