@@ -221,6 +221,7 @@ class Process:
         tramp = self._tracer.trampoline
         thread = self._tracer.threads.get(regs.tid)
         refreshed = False
+        files: dict[str, str] = {}
 
         def module_at(addr: int) -> tuple[str, int] | None:
             nonlocal refreshed
@@ -229,7 +230,19 @@ class Process:
                 refreshed = True
                 resolver.refresh()
                 module = resolver.get_module_at(addr)
-            return None if module is None else (module.image.path, module.bias)
+            if module is None:
+                return None
+            # The file as this process sees it (its mount namespace; the mapped inode if the
+            # file was deleted since), not the path of the shared ElfImage, which names
+            # whichever process opened it first.
+            path = files.get(module.path)
+            if path is None:
+                first = module.mappings[0]
+                path = f"/proc/{self.pid}/map_files/{first.start:x}-{first.end:x}"
+                if not first.is_deleted and os.path.exists(f"/proc/{self.pid}/root{first.path}"):
+                    path = f"/proc/{self.pid}/root{first.path}"
+                files[module.path] = path
+            return path, module.bias
 
         def read_word(addr: int) -> int:
             return int.from_bytes(self.read(addr, 8), "little")

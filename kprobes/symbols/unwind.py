@@ -1,0 +1,786 @@
+"""Stack traces of a stopped thread, from the call frame information (CFI) of each module.
+
+x86-64 code is built without frame pointers from -O1 on, so walking the ``rbp`` chain loses
+frames or invents them. What nearly every binary does carry is ``.eh_frame``: the unwind
+tables that C++ exceptions, ``pthread_cancel`` and ``backtrace()`` need, one FDE per function
+saying, for every instruction, how to find the Canonical Frame Address (the caller's ``rsp``)
+and where the caller's registers and the return address were saved. ``unwind()`` applies
+those rules frame after frame, as GDB and libgcc do; ``.debug_frame`` (what ``-g`` emits
+when unwind tables are turned off) is consulted next, and the frame-pointer chain only where
+a module has no entry for an address at all.
+
+Finding an entry is cheap: the linker sorts every FDE's start address into the binary search
+table of ``.eh_frame_hdr`` for the runtime unwinder, so an address costs one bisection and
+the parsing of one FDE (pyelftools parses the entry; parsing all 3700 of libc's up front takes
+a third of a second). Files without that table, and ``.debug_frame``, are parsed in full once.
+Everything is cached per file identity and shared by every process that maps the file.
+
+The rows of an FDE are computed by our own interpreter of its instructions, not by
+pyelftools' ``get_decoded()``, which rejects ``DW_CFA_GNU_args_size`` (common in C++) and
+scales ``DW_CFA_def_cfa_sf`` by the code alignment factor instead of the data one.
+
+The walk reads memory and learns where files are mapped only through callbacks, so this
+module needs no ptrace and is tested against fakes. One callback exists for return probes:
+a frame hooked by a kretprobe holds the trampoline's address in its return-address slot,
+and ``translate_return(slot, value)`` lets the caller put the real address in its place, so
+that a trace never shows the trampoline (the kernel's uprobes show ``[uprobes]`` there).
+
+Rejected: prologue analysis as GDB does it for code without CFI (it needs the instruction
+decoder of ``arch/``, which this layer must not import, for code that hardly exists outside
+hand-written assembly); and libunwind through ctypes (its remote unwinding needs accessors
+written in C, and it would know nothing of our trampoline).
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import os
+import struct
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Final
+
+from elftools.common.exceptions import DWARFError, ELFError
+from elftools.construct.core import ConstructError
+from elftools.dwarf.callframe import FDE, CallFrameInfo
+from elftools.dwarf.constants import DW_CFA
+from elftools.dwarf.structs import DWARFStructs
+from elftools.elf.elffile import ELFFile
+
+from kprobes.errors import TargetError
+
+# DWARF register numbers of x86-64 (System V psABI, figure 3.36); 16 is the return address.
+DWARF_REGISTERS: Final = (
+    "rax", "rdx", "rcx", "rbx", "rsi", "rdi", "rbp", "rsp",
+    "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15", "rip",
+)  # fmt: skip
+_RBP: Final = 6
+_RSP: Final = 7
+_RIP: Final = 16
+# Registers a callee must preserve: the only ones whose value in a caller frame is known
+# without a rule saying where it was saved.
+_CALLEE_SAVED: Final = (3, _RBP, 12, 13, 14, 15)
+_MASK64: Final = (1 << 64) - 1
+# A frame pointer farther than this above the stack pointer is taken for an unrelated value.
+_MAX_FP_FRAME: Final = 1 << 24
+
+ReadWord = Callable[[int], int]
+ModuleAt = Callable[[int], tuple[str, int] | None]
+TranslateReturn = Callable[[int, int], int]
+
+
+class FoundBy(Enum):
+    """How a frame's address was found."""
+
+    FIRST = "first"  # the stopped thread's own rip
+    CFI = "cfi"  # a return address located by the callee's unwind table
+    FP = "fp"  # a return address located by the callee's frame pointer
+    SIGNAL = "signal"  # the interrupted instruction, from a signal frame's saved context
+
+
+class StopReason(Enum):
+    """Why the walk found no frame after the last one."""
+
+    OUTERMOST = "outermost frame"  # the unwind table says so (_start, clone) or ra is 0
+    NO_MODULE = "address in no mapped file and no usable frame pointer"
+    NO_UNWIND_INFO = "no unwind table entry and no usable frame pointer"
+    UNKNOWN_REGISTER = "the unwind rule needs a register whose value is lost"
+    UNSUPPORTED = "unsupported DWARF expression in the unwind rule"
+    UNREADABLE = "stack memory cannot be read"
+    NOT_OUTWARD = "the caller's frame is not above this one (corrupt stack?)"
+    MAX_FRAMES = "frame limit reached"
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One frame of a stack trace, innermost first."""
+
+    addr: int  # rip for the first frame (and after a signal), else the return address
+    cfa: int | None  # this frame's canonical frame address; None where it was not found
+    how: FoundBy
+    stop: StopReason | None = None  # set on the last frame: why nothing follows it
+
+
+# -- decoded unwind tables -----------------------------------------------------------------
+
+
+class Rule(Enum):
+    """DWARF register rules (DWARF 5, §6.4.1); a callee-saved register without one keeps
+    its value in the caller, any other is lost."""
+
+    UNDEFINED = "undefined"
+    SAME_VALUE = "same value"
+    OFFSET = "offset"  # saved at CFA + n
+    VAL_OFFSET = "val_offset"  # the value is CFA + n
+    REGISTER = "register"  # saved in register n
+    EXPRESSION = "expression"  # saved at the address the expression computes
+    VAL_EXPRESSION = "val_expression"  # the value is what the expression computes
+
+
+_RegRule = tuple[Rule, int | bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One row of an FDE's table, valid from ``pc`` to the next row's pc."""
+
+    pc: int  # link-time address
+    cfa_reg: int | None  # CFA = value of cfa_reg + cfa_offset ...
+    cfa_offset: int
+    cfa_expr: bytes | None  # ... or the value of this expression
+    rules: Mapping[int, _RegRule]
+
+
+@dataclass(frozen=True, slots=True)
+class Fde:
+    """The decoded table of one function's unwind information."""
+
+    start: int
+    end: int
+    is_signal_frame: bool  # CIE augmentation "S": pc is the interrupted instruction itself
+    ra_column: int
+    pcs: tuple[int, ...]
+    rows: tuple[Row, ...]
+
+    def row_at(self, vaddr: int) -> Row | None:
+        index = bisect.bisect_right(self.pcs, vaddr) - 1
+        return self.rows[index] if index >= 0 else None
+
+
+class _Cfi:
+    """The FDEs of one section (``.eh_frame`` or ``.debug_frame``), sorted by start."""
+
+    def __init__(self, info: CallFrameInfo, starts: list[int], offsets: list[int]) -> None:
+        self._info = info
+        self._starts = starts
+        self._offsets = offsets
+        self._decoded: dict[int, Fde | None] = {}  # by offset; None for an unusable entry
+        self._lock = threading.Lock()  # pyelftools parses from one shared stream
+
+    def find(self, vaddr: int) -> Fde | None:
+        """The FDE whose [start, end) holds the link-time address ``vaddr``."""
+        index = bisect.bisect_right(self._starts, vaddr) - 1
+        # Entries sharing a start (an empty FDE beside a real one) are all candidates.
+        while index >= 0:
+            fde = self._fde_at(self._offsets[index])
+            if fde is not None and fde.start <= vaddr < fde.end:
+                return fde
+            if index == 0 or self._starts[index - 1] != self._starts[index]:
+                return None
+            index -= 1
+        return None
+
+    def _fde_at(self, offset: int) -> Fde | None:
+        with self._lock:
+            if offset not in self._decoded:
+                try:
+                    # A private method, but the one pyelftools itself uses to follow an
+                    # FDE's pointer to its CIE; pyelftools is pinned in pyproject.toml.
+                    entry = self._info._parse_entry_at(offset)
+                    self._decoded[offset] = _decode(entry) if isinstance(entry, FDE) else None
+                except _PARSE_ERRORS:
+                    self._decoded[offset] = None  # a damaged entry: as if there were none
+            return self._decoded[offset]
+
+
+_PARSE_ERRORS: Final = (
+    ELFError,
+    DWARFError,
+    ConstructError,
+    AssertionError,  # pyelftools asserts on pointer encodings it does not support
+    KeyError,
+    IndexError,
+    ValueError,
+    struct.error,
+)
+
+
+def _decode(fde: Any) -> Fde:
+    """Run the CIE's and the FDE's instructions into the rows of the FDE's table."""
+    cie = fde.cie
+    code_align: int = cie["code_alignment_factor"]
+    data_align: int = cie["data_alignment_factor"]
+    start: int = fde["initial_location"]
+
+    # Step 1: the CIE's initial instructions give the state every FDE starts from; its
+    # rules are also what DW_CFA_restore returns a register to.
+    interp = _Interpreter(code_align, data_align)
+    interp.run(cie.instructions)
+    interp.begin(start)
+    # Step 2: the FDE's own instructions, each advance closing a row.
+    interp.run(fde.instructions)
+    interp.close_row()
+    rows = tuple(interp.rows)
+    augmentation: bytes = cie.header.get("augmentation") or b""
+    return Fde(
+        start=start,
+        end=start + fde["address_range"],
+        is_signal_frame=augmentation.startswith(b"z") and b"S" in augmentation,
+        ra_column=cie["return_address_register"],
+        pcs=tuple(row.pc for row in rows),
+        rows=rows,
+    )
+
+
+_Cfa = tuple[int | None, int, bytes | None]  # (register, offset, expression)
+
+
+class _Interpreter:
+    """The DWARF call frame instructions, executed into table rows (DWARF 5, §6.4.2)."""
+
+    def __init__(self, code_align: int, data_align: int) -> None:
+        self.code_align = code_align
+        self.data_align = data_align
+        self.pc = 0
+        self.cfa: _Cfa = (None, 0, None)
+        self.rules: dict[int, _RegRule] = {}
+        self.initial: dict[int, _RegRule] = {}
+        self.rows: list[Row] = []
+        self._saved: list[tuple[_Cfa, dict[int, _RegRule]]] = []
+
+    def begin(self, pc: int) -> None:
+        """The CIE is done: its rules become the initial ones, and the FDE starts at ``pc``."""
+        self.initial = dict(self.rules)
+        self.rows.clear()
+        self._saved.clear()
+        self.pc = pc
+
+    def close_row(self) -> None:
+        reg, offset, expr = self.cfa
+        row = Row(self.pc, reg, offset, expr, dict(self.rules))
+        if self.rows and self.rows[-1].pc == self.pc:
+            self.rows[-1] = row  # nothing was covered by the previous one
+        else:
+            self.rows.append(row)
+
+    def advance(self, to: int) -> None:
+        self.close_row()
+        self.pc = to
+
+    def run(self, instructions: Iterable[Any]) -> None:
+        for insn in instructions:
+            self.execute(insn.opcode, insn.args)
+
+    def execute(self, op: DW_CFA, args: list[Any]) -> None:
+        reg, offset, _expr = self.cfa
+        match op:
+            case (
+                DW_CFA.advance_loc | DW_CFA.advance_loc1 | DW_CFA.advance_loc2 | DW_CFA.advance_loc4
+            ):
+                self.advance(self.pc + args[0] * self.code_align)
+            case DW_CFA.set_loc:
+                self.advance(args[0])
+            case DW_CFA.def_cfa:
+                self.cfa = (args[0], args[1], None)
+            case DW_CFA.def_cfa_sf:
+                self.cfa = (args[0], args[1] * self.data_align, None)
+            case DW_CFA.def_cfa_register:
+                self.cfa = (args[0], offset, None)
+            case DW_CFA.def_cfa_offset:
+                self.cfa = (reg, args[0], None)
+            case DW_CFA.def_cfa_offset_sf:
+                self.cfa = (reg, args[0] * self.data_align, None)
+            case DW_CFA.def_cfa_expression:
+                self.cfa = (None, 0, bytes(args[0]))
+            case DW_CFA.undefined:
+                self.rules[args[0]] = (Rule.UNDEFINED, 0)
+            case DW_CFA.same_value:
+                self.rules[args[0]] = (Rule.SAME_VALUE, 0)
+            case DW_CFA.offset | DW_CFA.offset_extended | DW_CFA.offset_extended_sf:
+                self.rules[args[0]] = (Rule.OFFSET, args[1] * self.data_align)
+            case DW_CFA.val_offset | DW_CFA.val_offset_sf:
+                self.rules[args[0]] = (Rule.VAL_OFFSET, args[1] * self.data_align)
+            case DW_CFA.register:
+                self.rules[args[0]] = (Rule.REGISTER, args[1])
+            case DW_CFA.expression:
+                self.rules[args[0]] = (Rule.EXPRESSION, bytes(args[1]))
+            case DW_CFA.val_expression:
+                self.rules[args[0]] = (Rule.VAL_EXPRESSION, bytes(args[1]))
+            case DW_CFA.restore | DW_CFA.restore_extended:
+                if args[0] in self.initial:
+                    self.rules[args[0]] = self.initial[args[0]]
+                else:
+                    self.rules.pop(args[0], None)
+            case DW_CFA.remember_state:
+                self._saved.append((self.cfa, dict(self.rules)))
+            case DW_CFA.restore_state:
+                if self._saved:
+                    self.cfa, self.rules = self._saved.pop()
+            case _:
+                pass  # nop, GNU_args_size, and the AArch64-only instructions
+
+
+# -- the files -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _FileCfi:
+    """Every unwind table of one file, in the order they are consulted."""
+
+    sections: tuple[_Cfi, ...]
+
+    def find(self, vaddr: int) -> Fde | None:
+        for section in self.sections:
+            fde = section.find(vaddr)
+            if fde is not None:
+                return fde
+        return None
+
+
+_DW_EH_PE_OMIT: Final = 0xFF
+_DW_EH_PE_DATAREL_SDATA4: Final = 0x3B  # what every linker writes in the search table
+_DW_EH_PE_UDATA4: Final = 0x03
+_EH_PTR_SIZE: Final = {0x00: 8, 0x02: 2, 0x03: 4, 0x04: 8, 0x0A: 2, 0x0B: 4, 0x0C: 8}
+
+
+def _search_table(hdr: bytes, hdr_addr: int, eh_addr: int) -> tuple[list[int], list[int]] | None:
+    """(starts, FDE offsets in .eh_frame) from .eh_frame_hdr; None when it has no table.
+
+    Layout: version 1, eh_frame_ptr_enc, fde_count_enc, table_enc, the encoded eh_frame_ptr,
+    the encoded count, then (initial location, FDE address) pairs relative to the header.
+    """
+    if len(hdr) < 4 or hdr[0] != 1:
+        return None
+    ptr_enc, count_enc, table_enc = hdr[1], hdr[2], hdr[3]
+    ptr_size = _EH_PTR_SIZE.get(ptr_enc & 0x0F)
+    if ptr_enc == _DW_EH_PE_OMIT or ptr_size is None:
+        return None
+    if count_enc != _DW_EH_PE_UDATA4 or table_enc != _DW_EH_PE_DATAREL_SDATA4:
+        return None
+    pos = 4 + ptr_size
+    if len(hdr) < pos + 4:
+        return None
+    (count,) = struct.unpack_from("<I", hdr, pos)
+    pos += 4
+    if len(hdr) < pos + 8 * count:
+        return None
+    pairs = sorted(struct.iter_unpack("<ii", hdr[pos : pos + 8 * count]))
+    starts = [hdr_addr + start for start, _fde in pairs]
+    offsets = [hdr_addr + fde - eh_addr for _start, fde in pairs]
+    return starts, offsets
+
+
+def _full_index(info: CallFrameInfo) -> tuple[list[int], list[int]]:
+    fdes = sorted(
+        (entry["initial_location"], entry.offset)
+        for entry in info.get_entries()
+        if isinstance(entry, FDE)
+    )
+    return [start for start, _ in fdes], [offset for _, offset in fdes]
+
+
+def _section_cfi(
+    elf: ELFFile, name: str, *, hdr_name: str | None
+) -> tuple[CallFrameInfo, list[int], list[int]] | None:
+    section = elf.get_section_by_name(name)
+    if section is None or section.header.sh_type == "SHT_NOBITS":
+        return None
+    data: bytes = section.data()
+    address: int = section.header.sh_addr
+    info = CallFrameInfo(
+        stream=io.BytesIO(data),
+        size=len(data),
+        address=address,
+        base_structs=DWARFStructs(little_endian=True, dwarf_format=32, address_size=8),
+        for_eh_frame=name == ".eh_frame",
+    )
+    hdr = elf.get_section_by_name(hdr_name) if hdr_name else None
+    table = None
+    if hdr is not None and hdr.header.sh_type != "SHT_NOBITS":
+        table = _search_table(hdr.data(), hdr.header.sh_addr, address)
+    starts, offsets = table if table is not None else _full_index(info)
+    return info, starts, offsets
+
+
+def _read_file(path: str) -> _FileCfi:
+    sections: list[_Cfi] = []
+    try:
+        with open(path, "rb") as stream:
+            elf = ELFFile(stream)
+            for name, hdr_name in ((".eh_frame", ".eh_frame_hdr"), (".debug_frame", None)):
+                try:
+                    found = _section_cfi(elf, name, hdr_name=hdr_name)
+                except _PARSE_ERRORS:
+                    continue  # a damaged table: the other one, or frame pointers
+                if found is not None:
+                    sections.append(_Cfi(*found))
+    except (OSError, *_PARSE_ERRORS):
+        return _FileCfi(())
+    return _FileCfi(tuple(sections))
+
+
+_CacheKey = tuple[str, int, int, int, int]
+_cache: dict[_CacheKey, _FileCfi] = {}
+_cache_lock = threading.Lock()
+
+
+def _cfi_of(path: str) -> _FileCfi:
+    """The unwind tables of the file at ``path``, read once per file identity."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return _FileCfi(())
+    key = (os.path.realpath(path), st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+    with _cache_lock:
+        cached = _cache.get(key)
+    if cached is not None:
+        return cached
+    cfi = _read_file(path)
+    with _cache_lock:
+        return _cache.setdefault(key, cfi)
+
+
+def find_fde(path: str, vaddr: int) -> Fde | None:
+    """The unwind table entry of the file at ``path`` covering link-time address ``vaddr``."""
+    return _cfi_of(path).find(vaddr)
+
+
+# -- DWARF expressions ---------------------------------------------------------------------
+
+
+class _Stop(Exception):
+    """Raised inside one step of the walk; becomes the last frame's ``stop``."""
+
+    def __init__(self, reason: StopReason) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
+
+
+def _uleb(code: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(code):
+            raise _Stop(StopReason.UNSUPPORTED)
+        byte = code[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, pos
+
+
+def _sleb(code: bytes, pos: int) -> tuple[int, int]:
+    value, end = _uleb(code, pos)
+    bits = 7 * (end - pos)
+    if value & (1 << (bits - 1)):
+        value -= 1 << bits
+    return value, end
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value & (1 << 63) else value
+
+
+_BINARY: Final[dict[int, Callable[[int, int], int]]] = {
+    0x1A: lambda a, b: a & b,  # and
+    0x1C: lambda a, b: a - b,  # minus
+    0x1E: lambda a, b: a * b,  # mul
+    0x21: lambda a, b: a | b,  # or
+    0x22: lambda a, b: a + b,  # plus
+    0x24: lambda a, b: a << b if b < 64 else 0,  # shl
+    0x25: lambda a, b: a >> b,  # shr
+    0x26: lambda a, b: _signed(a) >> min(b, 63),  # shra
+    0x27: lambda a, b: a ^ b,  # xor
+    0x29: lambda a, b: int(_signed(a) == _signed(b)),  # eq
+    0x2A: lambda a, b: int(_signed(a) >= _signed(b)),  # ge
+    0x2B: lambda a, b: int(_signed(a) > _signed(b)),  # gt
+    0x2C: lambda a, b: int(_signed(a) <= _signed(b)),  # le
+    0x2D: lambda a, b: int(_signed(a) < _signed(b)),  # lt
+    0x2E: lambda a, b: int(_signed(a) != _signed(b)),  # ne
+}
+_CONSTANTS: Final = {  # DW_OP_const*: (size, signed)
+    0x08: (1, False),
+    0x09: (1, True),
+    0x0A: (2, False),
+    0x0B: (2, True),
+    0x0C: (4, False),
+    0x0D: (4, True),
+    0x0E: (8, False),
+    0x0F: (8, True),
+}
+_MAX_EXPR_STEPS: Final = 1000
+
+
+def _evaluate(
+    code: bytes, regs: Mapping[int, int], read_word: ReadWord, *, push: int | None = None
+) -> int:
+    """The value a DWARF expression of the unwind rules computes (a subset of DWARF 5 §2.5).
+
+    What compilers and glibc write in CFI is covered: the PLT's CFA expression (registers,
+    literals, arithmetic and comparison) and the signal frame's ``breg7 N; deref``. ``push``
+    is the CFA, which register rules start with on the stack.
+    """
+    stack: list[int] = [] if push is None else [push]
+    pos = steps = 0
+
+    def pop() -> int:
+        if not stack:
+            raise _Stop(StopReason.UNSUPPORTED)
+        return stack.pop()
+
+    def register(number: int) -> int:
+        value = regs.get(number)
+        if value is None:
+            raise _Stop(StopReason.UNKNOWN_REGISTER)
+        return value
+
+    while pos < len(code):
+        steps += 1
+        if steps > _MAX_EXPR_STEPS:
+            raise _Stop(StopReason.UNSUPPORTED)  # a branch loop
+        op = code[pos]
+        pos += 1
+        if 0x30 <= op <= 0x4F:  # lit0..lit31
+            stack.append(op - 0x30)
+        elif 0x70 <= op <= 0x8F:  # breg0..breg31
+            offset, pos = _sleb(code, pos)
+            stack.append((register(op - 0x70) + offset) & _MASK64)
+        elif op == 0x92:  # bregx
+            number, pos = _uleb(code, pos)
+            offset, pos = _sleb(code, pos)
+            stack.append((register(number) + offset) & _MASK64)
+        elif op in _CONSTANTS:
+            size, is_signed = _CONSTANTS[op]
+            if pos + size > len(code):
+                raise _Stop(StopReason.UNSUPPORTED)
+            value = int.from_bytes(code[pos : pos + size], "little", signed=is_signed)
+            stack.append(value & _MASK64)
+            pos += size
+        elif op == 0x10:  # constu
+            value, pos = _uleb(code, pos)
+            stack.append(value & _MASK64)
+        elif op == 0x11:  # consts
+            value, pos = _sleb(code, pos)
+            stack.append(value & _MASK64)
+        elif op in _BINARY:
+            b, a = pop(), pop()
+            stack.append(_BINARY[op](a, b) & _MASK64)
+        elif op == 0x23:  # plus_uconst
+            value, pos = _uleb(code, pos)
+            stack.append((pop() + value) & _MASK64)
+        elif op == 0x06:  # deref
+            stack.append(read_word(pop()) & _MASK64)
+        elif op == 0x12:  # dup
+            value = pop()
+            stack += [value, value]
+        elif op == 0x13:  # drop
+            pop()
+        elif op == 0x14:  # over
+            if len(stack) < 2:
+                raise _Stop(StopReason.UNSUPPORTED)
+            stack.append(stack[-2])
+        elif op == 0x16:  # swap
+            b, a = pop(), pop()
+            stack += [b, a]
+        elif op == 0x1F:  # neg
+            stack.append(-pop() & _MASK64)
+        elif op == 0x20:  # not
+            stack.append(~pop() & _MASK64)
+        elif op in (0x2F, 0x28):  # skip, bra
+            if pos + 2 > len(code):
+                raise _Stop(StopReason.UNSUPPORTED)
+            jump = int.from_bytes(code[pos : pos + 2], "little", signed=True)
+            pos += 2
+            if op == 0x2F or pop() != 0:
+                pos += jump
+                if not 0 <= pos <= len(code):
+                    raise _Stop(StopReason.UNSUPPORTED)
+        elif op == 0x96:  # nop
+            continue
+        else:
+            raise _Stop(StopReason.UNSUPPORTED)
+    return pop()
+
+
+# -- the walk ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Cursor:
+    """A frame about to be unwound: its address and the registers known in it."""
+
+    pc: int
+    regs: Mapping[int, int]  # by DWARF number
+    how: FoundBy
+
+    @property
+    def is_exact(self) -> bool:
+        """pc is the next instruction to run, not a return address (which follows a call)."""
+        return self.how in (FoundBy.FIRST, FoundBy.SIGNAL)
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    cfa: int | None
+    caller: _Cursor | None  # None: the walk ends here
+    stop: StopReason | None = None
+
+
+def unwind(
+    regs: Mapping[str, int],
+    read_word: ReadWord,
+    module_at: ModuleAt,
+    translate_return: TranslateReturn | None = None,
+    max_frames: int = 64,
+) -> list[Frame]:
+    """The frames of a stopped thread whose registers are ``regs``, innermost first.
+
+    ``regs`` maps register names (``rip``, ``rsp``, ``rbp`` at least; the other callee-saved
+    ones help) to values. ``read_word(addr)`` returns the 8 bytes at ``addr`` as an unsigned
+    integer, raising TargetError (or OSError) where memory cannot be read.
+    ``module_at(addr)`` returns the path of the file mapped at ``addr`` and its load bias, or
+    None. ``translate_return(slot, value)`` is called with every return address read from the
+    stack and the address of its slot, and returns the address to use instead (the real one,
+    where ``value`` is a return trampoline).
+
+    Never raises for a stack it cannot walk: the walk ends there and the last frame's
+    ``stop`` says why.
+    """
+    if max_frames < 1:
+        return []
+    known = {n: regs[name] & _MASK64 for n, name in enumerate(DWARF_REGISTERS) if name in regs}
+    cursor = _Cursor(known[_RIP], known, FoundBy.FIRST)
+    frames: list[Frame] = []
+    while True:
+        try:
+            step = _step(cursor, read_word, module_at, translate_return)
+        except _Stop as stop:
+            step = _Step(None, None, stop.reason)
+        except (TargetError, OSError):
+            step = _Step(None, None, StopReason.UNREADABLE)
+        if step.caller is not None and len(frames) + 1 == max_frames:
+            step = _Step(step.cfa, None, StopReason.MAX_FRAMES)
+        frames.append(Frame(cursor.pc, step.cfa, cursor.how, step.stop))
+        if step.caller is None:
+            return frames
+        cursor = step.caller
+
+
+def _step(
+    cursor: _Cursor,
+    read_word: ReadWord,
+    module_at: ModuleAt,
+    translate_return: TranslateReturn | None,
+) -> _Step:
+    """Unwind one frame: its CFA and its caller, from the unwind table or the frame pointer."""
+    # A return address follows the call: the call itself, and its unwind row, is one byte
+    # back (it may even be the last instruction of the function, before another one starts).
+    lookup = cursor.pc if cursor.is_exact else cursor.pc - 1
+    where = module_at(lookup)
+    if where is not None:
+        path, bias = where
+        fde = find_fde(path, lookup - bias)
+        row = None if fde is None else fde.row_at(lookup - bias)
+        if fde is not None and row is not None:
+            return _step_cfi(cursor, fde, row, read_word, translate_return)
+    step = _step_frame_pointer(cursor, read_word, translate_return)
+    if step is not None:
+        return step
+    reason = StopReason.NO_MODULE if where is None else StopReason.NO_UNWIND_INFO
+    return _Step(None, None, reason)
+
+
+def _step_cfi(
+    cursor: _Cursor,
+    fde: Fde,
+    row: Row,
+    read_word: ReadWord,
+    translate_return: TranslateReturn | None,
+) -> _Step:
+    regs = cursor.regs
+    # Step 1: the CFA, which is the caller's stack pointer.
+    if row.cfa_expr is not None:
+        cfa = _evaluate(row.cfa_expr, {**regs, _RIP: cursor.pc}, read_word)
+    else:
+        if row.cfa_reg is None:
+            raise _Stop(StopReason.NO_UNWIND_INFO)
+        base = regs.get(row.cfa_reg)
+        if base is None:
+            raise _Stop(StopReason.UNKNOWN_REGISTER)
+        cfa = (base + row.cfa_offset) & _MASK64
+    # A caller's frame is above its callee's on the stack, except across a signal frame
+    # (the handler may run on an alternate stack).
+    sp = regs.get(_RSP)
+    if not fde.is_signal_frame and sp is not None and cfa <= sp:
+        return _Step(cfa, None, StopReason.NOT_OUTWARD)
+
+    # Step 2: the return address, and where it was read from.
+    rule = row.rules.get(fde.ra_column)
+    if rule is None or rule[0] is Rule.UNDEFINED:
+        return _Step(cfa, None, StopReason.OUTERMOST)
+    ra, slot = _apply(rule, cfa, regs, read_word)
+    if slot is not None and translate_return is not None:
+        ra = translate_return(slot, ra)
+    if ra == 0:
+        return _Step(cfa, None, StopReason.OUTERMOST)
+
+    # Step 3: the caller's registers: saved ones where the rules say, callee-saved ones
+    # unchanged, the stack pointer at the CFA unless a rule says otherwise.
+    caller: dict[int, int] = {}
+    for number in {*_CALLEE_SAVED, *row.rules}:
+        if number == fde.ra_column:
+            continue
+        reg_rule = row.rules.get(number, (Rule.SAME_VALUE, 0))
+        if reg_rule[0] is Rule.SAME_VALUE:
+            if number in regs:
+                caller[number] = regs[number]
+        elif reg_rule[0] is not Rule.UNDEFINED:
+            try:
+                caller[number] = _apply(reg_rule, cfa, regs, read_word)[0]
+            except (_Stop, TargetError, OSError):
+                continue  # lost in the caller; a later rule that needs it will say so
+    caller.setdefault(_RSP, cfa)
+    caller[_RIP] = ra
+    how = FoundBy.SIGNAL if fde.is_signal_frame else FoundBy.CFI
+    return _Step(cfa, _Cursor(ra, caller, how))
+
+
+def _apply(
+    rule: _RegRule, cfa: int, regs: Mapping[int, int], read_word: ReadWord
+) -> tuple[int, int | None]:
+    """A register's value in the caller, and the address it was saved at (if in memory)."""
+    kind, arg = rule
+    if kind is Rule.OFFSET and isinstance(arg, int):
+        slot = (cfa + arg) & _MASK64
+        return read_word(slot), slot
+    if kind is Rule.VAL_OFFSET and isinstance(arg, int):
+        return (cfa + arg) & _MASK64, None
+    if kind is Rule.REGISTER and isinstance(arg, int):
+        value = regs.get(arg)
+        if value is None:
+            raise _Stop(StopReason.UNKNOWN_REGISTER)
+        return value, None
+    if kind is Rule.EXPRESSION and isinstance(arg, bytes):
+        slot = _evaluate(arg, regs, read_word, push=cfa)
+        return read_word(slot), slot
+    if kind is Rule.VAL_EXPRESSION and isinstance(arg, bytes):
+        return _evaluate(arg, regs, read_word, push=cfa), None
+    raise _Stop(StopReason.UNSUPPORTED)
+
+
+def _step_frame_pointer(
+    cursor: _Cursor, read_word: ReadWord, translate_return: TranslateReturn | None
+) -> _Step | None:
+    """Unwind through the ``push rbp; mov rbp, rsp`` frame; None if rbp is not such a frame.
+
+    The frame pointer is trusted only if it is aligned and lies a little above the stack
+    pointer; the saved ``rbp`` is at ``[rbp]`` and the return address at ``[rbp + 8]``.
+    """
+    rbp = cursor.regs.get(_RBP)
+    sp = cursor.regs.get(_RSP)
+    if rbp is None or sp is None or rbp % 8 or not sp <= rbp < sp + _MAX_FP_FRAME:
+        return None
+    saved_rbp = read_word(rbp)
+    slot = rbp + 8
+    ra = read_word(slot)
+    if translate_return is not None:
+        ra = translate_return(slot, ra)
+    cfa = rbp + 16
+    if ra == 0:
+        return _Step(cfa, None, StopReason.OUTERMOST)
+    # Where this frame saved the other callee-saved registers is unknown: they are lost.
+    caller = {_RBP: saved_rbp, _RSP: cfa, _RIP: ra}
+    return _Step(cfa, _Cursor(ra, caller, FoundBy.FP))
