@@ -1,10 +1,17 @@
 """The kernel's own uprobes, driven through tracefs: the in-kernel figure a ptrace tool faces.
 
-A session writes ``p:kpbench/EVENT PATH:0xOFFSET`` to ``uprobe_events`` (the offset in the file,
-from the ELF), enables the event in a private tracefs instance (so the global buffer and other
-tools are untouched: the hits are recorded, as a user of the event would have them), and on every
-way out disables it, removes the instance and removes the event. Hits are the growth of the
-event's line in ``uprobe_profile`` over one run.
+A session writes ``p:kpbench/EVENT PATH:0xOFFSET`` (an entry probe) or ``r:kpbench/EVENT ...``
+(a uretprobe) to ``uprobe_events`` (the offset in the file, from the ELF), enables each event in
+a private tracefs instance of its own (so the global buffer and other tools are untouched: the
+hits are recorded, as a user of the event would have them), and on every way out disables it,
+removes the instance and removes the event, in reverse order. One row puts both kinds on one
+function: the kernel's "kr".
+
+Entry hits are the growth of the event's line in ``uprobe_profile`` over one run. That line is
+no count of returns: the kernel counts a uretprobe's hits in its entry handler, where the
+return is hooked. A uretprobe's hits are therefore the records written to its instance's ring
+buffer (``entries`` + ``overrun`` + ``dropped events`` over the CPUs' ``stats``; nothing ever
+reads the instance), which is what a user of the event gets, one per return.
 
 The event name carries our pid (``uprobe_profile`` shows event names without their group, so a
 name must be unique on the machine) and the target runs directly, with no tool process: pinning
@@ -21,7 +28,7 @@ import errno
 import os
 import subprocess
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,21 +85,55 @@ def profile_hits(path: str, event: str) -> int:
     raise RunError(f"{GROUP}/{event} is not in uprobe_profile")
 
 
+_RECORD_STATS = ("entries", "overrun", "dropped events")
+
+
+def buffer_records(instance: Path) -> int:
+    """Every record written to ``instance``'s ring buffer so far, over all CPUs."""
+    total = 0
+    for stats in (instance / "per_cpu").glob("cpu*/stats"):
+        for line in stats.read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() in _RECORD_STATS:
+                total += int(value)
+    return total
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One uprobe event of a session: ``kind`` is ``p`` (entry) or ``r`` (return)."""
+
+    kind: str
+    name: str
+    instance: Path
+
+    def count(self, target: str) -> int:
+        """Entries for ``p`` (``uprobe_profile``), returns for ``r`` (records in its instance)."""
+        if self.kind == "r":
+            return buffer_records(self.instance)
+        return profile_hits(target, self.name)
+
+
 @dataclass(slots=True)
 class UprobeRunner:
     target: str
     func: str
-    event: str
-    last: int = field(default=0)
+    events: tuple[Event, ...]
+    calls: int = field(default=0)
+    last: dict[str, int] = field(default_factory=dict)
 
     def argv(self, calls: int) -> list[str]:
-        self.last = profile_hits(self.target, self.event)
+        self.calls = calls
+        self.last = {e.name: e.count(self.target) for e in self.events}
         return [self.target, self.func, str(calls)]
 
     def outcome(self, stdout: str) -> Outcome:
-        now = profile_hits(self.target, self.event)
-        hits, self.last = now - self.last, now
-        return Outcome(hits=hits)
+        """Each event must count every call: the hits are the first count that is not N (or N)."""
+        counts = {e.kind: e.count(self.target) - self.last[e.name] for e in self.events}
+        hits = next((c for c in counts.values() if c != self.calls), self.calls)
+        if len(counts) == 1:
+            return Outcome(hits=hits)
+        return Outcome(hits=hits, info={"entries": str(counts["p"]), "returns": str(counts["r"])})
 
 
 class UprobesPeer(Peer):
@@ -107,6 +148,7 @@ class UprobesPeer(Peer):
                 func="work_push",
                 calls=2_000_000,
                 quick_calls=20_000,
+                variant="p",
             ),
             Row(
                 peer=self.name,
@@ -115,6 +157,26 @@ class UprobesPeer(Peer):
                 func="work_lea",
                 calls=100_000,
                 quick_calls=2_000,
+                variant="p",
+            ),
+            # The document's §6 r and kr, in the kernel (k is uprobes-push).
+            Row(
+                peer=self.name,
+                key="uprobes-r-push",
+                label="kernel uretprobe via tracefs, push site",
+                func="work_push",
+                calls=2_000_000,
+                quick_calls=20_000,
+                variant="r",
+            ),
+            Row(
+                peer=self.name,
+                key="uprobes-kr-push",
+                label="kernel uprobe + uretprobe via tracefs, push site",
+                func="work_push",
+                calls=2_000_000,
+                quick_calls=20_000,
+                variant="pr",
             ),
         ]
 
@@ -125,27 +187,38 @@ class UprobesPeer(Peer):
     def session(self, row: Row) -> Iterator[UprobeRunner]:
         target = os.path.realpath(self.programs.target)
         site = find_site(self.programs.target, row.func, row.offset)
-        event = (
-            f"{row.func}_{row.offset}_{os.getpid()}" if row.offset else f"{row.func}_{os.getpid()}"
+        where = f"{row.func}_{row.offset}" if row.offset else row.func
+        pid = os.getpid()
+        events = tuple(
+            Event(
+                kind=kind,
+                name=f"{where}_{pid}" if kind == "p" else f"{where}_ret_{pid}",
+                instance=TRACEFS / "instances" / f"{GROUP}_{pid}{'' if kind == 'p' else '_ret'}",
+            )
+            for kind in row.variant or "p"
         )
-        instance = TRACEFS / "instances" / f"{GROUP}_{os.getpid()}"
-        enable = instance / "events" / GROUP / event / "enable"
-        # Step 1: the event, then the instance, then enable: undone in reverse below.
-        _write(TRACEFS / "uprobe_events", f"p:{GROUP}/{event} {target}:{site.file_offset:#x}\n")
-        try:
-            instance.mkdir(exist_ok=True)
-            try:
+        with ExitStack() as undo:
+            for event in events:
+                # Step 1: the event, then its instance, then enable: undone in reverse.
+                spec = f"{event.kind}:{GROUP}/{event.name} {target}:{site.file_offset:#x}\n"
+                _write(TRACEFS / "uprobe_events", spec)
+                undo.callback(_remove_event, event.name)
+                event.instance.mkdir(exist_ok=True)
+                undo.callback(_remove_instance, event.instance)
+                enable = event.instance / "events" / GROUP / event.name / "enable"
                 _write(enable, "1")
-                try:
-                    yield UprobeRunner(target, row.func, event)
-                finally:
-                    _write(enable, "0")
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    instance.rmdir()
-        finally:
-            try:
-                _write(TRACEFS / "uprobe_events", f"-:{GROUP}/{event}\n")
-            except TraceFsError as e:
-                if not isinstance(e.__cause__, OSError) or e.__cause__.errno != errno.ENOENT:
-                    raise
+                undo.callback(_write, enable, "0")
+            yield UprobeRunner(target, row.func, events)
+
+
+def _remove_instance(instance: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        instance.rmdir()
+
+
+def _remove_event(name: str) -> None:
+    try:
+        _write(TRACEFS / "uprobe_events", f"-:{GROUP}/{name}\n")
+    except TraceFsError as e:
+        if not isinstance(e.__cause__, OSError) or e.__cause__.errno != errno.ENOENT:
+            raise

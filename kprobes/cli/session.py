@@ -52,7 +52,6 @@ def parse_spec(text: str) -> ProbeSpec:
 def event_fields(event: Event) -> dict[str, object]:
     fields: dict[str, object] = {
         "common_pid": event.tid,
-        "pid": event.tid,
         "comm": event.comm,
         "cpu": event.cpu,
     }
