@@ -317,8 +317,21 @@ def compare_with_readelf(path: str, section: str) -> int:
     return compared
 
 
-def test_every_libc_fde_decodes_as_readelf_decodes_it() -> None:
-    assert compare_with_readelf(libc_path(), ".eh_frame") > 1000
+def libstdcxx_path() -> str:
+    """libstdc++, whose C++ code is full of DW_CFA_GNU_args_size."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is needed to find libstdc++")
+    found = subprocess.run(
+        ["g++", "-print-file-name=libstdc++.so.6"], capture_output=True, text=True, timeout=30
+    ).stdout.strip()
+    if not os.path.isabs(found):
+        pytest.skip("g++ does not know where libstdc++ is")
+    return os.path.realpath(found)
+
+
+@pytest.mark.parametrize("library", [libc_path, libstdcxx_path], ids=["libc", "libstdc++"])
+def test_every_library_fde_decodes_as_readelf_decodes_it(library: Callable[[], str]) -> None:
+    assert compare_with_readelf(library(), ".eh_frame") > 1000
 
 
 @pytest.mark.parametrize("variant", ["O0", "O2", "debug_frame"])
