@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -224,3 +225,28 @@ def test_trace_text_matches_the_kernels_uprobe_events(target):
         kargs = krest.split(") ", 1)[1]
         oargs = orest.split(") ", 1)[1]
         assert kargs == oargs, (kl, ol)
+
+
+def test_count_intervals_duration_and_ctrl_c_on_an_attached_program(build, popen):
+    ticker = build("ticker")
+    prog = popen([ticker, 100000, 2000], stdout=subprocess.DEVNULL)
+    r = cli("count", "-p", prog.pid, "-i", "0.4", "-d", "1.3", "work")
+    assert r.returncode == 0, r.stderr
+    tables = [i for i, line in enumerate(r.stdout.splitlines()) if line.startswith("FUNC")]
+    assert len(tables) >= 3, r.stdout  # one per interval, and the last partial one
+    assert support.is_alive(prog.pid)  # detached, still running
+    # Ctrl-C ends a trace and still prints the summary.
+    tracer = popen(
+        [KPROBES, "trace", "-p", prog.pid, "work i=%di:u64"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert tracer.stdout is not None
+    first = support.read_line(tracer.stdout.fileno(), 20).decode()
+    assert re.search(r": p_work_0: \(work\+0x0/0x[0-9a-f]+\) i=\d+$", first.rstrip())
+    os.kill(tracer.pid, signal.SIGINT)
+    _, err = tracer.communicate(timeout=20)
+    assert tracer.returncode == 0, err
+    assert re.search(rb"\d+ events, \d+ hits, 0 missed, 0 dropped", err)
+    assert support.is_alive(prog.pid)
+    assert "TracerPid:\t0" in Path(f"/proc/{prog.pid}/status").read_text()
