@@ -250,3 +250,35 @@ def test_count_intervals_duration_and_ctrl_c_on_an_attached_program(build, popen
     assert re.search(rb"\d+ events, \d+ hits, 0 missed, 0 dropped", err)
     assert support.is_alive(prog.pid)
     assert "TracerPid:\t0" in Path(f"/proc/{prog.pid}/status").read_text()
+
+
+def test_live_status_line_when_stderr_is_a_terminal(build, popen):
+    import pty
+    import select
+
+    ticker = build("ticker")
+    prog = popen([ticker, 100000, 2000], stdout=subprocess.DEVNULL)
+    master, slave = pty.openpty()
+    try:
+        run = popen(
+            [KPROBES, "count", "-p", prog.pid, "-d", "1.6", "work"],
+            stdout=subprocess.PIPE,
+            stderr=slave,
+        )
+        os.close(slave)
+        run.wait(timeout=30)
+        data = b""
+        while select.select([master], [], [], 0.5)[0]:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(master)
+    assert run.returncode == 0
+    statuses = re.findall(rb"\r[^\r\n]*events[^\r\n]*", data)
+    assert len(statuses) >= 2, data  # refreshed while running (every 0.5 s)
+    assert re.search(rb"\d+ events, \d+ hits, 0 missed, 0 dropped", data)
