@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: demo test lint typecheck pytest bench setup clean
+.PHONY: demo test test-kernel lint typecheck pytest bench setup clean
 
 setup: $(STAMP)
 
@@ -30,7 +30,12 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
+# `pytest` runs tests/vm too: it boots Debian's stock kernel under qemu (software emulation)
+# and runs the kernel tests inside it. `test-kernel` runs only those.
 test: lint typecheck pytest
+
+test-kernel: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/vm
 
 bench: $(STAMP)
 	$(BIN)/python -m bench

@@ -1,0 +1,231 @@
+"""Probe definition lines of ``kprobe_events`` and ``uprobe_events``: made, split and checked.
+
+``probe_line`` is the one place where a probe becomes a line of the kernel's grammar
+(``reference/tracefs-grammar.md``)::
+
+    p[:GRP/EVENT] PLACE [ARG...]          r[MAXACTIVE][:GRP/EVENT] PLACE [ARG...]
+
+``split_line`` is the inverse for lines written by users (``Kernel.add("r:vfs_read $retval")``):
+it only cuts a line into its type, name, place and argument words, with the column of each
+word for error messages. It does not parse fetch-args: the kernel does, and its ``error_log``
+says where a line is wrong. When the ``kprobes.spec`` grammar lands, ``split_line`` becomes a
+call to ``spec.parse`` and ``probe_line`` to ``spec.render``.
+
+``Features`` reads the running kernel's tracefs ``README`` (the grammar it prints for itself)
+so that a fetch-arg type or variable the kernel lacks is refused with a sentence naming it,
+before anything is written.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from kprobes.errors import ProbeRejected, SpecError
+
+EVENT_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*$")
+MAX_EVENT_NAME: Final = 64  # the kernel's MAX_EVENT_NAME_LEN
+MAXACTIVE_MAX: Final = 4096  # KRETPROBE_MAXACTIVE_MAX
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeLine:
+    """A definition line cut into words; ``columns`` holds where each word starts."""
+
+    kind: str  # "p" or "r"
+    maxactive: int
+    group: str  # "" when the line names none
+    event: str  # "" when the line names none
+    place: str
+    args: tuple[str, ...]
+    text: str
+    columns: tuple[int, ...]  # of place, then of each arg
+
+    @property
+    def is_return(self) -> bool:
+        return self.kind == "r" or self.place.endswith("%return")
+
+    @property
+    def bare_place(self) -> str:
+        """The place without a ``%return`` suffix."""
+        return self.place.removesuffix("%return")
+
+
+def _words(text: str) -> list[tuple[int, str]]:
+    return [(m.start(), m.group()) for m in re.finditer(r"\S+", text)]
+
+
+def split_line(text: str) -> ProbeLine:
+    """Cut ``p:[GRP/]EVENT PLACE ARGS`` into words; SpecError (with the column) if it is not
+    a probe definition at all."""
+    words = _words(text.strip())
+    if not words:
+        raise SpecError("empty probe definition", column=0, text=text)
+    head_col, head = words[0]
+    m = re.fullmatch(r"([pr])(\d*)(?::(?:([^/\s]*)/)?([^/\s]*))?", head)
+    if m is None:
+        raise SpecError(
+            f"a probe definition starts with p or r[MAXACTIVE], not {head!r}",
+            column=head_col,
+            text=text,
+        )
+    kind, digits, group, event = m.group(1), m.group(2), m.group(3) or "", m.group(4) or ""
+    if digits and kind != "r":
+        raise SpecError("MAXACTIVE is only for return probes (r)", column=1, text=text)
+    maxactive = int(digits) if digits else 0
+    if maxactive > MAXACTIVE_MAX:
+        raise SpecError(f"MAXACTIVE {maxactive} is above {MAXACTIVE_MAX}", column=1, text=text)
+    for name, where in ((group, "group"), (event, "event")):
+        if name and not EVENT_NAME.match(name):
+            raise SpecError(
+                f"{where} name {name!r} is not a C identifier",
+                column=head_col + head.index(name),
+                text=text,
+            )
+    if len(words) < 2:
+        raise SpecError("no probe place after the name", column=len(text.strip()), text=text)
+    return ProbeLine(
+        kind=kind,
+        maxactive=maxactive,
+        group=group,
+        event=event,
+        place=words[1][1],
+        args=tuple(w for _, w in words[2:]),
+        text=text,
+        columns=tuple(c for c, _ in words[1:]),
+    )
+
+
+def probe_line(
+    kind: str,
+    group: str,
+    event: str,
+    place: str,
+    args: Sequence[str] = (),
+    *,
+    maxactive: int = 0,
+) -> str:
+    """The definition line for one probe: the only place where such lines are composed."""
+    if kind not in ("p", "r"):
+        raise ValueError(f"probe kind {kind!r}")
+    head = f"{kind}{maxactive if kind == 'r' and maxactive else ''}:{group}/{event}"
+    return " ".join((head, place, *args))
+
+
+def removal_line(group: str, event: str) -> str:
+    return f"-:{group}/{event}"
+
+
+def event_name_for(kind: str, where: str, taken: set[str] | frozenset[str]) -> str:
+    """A free event name in the kernel's own style: ``p_vfs_read_0``, ``r_malloc_0``, ..."""
+    stem = re.sub(r"[^A-Za-z0-9_]", "_", f"{kind}_{where}").strip("_")[: MAX_EVENT_NAME - 8]
+    if not stem or stem[0].isdigit():
+        stem = f"{kind}_{stem}"
+    name, n = stem, 1
+    while name in taken:
+        n += 1
+        name = f"{stem}_{n}"
+    return name
+
+
+def kernel_place(symbol: str | None, offset: int, addr: int | None) -> str:
+    """``[MOD:]SYM[+OFFS]`` or ``0xADDR`` of ``kprobe_events``."""
+    if symbol:
+        return f"{symbol}+{offset:#x}" if offset else symbol
+    if addr is None:
+        raise ValueError("a kernel probe needs a symbol or an address")
+    return f"{addr + offset:#x}"
+
+
+def uprobe_place(path: str, file_offset: int, *, is_return: bool = False) -> str:
+    """``PATH:0xOFFSET`` of ``uprobe_events``; ``r:`` marks returns, never ``%return``."""
+    if any(c.isspace() for c in path):
+        raise ProbeRejected(f"uprobe_events cannot name a path with spaces: {path!r}")
+    return f"{path}:{file_offset:#x}"
+
+
+# -- what the running kernel accepts --------------------------------------------------------
+
+_TYPES_DEFAULT: Final = frozenset(
+    {"s8", "s16", "s32", "s64", "u8", "u16", "u32", "u64", "x8", "x16", "x32", "x64"}
+    | {"string", "char", "symbol", "ustring", "symstr", "%pd", "%pD", "bitfield"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Features:
+    """What the kernel's tracefs README says it accepts in fetch-args."""
+
+    types: frozenset[str]
+    variables: frozenset[str]  # "$retval", "$comm", "$arg", "$stack", "$current", ...
+    return_variables: frozenset[str]  # allowed in kretprobes besides $retval
+    has_arrays: bool
+
+    @classmethod
+    def from_readme(cls, text: str) -> Features:
+        types: set[str] = set()
+        for word in _readme_item(text, "type").split(","):
+            word = word.strip()
+            sized = re.fullmatch(r"([sux])8/16/32/64", word)
+            if sized:
+                types.update(f"{sized.group(1)}{n}" for n in (8, 16, 32, 64))
+            elif word.startswith("b<"):
+                types.add("bitfield")
+            elif word.startswith("%p"):
+                types.update(w for w in word.split("/") if w)
+            elif re.fullmatch(r"[a-z]+", word):
+                types.add(word)
+        returns = _readme_item(text, "kernel return probes support")
+        return cls(
+            types=frozenset(types) or _TYPES_DEFAULT,
+            variables=frozenset(re.findall(r"\$[a-z]+", _readme_item(text, "fetcharg"))),
+            return_variables=frozenset(re.findall(r"\$[a-z]+", returns)),
+            has_arrays="array-size" in text,
+        )
+
+    def check_arg(self, arg: str, *, is_return: bool, is_kernel: bool) -> str | None:
+        """Why the running kernel would refuse fetch-arg ``arg``; None if it looks accepted."""
+        _, _, fetch = arg.rpartition("=") if "=" in arg.split(":")[0] else ("", "", arg)
+        body, _, typ = fetch.partition(":") if not fetch.startswith('\\"') else (fetch, "", "")
+        if typ:
+            base = typ.split("[")[0]
+            if "[" in typ and not self.has_arrays:
+                return f"this kernel has no array types ({typ!r})"
+            if re.fullmatch(r"b\d+@\d+/\d+", base):
+                base = "bitfield"
+            if base not in self.types:
+                known = ", ".join(sorted(self.types))
+                return f"this kernel does not know the fetch-arg type {typ!r} (it has: {known})"
+        for var in re.findall(r"\$[a-z]+", body):
+            if var == "$retval":
+                if not is_return:
+                    return "$retval is only for return probes"
+                continue
+            if self.variables and var not in self.variables:
+                known = ", ".join(sorted(self.variables))
+                return f"this kernel does not know {var} (its fetch-args: {known})"
+            if (
+                is_return
+                and is_kernel
+                and self.return_variables
+                and var not in (*self.return_variables, "$stack")
+            ):
+                return f"this kernel's return probes do not support {var}"
+        return None
+
+
+def _readme_item(text: str, key: str) -> str:
+    """The value of ``key:`` in the README, with its continuation lines (which hold no colon)."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if stripped.startswith(key + ":"):
+            parts = [stripped[len(key) + 1 :]]
+            for more in lines[i + 1 :]:
+                if ":" in more or not more.strip():
+                    break
+                parts.append(more.strip())
+            return " ".join(parts)
+    return ""

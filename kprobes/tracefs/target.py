@@ -1,0 +1,660 @@
+"""What the Kernel and Uprobes targets share: registering probe events and delivering them.
+
+A probe registered here becomes one tracefs event of the session's group, enabled in the
+session's private instance. The mechanism (breakpoints, out-of-line steps, optimization) is the
+kernel's; what remains is bookkeeping, done as a straight line and undone in reverse:
+
+    Step 1  resolve the place (the subclass: kallsyms, or ELF symbols and file offsets)
+    Step 2  check it (the subclass: the blacklist) and its fetch-args (the kernel's README)
+    Step 3  name the event and compose the line (``lines.probe_line``, the only composer)
+    Step 4  write the line; the kernel may refuse it (``TraceFsError`` with error_log)
+    Step 5  read the event's format and compile its record decoder
+    Step 6  enable it in our instance, unless the probe is registered disabled
+
+Events come back asynchronously: ``poll()`` reads every CPU's ``trace_pipe_raw``, decodes the
+records, merges the CPUs by timestamp and hands each ``Event`` to the probe's handler (the
+kernel's probes are read-only, as the document says of optimized probes: a handler sees the
+fetched values, never live registers):
+
+    Kprobe      pre_handler(kp, event), then post_handler(kp, event, 0)
+    Kretprobe   handler(ri, event); ri.task is the thread, ri.ret_addr where it returned to
+
+and to ``sink(event)`` if one was given. A handler that raises is offered to the probe's
+``fault_handler(kp, event, TRAP_HANDLER_EXCEPTION)``; if nothing handles it, the batch is
+finished and the first such exception is raised out of ``poll()``/``run()``.
+
+Hit and miss counts are the kernel's (``kprobe_profile``/``uprobe_profile``), copied into
+``probe.nhit``/``probe.nmissed`` by ``update_counts()``, which ``run()`` and unregistration
+call. Profile lines name the event without its group, so they are matched to our events by
+their position, which is the order of the definitions file.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import errno as _errno
+import os
+import select
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kprobes.core.probes import TRAP_HANDLER_EXCEPTION, Kprobe, ProbeFlags
+from kprobes.core.retprobes import Kretprobe, KretprobeInstance, Task
+from kprobes.core.table import ProbeSite, ProbeTable
+from kprobes.errors import ProbeError, ProbeRejected, SpecError, TraceFsError
+from kprobes.model import Event, EventArg
+from kprobes.tracefs import session as sessions
+from kprobes.tracefs.control import TraceFs
+from kprobes.tracefs.eventformat import Decoder, EventFormat, compile_decoder
+from kprobes.tracefs.lines import (
+    EVENT_NAME,
+    Features,
+    ProbeLine,
+    event_name_for,
+    probe_line,
+    removal_line,
+    split_line,
+)
+from kprobes.tracefs.ringbuffer import CpuBuffers, PageLayout, scan_page
+from kprobes.tracefs.session import Session
+
+AnyProbe = Kprobe | Kretprobe
+Sink = Callable[[Event], None]
+_UNKNOWN_COMM = "<...>"
+_POLL_SLICE = 0.25  # longest sleep in run(): a missed wake-up costs at most this
+
+
+@dataclass(frozen=True, slots=True)
+class ProbePoint:
+    """Where a probe goes, as the target resolved it (the ``Location`` of core)."""
+
+    addr: int  # kernel address, or the runtime (pid) or link-time (path) address of a uprobe
+    display: str  # "vfs_read+0x10"
+    module_name: str
+    place: str  # the PLACE word of the probe line
+    symbol: str  # function name ("" if unknown)
+    offset: int  # from the function's start
+    func_size: int  # 0 if unknown
+
+    @property
+    def describe(self) -> str:
+        """``sym+0xoff/0xsize``: how the kernel prints this address (``%pS``)."""
+        if not self.symbol:
+            return f"{self.addr:#x}"
+        return f"{self.symbol}+{self.offset:#x}/{self.func_size:#x}"
+
+
+class Registration:
+    """One probe's event: the target's private state for it (``site.ainsn``)."""
+
+    __slots__ = (
+        "arg_names",
+        "arg_types",
+        "comm_index",
+        "decode",
+        "event",
+        "id",
+        "is_enabled",
+        "line",
+        "point",
+        "probe",
+    )
+
+    def __init__(self, probe: AnyProbe, event: str, line: str, point: ProbePoint) -> None:
+        self.probe = probe
+        self.event = event
+        self.line = line
+        self.point = point
+        self.id = -1
+        self.decode: Decoder | None = None
+        self.arg_names: tuple[str, ...] = ()
+        self.arg_types: tuple[str, ...] = ()
+        self.comm_index = -1
+        self.is_enabled = False
+
+
+def _entry(probe: AnyProbe) -> Kprobe:
+    return probe.kp if isinstance(probe, Kretprobe) else probe
+
+
+def _is_comm(arg: str) -> bool:
+    fetch = arg.split("=", 1)[1] if "=" in arg.split(":", 1)[0] else arg
+    return fetch.split(":", 1)[0] in ("$comm", "$COMM")
+
+
+class TraceTarget:
+    """The common part of ``Kernel`` and ``Uprobes``; not used directly."""
+
+    events_file = ""  # "kprobe_events" or "uprobe_events"
+    profile_file = ""
+    is_kernel = False
+
+    def __init__(
+        self, *, group: str | None = None, buffer_kb: int = 2048, sink: Sink | None = None
+    ) -> None:
+        self._owner_pid = os.getpid()
+        self.fs = TraceFs.open()
+        self._check_available()
+        self.features = Features.from_readme(self.fs.read("README"))
+        self.session = Session(self.fs, group=group, buffer_kb=buffer_kb)
+        sessions.remember(self)
+        try:
+            layout = PageLayout.parse(self.session.read("events", "header_page"))
+            self._buffers = CpuBuffers(self.session.instance_dir, layout)
+        except BaseException:
+            self.session.close()
+            sessions.forget(self)
+            raise
+        self._layout = layout
+        self.sink = sink
+        self.lost = 0  # events the kernel dropped (buffer full); -1 added when uncounted
+        self._table = ProbeTable()
+        self._by_id: dict[int, Registration] = {}
+        self._by_probe: dict[int, Registration] = {}
+        self._comms: dict[int, str] = {}
+        self._tgids: dict[int, int] = {}
+        self._places: dict[int, str] = {}
+        # Records of other events enabled in our instance (common_type → handler(page, start)).
+        self._watchers: dict[int, Callable[[bytes, int], None]] = {}
+        self._stopping = False
+        self._pending: BaseException | None = None
+
+    # -- subclass hooks ----------------------------------------------------------------------
+
+    def _check_available(self) -> None:
+        raise NotImplementedError
+
+    def _resolve(self, probe: Kprobe, *, is_return: bool) -> ProbePoint:
+        raise NotImplementedError
+
+    def _check(self, probe: Kprobe, point: ProbePoint) -> None:
+        """Refuse a place before the kernel does (the Kernel target: the blacklist)."""
+
+    def _describe(self, addr: int, tid: int) -> str:
+        return f"{addr:#x}"
+
+    def _symbolize(self, addr: int) -> str:
+        return f"{addr:#x}"
+
+    def _probe_for_line(self, line: ProbeLine) -> AnyProbe:
+        raise NotImplementedError
+
+    def _accepts(self, tgid: int) -> bool:
+        """Whether events of process ``tgid`` (0: unknown, the thread is gone) are wanted."""
+        return True
+
+    def _maxactive(self, rp: Kretprobe) -> int:
+        return 0
+
+    # -- names -------------------------------------------------------------------------------
+
+    @property
+    def group(self) -> str:
+        return self.session.group
+
+    @property
+    def instance(self) -> str:
+        """The private tracefs instance's name (``instances/<name>``)."""
+        return self.session.name
+
+    def get_event_name(self, probe: AnyProbe) -> str | None:
+        reg = self._by_probe.get(id(probe))
+        return reg.event if reg is not None else None
+
+    def iter_probes(self) -> builtins.list[AnyProbe]:
+        return [reg.probe for reg in self._by_probe.values()]
+
+    # -- registration ------------------------------------------------------------------------
+
+    def register_kprobe(self, kp: Kprobe, args: Sequence[str] = (), *, event: str = "") -> None:
+        """Register ``kp`` with fetch-args in the kernel's syntax (``"fd=%di:s32"``)."""
+        self._register(kp, tuple(args), event)
+
+    def register_kprobes(
+        self, kps: Sequence[Kprobe], args: Mapping[Kprobe, Sequence[str]] | None = None
+    ) -> None:
+        """Register every probe or none: a failure unregisters the ones already done."""
+        self._register_many(kps, args)
+
+    def unregister_kprobe(self, kp: Kprobe) -> None:
+        self._unregister_many([kp])
+
+    def unregister_kprobes(self, kps: Sequence[Kprobe]) -> None:
+        self._unregister_many(kps)
+
+    def enable_kprobe(self, kp: Kprobe) -> None:
+        self._set_enabled(kp, True)
+
+    def disable_kprobe(self, kp: Kprobe) -> None:
+        self._set_enabled(kp, False)
+
+    def register_kretprobe(
+        self, rp: Kretprobe, args: Sequence[str] = (), *, event: str = ""
+    ) -> None:
+        """Register a return probe; fetch-args may use ``$retval``."""
+        self._register(rp, tuple(args), event)
+
+    def register_kretprobes(
+        self, rps: Sequence[Kretprobe], args: Mapping[Kretprobe, Sequence[str]] | None = None
+    ) -> None:
+        self._register_many(rps, args)
+
+    def unregister_kretprobe(self, rp: Kretprobe) -> None:
+        self._unregister_many([rp])
+
+    def unregister_kretprobes(self, rps: Sequence[Kretprobe]) -> None:
+        self._unregister_many(rps)
+
+    def enable_kretprobe(self, rp: Kretprobe) -> None:
+        self._set_enabled(rp, True)
+
+    def disable_kretprobe(self, rp: Kretprobe) -> None:
+        self._set_enabled(rp, False)
+
+    def add(self, text: str, handler: Callable[..., Any] | None = None) -> AnyProbe:
+        """Register a probe written as a definition line (``"r:vfs_read ret=$retval"``).
+
+        The group is the session's (naming another one is refused); the event name is the
+        line's, or made up. ``handler`` becomes the Kprobe's ``pre_handler(kp, event)`` or the
+        Kretprobe's ``handler(ri, event)``. Returns the probe object.
+        """
+        line = split_line(text)
+        if line.group and line.group != self.group:
+            raise SpecError(
+                f"the event group is this session's ({self.group}), not {line.group!r}",
+                column=text.index(line.group),
+                text=text,
+            )
+        probe = self._probe_for_line(line)
+        if isinstance(probe, Kretprobe):
+            probe.handler = handler
+        else:
+            probe.pre_handler = handler
+        self._register(probe, line.args, line.event)
+        return probe
+
+    def _register_many(
+        self, probes: Sequence[AnyProbe], args: Mapping[Any, Sequence[str]] | None
+    ) -> None:
+        done: list[AnyProbe] = []
+        try:
+            for probe in probes:
+                self._register(probe, tuple((args or {}).get(probe, ())), "")
+                done.append(probe)
+        except BaseException:
+            for probe in reversed(done):
+                with contextlib.suppress(ProbeError):
+                    self._unregister(probe)
+            raise
+
+    def _register(self, probe: AnyProbe, args: tuple[str, ...], event: str) -> None:
+        if not self.session.is_open:
+            raise TraceFsError("this session is closed", errno=_errno.ESHUTDOWN)
+        kp = _entry(probe)
+        if kp.is_registered or id(probe) in self._by_probe:
+            raise ProbeRejected(f"{probe!r} is already registered", errno=_errno.EINVAL)
+        is_return = isinstance(probe, Kretprobe)
+        if isinstance(probe, Kretprobe) and probe.entry_handler is not None:
+            raise ProbeRejected(
+                "an entry_handler needs the probe to run code in the kernel; with the kernel's "
+                "tracefs probes register a Kprobe at the function's entry instead",
+                errno=_errno.EOPNOTSUPP,
+            )
+        # Step 1: where.
+        point = self._resolve(kp, is_return=is_return)
+        # Step 2: may it go there, and does this kernel know its fetch-args?
+        self._check(kp, point)
+        for arg in args:
+            why = self.features.check_arg(arg, is_return=is_return, is_kernel=self.is_kernel)
+            if why is not None:
+                raise ProbeRejected(f"fetch-arg {arg!r}: {why}", errno=_errno.EINVAL)
+        # Step 3: the event's name and line.
+        taken = {reg.event for reg in self._by_probe.values()}
+        if event:
+            if not EVENT_NAME.match(event) or event in taken:
+                raise ProbeRejected(
+                    f"event name {event!r} is not a C identifier or is already used",
+                    errno=_errno.EEXIST if event in taken else _errno.EINVAL,
+                )
+        else:
+            event = event_name_for("r" if is_return else "p", point.display, taken)
+        maxactive = self._maxactive(probe) if isinstance(probe, Kretprobe) else 0
+        line = probe_line(
+            "r" if is_return else "p", self.group, event, point.place, args, maxactive=maxactive
+        )
+        reg = Registration(probe, event, line, point)
+        # Step 4: the kernel's turn.
+        self.fs.append_line(self.events_file, line, owner=self.group)
+        try:
+            # Step 5: the record layout.
+            fmt = EventFormat.parse(
+                self.fs.read("events", self.group, event, "format"), group=self.group
+            )
+            reg.id = fmt.id
+            reg.decode = compile_decoder(fmt, self._symbolize)
+            reg.arg_names = tuple(f.name for f in fmt.arg_fields)
+            reg.arg_types = fmt.arg_types
+            reg.comm_index = next((i for i, a in enumerate(args) if _is_comm(a)), -1)
+            # Step 6: armed in our instance.
+            if not kp.is_disabled:
+                self.session.set_event_enabled(event, True)
+                reg.is_enabled = True
+        except BaseException:
+            with contextlib.suppress(ProbeError):
+                self.fs.append_line(
+                    self.events_file, removal_line(self.group, event), owner=self.group
+                )
+            raise
+        site = ProbeSite(self._table, point.addr, point)
+        site.probes.append(kp)
+        site.ainsn = reg
+        kp.site = site
+        kp.addr = point.addr
+        kp.location = point
+        kp.nhit = kp.nmissed = 0
+        kp.flags &= ~ProbeFlags.GONE
+        if isinstance(probe, Kretprobe):
+            probe.nhit = probe.nmissed = 0
+        self._by_id[reg.id] = reg
+        self._by_probe[id(probe)] = reg
+
+    def _unregister_many(self, probes: Iterable[AnyProbe]) -> None:
+        probes = list(probes)
+        with contextlib.suppress(ProbeError):
+            self.update_counts()
+        first: ProbeError | None = None
+        for probe in probes:
+            try:
+                self._unregister(probe)
+            except ProbeError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def _unregister(self, probe: AnyProbe) -> None:
+        reg = self._by_probe.get(id(probe))
+        if reg is None:
+            raise ProbeRejected(f"{probe!r} is not registered here", errno=_errno.ENOENT)
+        # In reverse: disable in our instance, then delete the definition.
+        if reg.is_enabled and self.session.is_open:
+            self.session.set_event_enabled(reg.event, False)
+            reg.is_enabled = False
+        del self._by_probe[id(probe)]
+        self._by_id.pop(reg.id, None)
+        kp = _entry(probe)
+        kp.site = None
+        if self.session.is_open:
+            self.fs.append_line(
+                self.events_file, removal_line(self.group, reg.event), owner=self.group
+            )
+
+    def _set_enabled(self, probe: AnyProbe, value: bool) -> None:
+        reg = self._by_probe.get(id(probe))
+        kp = _entry(probe)
+        if reg is None:
+            # Not registered: only the flag, which registration reads.
+            kp.flags = kp.flags & ~ProbeFlags.DISABLED if value else kp.flags | ProbeFlags.DISABLED
+            return
+        if reg.is_enabled != value:
+            self.session.set_event_enabled(reg.event, value)
+            reg.is_enabled = value
+        kp.flags = kp.flags & ~ProbeFlags.DISABLED if value else kp.flags | ProbeFlags.DISABLED
+
+    # -- counts --------------------------------------------------------------------------------
+
+    def _profile_counts(self) -> dict[str, tuple[int, int]]:
+        """event name → (hits, misses) of our group's events, matched by position."""
+        ours: dict[str, tuple[int, int]] = {}
+        for _ in range(3):
+            defs = list(self.fs.iter_lines(self.events_file))
+            rows = list(self.fs.iter_lines(self.profile_file))
+            if len(defs) != len(rows):
+                continue
+            for definition, row in zip(defs, rows, strict=True):
+                try:
+                    line = split_line(definition)
+                except SpecError:
+                    continue
+                words = row.split()
+                if line.group != self.group or line.event not in words:
+                    continue
+                at = words.index(line.event)
+                numbers = [int(w) for w in words[at + 1 :] if w.isdigit()]
+                ours[line.event] = (numbers[0] if numbers else 0, sum(numbers[1:2]))
+            return ours
+        return ours
+
+    def update_counts(self) -> None:
+        """Copy the kernel's hit and miss counts into each probe's ``nhit``/``nmissed``."""
+        if not self._by_probe or not self.session.is_open:
+            return
+        counts = self._profile_counts()
+        for reg in self._by_probe.values():
+            hits, misses = counts.get(reg.event, (0, 0))
+            probe = reg.probe
+            probe.nhit, probe.nmissed = hits, misses
+            if isinstance(probe, Kretprobe):
+                probe.kp.nhit = hits
+
+    # -- events ----------------------------------------------------------------------------------
+
+    def _comm(self, tid: int) -> str:
+        comm = self._comms.get(tid)
+        if comm is None:
+            with contextlib.suppress(ProbeError):
+                for line in self.fs.read("saved_cmdlines").splitlines():
+                    pid, _, name = line.partition(" ")
+                    if pid.isdigit():
+                        self._comms[int(pid)] = name
+            comm = self._comms.get(tid)
+            if comm is None:
+                try:
+                    with open(f"/proc/{tid}/comm") as f:
+                        comm = f.read().strip()
+                except OSError:
+                    comm = _UNKNOWN_COMM
+                self._comms[tid] = comm
+        return comm
+
+    def _tgid(self, tid: int) -> int:
+        tgid = self._tgids.get(tid)
+        if tgid is None:
+            tgid = 0
+            try:
+                with open(f"/proc/{tid}/status") as f:
+                    for line in f:
+                        if line.startswith("Tgid:"):
+                            tgid = int(line.split()[1])
+                            break
+            except (OSError, ValueError):
+                tgid = 0
+            self._tgids[tid] = tgid
+        return tgid
+
+    def _location(self, reg: Registration, ip: int, tid: int) -> str:
+        if not _is_return(reg):
+            return reg.point.describe
+        where = self._places.get(ip)
+        if where is None:
+            where = self._describe(ip, tid)
+            if len(self._places) < 65536:
+                self._places[ip] = where
+        return where
+
+    def read_events(self) -> builtins.list[Event]:
+        """Every event recorded so far, decoded, oldest first; consumes them (no handlers)."""
+        return [event for event, _reg in self._read()]
+
+    def _read(self) -> builtins.list[tuple[Event, Registration]]:
+        pages = self._buffers.read_pages()
+        if not pages:
+            return []
+        layout, by_id = self._layout, self._by_id
+        raw: builtins.list[tuple[int, int, Registration, tuple[int, int, int, tuple[Any, ...]]]]
+        raw = []
+        cpus = set()
+        for cpu, page in pages:
+            scan = scan_page(page, layout)
+            if scan.lost:
+                self.lost += scan.lost
+            cpus.add(cpu)
+            for ts, start, _end in scan.records:
+                common_type = page[start] | page[start + 1] << 8
+                reg = by_id.get(common_type)
+                if reg is None or reg.decode is None:
+                    watcher = self._watchers.get(common_type)
+                    if watcher is not None:
+                        watcher(page, start)
+                    continue
+                raw.append((ts, cpu, reg, reg.decode(page, start)))
+        if len(cpus) > 1:
+            raw.sort(key=lambda r: r[0])
+        events = []
+        for ts, cpu, reg, (tid, ip, func_ip, values) in raw:
+            tgid = self._tgid(tid)  # 0 when the thread is gone already
+            if not self._accepts(tgid):
+                continue
+            comm = values[reg.comm_index] if reg.comm_index >= 0 else None
+            events.append(
+                (
+                    Event(
+                        group=self.group,
+                        event=reg.event,
+                        pid=tgid or tid,
+                        tid=tid,
+                        comm=comm if isinstance(comm, str) else self._comm(tid),
+                        cpu=cpu,
+                        timestamp=ts / 1e9,
+                        ip=ip,
+                        location=self._location(reg, ip, tid),
+                        args=tuple(
+                            EventArg(n, t, v)
+                            for n, t, v in zip(reg.arg_names, reg.arg_types, values, strict=False)
+                        ),
+                        is_return=_is_return(reg),
+                        func=reg.point.symbol if _is_return(reg) else "",
+                        func_ip=func_ip,
+                    ),
+                    reg,
+                )
+            )
+        return events
+
+    def _dispatch(self, event: Event, reg: Registration) -> None:
+        probe = reg.probe
+        try:
+            if isinstance(probe, Kretprobe):
+                if probe.handler is not None:
+                    ri = KretprobeInstance(probe)
+                    ri.task = Task(event.pid, event.tid)
+                    ri.ret_addr = event.ip
+                    probe.handler(ri, event)
+            else:
+                if probe.pre_handler is not None:
+                    probe.pre_handler(probe, event)
+                if probe.post_handler is not None:
+                    probe.post_handler(probe, event, 0)
+            if self.sink is not None:
+                self.sink(event)
+        except Exception as exc:
+            failure: Exception = exc
+            kp = _entry(probe)
+            if kp.fault_handler is not None:
+                try:
+                    if kp.fault_handler(kp, event, TRAP_HANDLER_EXCEPTION):
+                        return
+                except Exception as inner:
+                    failure = inner
+            if self._pending is None:
+                self._pending = failure
+
+    def poll(self) -> int:
+        """Deliver every event recorded so far to the handlers; return how many."""
+        events = self._read()
+        for event, reg in events:
+            self._dispatch(event, reg)
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            raise pending
+        return len(events)
+
+    def stop(self) -> None:
+        """Make ``run()`` return after the current batch (callable from a handler)."""
+        self._stopping = True
+
+    def _extra_fds(self) -> builtins.list[int]:
+        return []
+
+    def _is_finished(self) -> bool:
+        return False
+
+    def run(self, timeout: float | None = None) -> bool:
+        """Deliver events until ``stop()``, the end of the target, or ``timeout`` seconds.
+
+        Returns True when the target finished (the Uprobes process exited) or ``stop()`` was
+        called, False when the time ran out.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        poller = select.poll()
+        for fd in (*self._buffers.fds.values(), *self._extra_fds()):
+            poller.register(fd, select.POLLIN)
+        self._stopping = False
+        try:
+            while True:
+                self.poll()
+                if self._stopping:
+                    return True
+                if self._is_finished():
+                    self.poll()
+                    return True
+                wait = _POLL_SLICE
+                if deadline is not None:
+                    wait = min(wait, deadline - time.monotonic())
+                    if wait <= 0:
+                        return False
+                poller.poll(wait * 1000)
+        finally:
+            with contextlib.suppress(ProbeError):
+                self.update_counts()
+
+    # -- the end -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Remove every event and the instance; idempotent, and run on every way out."""
+        if not self.session.is_open:
+            return
+        with contextlib.suppress(ProbeError):
+            self.update_counts()
+        self._buffers.close()
+        try:
+            self.session.close()
+        finally:
+            for reg in self._by_probe.values():
+                _entry(reg.probe).site = None
+            self._by_probe.clear()
+            self._by_id.clear()
+            sessions.forget(self)
+            self._after_close()
+
+    def _after_close(self) -> None:
+        pass
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # A target dropped without close(): remove its events now rather than at exit (not
+        # in a forked child, which shares the parent's session but does not own it).
+        with contextlib.suppress(Exception):
+            if hasattr(self, "_buffers") and os.getpid() == self._owner_pid:
+                self.close()
+
+
+def _is_return(reg: Registration) -> bool:
+    return isinstance(reg.probe, Kretprobe)

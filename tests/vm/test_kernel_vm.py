@@ -1,0 +1,28 @@
+"""The kernel tests, run in a VM: a stock Debian kernel (with CONFIG_KPROBES, CONFIG_OPTPROBES)
+under qemu, on the host's own files (see harness.py). This test fails with the guest's output
+when a guest test fails, and with the console when the VM itself fails."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from .harness import REPO, VmError, run
+
+GUEST_TESTS = "tests/vm/guest"
+BUDGET = 240  # seconds for the whole boot + test run (2 cores, software emulation)
+
+
+@pytest.mark.vm
+def test_kernel_tests_pass_in_a_vm() -> None:
+    argv = [str(REPO / ".venv/bin/python"), "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    try:
+        result = run([*argv, "-rfE", GUEST_TESTS], timeout=BUDGET)
+    except VmError as exc:
+        pytest.fail(f"the VM could not run the kernel tests: {exc}")
+    report = f"guest output:\n{result.output}\n--- console (tail) ---\n{result.console[-3000:]}"
+    assert result.returncode == 0, report
+    summary = re.search(r"(\d+) passed", result.output)
+    assert summary is not None and int(summary.group(1)) >= 4, report
+    assert "skipped" not in result.output, report
