@@ -114,6 +114,34 @@ def probe_line(
     return " ".join((head, place, *args))
 
 
+def profile_counts(
+    definitions: Sequence[str], rows: Sequence[str], group: str
+) -> dict[str, tuple[int, int]] | None:
+    """event → (hits, misses) of ``group`` from ``kprobe_profile``/``uprobe_profile`` rows.
+
+    A row names its event without the group (``  EVENT  HITS  MISSES``, or ``  PATH EVENT
+    HITS`` for uprobes), so rows are paired with the definitions file's lines by position:
+    both list the same events in the same order. None if the two do not line up (an event
+    came or went between the reads).
+    """
+    if len(definitions) != len(rows):
+        return None
+    counts: dict[str, tuple[int, int]] = {}
+    for definition, row in zip(definitions, rows, strict=True):
+        try:
+            line = split_line(definition)
+        except SpecError:
+            continue
+        words = row.split()
+        if line.event not in words:
+            return None
+        if line.group != group:
+            continue
+        numbers = [int(w) for w in words[words.index(line.event) + 1 :] if w.isdigit()]
+        counts[line.event] = (numbers[0] if numbers else 0, sum(numbers[1:2]))
+    return counts
+
+
 def removal_line(group: str, event: str) -> str:
     return f"-:{group}/{event}"
 

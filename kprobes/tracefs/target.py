@@ -25,8 +25,7 @@ finished and the first such exception is raised out of ``poll()``/``run()``.
 
 Hit and miss counts are the kernel's (``kprobe_profile``/``uprobe_profile``), copied into
 ``probe.nhit``/``probe.nmissed`` by ``update_counts()``, which ``run()`` and unregistration
-call. Profile lines name the event without its group, so they are matched to our events by
-their position, which is the order of the definitions file.
+call (``lines.profile_counts`` says how rows are matched to our events).
 """
 
 from __future__ import annotations
@@ -55,15 +54,16 @@ from kprobes.tracefs.lines import (
     ProbeLine,
     event_name_for,
     probe_line,
+    profile_counts,
     removal_line,
     split_line,
 )
 from kprobes.tracefs.ringbuffer import CpuBuffers, PageLayout, scan_page
 from kprobes.tracefs.session import Session
+from kprobes.tracefs.tasks import Tasks
 
 AnyProbe = Kprobe | Kretprobe
 Sink = Callable[[Event], None]
-_UNKNOWN_COMM = "<...>"
 _POLL_SLICE = 0.25  # longest sleep in run(): a missed wake-up costs at most this
 
 
@@ -154,8 +154,7 @@ class TraceTarget:
         self._table = ProbeTable()
         self._by_id: dict[int, Registration] = {}
         self._by_probe: dict[int, Registration] = {}
-        self._comms: dict[int, str] = {}
-        self._tgids: dict[int, int] = {}
+        self.tasks = Tasks(self.fs)
         self._places: dict[int, str] = {}
         # Records of other events enabled in our instance (common_type → handler(page, start)).
         self._watchers: dict[int, Callable[[bytes, int], None]] = {}
@@ -406,26 +405,14 @@ class TraceTarget:
     # -- counts --------------------------------------------------------------------------------
 
     def _profile_counts(self) -> dict[str, tuple[int, int]]:
-        """event name → (hits, misses) of our group's events, matched by position."""
-        ours: dict[str, tuple[int, int]] = {}
-        for _ in range(3):
+        """event name → (hits, misses) of our group's events."""
+        for _ in range(3):  # another tool may add or remove an event between the two reads
             defs = list(self.fs.iter_lines(self.events_file))
             rows = list(self.fs.iter_lines(self.profile_file))
-            if len(defs) != len(rows):
-                continue
-            for definition, row in zip(defs, rows, strict=True):
-                try:
-                    line = split_line(definition)
-                except SpecError:
-                    continue
-                words = row.split()
-                if line.group != self.group or line.event not in words:
-                    continue
-                at = words.index(line.event)
-                numbers = [int(w) for w in words[at + 1 :] if w.isdigit()]
-                ours[line.event] = (numbers[0] if numbers else 0, sum(numbers[1:2]))
-            return ours
-        return ours
+            counts = profile_counts(defs, rows, self.group)
+            if counts is not None:
+                return counts
+        return {}
 
     def update_counts(self) -> None:
         """Copy the kernel's hit and miss counts into each probe's ``nhit``/``nmissed``."""
@@ -440,39 +427,6 @@ class TraceTarget:
                 probe.kp.nhit = hits
 
     # -- events ----------------------------------------------------------------------------------
-
-    def _comm(self, tid: int) -> str:
-        comm = self._comms.get(tid)
-        if comm is None:
-            with contextlib.suppress(ProbeError):
-                for line in self.fs.read("saved_cmdlines").splitlines():
-                    pid, _, name = line.partition(" ")
-                    if pid.isdigit():
-                        self._comms[int(pid)] = name
-            comm = self._comms.get(tid)
-            if comm is None:
-                try:
-                    with open(f"/proc/{tid}/comm") as f:
-                        comm = f.read().strip()
-                except OSError:
-                    comm = _UNKNOWN_COMM
-                self._comms[tid] = comm
-        return comm
-
-    def _tgid(self, tid: int) -> int:
-        tgid = self._tgids.get(tid)
-        if tgid is None:
-            tgid = 0
-            try:
-                with open(f"/proc/{tid}/status") as f:
-                    for line in f:
-                        if line.startswith("Tgid:"):
-                            tgid = int(line.split()[1])
-                            break
-            except (OSError, ValueError):
-                tgid = 0
-            self._tgids[tid] = tgid
-        return tgid
 
     def _location(self, reg: Registration, ip: int, tid: int) -> str:
         if not _is_return(reg):
@@ -514,7 +468,7 @@ class TraceTarget:
             raw.sort(key=lambda r: r[0])
         events = []
         for ts, cpu, reg, (tid, ip, func_ip, values) in raw:
-            tgid = self._tgid(tid)  # 0 when the thread is gone already
+            tgid = self.tasks.tgid(tid)  # 0 when the thread is gone already
             if not self._accepts(tgid):
                 continue
             comm = values[reg.comm_index] if reg.comm_index >= 0 else None
@@ -525,7 +479,7 @@ class TraceTarget:
                         event=reg.event,
                         pid=tgid or tid,
                         tid=tid,
-                        comm=comm if isinstance(comm, str) else self._comm(tid),
+                        comm=comm if isinstance(comm, str) else self.tasks.comm(tid),
                         cpu=cpu,
                         timestamp=ts / 1e9,
                         ip=ip,

@@ -28,8 +28,6 @@ import errno as _errno
 import os
 import re
 import select
-import struct
-from collections.abc import Callable
 
 from kprobes.core.probes import Kprobe, ProbeFlags
 from kprobes.core.retprobes import Kretprobe
@@ -41,9 +39,6 @@ from kprobes.tracefs.lines import ProbeLine, uprobe_place
 from kprobes.tracefs.target import AnyProbe, ProbePoint, Sink, TraceTarget
 
 _NUMBER = re.compile(r"0x[0-9a-fA-F]+|\d+")
-_CLONE_THREAD = 0x00010000
-_I32 = struct.Struct("<i")
-_U64 = struct.Struct("<Q")
 
 
 def _split(text: str) -> tuple[str | None, str]:
@@ -133,28 +128,14 @@ class Uprobes(TraceTarget):
         except OSError as exc:
             raise TargetError(f"process {pid} is gone: {exc.strerror}", errno=exc.errno) from exc
         for tid in tids:
-            self._tgids[int(tid)] = pid
+            self.tasks.tgids[int(tid)] = pid
         if self.session.exists("events", "task", "task_newtask", "format"):
             fmt = EventFormat.parse(self.session.read("events", "task", "task_newtask", "format"))
-            self._watchers[fmt.id] = self._new_task_watcher(fmt)
+            self._watchers[fmt.id] = self.tasks.new_task_watcher(fmt)
             self.session.write("events/task/task_newtask/enable", "1")
         if self.session.exists("options", "event-fork"):
             self.session.write("options/event-fork", "1")
         self.session.write("set_event_pid", " ".join(tids))
-
-    def _new_task_watcher(self, fmt: EventFormat) -> Callable[[bytes, int], None]:
-        child_at = fmt.field("pid").offset
-        flags_at = fmt.field("clone_flags").offset
-        parent_at = fmt.field("common_pid").offset
-        tgids = self._tgids
-
-        def on_new_task(page: bytes, start: int) -> None:
-            child = _I32.unpack_from(page, start + child_at)[0]
-            flags = _U64.unpack_from(page, start + flags_at)[0]
-            parent = _I32.unpack_from(page, start + parent_at)[0]
-            tgids[child] = self._tgid(parent) if flags & _CLONE_THREAD else child
-
-        return on_new_task
 
     # -- places ----------------------------------------------------------------------------------
 

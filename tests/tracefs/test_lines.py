@@ -15,6 +15,7 @@ from kprobes.tracefs.lines import (
     event_name_for,
     kernel_place,
     probe_line,
+    profile_counts,
     split_line,
     uprobe_place,
 )
@@ -167,3 +168,22 @@ def test_kallsyms_lookups() -> None:
         table.lookup("nosuch")
     with pytest.raises(Exception, match="2 kernel functions"):
         table.lookup("dup")
+
+
+def test_profile_rows_are_paired_with_definitions_by_position() -> None:
+    defs = [
+        "p:kprobes/p_vfs_read_0 vfs_read",
+        "p:mine/p_vfs_read_0 vfs_read",
+        "r4:mine/r_vfs_read_0 vfs_read ret=$retval",
+    ]
+    rows = [
+        "  p_vfs_read_0                                   12               0",
+        "  p_vfs_read_0                                    7               0",
+        "  r_vfs_read_0                                    5               3",
+    ]
+    assert profile_counts(defs, rows, "mine") == {"p_vfs_read_0": (7, 0), "r_vfs_read_0": (5, 3)}
+    uprobe_rows = ["  /bin/true p_x 4", "  /bin/true p_x 9", "  /bin/true r_x 2"]
+    assert profile_counts(defs, uprobe_rows, "mine") is None  # names do not line up
+    assert profile_counts(defs[:2], rows, "mine") is None
+    udefs = ["p:g/p_x /bin/true:0x10", "p:mine/p_x /bin/true:0x10", "r:mine/r_x /bin/true:0x10"]
+    assert profile_counts(udefs, uprobe_rows, "mine") == {"p_x": (9, 0), "r_x": (2, 0)}

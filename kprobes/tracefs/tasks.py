@@ -1,0 +1,87 @@
+"""Who a recorded thread is: its name (comm) and its process (thread group).
+
+A trace record carries only ``common_pid``, the thread id. The kernel's text output takes the
+name from its saved-cmdlines table, which it fills as tasks are scheduled while events are
+enabled; we read the same table (``saved_cmdlines``), and /proc for a thread it does not
+hold yet. The process id is not in the record at all: /proc/TID/status has it while the
+thread lives, so it is looked up once per thread and cached.
+
+A thread that has already exited cannot be looked up. Where that matters (``Uprobes(pid=)``
+keeps one process's events and drops its children's), ``new_task_watcher`` reads the
+``task/task_newtask`` records enabled in the same instance: each says which task created
+which, and whether as a thread (CLONE_THREAD) or as a new process, in the order it happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+from collections.abc import Callable
+from typing import Final
+
+from kprobes.errors import ProbeError
+from kprobes.tracefs.control import TraceFs
+from kprobes.tracefs.eventformat import EventFormat
+
+UNKNOWN_COMM: Final = "<...>"  # what the kernel prints for a thread it has no name for
+CLONE_THREAD: Final = 0x00010000
+_I32 = struct.Struct("<i")
+_U64 = struct.Struct("<Q")
+
+
+class Tasks:
+    """Thread id → comm and thread id → process id, cached for one session."""
+
+    def __init__(self, fs: TraceFs) -> None:
+        self.fs = fs
+        self.comms: dict[int, str] = {}
+        self.tgids: dict[int, int] = {}
+
+    def comm(self, tid: int) -> str:
+        comm = self.comms.get(tid)
+        if comm is None:
+            with contextlib.suppress(ProbeError):
+                for line in self.fs.read("saved_cmdlines").splitlines():
+                    pid, _, name = line.partition(" ")
+                    if pid.isdigit():
+                        self.comms[int(pid)] = name
+            comm = self.comms.get(tid)
+            if comm is None:
+                try:
+                    with open(f"/proc/{tid}/comm") as f:
+                        comm = f.read().strip()
+                except OSError:
+                    comm = UNKNOWN_COMM
+                self.comms[tid] = comm
+        return comm
+
+    def tgid(self, tid: int) -> int:
+        """The process of thread ``tid``; 0 if it is gone and was never announced."""
+        tgid = self.tgids.get(tid)
+        if tgid is None:
+            tgid = 0
+            try:
+                with open(f"/proc/{tid}/status") as f:
+                    for line in f:
+                        if line.startswith("Tgid:"):
+                            tgid = int(line.split()[1])
+                            break
+            except (OSError, ValueError):
+                tgid = 0
+            self.tgids[tid] = tgid
+        return tgid
+
+    def new_task_watcher(self, fmt: EventFormat) -> Callable[[bytes, int], None]:
+        """A record handler for ``task_newtask`` (format ``fmt``) that learns new tasks."""
+        child_at = fmt.field("pid").offset
+        flags_at = fmt.field("clone_flags").offset
+        parent_at = fmt.field("common_pid").offset
+        tgids = self.tgids
+
+        def on_new_task(page: bytes, start: int) -> None:
+            child = _I32.unpack_from(page, start + child_at)[0]
+            flags = _U64.unpack_from(page, start + flags_at)[0]
+            parent = _I32.unpack_from(page, start + parent_at)[0]
+            tgids[child] = self.tgid(parent) if flags & CLONE_THREAD else child
+
+        return on_new_task
