@@ -578,6 +578,7 @@ class Tracer:
             if self.xol is not None:
                 self.xol.forget()
             self.trampoline.forget()
+            self.trampoline.forget_thread(t)  # its hooked frames went with the old image
             self.slot_owner.clear()
             self.slot_history.clear()
             tracee.open_memory()
