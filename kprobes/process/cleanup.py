@@ -16,42 +16,27 @@ import atexit
 import contextlib
 import json
 import os
-import signal
 import tempfile
-import threading
 import weakref
-from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from kprobes.lifetime import hold_exit_signals, release_exit_signals
 from kprobes.model import ProbeListing
 
 if TYPE_CHECKING:
     from kprobes.process.target import Process
 
 _live: weakref.WeakSet[Process] = weakref.WeakSet()
-_saved_handlers: dict[int, Any] = {}
-_CAUGHT = (signal.SIGTERM, signal.SIGHUP)
-
-
-def _raise_exit(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)
 
 
 def remember(proc: Process) -> None:
     _live.add(proc)
-    if threading.current_thread() is threading.main_thread():
-        for sig in _CAUGHT:
-            if sig not in _saved_handlers and signal.getsignal(sig) is signal.SIG_DFL:
-                _saved_handlers[sig] = signal.signal(sig, _raise_exit)
+    hold_exit_signals(proc)
 
 
 def forget(proc: Process) -> None:
     _live.discard(proc)
-    if not _live and threading.current_thread() is threading.main_thread():
-        for sig, handler in list(_saved_handlers.items()):
-            if signal.getsignal(sig) is _raise_exit:
-                signal.signal(sig, handler)
-            del _saved_handlers[sig]
+    release_exit_signals(proc)
     remove_state(proc.pid)
 
 

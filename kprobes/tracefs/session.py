@@ -29,19 +29,16 @@ import errno as _errno
 import itertools
 import os
 import re
-import signal
-import threading
 import weakref
-from types import FrameType
 from typing import Any, Final, Protocol
 
 from kprobes.errors import TraceFsError
+from kprobes.lifetime import hold_exit_signals, release_exit_signals
 from kprobes.tracefs.control import TraceFs
 from kprobes.tracefs.lines import removal_line, split_line
 
 PREFIX: Final = "kprobes"
 _NAME = re.compile(rf"^{PREFIX}_(?P<pid>\d+)(?:_\d+)?$")
-_CAUGHT: Final = (signal.SIGTERM, signal.SIGHUP)
 _EVENT_FILES: Final = ("kprobe_events", "uprobe_events")
 _counter = itertools.count(1)
 
@@ -51,29 +48,17 @@ class Closable(Protocol):
 
 
 _live: weakref.WeakSet[Any] = weakref.WeakSet()
-_saved_handlers: dict[int, Any] = {}
-
-
-def _raise_exit(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)
 
 
 def remember(target: Closable) -> None:
     """Close ``target`` at interpreter exit, and let SIGTERM/SIGHUP unwind to its ``close``."""
     _live.add(target)
-    if threading.current_thread() is threading.main_thread():
-        for sig in _CAUGHT:
-            if sig not in _saved_handlers and signal.getsignal(sig) is signal.SIG_DFL:
-                _saved_handlers[sig] = signal.signal(sig, _raise_exit)
+    hold_exit_signals(target)
 
 
 def forget(target: Closable) -> None:
     _live.discard(target)
-    if not _live and threading.current_thread() is threading.main_thread():
-        for sig, handler in list(_saved_handlers.items()):
-            if signal.getsignal(sig) is _raise_exit:
-                signal.signal(sig, handler)
-            del _saved_handlers[sig]
+    release_exit_signals(target)
 
 
 @atexit.register
