@@ -55,40 +55,17 @@ class KretprobeInstance:
         )
 
 
-class Kretprobe:
-    """A return probe: ``Kretprobe(symbol="libc:malloc", handler=h, entry_handler=e)``.
+class EntryProbed:
+    """A probe type built on a kprobe at a function's entry (the kernel's ``rp->kp``,
+    ``jp->kp``): that kprobe carries where the probe is and its state."""
 
-    ``handler(ri, regs)`` runs when the function returns (``regs.return_value`` is its
-    result); ``entry_handler(ri, regs)`` runs at its entry and returning true cancels the
-    return hook for that call. ``ri.data`` is a ``bytearray(data_size)`` shared by the two.
-    """
+    kind = "k"
 
-    kind = "r"
-
-    def __init__(
-        self,
-        symbol: str | None = None,
-        offset: int = 0,
-        addr: int | None = None,
-        handler: RetHandler | None = None,
-        entry_handler: RetHandler | None = None,
-        maxactive: int = 0,
-        data_size: int = 0,
-        disabled: bool = False,
-    ) -> None:
-        self.handler = handler
-        self.entry_handler = entry_handler
-        self.maxactive = maxactive
-        self.data_size = data_size
+    def __init__(self, symbol: str | None, offset: int, addr: int | None, disabled: bool) -> None:
         self.kp = Kprobe(symbol=symbol, offset=offset, addr=addr, disabled=disabled)
-        self.kp.kind = "r"
+        self.kp.kind = self.kind
         self.kp.owner = self
-        self.nmissed = 0  # entries that found no free instance
-        self.nabandoned = 0  # instances dropped because their frame vanished (longjmp, throw)
-        self.nhit = 0  # returns reported
-        self.pool: InstancePool | None = None  # set while registered
 
-    # The entry kprobe carries where the probe is and its state.
     @property
     def symbol(self) -> str | None:
         return self.kp.symbol
@@ -126,6 +103,38 @@ class Kretprobe:
         if self.kp.location is not None:
             return self.kp.location.display
         return self.kp.symbol or hex(self.kp.addr or 0)
+
+
+class Kretprobe(EntryProbed):
+    """A return probe: ``Kretprobe(symbol="libc:malloc", handler=h, entry_handler=e)``.
+
+    ``handler(ri, regs)`` runs when the function returns (``regs.return_value`` is its
+    result); ``entry_handler(ri, regs)`` runs at its entry and returning true cancels the
+    return hook for that call. ``ri.data`` is a ``bytearray(data_size)`` shared by the two.
+    """
+
+    kind = "r"
+
+    def __init__(
+        self,
+        symbol: str | None = None,
+        offset: int = 0,
+        addr: int | None = None,
+        handler: RetHandler | None = None,
+        entry_handler: RetHandler | None = None,
+        maxactive: int = 0,
+        data_size: int = 0,
+        disabled: bool = False,
+    ) -> None:
+        super().__init__(symbol, offset, addr, disabled)
+        self.handler = handler
+        self.entry_handler = entry_handler
+        self.maxactive = maxactive
+        self.data_size = data_size
+        self.nmissed = 0  # entries that found no free instance
+        self.nabandoned = 0  # instances dropped because their frame vanished (longjmp, throw)
+        self.nhit = 0  # returns reported
+        self.pool: InstancePool | None = None  # set while registered
 
     def __repr__(self) -> str:
         state = "registered" if self.is_registered else "unregistered"
@@ -165,7 +174,7 @@ class InstancePool:
 JprobeEntry = Callable[..., Any]
 
 
-class Jprobe:
+class Jprobe(EntryProbed):
     """A probe on a function's entry whose handler receives the function's arguments.
 
     ``Jprobe(symbol="work", entry=fn)``: ``fn(a, b, ...)`` is called with the arguments of
@@ -184,21 +193,9 @@ class Jprobe:
         entry: JprobeEntry | None = None,
         disabled: bool = False,
     ) -> None:
+        super().__init__(symbol, offset, addr, disabled)
         self.entry = entry
-        self.plan: Any = (
-            None  # the target's decision of where each argument is (set while registered)
-        )
-        self.kp = Kprobe(symbol=symbol, offset=offset, addr=addr, disabled=disabled)
-        self.kp.kind = "j"
-        self.kp.owner = self
-
-    @property
-    def symbol(self) -> str | None:
-        return self.kp.symbol
-
-    @property
-    def addr(self) -> int | None:
-        return self.kp.addr
+        self.plan: Any = None  # where each argument is, decided by the target at registration
 
     @property
     def nmissed(self) -> int:
@@ -207,22 +204,6 @@ class Jprobe:
     @property
     def nhit(self) -> int:
         return self.kp.nhit
-
-    @property
-    def location(self) -> Location | None:
-        return self.kp.location
-
-    @property
-    def is_registered(self) -> bool:
-        return self.kp.is_registered
-
-    @property
-    def is_disabled(self) -> bool:
-        return self.kp.is_disabled
-
-    @property
-    def is_gone(self) -> bool:
-        return self.kp.is_gone
 
     def __repr__(self) -> str:
         where = self.kp.location.display if self.kp.location else (self.symbol or "?")
