@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kprobes.arch.x86_64.abi import INT_REGS
+from kprobes.arch.x86_64.regs import canonical_name
 from kprobes.errors import SpecError, TargetError
 from kprobes.model import ArgValue, EventArg
 from kprobes.spec import (
@@ -42,22 +44,7 @@ from kprobes.spec import (
     TypeSpec,
 )
 
-_KERNEL_REGS = {
-    "ax": "rax",
-    "bx": "rbx",
-    "cx": "rcx",
-    "dx": "rdx",
-    "si": "rsi",
-    "di": "rdi",
-    "bp": "rbp",
-    "sp": "rsp",
-    "ip": "rip",
-    "flags": "eflags",
-    "orig_ax": "orig_rax",
-    "cs": "cs",
-    "ss": "ss",
-}
-ARG_REGS = ("rdi", "rsi", "rdx", "rcx", "r8", "r9")
+ARG_REGS = INT_REGS  # $argN by the SysV ABI
 STRING_MAX = 4096  # the kernel's MAX_STRING_SIZE is PATH_MAX
 MASK64 = (1 << 64) - 1
 
@@ -112,7 +99,7 @@ def _value(
     """A closure giving the fetch's 64-bit value."""
     match fetch:
         case Register(name=name):
-            reg = _KERNEL_REGS.get(name, name)
+            reg = canonical_name(name)  # the kernel's pt_regs names (%ax, %ip, %flags)
 
             def register(regs: Any, _m: Memory) -> int:
                 return int(regs.get(reg))
