@@ -36,9 +36,10 @@ from kprobes.arch.x86_64.abi import (
     assign_locations,
     gather,
 )
+from kprobes.arch.x86_64.regs import REG_INDEX
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Jprobe
-from kprobes.errors import ProbeRejected
+from kprobes.errors import InternalError, ProbeRejected
 from kprobes.linux import ptrace
 from kprobes.symbols.dwarf import Param, ParamKind, get_signature
 
@@ -59,6 +60,34 @@ class ArgPlan:
     name: str
     location: ArgLocation
     convert: Converter
+    # Precomputed from location, so a hit reads words without looking names up: each part is
+    # ("r", index into the register words) or ("x", offset of an xmm register in FXSAVE).
+    parts: tuple[tuple[str, int], ...] = ()
+
+    def raw(self, words: Any, fp: bytes | None, stack: bytes) -> bytes:
+        """The argument's bytes, as ``abi.gather`` would assemble them."""
+        loc = self.location
+        if not self.parts:
+            return gather(loc, _no_register, stack)
+        out = bytearray()
+        for kind, at in self.parts:
+            if kind == "x":
+                assert fp is not None
+                out += fp[at : at + 8]
+            else:
+                out += int(words[at]).to_bytes(8, "little")
+        return bytes(out[: loc.size]).ljust(loc.size, b"\0")
+
+
+def _no_register(reg: str) -> bytes:
+    raise InternalError(f"a stack argument asked for register {reg}")
+
+
+def _parts(loc: ArgLocation) -> tuple[tuple[str, int], ...]:
+    return tuple(
+        ("x", _XMM_OFFSET + 16 * int(r[3:])) if r.startswith("xmm") else ("r", REG_INDEX[r])
+        for r in loc.registers
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,7 +349,10 @@ def plan_jprobe(jp: Jprobe, module_path: str, link_addr: int, display: str) -> J
     if signature is not None and signature.returns is not None:
         returns = _param_spec(signature.returns)  # a big struct result takes rdi first
     locations = assign_locations(specs, returns=returns)
-    args = tuple(ArgPlan(n, loc, c) for n, loc, c in zip(names, locations, converters, strict=True))
+    args = tuple(
+        ArgPlan(n, loc, c, _parts(loc))
+        for n, loc, c in zip(names, locations, converters, strict=True)
+    )
     stack_end = max(
         [MAX_STACK_SIZE]
         + [loc.stack_offset + loc.size for loc in locations if loc.stack_offset is not None]
@@ -346,15 +378,8 @@ def _resolve(annotation: Any, entry: Callable[..., Any]) -> Any:
 
 def fetch_args(plan: JprobePlan, regs: Any, mem: Tracee, stack: bytes) -> list[Any]:
     fp: bytes | None = ptrace.getfpregs(regs.tid) if plan.needs_fpregs else None
-
-    def read_register(reg: str) -> bytes:
-        if reg.startswith("xmm"):
-            assert fp is not None
-            at = _XMM_OFFSET + 16 * int(reg[3:])
-            return fp[at : at + 16]
-        return int(regs.get(reg)).to_bytes(8, "little")
-
-    return [a.convert(gather(a.location, read_register, stack), mem) for a in plan.args]
+    words = regs.words
+    return [a.convert(a.raw(words, fp, stack), mem) for a in plan.args]
 
 
 def pre_handler_for(
