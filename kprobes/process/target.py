@@ -49,6 +49,7 @@ from kprobes.process.xol import FLAGS, PROT, XolArea, candidate_addresses
 from kprobes.symbols.elf import SymbolKind
 from kprobes.symbols.maps import Mapping, read_maps
 from kprobes.symbols.resolve import SymbolResolver
+from kprobes.symbols.unwind import FoundBy, unwind
 
 OPTIONS = (
     ptrace.PTRACE_O_TRACECLONE
@@ -215,7 +216,6 @@ class Process:
         hooked by a kretprobe shows its real return address, never the trampoline. Call it
         from a handler: the thread must be stopped where ``regs`` were taken.
         """
-        from kprobes.symbols.unwind import FoundBy, unwind
 
         resolver = self._symbols()
         tramp = self._tracer.trampoline
