@@ -6,21 +6,32 @@ handler with the saved registers, and carry on as if nothing happened.
         kp = kprobes.Kprobe(symbol="libc:malloc", pre_handler=lambda p, regs: print(regs.rdi))
         proc.register_kprobe(kp)
         proc.run()
+
+The kernel's own kprobes and uprobes, through tracefs, take the same probes and spec lines:
+
+    with kprobes.Kernel() as k:
+        k.add("r:vfs_read ret=$retval:s64", lambda ri, event: print(event.arg("ret")))
+        k.run(timeout=5)
 """
 
 from kprobes import errors
 from kprobes.arch.x86_64.regs import Regs
 from kprobes.core.probes import TRAP_HANDLER_EXCEPTION, Kprobe, ProbeFlags
 from kprobes.core.retprobes import Jprobe, Kretprobe, KretprobeInstance, Task
-from kprobes.model import BlacklistEntry, ProbeListing
+from kprobes.model import BlacklistEntry, Event, EventArg, ProbeListing
 from kprobes.process.target import Process, attach, spawn
+from kprobes.tracefs.kernel import Kernel
+from kprobes.tracefs.uprobes import Uprobes
 
 __version__ = "0.1.0"
 
 __all__ = [
     "TRAP_HANDLER_EXCEPTION",
     "BlacklistEntry",
+    "Event",
+    "EventArg",
     "Jprobe",
+    "Kernel",
     "Kprobe",
     "Kretprobe",
     "KretprobeInstance",
@@ -29,6 +40,7 @@ __all__ = [
     "Process",
     "Regs",
     "Task",
+    "Uprobes",
     "attach",
     "errors",
     "spawn",

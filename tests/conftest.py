@@ -98,14 +98,17 @@ class _Deadline(Exception):
 
 
 @pytest.fixture(autouse=True)
-def deadline() -> Iterator[None]:
-    """Fail (instead of hang) any test that runs longer than TEST_DEADLINE seconds."""
+def deadline(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail (instead of hang) any test that runs longer than TEST_DEADLINE seconds, or the
+    seconds of its ``@pytest.mark.deadline(SECONDS)``."""
+    marker = request.node.get_closest_marker("deadline")
+    seconds = float(marker.args[0]) if marker is not None else TEST_DEADLINE
 
     def expired(signum: int, frame: Any) -> None:
-        raise _Deadline(f"test did not finish within {TEST_DEADLINE} s")
+        raise _Deadline(f"test did not finish within {seconds:g} s")
 
     previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, TEST_DEADLINE)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
     finally:

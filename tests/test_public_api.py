@@ -5,7 +5,10 @@ import kprobes
 EXPECTED = {
     "TRAP_HANDLER_EXCEPTION",
     "BlacklistEntry",
+    "Event",
+    "EventArg",
     "Jprobe",
+    "Kernel",
     "Kprobe",
     "Kretprobe",
     "KretprobeInstance",
@@ -14,6 +17,7 @@ EXPECTED = {
     "Process",
     "Regs",
     "Task",
+    "Uprobes",
     "attach",
     "errors",
     "spawn",
@@ -49,3 +53,32 @@ def test_the_process_api_of_the_issue() -> None:
         "read_string",
     ):
         assert callable(getattr(kprobes.Process, method)), method
+
+
+def test_the_tracefs_targets_share_the_probe_api() -> None:
+    for target in (kprobes.Kernel, kprobes.Uprobes):
+        for method in (
+            "register_kprobe",
+            "register_kprobes",
+            "unregister_kprobe",
+            "unregister_kprobes",
+            "enable_kprobe",
+            "disable_kprobe",
+            "register_kretprobe",
+            "register_kretprobes",
+            "unregister_kretprobe",
+            "unregister_kretprobes",
+            "enable_kretprobe",
+            "disable_kretprobe",
+            "add",
+            "place_spec",
+            "run",
+            "poll",
+            "read_events",
+            "close",
+        ):
+            assert callable(getattr(target, method)), (target, method)
+    for method in ("list", "blacklist"):
+        assert callable(getattr(kprobes.Kernel, method)), method
+    assert isinstance(kprobes.Kernel.enabled, property)
+    assert isinstance(kprobes.Kernel.optimization, property)

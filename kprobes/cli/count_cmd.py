@@ -15,12 +15,11 @@ from collections import Counter
 from datetime import datetime
 from typing import Any
 
+from kprobes.cli.backends import Backend
 from kprobes.cli.session import Session, add_common_arguments, parse_spec
-from kprobes.errors import ProbeRejected, SpecError
+from kprobes.errors import SpecError
 from kprobes.model import Event
 from kprobes.output.counts import format_counts, format_counts_json, format_interval_header
-from kprobes.process.target import Process
-from kprobes.process.tracing import SpecTracer
 from kprobes.spec import ProbeSpec
 
 _GLOB = set("*?[")
@@ -50,27 +49,19 @@ def run(args: argparse.Namespace) -> int:
         label[spec.effective_event] = text
     skipped: list[str] = []
 
-    def expand(proc: Process, tracer: SpecTracer) -> None:
-        resolver = proc._symbols()
+    def expand(backend: Backend) -> None:
         for pattern in patterns:
-            module, sep, glob = pattern.rpartition(":")
-            found = list(resolver.iter_functions(glob, module if sep else None))
+            found = backend.functions(pattern)
             if not found:
                 raise SpecError(f"no function matches {pattern!r}", column=0, text=pattern)
-            seen: set[int] = set()
-            for loc in found:
-                if loc.addr in seen or loc.symbol is None:
-                    continue
-                seen.add(loc.addr)
-                name = loc.symbol.name
-                where = f"{module}:{name}" if sep else name
+            for where in found:
                 spec: ProbeSpec = parse_spec(where)
                 try:
-                    tracer.place([spec])
-                except ProbeRejected as exc:
+                    (placed,) = backend.place([spec])
+                except backend.skippable as exc:
                     skipped.append(f"{where}: {exc}")
                     continue
-                label[spec.effective_event] = name
+                label[placed.name.rpartition("/")[2]] = where.rpartition(":")[2]
 
     def handle(ev: Event) -> None:
         counts[label.get(ev.event, ev.event)] += 1
@@ -89,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         counts.clear()
 
     session.prepare = expand if patterns else None
+    session.patterns = patterns
     session.handle = handle
     if args.interval:
         session.interval = args.interval
@@ -97,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     for line in skipped:
         sys.stderr.write(f"skipped {line}\n")
     for p in session.placed:  # every placed probe appears, with 0 if it never hit
-        counts.setdefault(label.get(p.spec.effective_event, p.spec.effective_event), 0)
+        event = p.name.rpartition("/")[2]
+        counts.setdefault(label.get(event, event), 0)
     if args.interval:
         tick()
     else:

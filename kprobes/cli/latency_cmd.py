@@ -1,7 +1,9 @@
 """``kprobes latency FUNC``: a log2 histogram of each call's duration, like bcc's funclatency.
 
 Entry and return are paired per call by the return probe's instances (per thread, nested
-calls included), so recursion and threads do not mix durations up.
+calls included), so recursion and threads do not mix durations up. With a kernel backend the
+kernel records each entry as a second event, paired with the returns per thread
+(``TraceTarget.place_spec(entry_times=True)``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
     maxactive = str(args.maxactive) if args.maxactive > 0 else ""
     spec = parse_spec(f"r{maxactive} {args.function}")
     session = Session(args, [spec])
+    session.entry_times = True  # the kernel's return events need their entry recorded too
     hist = Log2Histogram()
     stats = LatencyStats()
 

@@ -1,9 +1,10 @@
 """What every tracing subcommand shares: options, spec parsing, the run loop, the summary.
 
 ``trace``, ``count``, ``latency`` and ``hist`` differ only in what they do with each event
-(the sink) and what they print at the end. The loop here owns the rest: the target
-(``-p``/``-c``), ``-d`` duration, ``-n`` max events, ``--filter``, Ctrl-C, a live status line
-on stderr when it is a terminal, and the summary that counts every missed hit.
+(the sink) and what they print at the end. The loop here owns the rest: the backend and its
+target (``--backend``/``--kernel``, ``-p``/``-c``: ``backends.py``), ``-d`` duration, ``-n``
+max events, ``--filter``, Ctrl-C, a live status line on stderr when it is a terminal, and the
+summary that counts every missed hit and every dropped event.
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from kprobes.cli.targets import add_target_arguments, open_target
+from kprobes.cli.backends import Backend, Placed, add_backend_arguments, open_backend
+from kprobes.cli.targets import add_target_arguments
 from kprobes.errors import SpecError
 from kprobes.model import Event
 from kprobes.output.status import format_status, format_summary
-from kprobes.process.target import Process
-from kprobes.process.tracing import PlacedSpec, SpecTracer
 from kprobes.spec import FieldKind, ProbeSpec, compile_filter, parse, parse_filter
 
 STATUS_PERIOD = 0.5
@@ -30,7 +30,8 @@ class EnoughEvents(Exception):
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    add_target_arguments(parser)
+    add_target_arguments(parser, required=False)
+    add_backend_arguments(parser)
     parser.add_argument("-d", "--duration", type=float, help="stop after SECONDS")
     parser.add_argument("-n", "--max-events", type=int, help="stop after N events")
     parser.add_argument("--filter", metavar="EXPR", help="the kernel's event filter syntax")
@@ -74,12 +75,12 @@ class Session:
         self._filter = self._compile_filter(args.filter, self.specs)
         self._max = args.max_events
         self._status = sys.stderr.isatty()
-        self.proc: Process | None = None
-        self.tracer: SpecTracer | None = None
-        self.placed: list[PlacedSpec] = []
-        # Called with the open process before placing: may add specs (glob patterns) and
-        # place some itself (one by one, skipping those that cannot be placed).
-        self.prepare: Callable[[Process, SpecTracer], None] | None = None
+        self.backend: Backend | None = None
+        # Called with the open backend before the specs are placed: may place more itself
+        # (glob patterns, one by one, skipping those that cannot be placed).
+        self.prepare: Callable[[Backend], None] | None = None
+        self.patterns: list[str] = []  # the globs ``prepare`` places (they may name the file)
+        self.entry_times = False  # return events must carry entry_timestamp (latency)
 
     @staticmethod
     def _compile_filter(
@@ -101,23 +102,28 @@ class Session:
             raise EnoughEvents
 
     def run(self) -> None:
-        self.proc = proc = open_target(self.args)
+        self.backend = backend = open_backend(
+            self.args,
+            self.sink,
+            self.specs,
+            entry_times=self.entry_times,
+            patterns=self.patterns,
+        )
         try:
-            self.tracer = SpecTracer(proc, self.sink)
             if self.prepare is not None:
-                self.prepare(proc, self.tracer)
-            self.placed = self.tracer.place(self.specs) + [
-                p for p in self.tracer.placed if p.spec not in self.specs
-            ]
-            self._loop(proc)
+                self.prepare(backend)
+            backend.place(self.specs)
+            self._loop(backend)
         finally:
-            proc.detach()
-            if self.tracer is not None:
-                self.tracer.close()
+            backend.close()
             if self._status:
                 sys.stderr.write("\r\x1b[K")
 
-    def _loop(self, proc: Process) -> None:
+    @property
+    def placed(self) -> list[Placed]:
+        return self.backend.placed if self.backend is not None else []
+
+    def _loop(self, backend: Backend) -> None:
         deadline = None if self.args.duration is None else self.started + self.args.duration
         next_tick = None if self.interval is None else self.started + self.interval
         periodic = self._status or next_tick is not None
@@ -128,7 +134,7 @@ class Session:
                 if self._status:
                     waits.append(STATUS_PERIOD)
                 timeout = max(min(waits), 0.0) if waits else None
-                done = proc.run(timeout=timeout)
+                done = backend.run(timeout)
                 now = time.monotonic()
                 if self._status:
                     self._print_status(now)
@@ -145,7 +151,7 @@ class Session:
     def _print_status(self, now: float) -> None:
         elapsed = max(now - self.started, 1e-9)
         sys.stderr.write(
-            format_status(self.events, self.events / elapsed, self.hits, self.missed, 0)
+            format_status(self.events, self.events / elapsed, self.hits, self.missed, self.dropped)
         )
         sys.stderr.flush()
 
@@ -157,12 +163,16 @@ class Session:
     def missed(self) -> int:
         return sum(p.missed for p in self.placed)
 
+    @property
+    def dropped(self) -> int:
+        return self.backend.dropped if self.backend is not None else 0
+
     def summary(self) -> str:
         return format_summary(
             events=self.events,
             hits=self.hits,
             misses=self.missed,
-            dropped=0,
+            dropped=self.dropped,
             duration=time.monotonic() - self.started,
             missed_by_probe={p.name: p.missed for p in self.placed},
         )

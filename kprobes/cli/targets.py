@@ -22,13 +22,19 @@ def add_target_arguments(parser: argparse.ArgumentParser, *, required: bool = Tr
     group.add_argument("-c", "--command", metavar="CMD", help='spawn "CMD ARGS" traced')
 
 
-def open_target(args: argparse.Namespace, *, follow_forks: bool = False) -> Process:
-    if args.pid is not None:
-        return attach(args.pid, follow_forks=follow_forks)
+def command_argv(args: argparse.Namespace) -> list[str]:
+    """``-c "CMD ARGS"`` split as a shell would, without one."""
     try:
         argv = shlex.split(args.command)
     except ValueError as exc:
         raise SpecError(f"-c: {exc}", column=0, text=args.command) from exc
     if not argv:
         raise TargetError("-c: empty command", errno=errno.EINVAL)
-    return spawn(argv, follow_forks=follow_forks)
+    return argv
+
+
+def open_target(args: argparse.Namespace, *, follow_forks: bool = False) -> Process:
+    """The process ``-p``/``-c`` names, traced by us (``-c``: stopped at its entry point)."""
+    if args.pid is not None:
+        return attach(args.pid, follow_forks=follow_forks)
+    return spawn(command_argv(args), follow_forks=follow_forks)

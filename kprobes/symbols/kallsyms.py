@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import errno as _errno
+import fnmatch
 from dataclasses import dataclass
 from typing import Final
 
@@ -89,6 +90,22 @@ class Kallsyms:
                     found.append(KernelSymbol(bare, addr, size, mod))
             pos = data.find(needle, end)
         return found
+
+    def iter_function_names(self, pattern: str, module: str | None = None) -> list[str]:
+        """The text symbols whose names match the glob ``pattern``, each name once, sorted
+        (``module`` limits them to one module; "" is vmlinux itself)."""
+        names = set()
+        for line in self._data.split(b"\n"):
+            parts = line.split()
+            if len(parts) < 3 or parts[1] not in _TEXT_TYPES:
+                continue
+            mod = parts[3].strip(b"[]").decode() if len(parts) > 3 else ""
+            if module is not None and mod != module:
+                continue
+            name = parts[2].decode()
+            if fnmatch.fnmatchcase(name, pattern):
+                names.add(name)
+        return sorted(names)
 
     def _size_after(self, pos: int, addr: int) -> int:
         """Distance to the first following line with a higher address (lines are sorted)."""

@@ -23,16 +23,16 @@ import builtins
 import errno as _errno
 import os
 import platform
-import re
 
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe
-from kprobes.errors import Blacklisted, ProbeRejected, SpecError, TargetError
+from kprobes.errors import Blacklisted, ProbeError, ProbeRejected, TargetError
 from kprobes.model import BlacklistEntry, ProbeListing
+from kprobes.spec import AddressLocation, Location, SymbolLocation, render_location
 from kprobes.symbols.kallsyms import Kallsyms
-from kprobes.tracefs.control import find_debugfs
+from kprobes.tracefs.control import TraceFs, find_debugfs
 from kprobes.tracefs.debugfs import KprobesKnobs
-from kprobes.tracefs.lines import MAXACTIVE_MAX, ProbeLine, kernel_place
+from kprobes.tracefs.lines import MAXACTIVE_MAX, kernel_location
 from kprobes.tracefs.target import AnyProbe, ProbePoint, Sink, TraceTarget
 
 
@@ -53,6 +53,20 @@ def _unavailable_reason(tracefs_root: str) -> str:
     )
 
 
+def list_kprobes() -> builtins.list[ProbeListing]:
+    """``/sys/kernel/debug/kprobes/list``: every kprobe on the system, without a session."""
+    try:
+        return KprobesKnobs().list()
+    except TargetError as exc:
+        try:
+            fs = TraceFs.open()
+        except ProbeError:
+            raise exc from None
+        if not fs.exists("kprobe_events"):
+            raise TargetError(_unavailable_reason(fs.root), errno=_errno.ENOSYS) from exc
+        raise
+
+
 class Kernel(TraceTarget):
     """Kprobes and kretprobes on the running kernel (root, CONFIG_KPROBE_EVENTS)."""
 
@@ -61,11 +75,18 @@ class Kernel(TraceTarget):
     is_kernel = True
 
     def __init__(
-        self, *, group: str | None = None, buffer_kb: int = 2048, sink: Sink | None = None
+        self,
+        *,
+        pid: int | None = None,
+        group: str | None = None,
+        buffer_kb: int = 2048,
+        sink: Sink | None = None,
     ) -> None:
+        """``pid=`` keeps only the events of that process's threads (the instance's
+        ``set_event_pid``, as ``perf -p``), and ``run()`` returns when it exits."""
         self._kallsyms: Kallsyms | None = None
         self._blacklist: builtins.list[BlacklistEntry] | None = None
-        super().__init__(group=group, buffer_kb=buffer_kb, sink=sink)
+        super().__init__(group=group, buffer_kb=buffer_kb, sink=sink, pid=pid)
 
     def _check_available(self) -> None:
         if not self.fs.exists("kprobe_events"):
@@ -139,7 +160,7 @@ class Kernel(TraceTarget):
                 addr=addr,
                 display=f"{symbol.name}+{probe.offset:#x}",
                 module_name=symbol.module,
-                place=kernel_place(probe.symbol, probe.offset, None),
+                place=kernel_location(probe.symbol, probe.offset, None),
                 symbol=symbol.name,
                 offset=probe.offset,
                 func_size=symbol.size,
@@ -154,7 +175,7 @@ class Kernel(TraceTarget):
             addr=addr,
             display=f"{found.name}+{addr - found.addr:#x}",
             module_name=found.module,
-            place=kernel_place(None, 0, addr),
+            place=kernel_location(None, 0, addr),
             symbol=found.name,
             offset=addr - found.addr,
             func_size=found.size,
@@ -185,22 +206,23 @@ class Kernel(TraceTarget):
     def _symbolize(self, addr: int) -> str:
         return self.kallsyms.describe(addr)
 
-    def _probe_for_line(self, line: ProbeLine) -> AnyProbe:
-        place = line.bare_place
+    def _probe_for_location(self, location: Location, is_return: bool) -> AnyProbe:
         symbol: str | None = None
         addr: int | None = None
         offset = 0
-        if re.fullmatch(r"0x[0-9a-fA-F]+|\d+", place):
-            addr = int(place, 0)
-        else:
-            m = re.fullmatch(r"((?:[\w.-]+:)?[\w.$]+)(?:\+(0x[0-9a-fA-F]+|\d+))?", place)
-            if m is None:
-                raise SpecError(
-                    f"{place!r} is not [MOD:]SYMBOL[+OFFS] or an address",
-                    column=line.columns[0],
-                    text=line.text,
+        match location:
+            case SymbolLocation(symbol=name, offset=off, module=module) if (
+                module is None or "/" not in module
+            ):
+                symbol, offset = (f"{module}:{name}" if module else name), off
+            case AddressLocation(address=address):
+                addr = address
+            case _:
+                raise ProbeRejected(
+                    f"{render_location(location)} names a file: that is a uprobe (the "
+                    "Uprobes target, or --backend uprobes), not a kernel probe",
+                    errno=_errno.EINVAL,
                 )
-            symbol, offset = m.group(1), int(m.group(2) or "0", 0)
-        if line.is_return:
-            return Kretprobe(symbol=symbol, offset=offset, addr=addr, maxactive=line.maxactive)
+        if is_return:
+            return Kretprobe(symbol=symbol, offset=offset, addr=addr)
         return Kprobe(symbol=symbol, offset=offset, addr=addr)

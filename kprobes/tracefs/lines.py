@@ -1,15 +1,15 @@
-"""Probe definition lines of ``kprobe_events`` and ``uprobe_events``: made, split and checked.
+"""Probe definition lines of ``kprobe_events`` and ``uprobe_events``: made, read and checked.
 
 ``probe_line`` is the one place where a probe becomes a line of the kernel's grammar
 (``reference/tracefs-grammar.md``)::
 
     p[:GRP/EVENT] PLACE [ARG...]          r[MAXACTIVE][:GRP/EVENT] PLACE [ARG...]
 
-``split_line`` is the inverse for lines written by users (``Kernel.add("r:vfs_read $retval")``):
-it only cuts a line into its type, name, place and argument words, with the column of each
-word for error messages. It does not parse fetch-args: the kernel does, and its ``error_log``
-says where a line is wrong. When the ``kprobes.spec`` grammar lands, ``split_line`` becomes a
-call to ``spec.parse`` and ``probe_line`` to ``spec.render``.
+Lines users write (``Kernel.add("r:vfs_read $retval")``) are parsed by ``kprobes.spec``, which
+knows the whole grammar and says at which column a line is wrong; the head and place of the
+line we write are ``spec.render``'s. Lines the kernel lists back (``kprobe_events``, the
+profiles) are only read for their names (``line_names``): they may hold syntax of a newer
+kernel, or another tool's.
 
 ``Features`` reads the running kernel's tracefs ``README`` (the grammar it prints for itself)
 so that a fetch-arg type or variable the kernel lacks is refused with a sentence naming it,
@@ -23,95 +23,62 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from kprobes.errors import ProbeRejected, SpecError
+from kprobes.errors import ProbeRejected
+from kprobes.spec import (
+    AddressLocation,
+    Command,
+    FileOffsetLocation,
+    Location,
+    ProbeSpec,
+    SymbolLocation,
+    render,
+)
 
 EVENT_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*$")
 MAX_EVENT_NAME: Final = 64  # the kernel's MAX_EVENT_NAME_LEN
 MAXACTIVE_MAX: Final = 4096  # KRETPROBE_MAXACTIVE_MAX
 
 
-@dataclass(frozen=True, slots=True)
-class ProbeLine:
-    """A definition line cut into words; ``columns`` holds where each word starts."""
-
-    kind: str  # "p" or "r"
-    maxactive: int
-    group: str  # "" when the line names none
-    event: str  # "" when the line names none
-    place: str
-    args: tuple[str, ...]
-    text: str
-    columns: tuple[int, ...]  # of place, then of each arg
-
-    @property
-    def is_return(self) -> bool:
-        return self.kind == "r" or self.place.endswith("%return")
-
-    @property
-    def bare_place(self) -> str:
-        """The place without a ``%return`` suffix."""
-        return self.place.removesuffix("%return")
+_NAMES: Final = re.compile(r"\s*[pr]\d*:(?:([^/\s]*)/)?(\S+)")
 
 
-def _words(text: str) -> list[tuple[int, str]]:
-    return [(m.start(), m.group()) for m in re.finditer(r"\S+", text)]
+def line_names(text: str) -> tuple[str, str] | None:
+    """(group, event) of a definition line as the kernel lists it (``p:GRP/EVENT ...``).
 
-
-def split_line(text: str) -> ProbeLine:
-    """Cut ``p:[GRP/]EVENT PLACE ARGS`` into words; SpecError (with the column) if it is not
-    a probe definition at all."""
-    words = _words(text.strip())
-    if not words:
-        raise SpecError("empty probe definition", column=0, text=text)
-    head_col, head = words[0]
-    m = re.fullmatch(r"([pr])(\d*)(?::(?:([^/\s]*)/)?([^/\s]*))?", head)
+    Lines the kernel prints are read for their names only, never parsed whole: a newer kernel
+    may list fetch-args that ``kprobes.spec`` does not know, and another tool's line must not
+    stop us from finding our own.
+    """
+    m = _NAMES.match(text)
     if m is None:
-        raise SpecError(
-            f"a probe definition starts with p or r[MAXACTIVE], not {head!r}",
-            column=head_col,
-            text=text,
-        )
-    kind, digits, group, event = m.group(1), m.group(2), m.group(3) or "", m.group(4) or ""
-    if digits and kind != "r":
-        raise SpecError("MAXACTIVE is only for return probes (r)", column=1, text=text)
-    maxactive = int(digits) if digits else 0
-    if maxactive > MAXACTIVE_MAX:
-        raise SpecError(f"MAXACTIVE {maxactive} is above {MAXACTIVE_MAX}", column=1, text=text)
-    for name, where in ((group, "group"), (event, "event")):
-        if name and not EVENT_NAME.match(name):
-            raise SpecError(
-                f"{where} name {name!r} is not a C identifier",
-                column=head_col + head.index(name),
-                text=text,
-            )
-    if len(words) < 2:
-        raise SpecError("no probe place after the name", column=len(text.strip()), text=text)
-    return ProbeLine(
-        kind=kind,
-        maxactive=maxactive,
-        group=group,
-        event=event,
-        place=words[1][1],
-        args=tuple(w for _, w in words[2:]),
-        text=text,
-        columns=tuple(c for c, _ in words[1:]),
-    )
+        return None
+    return m.group(1) or "", m.group(2)
 
 
 def probe_line(
-    kind: str,
+    command: Command,
     group: str,
     event: str,
-    place: str,
+    location: Location,
     args: Sequence[str] = (),
     *,
     maxactive: int = 0,
 ) -> str:
-    """The definition line for one probe: the only place where such lines are composed."""
-    if kind not in ("p", "r"):
-        raise ValueError(f"probe kind {kind!r}")
-    head = f"{kind}{maxactive if kind == 'r' and maxactive else ''}:{group}/{event}"
-    return " ".join((head, place, *args))
+    """The definition line for one probe: the only place where such lines are composed.
+
+    The head and the place are ``kprobes.spec.render``'s; the fetch-args are passed as the
+    user wrote them (the kernel parses them, and its error_log points into them).
+    """
+    if command is Command.DELETE:
+        raise ValueError("a removal is removal_line(), not a probe")
+    head = ProbeSpec(
+        command,
+        location,
+        group=group,
+        event=event,
+        maxactive=maxactive if command is Command.RETPROBE else 0,
+    )
+    return " ".join((render(head), *args))
 
 
 def profile_counts(
@@ -128,17 +95,17 @@ def profile_counts(
         return None
     counts: dict[str, tuple[int, int]] = {}
     for definition, row in zip(definitions, rows, strict=True):
-        try:
-            line = split_line(definition)
-        except SpecError:
+        names = line_names(definition)
+        if names is None:
             continue
+        line_group, event = names
         words = row.split()
-        if line.event not in words:
+        if event not in words:
             return None
-        if line.group != group:
+        if line_group != group:
             continue
-        numbers = [int(w) for w in words[words.index(line.event) + 1 :] if w.isdigit()]
-        counts[line.event] = (numbers[0] if numbers else 0, sum(numbers[1:2]))
+        numbers = [int(w) for w in words[words.index(event) + 1 :] if w.isdigit()]
+        counts[event] = (numbers[0] if numbers else 0, sum(numbers[1:2]))
     return counts
 
 
@@ -158,20 +125,21 @@ def event_name_for(kind: str, where: str, taken: set[str] | frozenset[str]) -> s
     return name
 
 
-def kernel_place(symbol: str | None, offset: int, addr: int | None) -> str:
-    """``[MOD:]SYM[+OFFS]`` or ``0xADDR`` of ``kprobe_events``."""
+def kernel_location(symbol: str | None, offset: int, addr: int | None) -> Location:
+    """``[MOD:]SYM[+OFFS]`` or ``0xADDR`` of ``kprobe_events``, as a spec location."""
     if symbol:
-        return f"{symbol}+{offset:#x}" if offset else symbol
+        module, sep, name = symbol.rpartition(":")
+        return SymbolLocation(name, offset, module if sep else None)
     if addr is None:
         raise ValueError("a kernel probe needs a symbol or an address")
-    return f"{addr + offset:#x}"
+    return AddressLocation(addr + offset)
 
 
-def uprobe_place(path: str, file_offset: int, *, is_return: bool = False) -> str:
+def uprobe_location(path: str, file_offset: int) -> FileOffsetLocation:
     """``PATH:0xOFFSET`` of ``uprobe_events``; ``r:`` marks returns, never ``%return``."""
     if any(c.isspace() for c in path):
         raise ProbeRejected(f"uprobe_events cannot name a path with spaces: {path!r}")
-    return f"{path}:{file_offset:#x}"
+    return FileOffsetLocation(path, file_offset)
 
 
 # -- what the running kernel accepts --------------------------------------------------------

@@ -35,7 +35,7 @@ from typing import Any, Final, Protocol
 from kprobes.errors import TraceFsError
 from kprobes.lifetime import hold_exit_signals, release_exit_signals
 from kprobes.tracefs.control import TraceFs
-from kprobes.tracefs.lines import removal_line, split_line
+from kprobes.tracefs.lines import line_names, removal_line
 
 PREFIX: Final = "kprobes"
 _NAME = re.compile(rf"^{PREFIX}_(?P<pid>\d+)(?:_\d+)?$")
@@ -98,12 +98,9 @@ def iter_group_events(fs: TraceFs, group: str) -> list[tuple[str, str]]:
         if not fs.exists(events_file):
             continue
         for line in fs.iter_lines(events_file):
-            try:
-                parsed = split_line(line)
-            except Exception:
-                continue
-            if parsed.group == group:
-                found.append((events_file, parsed.event))
+            names = line_names(line)
+            if names is not None and names[0] == group:
+                found.append((events_file, names[1]))
     return found
 
 

@@ -43,20 +43,26 @@ from typing import Any
 from kprobes.core.probes import TRAP_HANDLER_EXCEPTION, Kprobe, ProbeFlags
 from kprobes.core.retprobes import Kretprobe, KretprobeInstance, Task
 from kprobes.core.table import ProbeSite, ProbeTable
-from kprobes.errors import ProbeError, ProbeRejected, SpecError, TraceFsError
+from kprobes.errors import ProbeError, ProbeRejected, SpecError, TargetError, TraceFsError
 from kprobes.model import Event, EventArg
+from kprobes.spec import (
+    Command,
+    Location,
+    ProbeArg,
+    ProbeSpec,
+    parse,
+    render_arg,
+)
 from kprobes.tracefs import session as sessions
 from kprobes.tracefs.control import TraceFs
 from kprobes.tracefs.eventformat import Decoder, EventFormat, compile_decoder
 from kprobes.tracefs.lines import (
     EVENT_NAME,
     Features,
-    ProbeLine,
     event_name_for,
     probe_line,
     profile_counts,
     removal_line,
-    split_line,
 )
 from kprobes.tracefs.ringbuffer import CpuBuffers, PageLayout, scan_page
 from kprobes.tracefs.session import Session
@@ -65,6 +71,7 @@ from kprobes.tracefs.tasks import Tasks
 AnyProbe = Kprobe | Kretprobe
 Sink = Callable[[Event], None]
 _POLL_SLICE = 0.25  # longest sleep in run(): a missed wake-up costs at most this
+_MAX_DEPTH = 4096  # entry timestamps kept per thread and return probe (entry_times)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +81,7 @@ class ProbePoint:
     addr: int  # kernel address, or the runtime (pid) or link-time (path) address of a uprobe
     display: str  # "vfs_read+0x10"
     module_name: str
-    place: str  # the PLACE word of the probe line
+    place: Location  # the PLACE word of the probe line
     symbol: str  # function name ("" if unknown)
     offset: int  # from the function's start
     func_size: int  # 0 if unknown
@@ -93,11 +100,14 @@ class Registration:
     __slots__ = (
         "arg_names",
         "arg_types",
+        "clock",
+        "clocks",
         "comm_index",
         "decode",
         "event",
         "id",
         "is_enabled",
+        "is_hidden",
         "line",
         "point",
         "probe",
@@ -114,6 +124,9 @@ class Registration:
         self.arg_types: tuple[str, ...] = ()
         self.comm_index = -1
         self.is_enabled = False
+        self.is_hidden = False  # an entry clock: not listed, never delivered
+        self.clock: Kprobe | None = None  # a return probe's hidden entry probe
+        self.clocks: Registration | None = None  # a hidden entry's return probe
 
 
 def _entry(probe: AnyProbe) -> Kprobe:
@@ -133,13 +146,30 @@ class TraceTarget:
     is_kernel = False
 
     def __init__(
-        self, *, group: str | None = None, buffer_kb: int = 2048, sink: Sink | None = None
+        self,
+        *,
+        group: str | None = None,
+        buffer_kb: int = 2048,
+        sink: Sink | None = None,
+        pid: int | None = None,
     ) -> None:
         self._owner_pid = os.getpid()
-        self.fs = TraceFs.open()
-        self._check_available()
-        self.features = Features.from_readme(self.fs.read("README"))
-        self.session = Session(self.fs, group=group, buffer_kb=buffer_kb)
+        self.pid = pid
+        self._pidfd = -1
+        self._exited = False
+        if pid is not None:
+            try:
+                self._pidfd = os.pidfd_open(pid)
+            except OSError as exc:
+                raise TargetError(f"no process {pid}: {exc.strerror}", errno=exc.errno) from exc
+        try:
+            self.fs = TraceFs.open()
+            self._check_available()
+            self.features = Features.from_readme(self.fs.read("README"))
+            self.session = Session(self.fs, group=group, buffer_kb=buffer_kb)
+        except BaseException:
+            self._close_pidfd()
+            raise
         sessions.remember(self)
         try:
             layout = PageLayout.parse(self.session.read("events", "header_page"))
@@ -147,6 +177,7 @@ class TraceTarget:
         except BaseException:
             self.session.close()
             sessions.forget(self)
+            self._close_pidfd()
             raise
         self._layout = layout
         self.sink = sink
@@ -158,8 +189,46 @@ class TraceTarget:
         self._places: dict[int, str] = {}
         # Records of other events enabled in our instance (common_type → handler(page, start)).
         self._watchers: dict[int, Callable[[bytes, int], None]] = {}
+        # Entry clocks of return probes placed with entry_times:
+        # (return event id, tid) → the entry timestamps of the calls in flight, newest last.
+        self._entries: dict[tuple[int, int], builtins.list[float]] = {}
         self._stopping = False
         self._pending: BaseException | None = None
+        if pid is not None:
+            try:
+                self._follow(pid)
+            except BaseException:
+                self.close()
+                raise
+
+    def _follow(self, pid: int) -> None:
+        """Record only this process's tasks, and the tasks they create later.
+
+        ``event-fork`` adds every task a recorded task creates, threads and child processes
+        alike, and a task that has exited can no longer be looked up in /proc. So the
+        instance also records ``task/task_newtask`` (only for those same tasks): its
+        ``clone_flags`` say whether the new task is a thread of ours (CLONE_THREAD) or a new
+        process, whose events are then dropped.
+        """
+        try:
+            tids = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
+        except OSError as exc:
+            raise TargetError(f"process {pid} is gone: {exc.strerror}", errno=exc.errno) from exc
+        for tid in tids:
+            self.tasks.tgids[int(tid)] = pid
+        if self.session.exists("events", "task", "task_newtask", "format"):
+            fmt = EventFormat.parse(self.session.read("events", "task", "task_newtask", "format"))
+            self._watchers[fmt.id] = self.tasks.new_task_watcher(fmt)
+            self.session.write("events/task/task_newtask/enable", "1")
+        if self.session.exists("options", "event-fork"):
+            self.session.write("options/event-fork", "1")
+        self.session.write("set_event_pid", " ".join(tids))
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._pidfd)
+            self._pidfd = -1
 
     # -- subclass hooks ----------------------------------------------------------------------
 
@@ -178,12 +247,21 @@ class TraceTarget:
     def _symbolize(self, addr: int) -> str:
         return f"{addr:#x}"
 
-    def _probe_for_line(self, line: ProbeLine) -> AnyProbe:
+    def _probe_for_location(self, location: Location, is_return: bool) -> AnyProbe:
+        """The probe object for a spec's location (without handlers)."""
         raise NotImplementedError
 
+    def _render_args(self, probe: Kprobe, args: Sequence[ProbeArg]) -> tuple[str, ...]:
+        """A spec's fetch-args as the words of the line (a target may translate some)."""
+        return tuple(render_arg(arg) for arg in args)
+
     def _accepts(self, tgid: int) -> bool:
-        """Whether events of process ``tgid`` (0: unknown, the thread is gone) are wanted."""
-        return True
+        """Whether events of process ``tgid`` (0: unknown, the thread is gone) are wanted.
+
+        With ``pid=`` every thread of the process is known (listed at start, or announced by
+        task_newtask): an unknown task that is gone already was a child process.
+        """
+        return self.pid is None or tgid == self.pid
 
     def _maxactive(self, rp: Kretprobe) -> int:
         return 0
@@ -204,7 +282,7 @@ class TraceTarget:
         return reg.event if reg is not None else None
 
     def iter_probes(self) -> builtins.list[AnyProbe]:
-        return [reg.probe for reg in self._by_probe.values()]
+        return [reg.probe for reg in self._by_probe.values() if not reg.is_hidden]
 
     # -- registration ------------------------------------------------------------------------
 
@@ -256,24 +334,59 @@ class TraceTarget:
     def add(self, text: str, handler: Callable[..., Any] | None = None) -> AnyProbe:
         """Register a probe written as a definition line (``"r:vfs_read ret=$retval"``).
 
-        The group is the session's (naming another one is refused); the event name is the
-        line's, or made up. ``handler`` becomes the Kprobe's ``pre_handler(kp, event)`` or the
-        Kretprobe's ``handler(ri, event)``. Returns the probe object.
+        The line is parsed by ``kprobes.spec`` (a ``SpecError`` names the column). The group
+        is the session's (naming another one is refused); the event name is the line's, or
+        the kernel's default. ``handler`` becomes the Kprobe's ``pre_handler(kp, event)`` or
+        the Kretprobe's ``handler(ri, event)``. Returns the probe object.
         """
-        line = split_line(text)
-        if line.group and line.group != self.group:
+        spec = parse(text)
+        if spec.group is not None and spec.group != self.group:
             raise SpecError(
-                f"the event group is this session's ({self.group}), not {line.group!r}",
-                column=text.index(line.group),
+                f"the event group is this session's ({self.group}), not {spec.group!r}",
+                column=text.index(spec.group),
                 text=text,
             )
-        probe = self._probe_for_line(line)
+        return self.place_spec(spec, handler)
+
+    def place_spec(
+        self,
+        spec: ProbeSpec,
+        handler: Callable[..., Any] | None = None,
+        *,
+        entry_times: bool = False,
+    ) -> AnyProbe:
+        """Register the probe ``spec`` describes (its group is ignored: the session's is used).
+
+        ``entry_times=True`` on a return probe also records each call's entry, so that its
+        return events carry ``entry_timestamp`` (as the Process target's do): a second,
+        hidden event at the function's entry, paired with the returns per thread, newest
+        first, as calls nest.
+        """
+        if spec.location is None:
+            raise SpecError("a delete command places no probe", column=0, text=str(spec))
+        probe = self._probe_for_location(spec.location, spec.is_return)
         if isinstance(probe, Kretprobe):
             probe.handler = handler
+            probe.maxactive = spec.maxactive
         else:
             probe.pre_handler = handler
-        self._register(probe, line.args, line.event)
+        args = self._render_args(_entry(probe), spec.args)
+        self._register(probe, args, spec.event or "", default=spec.effective_event)
+        if entry_times and isinstance(probe, Kretprobe):
+            try:
+                self._add_entry_clock(probe)
+            except BaseException:
+                with contextlib.suppress(ProbeError):
+                    self._unregister(probe)
+                raise
         return probe
+
+    def _add_entry_clock(self, rp: Kretprobe) -> None:
+        ret = self._by_probe[id(rp)]
+        entry = Kprobe(symbol=rp.kp.symbol, offset=rp.kp.offset, addr=rp.kp.addr)
+        self._register(entry, (), f"{ret.event}__entry"[:64], hidden=True)
+        self._by_probe[id(entry)].clocks = ret
+        ret.clock = entry
 
     def _register_many(
         self, probes: Sequence[AnyProbe], args: Mapping[Any, Sequence[str]] | None
@@ -289,7 +402,15 @@ class TraceTarget:
                     self._unregister(probe)
             raise
 
-    def _register(self, probe: AnyProbe, args: tuple[str, ...], event: str) -> None:
+    def _register(
+        self,
+        probe: AnyProbe,
+        args: tuple[str, ...],
+        event: str,
+        *,
+        default: str = "",
+        hidden: bool = False,
+    ) -> None:
         if not self.session.is_open:
             raise TraceFsError("this session is closed", errno=_errno.ESHUTDOWN)
         kp = _entry(probe)
@@ -318,13 +439,15 @@ class TraceTarget:
                     f"event name {event!r} is not a C identifier or is already used",
                     errno=_errno.EEXIST if event in taken else _errno.EINVAL,
                 )
+        elif default and EVENT_NAME.match(default) and default not in taken:
+            event = default
         else:
             event = event_name_for("r" if is_return else "p", point.display, taken)
         maxactive = self._maxactive(probe) if isinstance(probe, Kretprobe) else 0
-        line = probe_line(
-            "r" if is_return else "p", self.group, event, point.place, args, maxactive=maxactive
-        )
+        command = Command.RETPROBE if is_return else Command.PROBE
+        line = probe_line(command, self.group, event, point.place, args, maxactive=maxactive)
         reg = Registration(probe, event, line, point)
+        reg.is_hidden = hidden
         # Step 4: the kernel's turn.
         self.fs.append_line(self.events_file, line, owner=self.group)
         try:
@@ -377,6 +500,11 @@ class TraceTarget:
         reg = self._by_probe.get(id(probe))
         if reg is None:
             raise ProbeRejected(f"{probe!r} is not registered here", errno=_errno.ENOENT)
+        if reg.clock is not None:
+            clock, reg.clock = reg.clock, None
+            self._unregister(clock)
+            for key in [key for key in self._entries if key[0] == reg.id]:
+                del self._entries[key]
         # In reverse: disable in our instance, then delete the definition.
         if reg.is_enabled and self.session.is_open:
             self.session.set_event_enabled(reg.event, False)
@@ -393,6 +521,8 @@ class TraceTarget:
     def _set_enabled(self, probe: AnyProbe, value: bool) -> None:
         reg = self._by_probe.get(id(probe))
         kp = _entry(probe)
+        if reg is not None and reg.clock is not None:
+            self._set_enabled(reg.clock, value)
         if reg is None:
             # Not registered: only the flag, which registration reads.
             kp.flags = kp.flags & ~ProbeFlags.DISABLED if value else kp.flags | ProbeFlags.DISABLED
@@ -467,10 +597,20 @@ class TraceTarget:
         if len(cpus) > 1:
             raw.sort(key=lambda r: r[0])
         events = []
+        entries = self._entries
         for ts, cpu, reg, (tid, ip, func_ip, values) in raw:
             tgid = self.tasks.tgid(tid)  # 0 when the thread is gone already
             if not self._accepts(tgid):
                 continue
+            entry_timestamp = 0.0
+            if reg.clocks is not None:  # a hidden entry: remember when the call began
+                stack = entries.setdefault((reg.clocks.id, tid), [])
+                if len(stack) < _MAX_DEPTH:
+                    stack.append(ts / 1e9)
+                continue
+            if reg.clock is not None:
+                stack = entries.get((reg.id, tid), [])
+                entry_timestamp = stack.pop() if stack else 0.0
             comm = values[reg.comm_index] if reg.comm_index >= 0 else None
             events.append(
                 (
@@ -491,6 +631,7 @@ class TraceTarget:
                         is_return=_is_return(reg),
                         func=reg.point.symbol if _is_return(reg) else "",
                         func_ip=func_ip,
+                        entry_timestamp=entry_timestamp,
                     ),
                     reg,
                 )
@@ -540,15 +681,30 @@ class TraceTarget:
         self._stopping = True
 
     def _extra_fds(self) -> builtins.list[int]:
-        return []
+        return [self._pidfd] if self._pidfd >= 0 else []
 
     def _is_finished(self) -> bool:
-        return False
+        """With ``pid=``: whether the process has exited (its probes are then ``GONE``)."""
+        if self._pidfd < 0:
+            return self._exited
+        if not self._exited:
+            poller = select.poll()
+            poller.register(self._pidfd, select.POLLIN)
+            if poller.poll(0):
+                self._exited = True
+                for probe in self.iter_probes():
+                    _entry(probe).flags |= ProbeFlags.GONE
+        return self._exited
+
+    @property
+    def is_alive(self) -> bool:
+        """For a ``pid=`` target, whether the process still runs (else always True)."""
+        return not self._is_finished()
 
     def run(self, timeout: float | None = None) -> bool:
         """Deliver events until ``stop()``, the end of the target, or ``timeout`` seconds.
 
-        Returns True when the target finished (the Uprobes process exited) or ``stop()`` was
+        Returns True when the target finished (the ``pid=`` process exited) or ``stop()`` was
         called, False when the time ran out.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -591,6 +747,7 @@ class TraceTarget:
             self._by_probe.clear()
             self._by_id.clear()
             sessions.forget(self)
+            self._close_pidfd()
             self._after_close()
 
     def _after_close(self) -> None:

@@ -23,19 +23,30 @@ Places in definition lines (``add``) are the kernel's ``PATH:0xOFFSET`` (a file 
 
 from __future__ import annotations
 
-import contextlib
 import errno as _errno
 import os
 import re
-import select
+from collections.abc import Sequence
+from dataclasses import replace
 
-from kprobes.core.probes import Kprobe, ProbeFlags
+from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe
 from kprobes.errors import ProbeRejected, SpecError, SymbolNotFound, TargetError
+from kprobes.spec import (
+    AddressLocation,
+    Dereference,
+    FetchArg,
+    FileOffset,
+    FileOffsetLocation,
+    Location,
+    MemorySymbol,
+    ProbeArg,
+    SymbolLocation,
+    render_arg,
+)
 from kprobes.symbols.elf import ElfImage
 from kprobes.symbols.resolve import SymbolResolver
-from kprobes.tracefs.eventformat import EventFormat
-from kprobes.tracefs.lines import ProbeLine, uprobe_place
+from kprobes.tracefs.lines import uprobe_location
 from kprobes.tracefs.target import AnyProbe, ProbePoint, Sink, TraceTarget
 
 _NUMBER = re.compile(r"0x[0-9a-fA-F]+|\d+")
@@ -48,6 +59,12 @@ def _split(text: str) -> tuple[str | None, str]:
         return (module, rest) if sep else (text, "")
     head, sep, tail = text.partition(":")
     return (head, tail) if sep else (None, head)
+
+
+def _names_symbol(fetch: FetchArg) -> bool:
+    if isinstance(fetch, Dereference):
+        return _names_symbol(fetch.base)
+    return isinstance(fetch, MemorySymbol)
 
 
 def _symbol_offset(rest: str) -> tuple[str, int]:
@@ -75,36 +92,18 @@ class Uprobes(TraceTarget):
     ) -> None:
         if (pid is None) == (path is None):
             raise TargetError("Uprobes needs exactly one of pid= or path=", errno=_errno.EINVAL)
-        self.pid = pid
         self.path = os.path.realpath(path) if path is not None else None
         self._resolver: SymbolResolver | None = None
         self._image: ElfImage | None = None
-        self._pidfd = -1
-        self._exited = False
         if pid is not None:
             try:
-                self._pidfd = os.pidfd_open(pid)
+                self._resolver = SymbolResolver(pid)
             except OSError as exc:
                 raise TargetError(f"no process {pid}: {exc.strerror}", errno=exc.errno) from exc
-            try:
-                self._resolver = SymbolResolver(pid)
-            except BaseException:
-                os.close(self._pidfd)
-                raise
         else:
             assert self.path is not None
             self._image = ElfImage.open(self.path)
-        try:
-            super().__init__(group=group, buffer_kb=buffer_kb, sink=sink)
-            if pid is not None:
-                self._follow(pid)
-        except BaseException:
-            if self._pidfd >= 0:
-                os.close(self._pidfd)
-                self._pidfd = -1
-            if getattr(self, "_buffers", None) is not None:
-                self.close()
-            raise
+        super().__init__(group=group, buffer_kb=buffer_kb, sink=sink, pid=pid)
 
     def _check_available(self) -> None:
         if not self.fs.exists("uprobe_events"):
@@ -113,29 +112,6 @@ class Uprobes(TraceTarget):
                 f"{self.fs.root}); the Process target works without it",
                 errno=_errno.ENOSYS,
             )
-
-    def _follow(self, pid: int) -> None:
-        """Record only this process's tasks, and the tasks they create later.
-
-        ``event-fork`` adds every task a recorded task creates, threads and child processes
-        alike, and a task that has exited can no longer be looked up in /proc. So the
-        instance also records ``task/task_newtask`` (only for those same tasks): its
-        ``clone_flags`` say whether the new task is a thread of ours (CLONE_THREAD) or a new
-        process, whose events are then dropped.
-        """
-        try:
-            tids = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
-        except OSError as exc:
-            raise TargetError(f"process {pid} is gone: {exc.strerror}", errno=exc.errno) from exc
-        for tid in tids:
-            self.tasks.tgids[int(tid)] = pid
-        if self.session.exists("events", "task", "task_newtask", "format"):
-            fmt = EventFormat.parse(self.session.read("events", "task", "task_newtask", "format"))
-            self._watchers[fmt.id] = self.tasks.new_task_watcher(fmt)
-            self.session.write("events/task/task_newtask/enable", "1")
-        if self.session.exists("options", "event-fork"):
-            self.session.write("options/event-fork", "1")
-        self.session.write("set_event_pid", " ".join(tids))
 
     # -- places ----------------------------------------------------------------------------------
 
@@ -191,7 +167,7 @@ class Uprobes(TraceTarget):
             addr=bias + vaddr,
             display=f"{symbol.name}+{offset:#x}",
             module_name=os.path.basename(path),
-            place=uprobe_place(path, file_offset),
+            place=uprobe_location(path, file_offset),
             symbol=symbol.name,
             offset=offset,
             func_size=symbol.size,
@@ -208,7 +184,7 @@ class Uprobes(TraceTarget):
             addr=bias + vaddr,
             display=f"{name}+{offset:#x}" if name else f"{path}:{file_offset:#x}",
             module_name=os.path.basename(path),
-            place=uprobe_place(path, file_offset),
+            place=uprobe_location(path, file_offset),
             symbol=name,
             offset=offset,
             func_size=size,
@@ -229,17 +205,52 @@ class Uprobes(TraceTarget):
             raise ProbeRejected(f"{addr:#x} is in no PT_LOAD of {self.path}")
         return self._file_offset_point(self.path, file_offset)
 
-    def _probe_for_line(self, line: ProbeLine) -> AnyProbe:
-        place = line.bare_place
-        if place.endswith(")"):
-            raise SpecError(
-                "reference-counter offsets (SDT semaphores) are not supported",
-                column=line.columns[0] + place.index("("),
-                text=line.text,
-            )
-        if line.is_return:
-            return Kretprobe(symbol=place)
-        return Kprobe(symbol=place)
+    def _probe_for_location(self, location: Location, is_return: bool) -> AnyProbe:
+        make = Kretprobe if is_return else Kprobe
+        match location:
+            case FileOffsetLocation(ref_ctr_offset=int()) | SymbolLocation(ref_ctr_offset=int()):
+                raise ProbeRejected(
+                    "reference-counter offsets (SDT semaphores) are not supported",
+                    errno=_errno.EOPNOTSUPP,
+                )
+            case FileOffsetLocation(path=path, offset=offset):
+                return make(symbol=f"{path}:{offset:#x}")
+            case SymbolLocation(symbol=symbol, offset=offset, module=module):
+                return make(symbol=f"{module}:{symbol}" if module else symbol, offset=offset)
+            case AddressLocation(address=address):
+                return make(addr=address)
+        raise TypeError(f"not a location: {location!r}")
+
+    def _render_args(self, probe: Kprobe, args: Sequence[ProbeArg]) -> tuple[str, ...]:
+        """``@SYM`` becomes ``@+OFFSET``: the kernel refuses symbols in uprobes.
+
+        The kernel reads ``@+OFFSET`` at (the probe's runtime address - its file offset) +
+        OFFSET, so for a data symbol OFFSET is its link-time address minus (the probe's
+        link-time address - its file offset): a data segment's addresses and file offsets
+        differ by another amount, and its .bss has no file offset at all.
+        """
+        if not any(_names_symbol(arg.fetch) for arg in args) or not probe.symbol:
+            return super()._render_args(probe, args)
+        module, _rest = _split(probe.symbol)
+        path, image, _bias = self._module_image(module)
+        point = self._resolve(probe, is_return=False)
+        assert isinstance(point.place, FileOffsetLocation)
+        probe_vaddr = image.offset_to_vaddr(point.place.offset)
+        assert probe_vaddr is not None
+        base = probe_vaddr - point.place.offset
+
+        def translate(fetch: FetchArg) -> FetchArg:
+            match fetch:
+                case MemorySymbol(symbol=name, offset=offset):
+                    found = image.lookup(name)
+                    if found is None:
+                        raise SymbolNotFound(f"no symbol {name!r} in {path}")
+                    return FileOffset(found.value + offset - base)
+                case Dereference(base=inner):
+                    return replace(fetch, base=translate(inner))
+            return fetch
+
+        return tuple(render_arg(replace(arg, fetch=translate(arg.fetch))) for arg in args)
 
     # -- events ------------------------------------------------------------------------------------
 
@@ -253,35 +264,3 @@ class Uprobes(TraceTarget):
         if location.symbol is None:
             return f"{addr:#x}"
         return f"{location.symbol.name}+{location.offset:#x}/{location.func_size:#x}"
-
-    def _accepts(self, tgid: int) -> bool:
-        # Every thread of the process is known (listed at start, or announced by
-        # task_newtask): an unknown task that is gone already was a child process.
-        return self.pid is None or tgid == self.pid
-
-    def _extra_fds(self) -> list[int]:
-        return [self._pidfd] if self._pidfd >= 0 else []
-
-    def _is_finished(self) -> bool:
-        if self._pidfd < 0:
-            return self._exited
-        if not self._exited:
-            poller = select.poll()
-            poller.register(self._pidfd, select.POLLIN)
-            if poller.poll(0):
-                self._exited = True
-                for probe in self.iter_probes():
-                    kp = probe.kp if isinstance(probe, Kretprobe) else probe
-                    kp.flags |= ProbeFlags.GONE
-        return self._exited
-
-    @property
-    def is_alive(self) -> bool:
-        """For a pid target, whether the process still runs (always True for a path)."""
-        return not self._is_finished()
-
-    def _after_close(self) -> None:
-        if self._pidfd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(self._pidfd)
-            self._pidfd = -1

@@ -26,9 +26,11 @@ PROGRAM_C = r"""
 
 struct rec { int a; long b; char name[16]; unsigned short arr[4]; };
 const char *names[] = { "hello world", "second name" };
+long ncalls;  /* .bss: read through @ncalls */
 
 __attribute__((noinline)) long work(long x, const char *s, struct rec *r)
 {
+    ncalls++;
     return x * 2 + (long)strlen(s) + r->a + r->b + r->name[0] + r->arr[1];
 }
 

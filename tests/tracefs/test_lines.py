@@ -5,68 +5,89 @@ from __future__ import annotations
 
 import pytest
 
-from kprobes.errors import SpecError
+from kprobes.errors import ProbeRejected
 from kprobes.model import BlacklistEntry, ProbeListing
+from kprobes.spec import (
+    AddressLocation,
+    Command,
+    FileOffsetLocation,
+    Location,
+    SymbolLocation,
+    parse,
+)
 from kprobes.symbols.kallsyms import Kallsyms
 from kprobes.tracefs.control import parse_error_log
 from kprobes.tracefs.debugfs import parse_blacklist, parse_list
 from kprobes.tracefs.lines import (
     Features,
     event_name_for,
-    kernel_place,
+    kernel_location,
+    line_names,
     probe_line,
     profile_counts,
-    split_line,
-    uprobe_place,
+    uprobe_location,
 )
 from tracefs.captured import ERROR_LOG, README_OLD, README_TAIL
 
 
 @pytest.mark.parametrize(
-    ("kind", "place", "args", "maxactive", "line"),
+    ("command", "place", "args", "maxactive", "line"),
     [
-        ("p", "vfs_read", (), 0, "p:g/e vfs_read"),
-        ("p", "vfs_read+0x14", ("a=%di:u32", "$comm"), 0, "p:g/e vfs_read+0x14 a=%di:u32 $comm"),
-        ("r", "vfs_read", ("ret=$retval",), 8, "r8:g/e vfs_read ret=$retval"),
-        ("r", "/bin/true:0x2000", (), 0, "r:g/e /bin/true:0x2000"),
+        (Command.PROBE, SymbolLocation("vfs_read"), (), 0, "p:g/e vfs_read"),
+        (
+            Command.PROBE,
+            SymbolLocation("vfs_read", 0x14),
+            ("a=%di:u32", "$comm"),
+            0,
+            "p:g/e vfs_read+20 a=%di:u32 $comm",
+        ),
+        (
+            Command.RETPROBE,
+            SymbolLocation("vfs_read"),
+            ("ret=$retval",),
+            8,
+            "r8:g/e vfs_read ret=$retval",
+        ),
+        (
+            Command.RETPROBE,
+            FileOffsetLocation("/bin/true", 0x2000),
+            (),
+            0,
+            "r:g/e /bin/true:0x2000",
+        ),
+        (Command.PROBE, AddressLocation(0xFFFFFFFF81000000), (), 0, "p:g/e 0xffffffff81000000"),
     ],
 )
 def test_probe_line(
-    kind: str, place: str, args: tuple[str, ...], maxactive: int, line: str
+    command: Command, place: Location, args: tuple[str, ...], maxactive: int, line: str
 ) -> None:
-    assert probe_line(kind, "g", "e", place, args, maxactive=maxactive) == line
+    assert probe_line(command, "g", "e", place, args, maxactive=maxactive) == line
+    assert parse(line).location == place  # the kernel's grammar, read back by ours
 
 
 def test_places() -> None:
-    assert kernel_place("vfs_read", 0, None) == "vfs_read"
-    assert kernel_place("ext4:ext4_file_open", 0x10, None) == "ext4:ext4_file_open+0x10"
-    assert kernel_place(None, 0, 0xFFFFFFFF81000000) == "0xffffffff81000000"
-    assert uprobe_place("/usr/bin/prog", 0x1139) == "/usr/bin/prog:0x1139"
-
-
-def test_split_line_round_trips() -> None:
-    line = split_line("r16:grp/ev  vfs_read ret=$retval:s64 $comm")
-    assert (line.kind, line.maxactive, line.group, line.event) == ("r", 16, "grp", "ev")
-    assert (line.place, line.args, line.is_return) == (
-        "vfs_read",
-        ("ret=$retval:s64", "$comm"),
-        True,
+    assert kernel_location("vfs_read", 0, None) == SymbolLocation("vfs_read")
+    assert kernel_location("ext4:ext4_file_open", 0x10, None) == SymbolLocation(
+        "ext4_file_open", 0x10, "ext4"
     )
-    assert line.columns == (12, 21, 37)
-    bare = split_line("p do_sys_openat2 %di")
-    assert (bare.group, bare.event, bare.args) == ("", "", ("%di",))
-    uret = split_line("p:ev /bin/true:0x10%return")
-    assert (uret.event, uret.is_return, uret.bare_place) == ("ev", True, "/bin/true:0x10")
+    assert kernel_location(None, 0, 0xFFFFFFFF81000000) == AddressLocation(0xFFFFFFFF81000000)
+    assert uprobe_location("/usr/bin/prog", 0x1139) == FileOffsetLocation("/usr/bin/prog", 0x1139)
+    with pytest.raises(ProbeRejected):
+        uprobe_location("/tmp/a b", 0)
 
 
 @pytest.mark.parametrize(
-    ("text", "column"),
-    [("x:g/e vfs_read", 0), ("p5:e vfs_read", 1), ("p:g/9bad vfs_read", 4), ("p:e", 3), ("", 0)],
+    ("text", "names"),
+    [
+        ("r16:grp/ev vfs_read ret=$retval:s64 $comm", ("grp", "ev")),
+        ("p:kprobes/p_vfs_read_0 vfs_read", ("kprobes", "p_vfs_read_0")),
+        ("p:uprobes/p_x_0 /bin/true:0x0000000000001139 arg1=%di:u64", ("uprobes", "p_x_0")),
+        ("p:g/e vfs_read future=$newsyntax:nosuchtype", ("g", "e")),  # a newer kernel's args
+        ("garbage", None),
+    ],
 )
-def test_split_line_errors_carry_the_column(text: str, column: int) -> None:
-    with pytest.raises(SpecError) as info:
-        split_line(text)
-    assert info.value.column == column
+def test_line_names_read_only_the_names(text: str, names: tuple[str, str] | None) -> None:
+    assert line_names(text) == names
 
 
 def test_event_names_in_the_kernels_style() -> None:

@@ -21,8 +21,9 @@ import pytest
 
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe
-from kprobes.errors import ProbeRejected, SymbolNotFound, TargetError, TraceFsError
+from kprobes.errors import ProbeRejected, SpecError, SymbolNotFound, TargetError, TraceFsError
 from kprobes.model import ArgValue, Event
+from kprobes.spec import parse
 from kprobes.symbols.elf import ElfImage
 from kprobes.tracefs import Kernel, Uprobes, parse_error_log
 from tracefs.conftest import TRACEFS, Waiting, tracefs_leftovers
@@ -231,8 +232,14 @@ def test_refused_line_reports_the_column_and_leaves_nothing(start: Callable[...,
     prog = start(1)
     with Uprobes(pid=prog.pid) as u:
         before = len(parse_error_log((TRACEFS / "error_log").read_text()))
+        # A line is parsed by our grammar first: the kernel's message, at the kernel's column.
+        line = "p:bad work ok=%di m=%ax:string"
+        with pytest.raises(SpecError, match="String accepts only memory argument") as parsed:
+            u.add(line)
+        assert line[parsed.value.column :] == "string"
+        # Fetch-args given as words reach the kernel, which refuses them in its error_log.
         with pytest.raises(TraceFsError) as info:
-            u.add("p:bad work ok=%di m=%ax:string")
+            u.register_kprobe(Kprobe(symbol="work"), ["ok=%di", "m=%ax:string"])
         err = info.value
         assert err.errno == errno.EINVAL
         (entry,) = parse_error_log(err.log_line)
@@ -368,3 +375,41 @@ def test_not_root_is_one_clear_line() -> None:
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert len(lines) == 2 and all("needs root" in line for line in lines), out.stdout
+
+
+def test_specs_with_entry_times(start: Callable[..., Waiting]) -> None:
+    """``place_spec(entry_times=True)``: a hidden entry event pairs each return with its call."""
+    prog = start(3)
+    got: list[Event] = []
+    with Uprobes(pid=prog.pid, sink=got.append) as u:
+        rp = u.place_spec(parse("r:done work ret=$retval:s64"), entry_times=True)
+        kp = u.place_spec(parse("p work x=%di:s64"))
+        assert u.iter_probes() == [rp, kp]  # the entry clock is not listed
+        assert u.get_event_name(kp) == "p_work_0"  # the kernel's default name
+        mine = [x for x in u.fs.iter_lines("uprobe_events") if f":{u.group}/" in x]
+        assert len(mine) == 3  # done, its hidden entry clock, p_work_0
+        prog.go()
+        assert u.run(timeout=10) is True
+        group = u.group
+    returns = [e for e in got if e.is_return]
+    entries = [e for e in got if not e.is_return]
+    assert [e.event for e in got].count("done") == 3 and len(entries) == 3
+    for entry, ret in zip(entries, returns, strict=True):
+        # The hidden entry event fired with the visible one, before the function ran.
+        assert abs(ret.entry_timestamp - entry.timestamp) < 1e-3
+        assert 0 < ret.entry_timestamp <= ret.timestamp
+    assert f"{group}/" not in (TRACEFS / "uprobe_events").read_text()
+
+
+def test_data_symbols_are_read_through_file_offsets(start: Callable[..., Waiting]) -> None:
+    """``@SYM`` is translated to the ``@+OFFSET`` uprobes accept (the kernel refuses names)."""
+    prog = start(2)
+    got: list[Event] = []
+    with Uprobes(pid=prog.pid, sink=got.append) as u:
+        u.add("p:calls work n=@ncalls:s64 first=+0(@names):string")
+        line = next(x for x in u.fs.iter_lines("uprobe_events") if f"{u.group}/calls" in x)
+        assert "n=@+" in line and "(@+" in line and "@ncalls" not in line
+        prog.go()
+        assert u.run(timeout=10) is True
+    assert [e.arg("n") for e in got] == [0, 1]  # .bss, counted before the call
+    assert [e.arg("first") for e in got] == ["hello world"] * 2

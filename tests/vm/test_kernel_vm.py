@@ -15,8 +15,10 @@ BUDGET = 240  # seconds for the whole boot + test run (2 cores, software emulati
 
 
 @pytest.mark.vm
+@pytest.mark.deadline(BUDGET + 30)
 def test_kernel_tests_pass_in_a_vm() -> None:
     argv = [str(REPO / ".venv/bin/python"), "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    argv += ["--durations=5"]
     try:
         result = run([*argv, "-rfE", GUEST_TESTS], timeout=BUDGET)
     except VmError as exc:
@@ -24,5 +26,5 @@ def test_kernel_tests_pass_in_a_vm() -> None:
     report = f"guest output:\n{result.output}\n--- console (tail) ---\n{result.console[-3000:]}"
     assert result.returncode == 0, report
     summary = re.search(r"(\d+) passed", result.output)
-    assert summary is not None and int(summary.group(1)) >= 4, report
+    assert summary is not None and int(summary.group(1)) >= 9, report
     assert "skipped" not in result.output, report

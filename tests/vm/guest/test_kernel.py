@@ -18,7 +18,7 @@ import pytest
 
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe
-from kprobes.errors import Blacklisted, ProbeRejected, SymbolNotFound, TraceFsError
+from kprobes.errors import Blacklisted, ProbeRejected, SpecError, SymbolNotFound, TraceFsError
 from kprobes.model import ArgValue, Event
 from kprobes.tracefs import Kernel, parse_error_log
 
@@ -189,13 +189,16 @@ def test_refusals_say_why_and_leave_nothing(kernel: Kernel) -> None:
         kernel.register_kprobe(Kprobe(symbol=name))
     with pytest.raises(SymbolNotFound, match="no kernel function"):
         kernel.register_kprobe(Kprobe(symbol="no_such_kernel_function"))
-    with pytest.raises(ProbeRejected, match="'float'"):
+    with pytest.raises(ProbeRejected, match="'float'"):  # checked against the README
+        kernel.register_kprobe(Kprobe(symbol="vfs_read"), ["x=%di:float"])
+    with pytest.raises(SpecError, match="Unknown type is specified") as parsed:  # our grammar
         kernel.add("p vfs_read x=%di:float")
+    assert parsed.value.column == len("p vfs_read x=%di:")
     # The kernel's own refusal: not an instruction boundary, with error_log's column.
     with pytest.raises(TraceFsError) as info:
         kernel.add("p:mid vfs_read+1")
     assert info.value.errno == errno.EILSEQ
     (log,) = parse_error_log(info.value.log_line)
-    assert log.command[log.column :].startswith("vfs_read+0x1")
+    assert log.command[log.column :].startswith("vfs_read+1")
     assert not (TRACEFS / "events" / kernel.group).exists()
     assert kernel.group not in (TRACEFS / "kprobe_events").read_text()

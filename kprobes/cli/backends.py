@@ -1,0 +1,313 @@
+"""Where the tracing commands' probes go: our own kprobes, the kernel's uprobes, the kernel's
+kprobes. The commands hand specs and a sink to a backend and never see which one it is.
+
+    (default) --backend ptrace    -p PID | -c CMD      the Process target (``SpecTracer``)
+              --backend uprobes   -p PID | -c CMD      ``kprobes.Uprobes(pid=...)``
+              --backend uprobes   (no target)          ``Uprobes(path=...)``: every process
+                                                       running the file the specs name
+    --kernel (--backend kernel)   [-p PID | -c CMD]    ``kprobes.Kernel()``, ``pid=`` to keep
+                                                       only that process's events
+
+With ``-c`` and a kernel backend the command is started by the Process target, stopped at its
+entry point with its libraries mapped, so that ``libc:malloc`` resolves and every probe is in
+place before its first instruction; then it is released and runs untraced, the kernel doing
+the probing, and its exit ends the session. Rejected alternative: starting it with
+``subprocess`` and registering afterwards, which misses whatever it does first.
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+import contextlib
+import errno
+import fnmatch
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kprobes.cli.targets import command_argv, open_target
+from kprobes.core.probes import Kprobe
+from kprobes.core.retprobes import Kretprobe
+from kprobes.errors import ProbeError, ProbeRejected, SpecError, TargetError, TraceFsError
+from kprobes.model import Event
+from kprobes.process.target import Process, spawn
+from kprobes.process.tracing import SpecTracer
+from kprobes.spec import FileOffsetLocation, ProbeSpec, SymbolLocation
+from kprobes.tracefs.kernel import Kernel
+from kprobes.tracefs.target import TraceTarget
+from kprobes.tracefs.uprobes import Uprobes
+
+Sink = Callable[[Event], None]
+BACKENDS = ("ptrace", "uprobes", "kernel")
+
+
+class Placed(Protocol):
+    """One spec and its probe, as the summary sees it."""
+
+    spec: ProbeSpec
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def hits(self) -> int: ...
+
+    @property
+    def missed(self) -> int: ...
+
+
+def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="ptrace",
+        help="ptrace: our own kprobes (handlers may change the program); uprobes: the "
+        "kernel's uprobes (fast, read-only); kernel: the kernel's kprobes",
+    )
+    group.add_argument(
+        "--kernel",
+        dest="backend",
+        action="store_const",
+        const="kernel",
+        help="probe kernel functions with the kernel's kprobes (= --backend kernel)",
+    )
+
+
+class Backend(abc.ABC):
+    """A session's probes on one target; ``run`` delivers their events to the sink."""
+
+    # Errors that skip one function of a glob (``count 'vfs_*'``) instead of ending the run.
+    skippable: tuple[type[ProbeError], ...] = (ProbeRejected,)
+
+    def __init__(self) -> None:
+        self.placed: list[Placed] = []
+
+    @abc.abstractmethod
+    def place(self, specs: Sequence[ProbeSpec]) -> list[Placed]:
+        """Place every spec, or none (a failure removes the ones already placed)."""
+
+    @abc.abstractmethod
+    def functions(self, pattern: str) -> list[str]:
+        """The locations (``lib:name``, ``name``) of the functions matching ``[MOD:]GLOB``."""
+
+    @abc.abstractmethod
+    def run(self, timeout: float | None) -> bool:
+        """Deliver events for up to ``timeout`` seconds; True once the target is finished."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Remove every probe; a ``-p`` process carries on."""
+
+    @property
+    def dropped(self) -> int:
+        """Events lost before they could be read (a full ring buffer)."""
+        return 0
+
+
+class PtraceBackend(Backend):
+    """Our own kprobes on one process, through ptrace."""
+
+    def __init__(self, args: argparse.Namespace, sink: Sink) -> None:
+        super().__init__()
+        self.proc = open_target(args)
+        try:
+            self.tracer = SpecTracer(self.proc, sink)
+        except BaseException:
+            self.proc.detach()
+            raise
+
+    def place(self, specs: Sequence[ProbeSpec]) -> list[Placed]:
+        placed = self.tracer.place(specs)
+        self.placed += placed
+        return list(placed)
+
+    def functions(self, pattern: str) -> list[str]:
+        module, sep, glob = pattern.rpartition(":")
+        found = self.proc._symbols().iter_functions(glob, module if sep else None)
+        names = dict.fromkeys(loc.symbol.name for loc in found if loc.symbol is not None)
+        return [f"{module}:{name}" if sep else name for name in names]
+
+    def run(self, timeout: float | None) -> bool:
+        return self.proc.run(timeout=timeout)
+
+    def close(self) -> None:
+        try:
+            self.proc.detach()
+        finally:
+            self.tracer.close()
+
+
+@dataclass(slots=True)
+class TracePlaced:
+    """One spec placed as a kernel probe event."""
+
+    spec: ProbeSpec
+    probe: Kprobe | Kretprobe
+    event: str
+
+    @property
+    def name(self) -> str:
+        return self.event
+
+    @property
+    def hits(self) -> int:
+        return self.probe.nhit
+
+    @property
+    def missed(self) -> int:
+        return self.probe.nmissed
+
+
+class TraceFsBackend(Backend):
+    """The kernel's uprobes or kprobes, through tracefs (``kprobes.Uprobes``/``Kernel``)."""
+
+    skippable = (ProbeRejected, TraceFsError)
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        sink: Sink,
+        specs: Sequence[ProbeSpec],
+        *,
+        entry_times: bool = False,
+        patterns: Sequence[str] = (),
+    ) -> None:
+        super().__init__()
+        self.entry_times = entry_times
+        self._spawned: Process | None = None
+        pid: int | None = args.pid
+        if args.command is not None:
+            self._spawned = spawn(command_argv(args))
+            pid = self._spawned.pid
+        try:
+            self.target = self._open(args.backend, pid, specs, patterns, sink)
+        except BaseException:
+            self._release()
+            raise
+
+    @staticmethod
+    def _open(
+        backend: str,
+        pid: int | None,
+        specs: Sequence[ProbeSpec],
+        patterns: Sequence[str],
+        sink: Sink,
+    ) -> TraceTarget:
+        group = _group_of(specs)
+        if backend == "kernel":
+            return Kernel(pid=pid, group=group, sink=sink)
+        if pid is not None:
+            return Uprobes(pid=pid, group=group, sink=sink)
+        return Uprobes(path=_path_of(specs, patterns), group=group, sink=sink)
+
+    def _release(self) -> None:
+        """Let a ``-c`` command run on its own: the kernel probes it from now on."""
+        spawned, self._spawned = self._spawned, None
+        if spawned is not None:
+            spawned.detach()
+
+    def place(self, specs: Sequence[ProbeSpec]) -> list[Placed]:
+        done: list[TracePlaced] = []
+        try:
+            for spec in specs:
+                probe = self.target.place_spec(spec, entry_times=self.entry_times)
+                event = self.target.get_event_name(probe) or spec.effective_event
+                done.append(TracePlaced(spec, probe, f"{self.target.group}/{event}"))
+        except BaseException:
+            for placed in reversed(done):
+                with contextlib.suppress(ProbeError):
+                    if isinstance(placed.probe, Kretprobe):
+                        self.target.unregister_kretprobe(placed.probe)
+                    else:
+                        self.target.unregister_kprobe(placed.probe)
+            raise
+        self.placed += done
+        return list(done)
+
+    def functions(self, pattern: str) -> list[str]:
+        module, sep, glob = pattern.rpartition(":")
+        target = self.target
+        if isinstance(target, Kernel):
+            names = target.kallsyms.iter_function_names(glob, module if sep else None)
+            return [f"{module}:{name}" if sep else name for name in names]
+        assert isinstance(target, Uprobes)
+        if target._resolver is not None:
+            resolver = target._resolver
+            found = resolver.iter_functions(glob, module if sep else None)
+            names = list(dict.fromkeys(f.symbol.name for f in found if f.symbol is not None))
+        else:
+            path, image, _bias = target._module_image(module if sep else None)
+            module, sep = path, ":"
+            names = sorted(
+                {s.name for s in image.iter_functions() if fnmatch.fnmatchcase(s.name, glob)}
+            )
+        return [f"{module}:{name}" if sep else name for name in names]
+
+    def run(self, timeout: float | None) -> bool:
+        self._release()  # every probe is placed once events are wanted
+        return self.target.run(timeout)
+
+    def close(self) -> None:
+        try:
+            self.target.close()
+        finally:
+            self._release()
+
+    @property
+    def dropped(self) -> int:
+        return max(self.target.lost, 0)
+
+
+def _group_of(specs: Sequence[ProbeSpec]) -> str | None:
+    """The one group the specs name (the session's event group), or None for our own."""
+    groups = {spec.group for spec in specs if spec.group is not None}
+    if len(groups) > 1:
+        raise SpecError(
+            "with a kernel backend every probe goes in one event group, and these name "
+            f"several: {', '.join(sorted(groups))}",
+            column=0,
+        )
+    return groups.pop() if groups else None
+
+
+def _path_of(specs: Sequence[ProbeSpec], patterns: Sequence[str]) -> str:
+    """The file that ``--backend uprobes`` without -p/-c probes: the one the specs name."""
+    paths = {p.rpartition(":")[0] for p in patterns if p.startswith("/")}
+    for spec in specs:
+        match spec.location:
+            case FileOffsetLocation(path=path):
+                paths.add(path)
+            case SymbolLocation(module=str() as module) if "/" in module:
+                paths.add(module)
+    if len(paths) != 1:
+        raise TargetError(
+            "--backend uprobes without -p or -c probes one file for every process that runs "
+            "it: name it in the specs as /PATH:SYMBOL (they name "
+            f"{len(paths) or 'no'} file{'s' if len(paths) != 1 else ''})",
+            errno=errno.EINVAL,
+        )
+    return os.path.realpath(paths.pop())
+
+
+def open_backend(
+    args: argparse.Namespace,
+    sink: Sink,
+    specs: Sequence[ProbeSpec],
+    *,
+    entry_times: bool = False,
+    patterns: Sequence[str] = (),
+) -> Backend:
+    """The backend the options ask for (``--backend``/``--kernel``, ``-p``/``-c``);
+    ``patterns`` are the globs that will be placed too (``count``)."""
+    if args.backend == "ptrace":
+        if args.pid is None and args.command is None:
+            raise TargetError(
+                "the ptrace backend probes one process: give -p PID or -c CMD (or --kernel, "
+                "or --backend uprobes with /PATH:SYMBOL specs)",
+                errno=errno.EINVAL,
+            )
+        return PtraceBackend(args, sink)
+    return TraceFsBackend(args, sink, specs, entry_times=entry_times, patterns=patterns)

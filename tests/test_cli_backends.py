@@ -1,0 +1,216 @@
+"""The tracing commands on the kernel's backends: ``--backend uprobes`` live on this host, and
+``--kernel`` where the kernel lacks kprobes (the kprobes side runs in the VM: tests/vm/guest).
+
+The same specs must give the same events and the same aggregates whichever backend runs them:
+each test runs a command on our ptrace backend and on the kernel's uprobes and compares.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import support
+from test_cli_trace import KPROBES, bodies, cli
+
+pytestmark = pytest.mark.ptrace
+
+TRACEFS = support.tracefs_root()
+needs_uprobes = pytest.mark.skipif(
+    TRACEFS is None or not (TRACEFS / "uprobe_events").exists(),
+    reason="the kernel's uprobes need tracefs with uprobe_events (CONFIG_UPROBE_EVENTS)",
+)
+
+
+@pytest.fixture
+def target(build) -> Path:
+    return build("target")
+
+
+def sessions_in_tracefs() -> tuple[set[str], list[str]]:
+    """The kprobes sessions' instances and uprobe_events lines (other tools' are ignored)."""
+    assert TRACEFS is not None
+    instances = {p.name for p in (TRACEFS / "instances").iterdir() if p.name.startswith("kprobes_")}
+    lines = (TRACEFS / "uprobe_events").read_text().splitlines()
+    return instances, [line for line in lines if ":kprobes_" in line or "othertool" in line]
+
+
+@pytest.fixture
+def tracefs_state() -> Iterator[None]:
+    """Every session a test runs must leave tracefs as it found it."""
+    before = sessions_in_tracefs()
+    yield
+    assert sessions_in_tracefs() == before, "a uprobes session left something in tracefs"
+
+
+SPECS = (
+    "p:mywork work i=%di:u32 c=@counter:s64",
+    "r work ret=$retval:s64",
+    "show s=+0(%di):string",
+)
+
+
+@needs_uprobes
+def test_trace_gives_the_same_events_on_both_backends(target, tracefs_state):
+    ours = cli("trace", "-c", f"{target} 4", *SPECS)
+    kernels = cli("trace", "--backend", "uprobes", "-c", f"{target} 4", *SPECS)
+    assert ours.returncode == kernels.returncode == 0, kernels.stderr
+    assert bodies(kernels.stdout) == bodies(ours.stdout)
+    assert len(bodies(kernels.stdout)) == 9  # 4 entries, 4 returns, 1 show
+    assert "p_show_0: (show+0x0/" in kernels.stdout and 's="hello kprobes"' in kernels.stdout
+    assert "9 events, 9 hits, 0 missed, 0 dropped" in kernels.stderr
+    # The program's own output is untouched.
+    plain = subprocess.run([str(target), "4"], capture_output=True, text=True).stdout
+    own = [line for line in kernels.stdout.splitlines() if not bodies(line)]
+    assert own == plain.splitlines()
+
+
+@needs_uprobes
+def test_trace_json_carries_the_same_fields(target, tracefs_state):
+    spec = "work i=%di:u32"
+    ours = cli("trace", "--json", "-c", f"{target} 3", spec)
+    kernels = cli("trace", "--json", "--backend", "uprobes", "-c", f"{target} 3", spec)
+
+    def records(out: str) -> list[dict[str, object]]:
+        return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+    a, b = records(ours.stdout), records(kernels.stdout)
+    assert [e["args"] for e in b] == [e["args"] for e in a] == [{"i": i} for i in range(3)]
+    assert {e["comm"] for e in b} == {"target"}
+    # The kernel session's event group is its own (kprobes_<pid>), never the shared "uprobes".
+    assert all(str(e["event"]).endswith("/p_work_0") for e in b)
+
+
+@needs_uprobes
+def test_count_with_globs_matches_our_backend(target, tracefs_state):
+    args = ("-c", f"{target} 5", "work", "comp*", "kpt_*")
+    ours = cli("count", *args)
+    kernels = cli("count", "--backend", "uprobes", *args)
+    assert kernels.returncode == 0, kernels.stderr
+
+    def rows(out: str) -> dict[str, int]:
+        lines = out.splitlines()
+        head = next(i for i, line in enumerate(lines) if line.startswith("FUNC"))
+        return {line.split()[0]: int(line.split()[1]) for line in lines[head + 1 :]}
+
+    assert (
+        rows(kernels.stdout)
+        == rows(ours.stdout)
+        == {
+            "compute": 1,
+            "kpt_asm": 2,
+            "kpt_leaf": 2,
+            "work": 5,
+        }
+    )
+
+
+@needs_uprobes
+def test_latency_pairs_every_call_with_its_entry(build, tracefs_state):
+    rets = build("rets")
+    r = cli("latency", "-u", "--backend", "uprobes", "-c", f"{rets} rec 20", "rec")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if "usecs" in line and "distribution" in line)
+    counts = [int(line.split(":")[1].split("|")[0]) for line in lines[header + 1 :] if "->" in line]
+    assert sum(counts) == 21  # rec(20) recurses down to rec(0): every return paired
+    assert re.search(r"count: 21$", r.stdout, re.M)
+
+
+@needs_uprobes
+def test_hist_matches_our_backend(target, tracefs_state):
+    args = ("-c", f"{target} 12", "work i=%di:u64", "--key", "i")
+    ours = cli("hist", *args)
+    kernels = cli("hist", "--backend", "uprobes", *args)
+    assert kernels.returncode == 0, kernels.stderr
+
+    def table(out: str) -> list[str]:
+        return [line for line in out.splitlines() if re.match(r"\s*\d+\s+\d+$", line)]
+
+    assert table(kernels.stdout) == table(ours.stdout)
+    assert len(table(kernels.stdout)) == 12
+
+
+@needs_uprobes
+def test_attach_by_pid_leaves_the_program_running(build, tmp_path, tracefs_state):
+    ticker = build("ticker")
+    out = tmp_path / "ticker.out"
+    with out.open("w") as f:
+        prog = subprocess.Popen([str(ticker), "400", "5000"], stdout=f)
+    try:
+        support.wait_for_lines(out, 2, timeout=10)
+        r = cli("trace", "--backend", "uprobes", "-p", prog.pid, "-n", "3", "work i=%di:u64")
+        assert r.returncode == 0, r.stderr
+        values = [int(b.split("i=")[1]) for b in bodies(r.stdout)]
+        assert len(values) == 3 and values == list(range(values[0], values[0] + 3))
+        assert prog.poll() is None  # still running, and still right afterwards
+        n = len(support.file_lines(out))
+        support.wait_for_lines(out, n + 2, timeout=10)
+    finally:
+        prog.kill()
+        prog.wait()
+    for line in support.file_lines(out):
+        if line.startswith("tick"):
+            _, i, v = line.split()
+            assert int(v) == int(i) ** 2 + 1
+
+
+@needs_uprobes
+def test_a_file_for_every_process_that_runs_it(target, tracefs_state):
+    """No -p/-c: the uprobe is on the file, and every process running it hits it."""
+    tracer = subprocess.Popen(
+        [KPROBES, "trace", "--backend", "uprobes", "-d", "4", f"p:ev {target}:work i=%di:u32"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(1.5)  # registered by now (the trace runs 4 s)
+    runs = [subprocess.run([str(target), "2"], capture_output=True) for _ in range(2)]
+    out, err = tracer.communicate(timeout=30)
+    assert tracer.returncode == 0, err
+    pids = {line.split("-")[1].split()[0] for line in out.splitlines() if " ev: " in line}
+    assert len(bodies(out)) == 4 and len(pids) == 2, out
+    assert all(r.returncode == 0 for r in runs)
+
+
+def test_ptrace_backend_needs_a_process() -> None:
+    r = cli("count", "work")
+    assert r.returncode == 1
+    assert "give -p PID or -c CMD" in r.stderr
+
+
+@needs_uprobes
+def test_several_event_groups_are_refused(target, tracefs_state):
+    r = cli("trace", "--backend", "uprobes", "-c", f"{target} 1", "p:a/x work", "p:b/y show")
+    assert r.returncode == 2
+    assert "one event group" in r.stderr and "a, b" in r.stderr
+
+
+@needs_uprobes
+def test_a_group_that_exists_is_refused_and_left_alone(target, tracefs_state):
+    """Another tool's group: one clear error; its events are not touched."""
+    assert TRACEFS is not None
+    offset = support.file_offset(target, support.symbol(target, "work").value)
+    support._append(TRACEFS / "uprobe_events", f"p:othertool/ev {target}:{offset:#x}")
+    try:
+        r = cli("trace", "--backend", "uprobes", "-c", f"{target} 1", "p:othertool/mine work")
+        assert r.returncode == 1
+        assert "othertool" in r.stderr and "already exists" in r.stderr
+        assert "p:othertool/ev" in (TRACEFS / "uprobe_events").read_text()
+    finally:
+        support._append(TRACEFS / "uprobe_events", "-:othertool/ev")
+
+
+def test_kernel_backend_says_why_it_cannot_work_here():
+    """On a kernel without CONFIG_KPROBES (this host's), --kernel says so and what to use."""
+    if TRACEFS is not None and (TRACEFS / "kprobe_events").exists():
+        pytest.skip("this kernel has kprobe_events: the --kernel tests run in tests/vm")
+    r = cli("trace", "--kernel", "-d", "1", "p do_sys_openat2")
+    assert r.returncode == 1
+    assert "built without CONFIG_KPROBES" in r.stderr
+    assert "Uprobes target" in r.stderr and "Process target" in r.stderr
