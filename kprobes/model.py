@@ -17,6 +17,16 @@ class ProbeListing:
     is_disabled: bool
     plan: str  # how the probed instruction runs out of line: emulate, boost, step, singlestep
 
+    @property
+    def is_optimized(self) -> bool:
+        """``[OPTIMIZED]``: a jump instead of a breakpoint (the kernel's optprobes)."""
+        return self.plan == "OPTIMIZED"
+
+    @property
+    def is_ftrace(self) -> bool:
+        """``[FTRACE]``: a kernel probe on a function entry, riding on ftrace."""
+        return self.plan == "FTRACE"
+
     def __str__(self) -> str:
         parts = [f"{self.addr:016x}", self.kind, self.where]
         if self.module:

@@ -8,6 +8,7 @@ each test runs a command on our ptrace backend and on the kernel's uprobes and c
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import time
@@ -214,3 +215,31 @@ def test_kernel_backend_says_why_it_cannot_work_here():
     assert r.returncode == 1
     assert "built without CONFIG_KPROBES" in r.stderr
     assert "Uprobes target" in r.stderr and "Process target" in r.stderr
+
+
+def _running(argv: list[str]) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[:-1]
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if [c.decode() for c in cmdline] == argv and state != "Z":
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.parametrize("backend", ["ptrace", "uprobes"])
+def test_an_early_end_stops_the_command(build, backend, tracefs_state):
+    """-n/-d end the session before a -c command: the command, started for the session, ends
+    with it (as under bpftrace -c) instead of running on unseen."""
+    if backend == "uprobes" and TRACEFS is None:
+        pytest.skip("the kernel's uprobes need tracefs")
+    ticker = str(build("ticker"))
+    argv = [ticker, "100003", "1000"]
+    r = cli("trace", "--backend", backend, "-n", "3", "-c", " ".join(argv), "work i=%di:u64")
+    assert r.returncode == 0, r.stderr
+    assert len(bodies(r.stdout)) == 3
+    assert _running(argv) == []

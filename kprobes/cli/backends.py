@@ -23,6 +23,8 @@ import contextlib
 import errno
 import fnmatch
 import os
+import signal
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -84,6 +86,28 @@ class Backend(abc.ABC):
 
     def __init__(self) -> None:
         self.placed: list[Placed] = []
+        self.command_pid: int | None = None  # the -c command's, once started
+
+    def end_command(self) -> None:
+        """Stop a ``-c`` command the session ended before (``-d``, ``-n``): it was started for
+        this session and ends with it, as under ``bpftrace -c``. Called after ``close()``, so
+        it has no probe left in it. SIGTERM, then SIGKILL if it lingers; reaped either way."""
+        pid, self.command_pid = self.command_pid, None
+        if pid is None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                if os.waitpid(pid, os.WNOHANG) != (0, 0):
+                    return  # it had exited: now reaped
+                os.kill(pid, sig)
+            except (ChildProcessError, ProcessLookupError):
+                return  # reaped already (the ptrace backend saw it exit)
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                with contextlib.suppress(ChildProcessError):
+                    if os.waitpid(pid, os.WNOHANG) != (0, 0):
+                        return
+                time.sleep(0.01)
 
     @abc.abstractmethod
     def place(self, specs: Sequence[ProbeSpec]) -> list[Placed]:
@@ -113,6 +137,8 @@ class PtraceBackend(Backend):
     def __init__(self, args: argparse.Namespace, sink: Sink) -> None:
         super().__init__()
         self.proc = open_target(args)
+        if args.command is not None:
+            self.command_pid = self.proc.pid
         try:
             self.tracer = SpecTracer(self.proc, sink)
         except BaseException:
@@ -181,7 +207,7 @@ class TraceFsBackend(Backend):
         pid: int | None = args.pid
         if args.command is not None:
             self._spawned = spawn(command_argv(args))
-            pid = self._spawned.pid
+            pid = self.command_pid = self._spawned.pid
         try:
             self.target = self._open(args.backend, pid, specs, patterns, sink)
         except BaseException:

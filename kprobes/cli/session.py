@@ -115,7 +115,10 @@ class Session:
             backend.place(self.specs)
             self._loop(backend)
         finally:
-            backend.close()
+            try:
+                backend.close()
+            finally:
+                backend.end_command()
             if self._status:
                 sys.stderr.write("\r\x1b[K")
 
