@@ -243,3 +243,15 @@ def test_an_early_end_stops_the_command(build, backend, tracefs_state):
     assert r.returncode == 0, r.stderr
     assert len(bodies(r.stdout)) == 3
     assert _running(argv) == []
+
+
+@needs_uprobes
+def test_a_line_the_kernel_refuses_shows_its_error_log(target, tracefs_state):
+    """Our grammar accepts ``:symbol`` (kprobes have it); the kernel's uprobes do not, and
+    say so in error_log, which the command shows with its caret."""
+    r = cli("trace", "--backend", "uprobes", "-c", f"{target} 1", "work x=%di:symbol")
+    assert r.returncode == 1
+    assert "Unknown type is specified" in r.stderr
+    command = next(line for line in r.stderr.splitlines() if "Command:" in line)
+    caret = next(line for line in r.stderr.splitlines() if line.strip() == "^")
+    assert command[caret.index("^") :] == "symbol"

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from kprobes.cli import count_cmd, hist_cmd, latency_cmd, list_cmd, run_cmd, trace_cmd
-from kprobes.errors import ProbeError, SpecError
+from kprobes.errors import ProbeError, SpecError, TraceFsError
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -44,6 +44,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except ProbeError as exc:
         print(f"kprobes: {exc}", file=sys.stderr)
+        if isinstance(exc, TraceFsError) and exc.log_line:
+            # The kernel's own error_log entry: the command it refused, a caret at the column.
+            print("\n".join(exc.log_line.splitlines()[1:]), file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
         return 130
