@@ -40,6 +40,8 @@ test-kernel: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench
 	$(BIN)/python -m bench.registration
+	$(BIN)/python -m bench.decode
+	$(BIN)/python -m bench.decode --vm
 
 clean:
 	rm -rf $(VENV) tests/programs/bin bench/bin

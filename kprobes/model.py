@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +85,7 @@ class BlacklistEntry:
 ArgValue = int | str | None | tuple["ArgValue", ...]
 
 
-@dataclass(frozen=True, slots=True)
-class EventArg:
+class EventArg(NamedTuple):
     """One fetched argument of an event: its name, its spec type (``u32``, ``string``, ...)."""
 
     name: str
@@ -93,8 +93,7 @@ class EventArg:
     value: ArgValue
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
+class Event(NamedTuple):
     """One probe hit, the same value for every target (Process, Kernel, Uprobes).
 
     ``timestamp`` is in seconds, from the same clock for every event of one session
@@ -102,6 +101,12 @@ class Event:
     is ``sym+off/size`` of ``ip``; for a return event, ``ip`` is where the function returns to
     (the caller) and ``func`` names the function that returned, as in the kernel's
     ``(caller+off/size <- func)``.
+
+    ``Event`` and ``EventArg`` are named tuples, not frozen dataclasses like the other values:
+    the kernel targets build hundreds of thousands of them per second, and a frozen
+    dataclass sets each field through ``object.__setattr__`` (docs/decisions.md has the
+    figures). They read, compare, hash, match and print as the dataclasses did; being tuples,
+    they also unpack and compare equal to a plain tuple of the same fields.
     """
 
     group: str

@@ -1,4 +1,5 @@
-"""Smoke tests of the benchmark harness (``python -m bench``), which the suite does not run whole.
+"""Smoke tests of the benchmark harness (``python -m bench``), which the suite does not run whole,
+and of ``python -m bench.decode --quick``.
 
 The cheap peers run in ``--quick`` mode on a small N and must report exactly N hits in both
 placements; the kernel's uprobes must also leave ``uprobe_events`` and the tracefs instances as
@@ -12,6 +13,7 @@ arguments and return values the target computes.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -112,6 +114,22 @@ def test_section6_rows_count_every_hit_in_as_many_stops_as_designed(tmp_path: Pa
             assert round(int(cell["info"]["stops"]) / CALLS) == n.stops, (n.symbol, placement)
     assert "The document's §6 notation" in report
     assert "r - k =" in report
+
+
+@pytest.mark.tracefs
+def test_decode_bench_checks_its_events_and_cleans_up() -> None:
+    """``python -m bench.decode --quick``: a few thousand uprobe events decoded both ways; the
+    run itself fails if either path's events differ from what the program passed."""
+    argv = [sys.executable, "-m", "bench.decode", "--quick"]
+    result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "| **ours**: `trace_pipe_raw` pages → `Event` |" in result.stdout
+    assert "| peer: `trace_pipe` text → `Event` |" in result.stdout
+    group = re.search(r"`p:(kprobes_\d+)/", result.stdout)
+    assert group is not None, result.stdout
+    assert not (TRACEFS / "events" / group.group(1)).exists()
+    assert group.group(1) not in (TRACEFS / "uprobe_events").read_text()
+    assert_no_uprobes_left()
 
 
 def fake_row(key: str, overhead_ns: float, *, hits: int = CALLS, ours: bool = True) -> RowResult:

@@ -276,23 +276,28 @@ def _strings_at(where: slice, offset: int, count: int, relative: bool) -> Conver
     return many
 
 
-def compile_decoder(fmt: EventFormat, symbolize: Callable[[int], str] | None = None) -> Decoder:
-    """A function ``decode(page, start) -> (tid, ip, func_ip, args)`` for ``fmt``'s records."""
+def record_struct(
+    fmt: EventFormat, wanted: Callable[[Field], bool] = lambda f: True
+) -> tuple[str, dict[str, slice]]:
+    """The ``struct`` format reading ``fmt``'s ``wanted`` fixed fields from a record's start,
+    and where each one's values land in the unpacked tuple (name → slice).
+
+    Fields not wanted, overlays and fields of a size ``struct`` has no code for are skipped
+    as padding; a ``__data_loc``/``__rel_loc`` field unpacks as its u32 location word(s).
+    """
     layout = ["<"]
-    pos = 0
+    pos = covered = 0  # bytes the format reads so far; end of the furthest field seen
     slots: dict[str, slice] = {}
     n = 0
     for f in sorted(fmt.fields, key=lambda f: f.offset):
-        if f.offset < pos:
+        if f.offset < covered:
             continue  # an overlay (the header's "overwrite" style); skip
+        covered = f.offset + f.size
+        code = "I" if f.loc else _CODES.get(f.elem_size, "")
+        if not code or not wanted(f):
+            continue  # padding, up to the next field taken
         if f.offset > pos:
             layout.append(f"{f.offset - pos}x")
-        elem = f.elem_size
-        code = "I" if f.loc else _CODES.get(elem, "")
-        if not code:
-            layout.append(f"{f.size}x")
-            pos = f.offset + f.size
-            continue
         if not f.is_signed or f.loc:
             code = code.upper()
         count = f.count or 1
@@ -300,7 +305,18 @@ def compile_decoder(fmt: EventFormat, symbolize: Callable[[int], str] | None = N
         slots[f.name] = slice(n, n + count)
         n += count
         pos = f.offset + f.size
-    unpack = struct.Struct("".join(layout)).unpack_from
+    return "".join(layout), slots
+
+
+def compile_decoder(fmt: EventFormat, symbolize: Callable[[int], str] | None = None) -> Decoder:
+    """A function ``decode(page, start) -> (tid, ip, func_ip, args)`` for ``fmt``'s records.
+
+    The plain reference decoder, one step at a time; the kernel targets use the compiled
+    builders of ``records.py``, which the tests hold to this one.
+    """
+    layout, slots = record_struct(fmt)
+    n = sum(s.stop - s.start for s in slots.values())
+    unpack = struct.Struct(layout).unpack_from
     pid_at = slots["common_pid"].start
     ip_at = slots.get("__probe_ret_ip", slots.get("__probe_ip", slice(-1, -1))).start
     func_at = slots["__probe_func"].start if "__probe_func" in slots else -1

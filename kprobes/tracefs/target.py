@@ -12,7 +12,8 @@ kernel's; what remains is bookkeeping, done as a straight line and undone in rev
     Step 6  enable it in our instance, unless the probe is registered disabled
 
 Events come back asynchronously: ``poll()`` reads every CPU's ``trace_pipe_raw``, decodes the
-records, merges the CPUs by timestamp and hands each ``Event`` to the probe's handler (the
+records (``records.py``, with a builder compiled at Step 5), merges the CPUs by timestamp
+and hands each ``Event`` to the probe's handler (the
 kernel's probes are read-only, as the document says of optimized probes: a handler sees the
 fetched values, never live registers):
 
@@ -36,6 +37,7 @@ import errno as _errno
 import os
 import select
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +46,7 @@ from kprobes.core.probes import TRAP_HANDLER_EXCEPTION, Kprobe, ProbeFlags
 from kprobes.core.retprobes import Kretprobe, KretprobeInstance, Task
 from kprobes.core.table import ProbeSite, ProbeTable
 from kprobes.errors import ProbeError, ProbeRejected, SpecError, TargetError, TraceFsError
-from kprobes.model import Event, EventArg
+from kprobes.model import Event
 from kprobes.spec import (
     Command,
     Location,
@@ -55,7 +57,7 @@ from kprobes.spec import (
 )
 from kprobes.tracefs import session as sessions
 from kprobes.tracefs.control import TraceFs
-from kprobes.tracefs.eventformat import Decoder, EventFormat, compile_decoder
+from kprobes.tracefs.eventformat import EventFormat
 from kprobes.tracefs.lines import (
     EVENT_NAME,
     Features,
@@ -64,7 +66,16 @@ from kprobes.tracefs.lines import (
     profile_counts,
     removal_line,
 )
-from kprobes.tracefs.ringbuffer import CpuBuffers, PageLayout, scan_page
+from kprobes.tracefs.records import (
+    Builder,
+    EventPlan,
+    Lookups,
+    Watcher,
+    WhoEntry,
+    compile_builder,
+    decode_pages,
+)
+from kprobes.tracefs.ringbuffer import CpuBuffers, PageLayout
 from kprobes.tracefs.session import Session
 from kprobes.tracefs.tasks import Tasks
 
@@ -100,10 +111,10 @@ class Registration:
     __slots__ = (
         "arg_names",
         "arg_types",
+        "build",
         "clock",
         "clocks",
         "comm_index",
-        "decode",
         "event",
         "id",
         "is_enabled",
@@ -119,7 +130,7 @@ class Registration:
         self.line = line
         self.point = point
         self.id = -1
-        self.decode: Decoder | None = None
+        self.build: Builder | None = None
         self.arg_names: tuple[str, ...] = ()
         self.arg_types: tuple[str, ...] = ()
         self.comm_index = -1
@@ -188,10 +199,13 @@ class TraceTarget:
         self.tasks = Tasks(self.fs)
         self._places: dict[int, str] = {}
         # Records of other events enabled in our instance (common_type → handler(page, start)).
-        self._watchers: dict[int, Callable[[bytes, int], None]] = {}
+        self._watchers: dict[int, Watcher] = {}
+        self._builders: dict[int, Builder] = {}  # common_type → builder, for decode_pages
+        self._lookups = self._make_lookups()
         # Entry clocks of return probes placed with entry_times:
         # (return event id, tid) → the entry timestamps of the calls in flight, newest last.
         self._entries: dict[tuple[int, int], builtins.list[float]] = {}
+        self._clocks: dict[str, Registration] = {}  # event → registration, of both kinds
         self._stopping = False
         self._pending: BaseException | None = None
         if pid is not None:
@@ -385,8 +399,11 @@ class TraceTarget:
         ret = self._by_probe[id(rp)]
         entry = Kprobe(symbol=rp.kp.symbol, offset=rp.kp.offset, addr=rp.kp.addr)
         self._register(entry, (), f"{ret.event}__entry"[:64], hidden=True)
-        self._by_probe[id(entry)].clocks = ret
+        hidden = self._by_probe[id(entry)]
+        hidden.clocks = ret
         ret.clock = entry
+        self._clocks[hidden.event] = hidden
+        self._clocks[ret.event] = ret
 
     def _register_many(
         self, probes: Sequence[AnyProbe], args: Mapping[Any, Sequence[str]] | None
@@ -456,10 +473,20 @@ class TraceTarget:
                 self.fs.read("events", self.group, event, "format"), group=self.group
             )
             reg.id = fmt.id
-            reg.decode = compile_decoder(fmt, self._symbolize)
             reg.arg_names = tuple(f.name for f in fmt.arg_fields)
             reg.arg_types = fmt.arg_types
             reg.comm_index = next((i for i, a in enumerate(args) if _is_comm(a)), -1)
+            plan = EventPlan(
+                group=self.group,
+                event=event,
+                location="" if is_return else point.describe,
+                is_return=is_return,
+                func=point.symbol if is_return else "",
+                arg_names=reg.arg_names,
+                arg_types=reg.arg_types,
+                comm_index=reg.comm_index,
+            )
+            reg.build = compile_builder(fmt, plan, self._lookups)
             # Step 6: armed in our instance.
             if not kp.is_disabled:
                 self.session.set_event_enabled(event, True)
@@ -482,6 +509,7 @@ class TraceTarget:
             probe.nhit = probe.nmissed = 0
         self._by_id[reg.id] = reg
         self._by_probe[id(probe)] = reg
+        self._builders[reg.id] = reg.build
 
     def _unregister_many(self, probes: Iterable[AnyProbe]) -> None:
         probes = list(probes)
@@ -503,6 +531,7 @@ class TraceTarget:
         if reg.clock is not None:
             clock, reg.clock = reg.clock, None
             self._unregister(clock)
+            self._clocks.pop(reg.event, None)
             for key in [key for key in self._entries if key[0] == reg.id]:
                 del self._entries[key]
         # In reverse: disable in our instance, then delete the definition.
@@ -511,6 +540,9 @@ class TraceTarget:
             reg.is_enabled = False
         del self._by_probe[id(probe)]
         self._by_id.pop(reg.id, None)
+        if reg.clocks is not None:
+            self._clocks.pop(reg.event, None)
+        self._builders.pop(reg.id, None)
         kp = _entry(probe)
         kp.site = None
         if self.session.is_open:
@@ -558,85 +590,81 @@ class TraceTarget:
 
     # -- events ----------------------------------------------------------------------------------
 
-    def _location(self, reg: Registration, ip: int, tid: int) -> str:
-        if not _is_return(reg):
-            return reg.point.describe
-        where = self._places.get(ip)
-        if where is None:
-            where = self._describe(ip, tid)
-            if len(self._places) < 65536:
-                self._places[ip] = where
+    def _make_lookups(self) -> Lookups:
+        """The caches and slow paths the builders use; they hold this target only weakly
+        (a builder lives in a registration of the target: no reference cycle)."""
+        me = weakref.ref(self)
+
+        def who_miss(tid: int) -> WhoEntry:
+            target = me()
+            assert target is not None, "a builder outlived its target"
+            return target.tasks.who(tid, target._accepts)
+
+        def place_miss(ip: int, tid: int) -> str:
+            target = me()
+            assert target is not None, "a builder outlived its target"
+            return target._place_miss(ip, tid)
+
+        def symbolize(addr: int) -> str:
+            target = me()
+            assert target is not None, "a builder outlived its target"
+            return target._symbolize(addr)
+
+        return Lookups(self.tasks.known, who_miss, self._places, place_miss, symbolize)
+
+    def _place_miss(self, ip: int, tid: int) -> str:
+        """``sym+off/size`` of a return address, the first time it is met."""
+        where = self._describe(ip, tid)
+        if len(self._places) < 65536:
+            self._places[ip] = where
         return where
 
     def read_events(self) -> builtins.list[Event]:
         """Every event recorded so far, decoded, oldest first; consumes them (no handlers)."""
-        return [event for event, _reg in self._read()]
+        return self._read()
 
-    def _read(self) -> builtins.list[tuple[Event, Registration]]:
-        pages = self._buffers.read_pages()
+    def read_pages(self) -> builtins.list[tuple[int, bytes]]:
+        """The ring-buffer pages recorded so far (at most 256 per CPU), as (cpu, page),
+        undecoded; consumes them."""
+        return self._buffers.read_pages()
+
+    def decode_pages(self, pages: Sequence[tuple[int, bytes]]) -> builtins.list[Event]:
+        """The events of ``pages`` from ``read_pages()``, oldest first.
+
+        ``read_events()`` is ``decode_pages(read_pages())``; the benchmark times the halves
+        apart, and pages kept aside can be decoded later (by this target: it knows the
+        events' formats).
+        """
         if not pages:
             return []
-        layout, by_id = self._layout, self._by_id
-        raw: builtins.list[tuple[int, int, Registration, tuple[int, int, int, tuple[Any, ...]]]]
-        raw = []
-        cpus = set()
-        for cpu, page in pages:
-            scan = scan_page(page, layout)
-            if scan.lost:
-                self.lost += scan.lost
-            cpus.add(cpu)
-            for ts, start, _end in scan.records:
-                common_type = page[start] | page[start + 1] << 8
-                reg = by_id.get(common_type)
-                if reg is None or reg.decode is None:
-                    watcher = self._watchers.get(common_type)
-                    if watcher is not None:
-                        watcher(page, start)
-                    continue
-                raw.append((ts, cpu, reg, reg.decode(page, start)))
-        if len(cpus) > 1:
-            raw.sort(key=lambda r: r[0])
-        events = []
-        entries = self._entries
-        for ts, cpu, reg, (tid, ip, func_ip, values) in raw:
-            tgid = self.tasks.tgid(tid)  # 0 when the thread is gone already
-            if not self._accepts(tgid):
-                continue
-            entry_timestamp = 0.0
-            if reg.clocks is not None:  # a hidden entry: remember when the call began
-                stack = entries.setdefault((reg.clocks.id, tid), [])
-                if len(stack) < _MAX_DEPTH:
-                    stack.append(ts / 1e9)
-                continue
-            if reg.clock is not None:
-                stack = entries.get((reg.id, tid), [])
-                entry_timestamp = stack.pop() if stack else 0.0
-            comm = values[reg.comm_index] if reg.comm_index >= 0 else None
-            events.append(
-                (
-                    Event(
-                        group=self.group,
-                        event=reg.event,
-                        pid=tgid or tid,
-                        tid=tid,
-                        comm=comm if isinstance(comm, str) else self.tasks.comm(tid),
-                        cpu=cpu,
-                        timestamp=ts / 1e9,
-                        ip=ip,
-                        location=self._location(reg, ip, tid),
-                        args=tuple(
-                            EventArg(n, t, v)
-                            for n, t, v in zip(reg.arg_names, reg.arg_types, values, strict=False)
-                        ),
-                        is_return=_is_return(reg),
-                        func=reg.point.symbol if _is_return(reg) else "",
-                        func_ip=func_ip,
-                        entry_timestamp=entry_timestamp,
-                    ),
-                    reg,
-                )
-            )
+        events, lost = decode_pages(pages, self._layout, self._builders, self._watchers)
+        self.lost += lost
+        if self.tasks.unsettled:
+            events = self.tasks.settle(events, self._accepts)
+        if self._clocks:
+            events = self._pair_entries(events)
         return events
+
+    def _pair_entries(self, events: builtins.list[Event]) -> builtins.list[Event]:
+        """Hidden entry events become the entry times of their return probe's events, per
+        thread, newest first (``place_spec(entry_times=True)``); they are not delivered."""
+        out = []
+        entries, clocks = self._entries, self._clocks
+        for event in events:
+            reg = clocks.get(event.event)
+            if reg is None:
+                out.append(event)
+            elif reg.clocks is not None:  # a hidden entry: remember when the call began
+                stack = entries.setdefault((reg.clocks.id, event.tid), [])
+                if len(stack) < _MAX_DEPTH:
+                    stack.append(event.timestamp)
+            else:
+                calls = entries.get((reg.id, event.tid))
+                out.append(event._replace(entry_timestamp=calls.pop()) if calls else event)
+        return out
+
+    def _read(self) -> builtins.list[Event]:
+        return self.decode_pages(self.read_pages())
 
     def _dispatch(self, event: Event, reg: Registration) -> None:
         probe = reg.probe
@@ -668,9 +696,10 @@ class TraceTarget:
 
     def poll(self) -> int:
         """Deliver every event recorded so far to the handlers; return how many."""
+        regs = {reg.event: reg for reg in self._by_id.values()}  # as of the decoding
         events = self._read()
-        for event, reg in events:
-            self._dispatch(event, reg)
+        for event in events:
+            self._dispatch(event, regs[event.event])
         pending, self._pending = self._pending, None
         if pending is not None:
             raise pending
@@ -746,6 +775,7 @@ class TraceTarget:
                 _entry(reg.probe).site = None
             self._by_probe.clear()
             self._by_id.clear()
+            self._builders.clear()
             sessions.forget(self)
             self._close_pidfd()
             self._after_close()
@@ -765,7 +795,3 @@ class TraceTarget:
         with contextlib.suppress(Exception):
             if hasattr(self, "_buffers") and os.getpid() == self._owner_pid:
                 self.close()
-
-
-def _is_return(reg: Registration) -> bool:
-    return isinstance(reg.probe, Kretprobe)

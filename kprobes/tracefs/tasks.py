@@ -10,6 +10,12 @@ A thread that has already exited cannot be looked up. Where that matters (``Upro
 keeps one process's events and drops its children's), ``new_task_watcher`` reads the
 ``task/task_newtask`` records enabled in the same instance: each says which task created
 which, and whether as a thread (CLONE_THREAD) or as a new process, in the order it happened.
+
+The decoder asks ``who(tid)`` once per thread and keeps the answer (``known``): the process
+and name events show, or False for a thread whose events the target drops. A thread that is
+gone and not yet announced may be announced further on in the same batch, by a record on
+another CPU's page: its events are made with the pid UNSETTLED and ``settle`` decides them
+once the batch is decoded.
 """
 
 from __future__ import annotations
@@ -20,11 +26,14 @@ from collections.abc import Callable
 from typing import Final
 
 from kprobes.errors import ProbeError
+from kprobes.model import Event
 from kprobes.tracefs.control import TraceFs
 from kprobes.tracefs.eventformat import EventFormat
+from kprobes.tracefs.records import WhoEntry
 
 UNKNOWN_COMM: Final = "<...>"  # what the kernel prints for a thread it has no name for
 CLONE_THREAD: Final = 0x00010000
+UNSETTLED: Final = -1  # the pid of an event whose thread is decided after its batch
 _I32 = struct.Struct("<i")
 _U64 = struct.Struct("<Q")
 
@@ -36,6 +45,9 @@ class Tasks:
         self.fs = fs
         self.comms: dict[int, str] = {}
         self.tgids: dict[int, int] = {}
+        self.known: dict[int, WhoEntry] = {}  # the decoder's cache of who()
+        self.unsettled: set[int] = set()
+        self.is_announced = False  # task_newtask records are read (new_task_watcher)
 
     def comm(self, tid: int) -> str:
         comm = self.comms.get(tid)
@@ -71,17 +83,52 @@ class Tasks:
             self.tgids[tid] = tgid
         return tgid
 
+    def who(self, tid: int, accepts: Callable[[int], bool]) -> WhoEntry:
+        """(pid, comm) of thread ``tid`` for its events, or False if ``accepts(tgid)`` refuses
+        its process; remembered in ``known``, except while it is unsettled."""
+        tgid = self.tgid(tid)  # 0 when the thread is gone already
+        if tgid == 0 and self.is_announced:
+            # Gone, and not announced yet: a task_newtask record further on in this batch
+            # may still say whose it was.
+            self.unsettled.add(tid)
+            return (UNSETTLED, self.comm(tid))
+        who: WhoEntry = (tgid or tid, self.comm(tid)) if accepts(tgid) else False
+        self.known[tid] = who
+        return who
+
+    def settle(self, events: list[Event], accepts: Callable[[int], bool]) -> list[Event]:
+        """``events`` with the unsettled ones decided, now that the batch's announcements are
+        read: given their process, or dropped."""
+        pids = {}
+        for tid in self.unsettled:
+            tgid = self.tgids.get(tid, 0)  # announced by now, or 0
+            who: WhoEntry = (tgid or tid, self.comm(tid)) if accepts(tgid) else False
+            self.known[tid] = who
+            pids[tid] = who[0] if who else None
+        self.unsettled.clear()
+        settled = []
+        for event in events:
+            if event.pid == UNSETTLED:
+                pid = pids.get(event.tid)
+                if pid is None:
+                    continue
+                event = event._replace(pid=pid)
+            settled.append(event)
+        return settled
+
     def new_task_watcher(self, fmt: EventFormat) -> Callable[[bytes, int], None]:
         """A record handler for ``task_newtask`` (format ``fmt``) that learns new tasks."""
         child_at = fmt.field("pid").offset
         flags_at = fmt.field("clone_flags").offset
         parent_at = fmt.field("common_pid").offset
-        tgids = self.tgids
+        tgids, known = self.tgids, self.known
+        self.is_announced = True
 
         def on_new_task(page: bytes, start: int) -> None:
             child = _I32.unpack_from(page, start + child_at)[0]
             flags = _U64.unpack_from(page, start + flags_at)[0]
             parent = _I32.unpack_from(page, start + parent_at)[0]
             tgids[child] = self.tgid(parent) if flags & CLONE_THREAD else child
+            known.pop(child, None)  # a thread id used again: what we knew of it is stale
 
         return on_new_task

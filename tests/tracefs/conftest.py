@@ -2,7 +2,8 @@
 and a way to run it so that probes are in place before it does its work.
 
 The program prints ``ready`` on stderr, waits for a line on stdin, then calls ``work()`` N
-times (and, by its mode, also from a new thread or from a forked child), prints the sum of the
+times (and, by its mode, also from a new thread or from a forked child; ``thread-cpu0`` runs
+the thread on CPU 0 and the main thread, which creates it, on CPU 1), prints the sum of the
 results and exits. ``work`` reads every field of a struct so that the compiler keeps them all.
 """
 
@@ -17,7 +18,9 @@ from pathlib import Path
 import pytest
 
 PROGRAM_C = r"""
+#define _GNU_SOURCE
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,9 +61,22 @@ int main(int argc, char **argv)
     fprintf(stderr, "ready\n");
     if (!fgets(line, sizeof line, stdin))
         return 1;
-    if (strcmp(mode, "thread") == 0) {
+    if (strcmp(mode, "thread") == 0 || strcmp(mode, "thread-cpu0") == 0) {
         pthread_t t;
-        pthread_create(&t, NULL, thread_main, (void *)(long)n);
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        if (strcmp(mode, "thread-cpu0") == 0) {
+            cpu_set_t cpus;
+            CPU_ZERO(&cpus);
+            CPU_SET(1, &cpus);
+            if (sched_setaffinity(0, sizeof cpus, &cpus) != 0)
+                return 3;
+            CPU_ZERO(&cpus);
+            CPU_SET(0, &cpus);
+            pthread_attr_setaffinity_np(&attr, sizeof cpus, &cpus);
+        }
+        if (pthread_create(&t, &attr, thread_main, (void *)(long)n) != 0)
+            return 3;
         pthread_join(t, NULL);
         return 0;
     } else if (strcmp(mode, "fork") == 0) {

@@ -7,6 +7,7 @@ import struct
 from kprobes.tracefs.eventformat import EventFormat, compile_decoder
 from kprobes.tracefs.ringbuffer import scan_page
 from tracefs.captured import PAGE_HEX, TYPES_FORMAT, WORK_FORMAT, WORK_RET_FORMAT
+from tracefs.synth import record
 
 PAGE = bytes.fromhex(PAGE_HEX).ljust(4096, b"\0")
 
@@ -25,35 +26,6 @@ def test_fields_and_types_of_every_fetch_type() -> None:
     assert (f.offset, f.size, f.count, f.elem_size) == (35, 12, 3, 4)
     g = fmt.field("g")
     assert (g.loc, g.count, g.size) == ("data_loc", 2, 8)
-
-
-def record(fmt: EventFormat, values: dict[str, object], strings: dict[str, object]) -> bytes:
-    """A record laid out by ``fmt``: fixed fields packed at their offsets, strings after."""
-    end = max(f.offset + f.size for f in fmt.fields)
-    buf = bytearray(end)
-    tail = bytearray()
-
-    def loc(text: str | None) -> int:
-        if text is None:
-            return end + len(tail)  # length 0: the kernel's (fault)
-        raw = text.encode() + b"\0"
-        word = (len(raw) << 16) | (end + len(tail))
-        tail.extend(raw)
-        return word
-
-    for f in fmt.fields:
-        if f.name in strings:
-            texts = strings[f.name]
-            words = [loc(t) for t in (texts if isinstance(texts, list) else [texts])]
-            struct.pack_into(f"<{len(words)}I", buf, f.offset, *words)
-        elif f.name in values:
-            v = values[f.name]
-            code = {1: "B", 2: "H", 4: "I", 8: "Q"}[f.elem_size]
-            if f.is_signed:
-                code = code.lower()
-            items = v if isinstance(v, tuple) else (v,)
-            struct.pack_into(f"<{len(items)}{code}", buf, f.offset, *items)
-    return bytes(buf + tail)
 
 
 def test_decode_every_type_from_a_record() -> None:

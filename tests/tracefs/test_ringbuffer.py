@@ -19,26 +19,9 @@ from kprobes.tracefs.ringbuffer import (
     scan_page,
 )
 from tracefs.captured import HEADER_PAGE, PAGE_HEX
+from tracefs.synth import header, large, page, small
 
 PAGE = bytes.fromhex(PAGE_HEX).ljust(4096, b"\0")
-
-
-def header(type_len: int, delta: int) -> bytes:
-    return struct.pack("<I", (delta << 5) | type_len)
-
-
-def page(ts: int, body: bytes, *, flags: int = 0, tail: bytes = b"") -> bytes:
-    data = body + tail
-    return (struct.pack("<QQ", ts, len(body) | flags) + data).ljust(4096, b"\0")
-
-
-def small(delta: int, payload: bytes) -> bytes:
-    assert len(payload) % 4 == 0 and 0 < len(payload) <= 112
-    return header(len(payload) // 4, delta) + payload
-
-
-def large(delta: int, payload: bytes) -> bytes:
-    return header(0, delta) + struct.pack("<I", len(payload) + 4) + payload
 
 
 def test_header_page_layout() -> None:

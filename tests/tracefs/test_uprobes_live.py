@@ -167,6 +167,34 @@ def test_a_thread_created_later_is_followed(start: Callable[..., Waiting]) -> No
     assert all(e.pid == prog.pid and e.tid != prog.pid for e in got)
 
 
+def test_a_thread_gone_before_its_events_are_read_is_kept(start: Callable[..., Waiting]) -> None:
+    """The thread runs on CPU 0; its creation is recorded on CPU 1 (task_newtask, by the main
+    thread). When the pages are read the thread is gone, and CPU 0's page is decoded first:
+    its events must wait for the announcement further on in the same batch."""
+    assert len(os.sched_getaffinity(0)) >= 2, "needs two CPUs"
+    prog = start(3, "thread-cpu0")
+    with Uprobes(pid=prog.pid) as u:
+        u.register_kprobe(Kprobe(symbol="work"), ["x=%di:s64"])
+        prog.go()  # returns once the program has exited
+        events = u.read_events()
+    assert [e.arg("x") for e in events] == [0, 1, 2]
+    assert all(e.pid == prog.pid and e.tid != prog.pid and e.cpu == 0 for e in events)
+
+
+def test_pages_read_and_decoded_apart(start: Callable[..., Waiting]) -> None:
+    prog = start(3)
+    with Uprobes(pid=prog.pid) as u:
+        u.register_kprobe(Kprobe(symbol="work"), ["x=%di:s64", "s=+0(%si):string"])
+        prog.go()
+        pages = u.read_pages()
+        assert pages and u.read_events() == []  # read_pages consumed them
+        events = u.decode_pages(pages)
+        assert u.decode_pages(pages) == events
+    assert [(e.arg("x"), e.arg("s")) for e in events] == [
+        (0, "hello world"), (1, "second name"), (2, "hello world"),
+    ]  # fmt: skip
+
+
 def test_pid_filter_drops_a_forked_child(start: Callable[..., Waiting]) -> None:
     prog = start(3, "fork")
     mine: list[Event] = []
