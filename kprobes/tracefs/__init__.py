@@ -9,7 +9,8 @@ created on every way out. See ``target.py`` for the shared pipeline.
 
 from kprobes.tracefs.control import ErrorLogEntry, TraceFs, parse_error_log
 from kprobes.tracefs.kernel import Kernel
-from kprobes.tracefs.target import ProbePoint, TraceTarget
+from kprobes.tracefs.points import ProbePoint
+from kprobes.tracefs.target import TraceTarget
 from kprobes.tracefs.uprobes import Uprobes
 
 __all__ = [

@@ -33,7 +33,8 @@ from kprobes.symbols.kallsyms import Kallsyms
 from kprobes.tracefs.control import TraceFs, find_debugfs
 from kprobes.tracefs.debugfs import KprobesKnobs
 from kprobes.tracefs.lines import MAXACTIVE_MAX, kernel_location
-from kprobes.tracefs.target import AnyProbe, ProbePoint, Sink, TraceTarget
+from kprobes.tracefs.points import AnyProbe, ProbePoint
+from kprobes.tracefs.target import Sink, TraceTarget
 
 
 def _unavailable_reason(tracefs_root: str) -> str:

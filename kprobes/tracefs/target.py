@@ -39,7 +39,6 @@ import select
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from kprobes.core.probes import TRAP_HANDLER_EXCEPTION, Kprobe, ProbeFlags
@@ -57,6 +56,7 @@ from kprobes.spec import (
 )
 from kprobes.tracefs import session as sessions
 from kprobes.tracefs.control import TraceFs
+from kprobes.tracefs.entryclock import EntryClocks
 from kprobes.tracefs.eventformat import EventFormat
 from kprobes.tracefs.lines import (
     EVENT_NAME,
@@ -66,6 +66,7 @@ from kprobes.tracefs.lines import (
     profile_counts,
     removal_line,
 )
+from kprobes.tracefs.points import AnyProbe, ProbePoint, Registration, entry_of, is_comm
 from kprobes.tracefs.records import (
     Builder,
     EventPlan,
@@ -79,74 +80,8 @@ from kprobes.tracefs.ringbuffer import CpuBuffers, PageLayout
 from kprobes.tracefs.session import Session
 from kprobes.tracefs.tasks import Tasks
 
-AnyProbe = Kprobe | Kretprobe
 Sink = Callable[[Event], None]
 _POLL_SLICE = 0.25  # longest sleep in run(): a missed wake-up costs at most this
-_MAX_DEPTH = 4096  # entry timestamps kept per thread and return probe (entry_times)
-
-
-@dataclass(frozen=True, slots=True)
-class ProbePoint:
-    """Where a probe goes, as the target resolved it (the ``Location`` of core)."""
-
-    addr: int  # kernel address, or the runtime (pid) or link-time (path) address of a uprobe
-    display: str  # "vfs_read+0x10"
-    module_name: str
-    place: Location  # the PLACE word of the probe line
-    symbol: str  # function name ("" if unknown)
-    offset: int  # from the function's start
-    func_size: int  # 0 if unknown
-
-    @property
-    def describe(self) -> str:
-        """``sym+0xoff/0xsize``: how the kernel prints this address (``%pS``)."""
-        if not self.symbol:
-            return f"{self.addr:#x}"
-        return f"{self.symbol}+{self.offset:#x}/{self.func_size:#x}"
-
-
-class Registration:
-    """One probe's event: the target's private state for it (``site.ainsn``)."""
-
-    __slots__ = (
-        "arg_names",
-        "arg_types",
-        "build",
-        "clock",
-        "clocks",
-        "comm_index",
-        "event",
-        "id",
-        "is_enabled",
-        "is_hidden",
-        "line",
-        "point",
-        "probe",
-    )
-
-    def __init__(self, probe: AnyProbe, event: str, line: str, point: ProbePoint) -> None:
-        self.probe = probe
-        self.event = event
-        self.line = line
-        self.point = point
-        self.id = -1
-        self.build: Builder | None = None
-        self.arg_names: tuple[str, ...] = ()
-        self.arg_types: tuple[str, ...] = ()
-        self.comm_index = -1
-        self.is_enabled = False
-        self.is_hidden = False  # an entry clock: not listed, never delivered
-        self.clock: Kprobe | None = None  # a return probe's hidden entry probe
-        self.clocks: Registration | None = None  # a hidden entry's return probe
-
-
-def _entry(probe: AnyProbe) -> Kprobe:
-    return probe.kp if isinstance(probe, Kretprobe) else probe
-
-
-def _is_comm(arg: str) -> bool:
-    fetch = arg.split("=", 1)[1] if "=" in arg.split(":", 1)[0] else arg
-    return fetch.split(":", 1)[0] in ("$comm", "$COMM")
 
 
 class TraceTarget:
@@ -202,41 +137,15 @@ class TraceTarget:
         self._watchers: dict[int, Watcher] = {}
         self._builders: dict[int, Builder] = {}  # common_type → builder, for decode_pages
         self._lookups = self._make_lookups()
-        # Entry clocks of return probes placed with entry_times:
-        # (return event id, tid) → the entry timestamps of the calls in flight, newest last.
-        self._entries: dict[tuple[int, int], builtins.list[float]] = {}
-        self._clocks: dict[str, Registration] = {}  # event → registration, of both kinds
+        self._clocks = EntryClocks()  # of return probes placed with entry_times
         self._stopping = False
         self._pending: BaseException | None = None
         if pid is not None:
             try:
-                self._follow(pid)
+                self._watchers.update(self.tasks.follow(self.session, pid))
             except BaseException:
                 self.close()
                 raise
-
-    def _follow(self, pid: int) -> None:
-        """Record only this process's tasks, and the tasks they create later.
-
-        ``event-fork`` adds every task a recorded task creates, threads and child processes
-        alike, and a task that has exited can no longer be looked up in /proc. So the
-        instance also records ``task/task_newtask`` (only for those same tasks): its
-        ``clone_flags`` say whether the new task is a thread of ours (CLONE_THREAD) or a new
-        process, whose events are then dropped.
-        """
-        try:
-            tids = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
-        except OSError as exc:
-            raise TargetError(f"process {pid} is gone: {exc.strerror}", errno=exc.errno) from exc
-        for tid in tids:
-            self.tasks.tgids[int(tid)] = pid
-        if self.session.exists("events", "task", "task_newtask", "format"):
-            fmt = EventFormat.parse(self.session.read("events", "task", "task_newtask", "format"))
-            self._watchers[fmt.id] = self.tasks.new_task_watcher(fmt)
-            self.session.write("events/task/task_newtask/enable", "1")
-        if self.session.exists("options", "event-fork"):
-            self.session.write("options/event-fork", "1")
-        self.session.write("set_event_pid", " ".join(tids))
 
     def _close_pidfd(self) -> None:
         if self._pidfd >= 0:
@@ -384,7 +293,7 @@ class TraceTarget:
             probe.maxactive = spec.maxactive
         else:
             probe.pre_handler = handler
-        args = self._render_args(_entry(probe), spec.args)
+        args = self._render_args(entry_of(probe), spec.args)
         self._register(probe, args, spec.event or "", default=spec.effective_event)
         if entry_times and isinstance(probe, Kretprobe):
             try:
@@ -399,11 +308,8 @@ class TraceTarget:
         ret = self._by_probe[id(rp)]
         entry = Kprobe(symbol=rp.kp.symbol, offset=rp.kp.offset, addr=rp.kp.addr)
         self._register(entry, (), f"{ret.event}__entry"[:64], hidden=True)
-        hidden = self._by_probe[id(entry)]
-        hidden.clocks = ret
         ret.clock = entry
-        self._clocks[hidden.event] = hidden
-        self._clocks[ret.event] = ret
+        self._clocks.add(self._by_probe[id(entry)].event, ret.event)
 
     def _register_many(
         self, probes: Sequence[AnyProbe], args: Mapping[Any, Sequence[str]] | None
@@ -430,7 +336,7 @@ class TraceTarget:
     ) -> None:
         if not self.session.is_open:
             raise TraceFsError("this session is closed", errno=_errno.ESHUTDOWN)
-        kp = _entry(probe)
+        kp = entry_of(probe)
         if kp.is_registered or id(probe) in self._by_probe:
             raise ProbeRejected(f"{probe!r} is already registered", errno=_errno.EINVAL)
         is_return = isinstance(probe, Kretprobe)
@@ -475,7 +381,7 @@ class TraceTarget:
             reg.id = fmt.id
             reg.arg_names = tuple(f.name for f in fmt.arg_fields)
             reg.arg_types = fmt.arg_types
-            reg.comm_index = next((i for i, a in enumerate(args) if _is_comm(a)), -1)
+            reg.comm_index = next((i for i, a in enumerate(args) if is_comm(a)), -1)
             plan = EventPlan(
                 group=self.group,
                 event=event,
@@ -531,19 +437,15 @@ class TraceTarget:
         if reg.clock is not None:
             clock, reg.clock = reg.clock, None
             self._unregister(clock)
-            self._clocks.pop(reg.event, None)
-            for key in [key for key in self._entries if key[0] == reg.id]:
-                del self._entries[key]
+            self._clocks.remove(reg.event)
         # In reverse: disable in our instance, then delete the definition.
         if reg.is_enabled and self.session.is_open:
             self.session.set_event_enabled(reg.event, False)
             reg.is_enabled = False
         del self._by_probe[id(probe)]
         self._by_id.pop(reg.id, None)
-        if reg.clocks is not None:
-            self._clocks.pop(reg.event, None)
         self._builders.pop(reg.id, None)
-        kp = _entry(probe)
+        kp = entry_of(probe)
         kp.site = None
         if self.session.is_open:
             self.fs.append_line(
@@ -552,7 +454,7 @@ class TraceTarget:
 
     def _set_enabled(self, probe: AnyProbe, value: bool) -> None:
         reg = self._by_probe.get(id(probe))
-        kp = _entry(probe)
+        kp = entry_of(probe)
         if reg is not None and reg.clock is not None:
             self._set_enabled(reg.clock, value)
         if reg is None:
@@ -642,26 +544,8 @@ class TraceTarget:
         if self.tasks.unsettled:
             events = self.tasks.settle(events, self._accepts)
         if self._clocks:
-            events = self._pair_entries(events)
+            events = self._clocks.pair(events)
         return events
-
-    def _pair_entries(self, events: builtins.list[Event]) -> builtins.list[Event]:
-        """Hidden entry events become the entry times of their return probe's events, per
-        thread, newest first (``place_spec(entry_times=True)``); they are not delivered."""
-        out = []
-        entries, clocks = self._entries, self._clocks
-        for event in events:
-            reg = clocks.get(event.event)
-            if reg is None:
-                out.append(event)
-            elif reg.clocks is not None:  # a hidden entry: remember when the call began
-                stack = entries.setdefault((reg.clocks.id, event.tid), [])
-                if len(stack) < _MAX_DEPTH:
-                    stack.append(event.timestamp)
-            else:
-                calls = entries.get((reg.id, event.tid))
-                out.append(event._replace(entry_timestamp=calls.pop()) if calls else event)
-        return out
 
     def _read(self) -> builtins.list[Event]:
         return self.decode_pages(self.read_pages())
@@ -684,7 +568,7 @@ class TraceTarget:
                 self.sink(event)
         except Exception as exc:
             failure: Exception = exc
-            kp = _entry(probe)
+            kp = entry_of(probe)
             if kp.fault_handler is not None:
                 try:
                     if kp.fault_handler(kp, event, TRAP_HANDLER_EXCEPTION):
@@ -722,7 +606,7 @@ class TraceTarget:
             if poller.poll(0):
                 self._exited = True
                 for probe in self.iter_probes():
-                    _entry(probe).flags |= ProbeFlags.GONE
+                    entry_of(probe).flags |= ProbeFlags.GONE
         return self._exited
 
     @property
@@ -772,7 +656,7 @@ class TraceTarget:
             self.session.close()
         finally:
             for reg in self._by_probe.values():
-                _entry(reg.probe).site = None
+                entry_of(reg.probe).site = None
             self._by_probe.clear()
             self._by_id.clear()
             self._builders.clear()

@@ -21,15 +21,17 @@ once the batch is decoded.
 from __future__ import annotations
 
 import contextlib
+import os
 import struct
 from collections.abc import Callable
 from typing import Final
 
-from kprobes.errors import ProbeError
+from kprobes.errors import ProbeError, TargetError
 from kprobes.model import Event
 from kprobes.tracefs.control import TraceFs
 from kprobes.tracefs.eventformat import EventFormat
-from kprobes.tracefs.records import WhoEntry
+from kprobes.tracefs.records import Watcher, WhoEntry
+from kprobes.tracefs.session import Session
 
 UNKNOWN_COMM: Final = "<...>"  # what the kernel prints for a thread it has no name for
 CLONE_THREAD: Final = 0x00010000
@@ -115,6 +117,32 @@ class Tasks:
                 event = event._replace(pid=pid)
             settled.append(event)
         return settled
+
+    def follow(self, session: Session, pid: int) -> dict[int, Watcher]:
+        """Make ``session`` record only process ``pid``'s tasks, and the tasks they create.
+
+        ``event-fork`` adds every task a recorded task creates, threads and child processes
+        alike, and a task that has exited can no longer be looked up in /proc. So the
+        instance also records ``task/task_newtask`` (only for those same tasks): its
+        ``clone_flags`` say whether the new task is a thread of ours (CLONE_THREAD) or a new
+        process, whose events are then dropped. Returns the watcher of those records, by
+        their event id.
+        """
+        try:
+            tids = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
+        except OSError as exc:
+            raise TargetError(f"process {pid} is gone: {exc.strerror}", errno=exc.errno) from exc
+        for tid in tids:
+            self.tgids[int(tid)] = pid
+        watchers: dict[int, Watcher] = {}
+        if session.exists("events", "task", "task_newtask", "format"):
+            fmt = EventFormat.parse(session.read("events", "task", "task_newtask", "format"))
+            watchers[fmt.id] = self.new_task_watcher(fmt)
+            session.write("events/task/task_newtask/enable", "1")
+        if session.exists("options", "event-fork"):
+            session.write("options/event-fork", "1")
+        session.write("set_event_pid", " ".join(tids))
+        return watchers
 
     def new_task_watcher(self, fmt: EventFormat) -> Callable[[bytes, int], None]:
         """A record handler for ``task_newtask`` (format ``fmt``) that learns new tasks."""

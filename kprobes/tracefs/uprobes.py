@@ -47,7 +47,8 @@ from kprobes.spec import (
 from kprobes.symbols.elf import ElfImage
 from kprobes.symbols.resolve import SymbolResolver
 from kprobes.tracefs.lines import uprobe_location
-from kprobes.tracefs.target import AnyProbe, ProbePoint, Sink, TraceTarget
+from kprobes.tracefs.points import AnyProbe, ProbePoint
+from kprobes.tracefs.target import Sink, TraceTarget
 
 _NUMBER = re.compile(r"0x[0-9a-fA-F]+|\d+")
 
