@@ -31,6 +31,7 @@ import struct
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from kprobes.arch.x86_64.regs import REG_INDEX
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe, KretprobeInstance
 from kprobes.errors import InternalError, TargetError
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
     from kprobes.process.tracer import Tracer
 
 _Q = struct.Struct("<Q")
+_RIP = REG_INDEX["rip"]
+_RSP = REG_INDEX["rsp"]
 LOST_LIMIT = 4096  # return addresses remembered per thread for released instances
 
 # Where the unwinder starts walking the stack (unhook first) and where it is done (rehook).
@@ -126,9 +129,14 @@ class Trampoline:
     # -- return ----------------------------------------------------------------------------
 
     def on_return(self, t: Thread) -> None:
-        """``t`` trapped on the trampoline: report the return and send it home."""
+        """``t`` trapped on the trampoline: report the return and send it home.
+
+        Sending it home changes rip alone, through ``t.words`` so that the view is not marked
+        dirty: unless a handler writes a register, the tracer writes back rip only.
+        """
         regs = t.regs
-        slot = regs.rsp - 8
+        w = t.words
+        slot = w[_RSP] - 8
         rets = t.rets
         # Step 1: instances of deeper frames that vanished without returning.
         while rets and rets[-1].stack < slot:
@@ -144,13 +152,13 @@ class Trampoline:
                     f"thread {t.tid} returned into the kretprobe trampoline from stack slot "
                     f"{slot:#x}, which no live instance owns"
                 )
-            regs.rip = real
+            w[_RIP] = real
             return
         real = chain[-1].ret_addr  # the oldest holds the caller's address
         if real == self.addr:
             raise InternalError(f"thread {t.tid}: no real return address for slot {slot:#x}")
         # Step 3: handlers, newest call first (as the kernel's trampoline handler).
-        regs.rip = real
+        w[_RIP] = real
         table = self.tracer.manager.table
         for ri in chain:
             ri.ret_addr = real

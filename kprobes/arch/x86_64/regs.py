@@ -3,8 +3,13 @@
 The buffer is the kernel's ``struct user_regs_struct`` byte for byte, so the syscall layer
 fills it with one PTRACE_GETREGS and writes it back with one PTRACE_SETREGS. Access goes
 through a ``memoryview`` cast to unsigned 64-bit words: indexing it costs a few tens of
-nanoseconds, against microseconds for a ctypes structure field. Writes mark the view dirty so
-that the tracer writes registers back only when a handler or an emulation changed them.
+nanoseconds, against microseconds for a ctypes structure field.
+
+Writes by name (``regs.rax = 1``, ``regs.set()``, ``regs["rax"]``) mark the view ``dirty``.
+Writes through ``words`` do not: that is the tracer's and the emulator's own access, and they
+know what they changed. So after a hit whose handlers wrote nothing, and whose out-of-line
+plan moves only rip, the tracer writes back rip alone (one PTRACE_POKEUSER, about half the
+cost of the PTRACE_SETREGS that a dirty view needs).
 """
 
 from __future__ import annotations
