@@ -42,6 +42,14 @@ from kprobes.process.trapguard import TrapGuard
 from kprobes.process.xol import XolArea
 
 S = ThreadState
+# Members looked up once: in CPython 3.11 reading an attribute of an Enum class goes through
+# the metaclass's __getattr__ hook (about 900 instructions), never a specialised lookup.
+_STOPPED = S.STOPPED
+_RUNNING = S.RUNNING
+_STEPPING = S.STEPPING
+_EMULATE = PlanKind.EMULATE
+_BOOST = PlanKind.BOOST
+_STEP = PlanKind.STEP
 _RIP = REG_INDEX["rip"]
 _SYNC_FAULTS: dict[int, int] = {
     signal.SIGSEGV: 14,  # page fault (13, general protection, when si_code is SI_KERNEL)
@@ -209,12 +217,14 @@ class Tracer:
         raise_error = ptrace.raise_error
         trampoline = self.trampoline
         TRAP = ev.SIGTRAP_STOP
-        RUNNING = S.RUNNING
-        STOPPED = S.STOPPED
+        RUNNING = _RUNNING
+        STOPPED = _STOPPED
         # `while True` and a break, not `while self.live`: CPython 3.11 specialises a function
         # called once (as this one is) only from an unconditional backward jump, and the
         # conditional one that `while self.live:` compiles to is not one. Written the other
         # way, every hit ran unspecialised bytecode: a third more instructions per hit.
+        # Likewise a bound request is read into a local, then called: `req.cont()` compiles
+        # to LOAD_METHOD, which 3.11 cannot specialise for a callable held in a slot.
         while True:
             if not self.live:
                 break
@@ -239,7 +249,8 @@ class Tracer:
             if status == TRAP and t.state is RUNNING:
                 t.state = STOPPED
                 req = t.req
-                if req.getregs() == -1:
+                request = req.getregs
+                if request() == -1:
                     raise_error()
                 regs = t.regs
                 regs.dirty = False
@@ -248,8 +259,17 @@ class Tracer:
                 site = sites.get(addr)
                 if site is None or not site.is_armed:
                     if addr == trampoline.addr and addr and not self.guarding:
-                        trampoline.on_return(t)
-                        t.store_changes()
+                        trampoline.on_return(t)  # rip set to the real return address
+                        if regs.dirty:
+                            request = req.setregs
+                            result = request()
+                        else:
+                            word = t.rip_word
+                            word.value = w[_RIP]
+                            poke_user = req.poke_user
+                            result = poke_user(word)
+                        if result == -1:
+                            raise_error()
                         self._after_handler(t)
                     else:
                         self._foreign_trap(t)
@@ -276,26 +296,31 @@ class Tracer:
                         if emulator is None:  # BOOST: on to the slot
                             if regs.dirty:
                                 w[_RIP] = x.slot
-                                result = req.setregs()
+                                request = req.setregs
+                                result = request()
                             else:
                                 # The view keeps rip at the probed address: the thread runs
                                 # on now, and its next stop reloads the view.
-                                result = req.poke_user(x.slot_word)
+                                poke_user = req.poke_user
+                                result = poke_user(x.slot_word)
                         else:
                             emulator(w, t.tracee)
                             if x.is_rip_only and not regs.dirty:
                                 word = t.rip_word
                                 word.value = w[_RIP]
-                                result = req.poke_user(word)
+                                poke_user = req.poke_user
+                                result = poke_user(word)
                             else:
-                                result = req.setregs()
+                                request = req.setregs
+                                result = request()
                         if result == -1:
                             raise_error()
                         if t.held_signals:
                             t.resume()
-                        elif req.cont() == -1:
-                            raise_error()
                         else:
+                            request = req.cont
+                            if request() == -1:
+                                raise_error()
                             t.state = RUNNING
             else:
                 self.dispatch(t, status)
@@ -332,8 +357,8 @@ class Tracer:
         event = ev.decode(t.tid, status)
         match event:
             case ev.Trap():
-                stepping = t.state is S.STEPPING
-                t.to(S.STOPPED)
+                stepping = t.state is _STEPPING
+                t.to(_STOPPED)
                 regs = t.load_regs()
                 if stepping:
                     self._finish_step(t)
@@ -420,7 +445,7 @@ class Tracer:
             return
         x: Prepared = site.ainsn
         kind = x.kind
-        if kind is PlanKind.EMULATE:
+        if kind is _EMULATE:
             assert x.emulator is not None
             x.emulator(t.words, t.tracee)
             self._run_post(t, site)
@@ -429,7 +454,7 @@ class Tracer:
             else:
                 t.store_regs()
             self._after_handler(t)
-        elif kind is PlanKind.BOOST:
+        elif kind is _BOOST:
             t.words[_RIP] = x.slot
             t.store_changes()
             self._after_handler(t)
@@ -438,10 +463,10 @@ class Tracer:
             t.store_changes()
             t.step_site = site
             t.step_prep = x
-            if t.pending is None and t.state is S.STOPPED:
-                if kind is PlanKind.STEP:
+            if t.pending is None and t.state is _STOPPED:
+                if kind is _STEP:
                     ptrace.cont(t.tid, 0)
-                    t.state = S.STEPPING
+                    t.state = _STEPPING
                 else:
                     t.step()
 
@@ -455,12 +480,14 @@ class Tracer:
 
     def _after_handler(self, t: Thread) -> None:
         """Resume ``t`` unless a handler stopped the world and left it held."""
-        if t.state is S.STOPPED and t.pending is None and not self.hold_all:
+        if t.state is _STOPPED and t.pending is None and not self.hold_all:
             if t.held_signals:
                 t.resume()
             else:
-                ptrace.cont(t.tid, 0)
-                t.state = S.RUNNING
+                cont = t.req.cont
+                if cont() == -1:
+                    ptrace.raise_error()
+                t.state = _RUNNING
 
     def _finish_step(self, t: Thread) -> None:
         site = t.step_site

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kprobes.arch.x86_64.regs import REG_INDEX
@@ -77,24 +78,21 @@ class Trampoline:
     # -- entry -----------------------------------------------------------------------------
 
     def entry_handler_for(self, rp: Kretprobe) -> Callable[[Kprobe, Any], None]:
-        """The pre handler of ``rp``'s entry probe."""
+        """The pre handler of ``rp``'s entry probe (``on_entry`` with ``rp`` bound)."""
+        return partial(self.on_entry, rp)
 
-        def pre_handler(_kp: Kprobe, regs: Any) -> None:
-            self.on_entry(rp, regs)
-
-        return pre_handler
-
-    def on_entry(self, rp: Kretprobe, regs: Any) -> None:
+    def on_entry(self, rp: Kretprobe, _kp: Kprobe, regs: Any) -> None:
         t = self.tracer.threads[regs.tid]
-        sp: int = regs.rsp
+        sp: int = t.words[_RSP]
         mem = t.tracee
-        ret_addr: int = _Q.unpack(mem.read(sp, 8))[0]
+        ret_addr = mem.read_word(sp)
         # Step 1: frames below this call's slot are gone, and so is one at the slot itself
         # unless a tail call chained this call to it (its return address is our trampoline).
         rets = t.rets
-        chained = ret_addr == self.addr
-        while rets and (rets[-1].stack < sp or (rets[-1].stack == sp and not chained)):
-            self._abandon(t, rets.pop())
+        if rets:
+            chained = ret_addr == self.addr
+            while rets and (rets[-1].stack < sp or (rets[-1].stack == sp and not chained)):
+                self._abandon(t, rets.pop())
         if t.unhooked:
             self._rehook(t)
         # Step 2: an instance from the pool, or a miss (and no entry handler).
@@ -122,9 +120,10 @@ class Trampoline:
                 return
         # Step 5: hook the return.
         if ri.ret_addr != self.addr:
-            mem.write(sp, _Q.pack(self.addr))
+            mem.write_word(sp, self.addr)
         rets.append(ri)
-        t.lost.pop(sp, None)
+        if t.lost:
+            t.lost.pop(sp, None)
 
     # -- return ----------------------------------------------------------------------------
 
@@ -157,22 +156,25 @@ class Trampoline:
         real = chain[-1].ret_addr  # the oldest holds the caller's address
         if real == self.addr:
             raise InternalError(f"thread {t.tid}: no real return address for slot {slot:#x}")
-        # Step 3: handlers, newest call first (as the kernel's trampoline handler).
+        # Step 3: handlers, newest call first (as the kernel's trampoline handler). A probe
+        # unregistered meanwhile (by a handler of this chain) has no pool any more and is not
+        # reported, as the kernel's get_kretprobe() returns NULL once rp is unregistered.
         w[_RIP] = real
-        table = self.tracer.manager.table
         for ri in chain:
             ri.ret_addr = real
             rp = ri.probe
-            if rp.is_registered:
-                rp.nhit += 1
-                if rp.handler is not None:
-                    t.busy = True
-                    try:
-                        rp.handler(ri, regs)
-                    except Exception as exc:
-                        table.park(exc)
-                    finally:
-                        t.busy = False
+            if rp.pool is None:
+                continue
+            rp.nhit += 1
+            handler = rp.handler
+            if handler is not None:
+                t.busy = True
+                try:
+                    handler(ri, regs)
+                except Exception as exc:
+                    self.tracer.manager.table.park(exc)
+                finally:
+                    t.busy = False
             pool = rp.pool
             if pool is not None:
                 pool.put(ri)
