@@ -242,8 +242,9 @@ class Tracer:
                     return False
                 self._all_gone()
                 break
-            t = threads.get(tid)
-            if t is None:
+            try:
+                t = threads[tid]
+            except KeyError:
                 self._unowned(tid, status)
                 continue
             if status == TRAP and t.state is RUNNING:
