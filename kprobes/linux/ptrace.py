@@ -1,16 +1,17 @@
 """The thin syscall layer: ptrace, wait, signals and process memory.
 
-One place loads libc with ctypes, one function per ptrace request, and exactly one place
+One place loads libc with ctypes, one function per ptrace request (GETREGS, SETREGS,
+POKEUSER and CONT without a signal are a thread's ``bind_requests``), and exactly one place
 (``raise_error``) turns ``-1``/errno into ``OSError``. It holds no state and makes no
 decisions; ``process/`` above it translates ``OSError`` into the package's exceptions.
 Nothing above ``process/`` sees ctypes.
 
 A breakpoint hit makes three requests (GETREGS, then POKEUSER of rip or SETREGS, then CONT)
 and the cost of each, past the kernel's, is ctypes': about 2,700 machine instructions per
-call, 400 more through a Python function around it. So besides the one-function-per-request
-API, ``bind_requests`` gives a thread's hit requests with every argument bound once
-(``functools.partial`` over the foreign function): they cost the foreign call alone, return
-the raw result, and their caller hands a ``-1`` to ``raise_error``. Register buffers are
+call, 400 more through a Python function around it. So ``bind_requests`` gives a thread's hit
+requests with every argument bound once (``functools.partial`` over the foreign function):
+they cost the foreign call alone, return the raw result, and their caller hands a ``-1`` to
+``raise_error``. Register buffers are
 caller-owned ``bytearray``s seen as ctypes arrays (no allocation per call), and 64-bit
 arguments are caller-owned ``Word``s, built once: building a ctypes integer costs a third of
 the call that takes it.
@@ -129,7 +130,9 @@ class BoundRequests:
 
     getregs: Callable[[], int]  # PTRACE_GETREGS into the thread's register buffer
     setregs: Callable[[], int]  # PTRACE_SETREGS from it
-    poke_user: Callable[[Word], int]  # PTRACE_POKEUSER of one word at the bound offset
+    # PTRACE_POKEUSER of one word at the bound offset: one register written back for about
+    # half the kernel time of a PTRACE_SETREGS, which reads and checks all 27.
+    poke_user: Callable[[Word], int]
     cont: Callable[[], int]  # PTRACE_CONT, no signal
 
 
@@ -175,25 +178,6 @@ def listen(tid: int) -> None:
 
 def detach(tid: int, sig: int = 0) -> None:
     _check(_ptrace(PTRACE_DETACH, tid, None, _word(sig)))
-
-
-def getregs(tid: int, buf: StructBuffer) -> None:
-    if _ptrace(PTRACE_GETREGS, tid, None, buf._array) == -1:
-        _check(-1)
-
-
-def setregs(tid: int, buf: StructBuffer) -> None:
-    if _ptrace(PTRACE_SETREGS, tid, None, buf._array) == -1:
-        _check(-1)
-
-
-def poke_user(tid: int, offset: int, value: Word) -> None:
-    """PTRACE_POKEUSER: one word of ``struct user`` (``regs`` is at offset 0).
-
-    Changing one register this way costs about half a PTRACE_SETREGS, which rewrites (and
-    validates) all 27 of them.
-    """
-    _check(_ptrace(PTRACE_POKEUSER, tid, ctypes.c_void_p(offset), value))
 
 
 FPREGS_SIZE: Final = 512  # struct user_fpregs_struct (the FXSAVE image)

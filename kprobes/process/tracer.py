@@ -2,8 +2,9 @@
 
 A breakpoint hit is the hot path and is handled first, straight from the wait status
 (``0x57f``: stopped by SIGTRAP, no ptrace event), with one PTRACE_GETREGS, the handlers, the
-out-of-line plan, one PTRACE_SETREGS and one PTRACE_CONT. Everything else is decoded into an
-event value (``events.py``) and matched.
+out-of-line plan, one PTRACE_POKEUSER of rip (PTRACE_SETREGS if a handler or the emulation
+wrote another register) and one PTRACE_CONT; a return into the kretprobe trampoline likewise.
+Everything else is decoded into an event value (``events.py``) and matched.
 
 Stopping the world (``stop_world``/``resume_world``) is how patches are made safely: every
 running thread gets PTRACE_INTERRUPT and we wait until each has stopped. A thread that stops
