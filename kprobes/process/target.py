@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from kprobes.arch.x86_64.decode import check_boundary, iter_insns
-from kprobes.arch.x86_64.emulate import emulator_for
+from kprobes.arch.x86_64.emulate import changes_rip_only, emulator_for
 from kprobes.arch.x86_64.plan import PlanKind, build_slot, plan_instruction
 from kprobes.core.manager import ProbeManager
 from kprobes.core.probes import Kprobe
@@ -578,7 +578,15 @@ class Process:
         plan = plan_instruction(code, addr, has_post_handler=site.has_post_handler)
         old: Prepared | None = site.ainsn
         if plan.kind is PlanKind.EMULATE:
-            prepared = Prepared(plan, plan.kind, 0, 0, emulator_for(plan), is_one_stop=True)
+            prepared = Prepared(
+                plan,
+                plan.kind,
+                0,
+                0,
+                emulator_for(plan),
+                is_one_stop=True,
+                is_rip_only=changes_rip_only(plan),
+            )
         else:
             xol = self._xol()
             slot = xol.alloc(addr)
@@ -590,7 +598,15 @@ class Process:
                 xol.release(slot)
                 raise
             one_stop = plan.kind is PlanKind.BOOST
-            prepared = Prepared(plan, plan.kind, slot, len(body), is_one_stop=one_stop)
+            prepared = Prepared(
+                plan,
+                plan.kind,
+                slot,
+                len(body),
+                is_one_stop=one_stop,
+                is_rip_only=True,
+                slot_word=ptrace.Word(slot),
+            )
             self._tracer.slot_owner[slot] = site
             self._tracer.slot_history[slot] = prepared
         site.ainsn = prepared

@@ -2,8 +2,9 @@
 
 A breakpoint hit is the hot path and is handled first, straight from the wait status
 (``0x57f``: stopped by SIGTRAP, no ptrace event), with one PTRACE_GETREGS, the handlers, the
-out-of-line plan, one PTRACE_SETREGS and one PTRACE_CONT. Everything else is decoded into an
-event value (``events.py``) and matched.
+out-of-line plan, one PTRACE_POKEUSER of rip (PTRACE_SETREGS if a handler or the emulation
+wrote another register) and one PTRACE_CONT; a return into the kretprobe trampoline likewise.
+Everything else is decoded into an event value (``events.py``) and matched.
 
 Stopping the world (``stop_world``/``resume_world``) is how patches are made safely: every
 running thread gets PTRACE_INTERRUPT and we wait until each has stopped. A thread that stops
@@ -24,7 +25,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kprobes.arch.x86_64.emulate import Emulator
 from kprobes.arch.x86_64.plan import Plan, PlanKind, step_fixup
@@ -42,6 +43,14 @@ from kprobes.process.trapguard import TrapGuard
 from kprobes.process.xol import XolArea
 
 S = ThreadState
+# Members looked up once: in CPython 3.11 reading an attribute of an Enum class goes through
+# the metaclass's __getattr__ hook (about 900 instructions), never a specialised lookup.
+_STOPPED = S.STOPPED
+_RUNNING = S.RUNNING
+_STEPPING = S.STEPPING
+_EMULATE = PlanKind.EMULATE
+_BOOST = PlanKind.BOOST
+_STEP = PlanKind.STEP
 _RIP = REG_INDEX["rip"]
 _SYNC_FAULTS: dict[int, int] = {
     signal.SIGSEGV: 14,  # page fault (13, general protection, when si_code is SI_KERNEL)
@@ -62,6 +71,8 @@ class Prepared:
     slot_len: int
     emulator: Emulator | None = None  # EMULATE: the specialised emulation
     is_one_stop: bool = False  # EMULATE or BOOST: the hit path can finish it inline
+    is_rip_only: bool = False  # running it out of line changes rip alone (write back rip only)
+    slot_word: ptrace.Word = field(default_factory=ptrace.Word)  # slot, built for POKEUSER
 
 
 # Every tid traced by any Tracer in this process, so a status reaped by one loop reaches the
@@ -185,7 +196,14 @@ class Tracer:
     # -- run -------------------------------------------------------------------------------
 
     def run(self, timeout: float | None) -> bool:
-        """Dispatch stops until the program is gone (True) or ``timeout`` passes (False)."""
+        """Dispatch stops until the program is gone (True) or ``timeout`` passes (False).
+
+        The common stop, a hit of a probe with a one-stop plan and no post handler, is
+        finished here inline, and so is a return into the trampoline: three ptrace requests
+        (GETREGS; POKEUSER of rip, or SETREGS when a handler or the emulation changed another
+        register; CONT) made through the thread's bound requests, and nothing else that can
+        be left out. Every other stop is decoded and dispatched.
+        """
         if self.hold_all:
             self.hold_all = False
             for thread in list(self.threads.values()):
@@ -197,13 +215,20 @@ class Tracer:
         table = self.manager.table
         waitpid = os.waitpid
         wall = ptrace.WALL
-        getregs = ptrace.getregs
-        setregs = ptrace.setregs
-        cont = ptrace.cont
+        raise_error = ptrace.raise_error
+        trampoline = self.trampoline
         TRAP = ev.SIGTRAP_STOP
-        RUNNING = S.RUNNING
-        STOPPED = S.STOPPED
-        while self.live:
+        RUNNING = _RUNNING
+        STOPPED = _STOPPED
+        # `while True` and a break, not `while self.live`: CPython 3.11 specialises a function
+        # called once (as this one is) only from an unconditional backward jump, and the
+        # conditional one that `while self.live:` compiles to is not one. Written the other
+        # way, every hit ran unspecialised bytecode: a third more instructions per hit.
+        # Likewise a bound request is read into a local, then called: `req.cont()` compiles
+        # to LOAD_METHOD, which 3.11 cannot specialise for a callable held in a slot.
+        while True:
+            if not self.live:
+                break
             if self.has_pending:
                 self._drain_pending()
             if deadline is None and not self.inbox:
@@ -218,27 +243,47 @@ class Tracer:
                     return False
                 self._all_gone()
                 break
-            t = threads.get(tid)
-            if t is None:
+            try:
+                t = threads[tid]
+            except KeyError:
                 self._unowned(tid, status)
                 continue
             if status == TRAP and t.state is RUNNING:
-                # The hot path: a breakpoint hit with a one-stop plan, finished inline.
                 t.state = STOPPED
-                getregs(tid, t.regs_struct)
-                w = t.regs.words
-                site = sites.get(w[_RIP] - 1)
+                req = t.req
+                request = req.getregs
+                if request() == -1:
+                    raise_error()
+                regs = t.regs
+                regs.dirty = False
+                w = t.words
+                addr = w[_RIP] - 1
+                site = sites.get(addr)
                 if site is None or not site.is_armed:
-                    self._foreign_trap(t)
+                    if addr == trampoline.addr and addr and not self.guarding:
+                        trampoline.on_return(t)  # rip set to the real return address
+                        if regs.dirty:
+                            request = req.setregs
+                            result = request()
+                        else:
+                            word = t.rip_word
+                            word.value = w[_RIP]
+                            poke_user = req.poke_user
+                            result = poke_user(word)
+                        if result == -1:
+                            raise_error()
+                        self._after_handler(t)
+                    else:
+                        self._foreign_trap(t)
                 elif t.skip_hit is not None or self.guarding:
                     self._hit(t, site)
                 else:
                     x: Prepared = site.ainsn
-                    w[_RIP] = site.addr
+                    w[_RIP] = addr  # handlers see ip at the probed instruction
                     redirected = False
                     if site.active:
                         t.busy = True
-                        redirected = site.run_pre(t.regs)
+                        redirected = site.run_pre(regs)
                         t.busy = False
                     if (
                         redirected
@@ -250,15 +295,34 @@ class Tracer:
                         self._finish_hit(t, site, redirected)
                     else:
                         emulator = x.emulator
-                        if emulator is not None:
-                            emulator(w, t.tracee)
+                        if emulator is None:  # BOOST: on to the slot
+                            if regs.dirty:
+                                w[_RIP] = x.slot
+                                request = req.setregs
+                                result = request()
+                            else:
+                                # The view keeps rip at the probed address: the thread runs
+                                # on now, and its next stop reloads the view.
+                                poke_user = req.poke_user
+                                result = poke_user(x.slot_word)
                         else:
-                            w[_RIP] = x.slot
-                        setregs(tid, t.regs_struct)
+                            emulator(w, t.tracee)
+                            if x.is_rip_only and not regs.dirty:
+                                word = t.rip_word
+                                word.value = w[_RIP]
+                                poke_user = req.poke_user
+                                result = poke_user(word)
+                            else:
+                                request = req.setregs
+                                result = request()
+                        if result == -1:
+                            raise_error()
                         if t.held_signals:
                             t.resume()
                         else:
-                            cont(tid, 0)
+                            request = req.cont
+                            if request() == -1:
+                                raise_error()
                             t.state = RUNNING
             else:
                 self.dispatch(t, status)
@@ -295,8 +359,8 @@ class Tracer:
         event = ev.decode(t.tid, status)
         match event:
             case ev.Trap():
-                stepping = t.state is S.STEPPING
-                t.to(S.STOPPED)
+                stepping = t.state is _STEPPING
+                t.to(_STOPPED)
                 regs = t.load_regs()
                 if stepping:
                     self._finish_step(t)
@@ -360,7 +424,7 @@ class Tracer:
         """``t`` stopped on the int3 of ``site``; its registers are loaded."""
         regs = t.regs
         addr = site.addr
-        regs.rip = addr  # handlers see ip at the probed instruction (as uprobes does)
+        t.words[_RIP] = addr  # handlers see ip at the probed instruction (as uprobes does)
         skip = t.skip_hit
         redirected = False
         if skip is not None and skip == (addr, regs.rsp):
@@ -377,32 +441,34 @@ class Tracer:
 
     def _finish_hit(self, t: Thread, site: ProbeSite, redirected: bool) -> None:
         """Run the probed instruction out of line (unless a pre handler redirected)."""
-        regs = t.regs
         if redirected:
             t.store_regs()
             self._after_handler(t)
             return
         x: Prepared = site.ainsn
         kind = x.kind
-        if kind is PlanKind.EMULATE:
+        if kind is _EMULATE:
             assert x.emulator is not None
-            x.emulator(regs.words, t.tracee)
+            x.emulator(t.words, t.tracee)
             self._run_post(t, site)
-            t.store_regs()
+            if x.is_rip_only:
+                t.store_changes()
+            else:
+                t.store_regs()
             self._after_handler(t)
-        elif kind is PlanKind.BOOST:
-            regs.rip = x.slot
-            t.store_regs()
+        elif kind is _BOOST:
+            t.words[_RIP] = x.slot
+            t.store_changes()
             self._after_handler(t)
         else:
-            regs.rip = x.slot
-            t.store_regs()
+            t.words[_RIP] = x.slot
+            t.store_changes()
             t.step_site = site
             t.step_prep = x
-            if t.pending is None and t.state is S.STOPPED:
-                if kind is PlanKind.STEP:
+            if t.pending is None and t.state is _STOPPED:
+                if kind is _STEP:
                     ptrace.cont(t.tid, 0)
-                    t.state = S.STEPPING
+                    t.state = _STEPPING
                 else:
                     t.step()
 
@@ -416,12 +482,14 @@ class Tracer:
 
     def _after_handler(self, t: Thread) -> None:
         """Resume ``t`` unless a handler stopped the world and left it held."""
-        if t.state is S.STOPPED and t.pending is None and not self.hold_all:
+        if t.state is _STOPPED and t.pending is None and not self.hold_all:
             if t.held_signals:
                 t.resume()
             else:
-                ptrace.cont(t.tid, 0)
-                t.state = S.RUNNING
+                cont = t.req.cont
+                if cont() == -1:
+                    ptrace.raise_error()
+                t.state = _RUNNING
 
     def _finish_step(self, t: Thread) -> None:
         site = t.step_site
@@ -429,10 +497,10 @@ class Tracer:
             raise InternalError(f"thread {t.tid} finished a step it was not doing")
         t.step_site = None
         x: Prepared = t.step_prep
-        regs = t.regs
-        regs.rip = step_fixup(x.plan, x.slot, regs.rip)
+        w = t.words
+        w[_RIP] = step_fixup(x.plan, x.slot, w[_RIP])
         self._run_post(t, site)
-        t.store_regs()
+        t.store_changes()
         self._after_handler(t)
 
     def _return_hit(self, t: Thread) -> None:
@@ -440,7 +508,7 @@ class Tracer:
         if self.trap_guard is not None and self.trap_guard.is_armed:
             self.trap_guard.repair(t)
         self.trampoline.on_return(t)
-        t.store_regs()
+        t.store_changes()
         self._after_handler(t)
 
     def _foreign_trap(self, t: Thread) -> None:

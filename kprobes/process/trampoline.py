@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from kprobes.arch.x86_64.regs import REG_INDEX
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe, KretprobeInstance
 from kprobes.errors import InternalError, TargetError
@@ -41,6 +43,8 @@ if TYPE_CHECKING:
     from kprobes.process.tracer import Tracer
 
 _Q = struct.Struct("<Q")
+_RIP = REG_INDEX["rip"]
+_RSP = REG_INDEX["rsp"]
 LOST_LIMIT = 4096  # return addresses remembered per thread for released instances
 
 # Where the unwinder starts walking the stack (unhook first) and where it is done (rehook).
@@ -74,24 +78,21 @@ class Trampoline:
     # -- entry -----------------------------------------------------------------------------
 
     def entry_handler_for(self, rp: Kretprobe) -> Callable[[Kprobe, Any], None]:
-        """The pre handler of ``rp``'s entry probe."""
+        """The pre handler of ``rp``'s entry probe (``on_entry`` with ``rp`` bound)."""
+        return partial(self.on_entry, rp)
 
-        def pre_handler(_kp: Kprobe, regs: Any) -> None:
-            self.on_entry(rp, regs)
-
-        return pre_handler
-
-    def on_entry(self, rp: Kretprobe, regs: Any) -> None:
+    def on_entry(self, rp: Kretprobe, _kp: Kprobe, regs: Any) -> None:
         t = self.tracer.threads[regs.tid]
-        sp: int = regs.rsp
+        sp: int = t.words[_RSP]
         mem = t.tracee
-        ret_addr: int = _Q.unpack(mem.read(sp, 8))[0]
+        ret_addr = mem.read_word(sp)
         # Step 1: frames below this call's slot are gone, and so is one at the slot itself
         # unless a tail call chained this call to it (its return address is our trampoline).
         rets = t.rets
-        chained = ret_addr == self.addr
-        while rets and (rets[-1].stack < sp or (rets[-1].stack == sp and not chained)):
-            self._abandon(t, rets.pop())
+        if rets:
+            chained = ret_addr == self.addr
+            while rets and (rets[-1].stack < sp or (rets[-1].stack == sp and not chained)):
+                self._abandon(t, rets.pop())
         if t.unhooked:
             self._rehook(t)
         # Step 2: an instance from the pool, or a miss (and no entry handler).
@@ -119,16 +120,22 @@ class Trampoline:
                 return
         # Step 5: hook the return.
         if ri.ret_addr != self.addr:
-            mem.write(sp, _Q.pack(self.addr))
+            mem.write_word(sp, self.addr)
         rets.append(ri)
-        t.lost.pop(sp, None)
+        if t.lost:
+            t.lost.pop(sp, None)
 
     # -- return ----------------------------------------------------------------------------
 
     def on_return(self, t: Thread) -> None:
-        """``t`` trapped on the trampoline: report the return and send it home."""
+        """``t`` trapped on the trampoline: report the return and send it home.
+
+        Sending it home changes rip alone, through ``t.words`` so that the view is not marked
+        dirty: unless a handler writes a register, the tracer writes back rip only.
+        """
         regs = t.regs
-        slot = regs.rsp - 8
+        w = t.words
+        slot = w[_RSP] - 8
         rets = t.rets
         # Step 1: instances of deeper frames that vanished without returning.
         while rets and rets[-1].stack < slot:
@@ -144,27 +151,30 @@ class Trampoline:
                     f"thread {t.tid} returned into the kretprobe trampoline from stack slot "
                     f"{slot:#x}, which no live instance owns"
                 )
-            regs.rip = real
+            w[_RIP] = real
             return
         real = chain[-1].ret_addr  # the oldest holds the caller's address
         if real == self.addr:
             raise InternalError(f"thread {t.tid}: no real return address for slot {slot:#x}")
-        # Step 3: handlers, newest call first (as the kernel's trampoline handler).
-        regs.rip = real
-        table = self.tracer.manager.table
+        # Step 3: handlers, newest call first (as the kernel's trampoline handler). A probe
+        # unregistered meanwhile (by a handler of this chain) has no pool any more and is not
+        # reported, as the kernel's get_kretprobe() returns NULL once rp is unregistered.
+        w[_RIP] = real
         for ri in chain:
             ri.ret_addr = real
             rp = ri.probe
-            if rp.is_registered:
-                rp.nhit += 1
-                if rp.handler is not None:
-                    t.busy = True
-                    try:
-                        rp.handler(ri, regs)
-                    except Exception as exc:
-                        table.park(exc)
-                    finally:
-                        t.busy = False
+            if rp.pool is None:
+                continue
+            rp.nhit += 1
+            handler = rp.handler
+            if handler is not None:
+                t.busy = True
+                try:
+                    handler(ri, regs)
+                except Exception as exc:
+                    self.tracer.manager.table.park(exc)
+                finally:
+                    t.busy = False
             pool = rp.pool
             if pool is not None:
                 pool.put(ri)

@@ -201,6 +201,16 @@ _HANDLERS: Final[dict[Op, Callable[[Plan, memoryview, Memory], None]]] = {
 }
 
 
+# Emulations that change rip and nothing else (no other register, no memory): the tracer can
+# write rip back alone, with one PTRACE_POKEUSER instead of a whole PTRACE_SETREGS.
+_RIP_ONLY: Final = frozenset({Op.NOP, Op.JMP, Op.JCC, Op.JMP_INDIRECT, Op.JRCXZ})
+
+
+def changes_rip_only(plan: Plan) -> bool:
+    """Whether emulating ``plan`` writes rip alone (``endbr64``, ``nop``, jumps)."""
+    return plan.kind is _EMULATE and plan.op in _RIP_ONLY
+
+
 def emulate(plan: Plan, regs: Regs, mem: Memory) -> None:
     """Apply ``plan``'s instruction to ``regs`` (and the stack through ``mem``), rip included."""
     if plan.kind is not _EMULATE or plan.op is None:

@@ -3,13 +3,18 @@
 The buffer is the kernel's ``struct user_regs_struct`` byte for byte, so the syscall layer
 fills it with one PTRACE_GETREGS and writes it back with one PTRACE_SETREGS. Access goes
 through a ``memoryview`` cast to unsigned 64-bit words: indexing it costs a few tens of
-nanoseconds, against microseconds for a ctypes structure field. Writes mark the view dirty so
-that the tracer writes registers back only when a handler or an emulation changed them.
+nanoseconds, against microseconds for a ctypes structure field.
+
+Writes by name (``regs.rax = 1``, ``regs.set()``, ``regs["rax"]``) mark the view ``dirty``.
+Writes through ``words`` do not: that is the tracer's and the emulator's own access, and they
+know what they changed. So after a hit whose handlers wrote nothing, and whose out-of-line
+plan moves only rip, the tracer writes back rip alone (one PTRACE_POKEUSER, about half the
+cost of the PTRACE_SETREGS that a dirty view needs).
 """
 
 from __future__ import annotations
 
-from typing import Final, overload
+from typing import TYPE_CHECKING, Final, overload
 
 # Word index of each register in struct user_regs_struct (arch/x86/include/asm/user_64.h).
 REG_INDEX: Final[dict[str, int]] = {
@@ -82,28 +87,40 @@ def canonical_name(name: str) -> str:
     return name
 
 
-class _Reg:
-    """One register as a typed attribute of ``Regs`` (a data descriptor over the word view)."""
+class _Reg(property):
+    """One register as a typed attribute of ``Regs``: a property over the word view.
 
-    __slots__ = ("index",)
+    A property is a descriptor written in C that calls a small Python getter; a descriptor
+    class with its own ``__get__`` (the first version) costs twice as much per read, since
+    the interpreter then looks ``__get__`` up and calls it with three arguments on every access.
+    Handlers read registers on every hit.
+    """
+
+    __slots__ = ()
 
     def __init__(self, name: str) -> None:
-        self.index = REG_INDEX[canonical_name(name)]
+        index = REG_INDEX[canonical_name(name)]
 
-    @overload
-    def __get__(self, obj: None, owner: type) -> _Reg: ...
+        def get(regs: Regs) -> int:
+            return regs._words[index]
 
-    @overload
-    def __get__(self, obj: Regs, owner: type) -> int: ...
+        def set_(regs: Regs, value: int) -> None:
+            regs._words[index] = value & MASK64
+            regs.dirty = True
 
-    def __get__(self, obj: Regs | None, owner: type) -> int | _Reg:
-        if obj is None:
-            return self
-        return int(obj._words[self.index])
+        super().__init__(get, set_, None, name)
 
-    def __set__(self, obj: Regs, value: int) -> None:
-        obj._words[self.index] = value & MASK64
-        obj.dirty = True
+    if TYPE_CHECKING:
+
+        @overload
+        def __get__(self, obj: None, owner: type | None = None) -> _Reg: ...
+
+        @overload
+        def __get__(self, obj: Regs, owner: type | None = None) -> int: ...
+
+        def __get__(self, obj: Regs | None, owner: type | None = None) -> int | _Reg: ...
+
+        def __set__(self, obj: Regs, value: int) -> None: ...
 
 
 class Regs:
