@@ -93,6 +93,22 @@ def test_programs_own_sigtrap_is_passed_through(spawn, signals, tmp_path):
     assert (handler.nhit, after.nhit) == (2, 1)
 
 
+def test_a_handlers_register_writes_survive_the_sigtrap_guard(spawn, signals, tmp_path):
+    """Inside the program's own SIGTRAP handler our trap resets that handler, and the guard
+    puts it back with an injected rt_sigaction after the pre handler ran: the pre handler's
+    register writes must survive that injection."""
+
+    def plus_ten(p: Any, regs: Any) -> None:
+        regs.rdi = regs.rdi + 10
+
+    work = kprobes.Kprobe(symbol="work", pre_handler=plus_ten)
+    proc, stdout, _ = run_traced(spawn, tmp_path, [signals, "trap"], [work])
+    assert proc.exit_code == 0
+    # work(x) = 2x + 1, called with 0 and 1 from the handler: 4 unprobed, 21 + 23 here.
+    assert stdout.endswith(b"work=44\n"), stdout
+    assert work.nhit == 2
+
+
 def test_signal_during_a_single_stepped_syscall(spawn, signals, tmp_path):
     """pause() is single-stepped out of line under the probe: it blocks until SIGALRM, which
     must be delivered to the program's handler (not held until the step completes)."""

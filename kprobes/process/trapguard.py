@@ -57,8 +57,10 @@ class TrapGuard:
             self._sigaction(thread, self.saved)
 
     def _sigaction(self, thread: Thread, new: bytes | None) -> bytes:
+        # The thread's loaded view, not a reload: a pre handler's unsaved register writes are
+        # in it, and run_syscall puts the view back as it found it.
         mem = thread.tracee
-        scratch = ((thread.load_regs().rsp - _SCRATCH_GAP) & ~0xF) - 2 * _SIGACTION_SIZE
+        scratch = ((thread.regs.rsp - _SCRATCH_GAP) & ~0xF) - 2 * _SIGACTION_SIZE
         old_at = scratch + _SIGACTION_SIZE
         new_at = 0
         if new is not None:
