@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import support
-from test_cli_trace import KPROBES, bodies, cli
+from test_cli_trace import KPROBES, bodies, cli, count_rows, histogram_total
 
 pytestmark = pytest.mark.ptrace
 
@@ -93,15 +93,9 @@ def test_count_with_globs_matches_our_backend(target, tracefs_state):
     ours = cli("count", *args)
     kernels = cli("count", "--backend", "uprobes", *args)
     assert kernels.returncode == 0, kernels.stderr
-
-    def rows(out: str) -> dict[str, int]:
-        lines = out.splitlines()
-        head = next(i for i, line in enumerate(lines) if line.startswith("FUNC"))
-        return {line.split()[0]: int(line.split()[1]) for line in lines[head + 1 :]}
-
     assert (
-        rows(kernels.stdout)
-        == rows(ours.stdout)
+        count_rows(kernels.stdout)
+        == count_rows(ours.stdout)
         == {
             "compute": 1,
             "kpt_asm": 2,
@@ -116,10 +110,9 @@ def test_latency_pairs_every_call_with_its_entry(build, tracefs_state):
     rets = build("rets")
     r = cli("latency", "-u", "--backend", "uprobes", "-c", f"{rets} rec 20", "rec")
     assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
-    header = next(i for i, line in enumerate(lines) if "usecs" in line and "distribution" in line)
-    counts = [int(line.split(":")[1].split("|")[0]) for line in lines[header + 1 :] if "->" in line]
-    assert sum(counts) == 21  # rec(20) recurses down to rec(0): every return paired
+    assert (
+        histogram_total(r.stdout, "usecs") == 21
+    )  # rec(20) recurses down to rec(0): every return paired
     assert re.search(r"count: 21$", r.stdout, re.M)
 
 

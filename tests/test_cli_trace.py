@@ -41,6 +41,22 @@ def bodies(stdout: str) -> list[str]:
     return out
 
 
+def count_rows(stdout: str) -> dict[str, int]:
+    """The ``FUNC COUNT`` table of ``kprobes count``, as {function: hits}."""
+    lines = stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("FUNC"))
+    return {line.split()[0]: int(line.split()[1]) for line in lines[head + 1 :]}
+
+
+def histogram_total(stdout: str, unit: str) -> int:
+    """The sum of a latency histogram's bucket counts (``unit``: the column header's)."""
+    lines = stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if unit in line and "distribution" in line)
+    return sum(
+        int(line.split(":")[1].split("|")[0]) for line in lines[header + 1 :] if "->" in line
+    )
+
+
 @pytest.fixture
 def target(build) -> Path:
     return build("target")
@@ -103,9 +119,8 @@ def test_trace_perfetto_pairs_entries_and_returns(target, tmp_path):
 def test_count_specs_and_glob_patterns(target):
     r = cli("count", "-c", f"{target} 5", "work", "comp*", "kpt_*")
     assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
-    head = lines.index(f"{'FUNC':<36} {'COUNT':>8}")
-    rows = {line.split()[0]: int(line.split()[1]) for line in lines[head + 1 :]}
+    assert f"{'FUNC':<36} {'COUNT':>8}" in r.stdout.splitlines()
+    rows = count_rows(r.stdout)
     # kpt_asm calls kpt_leaf; kpt_iret and kpt_int3 are never called (zero rows are omitted)
     assert rows == {"compute": 1, "kpt_asm": 2, "kpt_leaf": 2, "work": 5}
     r = cli("count", "--json", "-c", f"{target} 5", "work")
@@ -118,10 +133,7 @@ def test_latency_histogram_counts_every_call(build):
     rets = build("rets")
     r = cli("latency", "-u", "--maxactive", "100", "-c", f"{rets} rec 20", "rec")
     assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
-    header = next(i for i, line in enumerate(lines) if "usecs" in line and "distribution" in line)
-    counts = [int(line.split(":")[1].split("|")[0]) for line in lines[header + 1 :] if "->" in line]
-    assert sum(counts) == 21
+    assert histogram_total(r.stdout, "usecs") == 21
     assert re.search(r"avg = \d+ usecs, total: \d+ usecs, count: 21", r.stdout)
     assert "0 missed" in r.stderr
 

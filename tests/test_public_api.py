@@ -23,6 +23,21 @@ EXPECTED = {
     "spawn",
 }
 
+PROBE_API = (
+    "register_kprobe",
+    "register_kprobes",
+    "unregister_kprobe",
+    "unregister_kprobes",
+    "enable_kprobe",
+    "disable_kprobe",
+    "register_kretprobe",
+    "register_kretprobes",
+    "unregister_kretprobe",
+    "unregister_kretprobes",
+    "enable_kretprobe",
+    "disable_kretprobe",
+)
+
 
 def test_all_is_exactly_the_public_api() -> None:
     assert set(kprobes.__all__) == EXPECTED
@@ -32,18 +47,7 @@ def test_all_is_exactly_the_public_api() -> None:
 
 def test_the_process_api_of_the_issue() -> None:
     for method in (
-        "register_kprobe",
-        "register_kprobes",
-        "unregister_kprobe",
-        "unregister_kprobes",
-        "enable_kprobe",
-        "disable_kprobe",
-        "register_kretprobe",
-        "register_kretprobes",
-        "unregister_kretprobe",
-        "unregister_kretprobes",
-        "enable_kretprobe",
-        "disable_kretprobe",
+        *PROBE_API,
         "list",
         "blacklist",
         "run",
@@ -58,18 +62,7 @@ def test_the_process_api_of_the_issue() -> None:
 def test_the_tracefs_targets_share_the_probe_api() -> None:
     for target in (kprobes.Kernel, kprobes.Uprobes):
         for method in (
-            "register_kprobe",
-            "register_kprobes",
-            "unregister_kprobe",
-            "unregister_kprobes",
-            "enable_kprobe",
-            "disable_kprobe",
-            "register_kretprobe",
-            "register_kretprobes",
-            "unregister_kretprobe",
-            "unregister_kretprobes",
-            "enable_kretprobe",
-            "disable_kretprobe",
+            *PROBE_API,
             "add",
             "place_spec",
             "run",

@@ -21,7 +21,6 @@ import abc
 import argparse
 import contextlib
 import errno
-import fnmatch
 import os
 import signal
 import time
@@ -254,23 +253,7 @@ class TraceFsBackend(Backend):
         return list(done)
 
     def functions(self, pattern: str) -> list[str]:
-        module, sep, glob = pattern.rpartition(":")
-        target = self.target
-        if isinstance(target, Kernel):
-            names = target.kallsyms.iter_function_names(glob, module if sep else None)
-            return [f"{module}:{name}" if sep else name for name in names]
-        assert isinstance(target, Uprobes)
-        if target._resolver is not None:
-            resolver = target._resolver
-            found = resolver.iter_functions(glob, module if sep else None)
-            names = list(dict.fromkeys(f.symbol.name for f in found if f.symbol is not None))
-        else:
-            path, image, _bias = target._module_image(module if sep else None)
-            module, sep = path, ":"
-            names = sorted(
-                {s.name for s in image.iter_functions() if fnmatch.fnmatchcase(s.name, glob)}
-            )
-        return [f"{module}:{name}" if sep else name for name in names]
+        return self.target.function_names(pattern)
 
     def run(self, timeout: float | None) -> bool:
         self._release()  # every probe is placed once events are wanted

@@ -142,6 +142,11 @@ class Kernel(TraceTarget):
             self._kallsyms = Kallsyms.read()
         return self._kallsyms
 
+    def function_names(self, pattern: str) -> builtins.list[str]:
+        module, sep, glob = pattern.rpartition(":")
+        names = self.kallsyms.iter_function_names(glob, module if sep else None)
+        return [f"{module}:{name}" if sep else name for name in names]
+
     def _resolve(self, probe: Kprobe, *, is_return: bool) -> ProbePoint:
         if is_return and probe.offset:
             raise ProbeRejected(

@@ -174,6 +174,11 @@ class TraceTarget:
         """The probe object for a spec's location (without handlers)."""
         raise NotImplementedError
 
+    def function_names(self, pattern: str) -> builtins.list[str]:
+        """Places (``[MOD:]NAME``) of the functions matching ``[MOD:]GLOB``, for globs such
+        as ``count 'vfs_*'``; each name once."""
+        raise NotImplementedError
+
     def _render_args(self, probe: Kprobe, args: Sequence[ProbeArg]) -> tuple[str, ...]:
         """A spec's fetch-args as the words of the line (a target may translate some)."""
         return tuple(render_arg(arg) for arg in args)

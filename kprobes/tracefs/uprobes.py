@@ -24,6 +24,7 @@ Places in definition lines (``add``) are the kernel's ``PATH:0xOFFSET`` (a file 
 from __future__ import annotations
 
 import errno as _errno
+import fnmatch
 import os
 import re
 from collections.abc import Sequence
@@ -130,6 +131,16 @@ class Uprobes(TraceTarget):
         if probe.addr is None:
             raise ProbeRejected("a uprobe needs a symbol or an address", errno=_errno.EINVAL)
         return self._address_point(probe.addr + probe.offset)
+
+    def function_names(self, pattern: str) -> list[str]:
+        module, sep, glob = pattern.rpartition(":")
+        if self._resolver is not None:
+            found = self._resolver.iter_functions(glob, module if sep else None)
+            names = list(dict.fromkeys(f.symbol.name for f in found if f.symbol is not None))
+            return [f"{module}:{name}" if sep else name for name in names]
+        path, image, _bias = self._module_image(module if sep else None)
+        matches = {s.name for s in image.iter_functions() if fnmatch.fnmatchcase(s.name, glob)}
+        return [f"{path}:{name}" for name in sorted(matches)]
 
     def _module_image(self, module: str | None) -> tuple[str, ElfImage, int]:
         """(path, image, load bias) of ``module`` (None: the executable or the path)."""
