@@ -37,6 +37,27 @@ def task_state(pid: int, tid: int) -> str:
     return data[data.rindex(")") + 2]
 
 
+def deliverable_signals(pid: int, tid: int) -> int:
+    """Signals queued for the thread itself and not blocked by it (a mask, bit n-1 = signal n).
+
+    A trap raised by the thread's own instruction (int3, a single-step, a fault) is queued
+    here until the thread dequeues it; 0 when the thread is gone.
+    """
+    try:
+        with open(f"/proc/{pid}/task/{tid}/status", "rb") as f:
+            data = f.read()
+    except OSError:
+        return 0
+    pending = blocked = 0
+    for line in data.splitlines():
+        if line.startswith(b"SigPnd:"):
+            pending = int(line[7:], 16)
+        elif line.startswith(b"SigBlk:"):
+            blocked = int(line[7:], 16)
+            break
+    return pending & ~blocked
+
+
 def tgid_of(tid: int) -> int:
     try:
         return int(read_status(tid).get("Tgid", "0"))

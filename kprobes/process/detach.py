@@ -98,14 +98,17 @@ def _release(tracer: Tracer, t: Thread) -> None:
     if status is not None:
         event = (status >> 16) & 0xFF
         if status == ev.SIGTRAP_STOP:
-            if t.pending_from is ThreadState.STEPPING or (tracer.xol and tracer.xol.contains(rip)):
-                pass  # the end of an out-of-line step: _home() below maps rip back
-            elif rip - 1 in tracer.breakpoints.ever_patched:
-                rip -= 1  # the hit was not handled: run the restored instruction
-            elif rip - 1 == tracer.trampoline.addr and tracer.trampoline.addr:
+            # The trampoline lies in the out-of-line area too: test it before the slots.
+            if rip - 1 == tracer.trampoline.addr and tracer.trampoline.addr:
                 home = tracer.trampoline.home_of(t, regs.rsp)
                 if home is not None:
                     rip = home  # a return not yet reported: go where it was going
+            elif t.pending_from is ThreadState.STEPPING or (
+                tracer.xol and tracer.xol.contains(rip)
+            ):
+                pass  # the end of an out-of-line step: _home() below maps rip back
+            elif rip - 1 in tracer.breakpoints.ever_patched:
+                rip -= 1  # the hit was not handled: run the restored instruction
             else:
                 sig = signal.SIGTRAP  # the program's own
         elif event == 0 and os.WIFSTOPPED(status):

@@ -716,8 +716,22 @@ class Tracer:
         is_event_stop = event == ptrace.PTRACE_EVENT_STOP and os.WSTOPSIG(status) == signal.SIGTRAP
         if is_event_stop and (t.interrupt_sent or t.state is S.NEW):
             t.interrupt_sent = False
-            was_new = t.state is S.NEW
+            was = t.state
+            was_new = was is S.NEW
             t.to(S.STOPPED)
+            if was in RUNNING_STATES and procfs.deliverable_signals(t.tracee.pid, t.tid):
+                # The interrupt overtook a signal the thread had just raised (an int3 of
+                # ours, a step, a fault): its trap is queued, not reported. Let it report
+                # it now (the thread dequeues it before running a single instruction), so
+                # that the stop is held as what it really is. Released or borrowed with
+                # the trap still queued, the thread would take it without us: SIGTRAP.
+                queued = self._report_queued(t)
+                if queued is None:
+                    self.drop_thread(t)
+                else:
+                    t.state = was
+                    self._hold(t, queued)
+                return
             if was_new and t.tracee.kind is TraceeKind.RELEASE:
                 self._release(t.tracee, clean=True)
             elif was_new and t.tracee.kind is TraceeKind.FORK:
@@ -728,6 +742,15 @@ class Tracer:
         t.pending = status
         self.has_pending = True
         t.state = S.STOPPED
+
+    def _report_queued(self, t: Thread) -> int | None:
+        """Resume ``t`` from its interrupt stop: the stop of its queued signal comes next
+        (None if the thread is gone)."""
+        try:
+            ptrace.cont(t.tid, 0)
+            return ptrace.waitpid(t.tid, 0)[1]
+        except (ProcessLookupError, ChildProcessError):
+            return None
 
     def _assume_stopped(self) -> None:
         """Threads we did not hear from in time: trust /proc when it says they are stopped."""
