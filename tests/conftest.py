@@ -51,6 +51,7 @@ BUILDS: dict[str, Build] = {
     "procs": Build("procs.c"),
     "ifunc": Build("ifunc.c", libs=("-ldl",)),
     "rets": Build("rets.c", flags=("-O1", *DEBUG, "-pthread")),
+    "busy": Build("busy.c", flags=("-O1", *DEBUG, "-pthread")),
     "rets_cxx": Build("rets_cxx.cpp", compiler="g++"),
     "backtrace": Build("backtrace.c"),
     "jprobe": Build("jprobe.c"),

@@ -39,7 +39,7 @@ class Task:
 class KretprobeInstance:
     """One in-flight call of a return-probed function (``struct kretprobe_instance``)."""
 
-    __slots__ = ("data", "probe", "ret_addr", "stack", "task")
+    __slots__ = ("data", "probe", "record", "ret_addr", "stack", "task")
 
     def __init__(self, probe: Kretprobe) -> None:
         self.probe = probe
@@ -47,6 +47,7 @@ class KretprobeInstance:
         self.stack = 0  # address of the return-address slot on the thread's stack
         self.task: Task = Task(0, 0)
         self.data = bytearray(probe.data_size)
+        self.record = 0  # the target's own: where it keeps a copy of the call (0: nowhere)
 
     def __repr__(self) -> str:
         return (

@@ -5,7 +5,8 @@ a hit, threads half-way through an out-of-line copy, stops received but not yet 
 reads the truth from the threads themselves rather than trusting our bookkeeping:
 
 Step 1: hold every thread (PTRACE_INTERRUPT, wait, trust /proc for stragglers).
-Step 2: write back every byte we ever patched, in every address space with its own copy.
+Step 2: write back every byte we ever patched, in every address space with its own copy;
+        real return addresses back in hooked frames; the program's own SIGTRAP action back.
 Step 3: turn the int3 that ends each stepping slot into a ``jmp`` back to the original code,
         so a thread that is inside a slot, or returns into one from a signal handler, later,
         finds its way home without us. Slots are never unmapped.
@@ -22,9 +23,10 @@ import signal
 
 from kprobes.arch.x86_64.encode import jmp_rel32
 from kprobes.arch.x86_64.plan import PlanKind
-from kprobes.errors import TargetError
+from kprobes.errors import InternalError, TargetError
 from kprobes.linux import ptrace
 from kprobes.process import events as ev
+from kprobes.process import inject
 from kprobes.process.threads import Thread, ThreadState
 from kprobes.process.tracee import TraceeKind
 from kprobes.process.tracer import Tracer
@@ -41,6 +43,8 @@ def detach_all(tracer: Tracer) -> None:
                 tracer.breakpoints.restore_all(tracee)
         # Step 2b: every live frame we hooked gets its real return address back.
         tracer.trampoline.unhook(list(tracer.threads.values()))
+        # Step 2c: the program's own SIGTRAP action back in place of the rescue.
+        _deactivate_rescue(tracer)
         # Step 3
         for slot, prepared in tracer.slot_history.items():
             if prepared.kind in (PlanKind.STEP, PlanKind.SINGLESTEP):
@@ -59,6 +63,22 @@ def detach_all(tracer: Tracer) -> None:
     finally:
         for tracee in list(tracer.tracees.values()):
             tracer.drop_tracee(tracee)
+
+
+def _deactivate_rescue(tracer: Tracer) -> None:
+    """Needs a thread held with no stop of its own pending; without one the rescue stays
+    installed, which is harmless: it hands every trap that is not ours to the program's own
+    action, and there are no traps of ours left."""
+    rescue = tracer.rescue
+    if not rescue.is_installed:
+        return
+    try:
+        thread = tracer.held_thread()
+        if thread.pending is not None:
+            return
+        rescue.deactivate(lambda nr, *args: inject.run_syscall(thread, 0, nr, *args, rescue=rescue))
+    except (TargetError, InternalError, ProcessLookupError):
+        return
 
 
 def _home(tracer: Tracer, rip: int) -> int:
@@ -119,6 +139,11 @@ def _release(tracer: Tracer, t: Thread) -> None:
             ptrace.PTRACE_EVENT_VFORK,
         ):
             _adopt_child(tracer, t, event)
+    tramp = tracer.trampoline.addr
+    if rip == tramp and tramp:  # held back onto the trampoline's int3 (Tracer._hold)
+        home = tracer.trampoline.home_of(t, regs.rsp)
+        if home is not None:
+            rip = home
     rip = _home(tracer, rip)
     if rip != regs.rip:
         regs.rip = rip

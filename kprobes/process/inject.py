@@ -8,6 +8,10 @@ it traps, read ``rax``, and restore every register. ``orig_rax = -1`` keeps the 
 "restarting" a syscall the thread was interrupted in; restoring the saved registers brings
 that restart back as it was.
 
+Once the rescue is mapped (``rescue.py``), injections run on its stub (``syscall; int3``)
+instead, with the thread's registers written beside it first: if the tool dies in the
+middle, the thread traps on the stub's int3 and the rescue puts its registers back.
+
 Rejected: writing a ``syscall`` instruction over the thread's current code. Another thread
 could execute those bytes; we only borrow instructions that already exist.
 """
@@ -16,43 +20,79 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import TYPE_CHECKING
 
+from kprobes.arch.x86_64 import rescue as rescue_layout
 from kprobes.errors import TargetError
 from kprobes.linux import ptrace
-from kprobes.process.threads import Thread, ThreadState
+from kprobes.process.events import SIGTRAP_STOP
+from kprobes.process.threads import RIP_OFFSET, Thread, ThreadState, siginfo_code
+
+if TYPE_CHECKING:
+    from kprobes.process.rescue import Rescue
 
 _SAFE_STACK_GAP = 512  # beyond the 128-byte red zone, kept clear of the thread's frame
 
 
-def run_syscall(thread: Thread, syscall_insn: int, nr: int, *args: int) -> int:
-    """Execute syscall ``nr`` in ``thread``; returns the raw rax (negative errno on failure)."""
+def run_syscall(
+    thread: Thread, syscall_insn: int, nr: int, *args: int, rescue: Rescue | None = None
+) -> int:
+    """Execute syscall ``nr`` in ``thread``; returns the raw rax (negative errno on failure).
+
+    With an installed ``rescue`` it runs on the rescue's stub and ``syscall_insn`` is unused.
+    """
     assert thread.state is ThreadState.STOPPED, "inject needs a held thread"
     view = (bytes(thread.regs.buffer), thread.regs.dirty)  # a handler's unsaved changes
     regs = thread.load_regs()
     saved = bytes(regs.buffer)
+    landing = rescue if rescue is not None and rescue.is_installed else None
     try:
+        if landing is not None:
+            landing.begin_injection(thread.tracee, _home_regs(thread, saved, view[0]))
         regs.rax = nr
         regs.orig_rax = (1 << 64) - 1
         for name, value in zip(("rdi", "rsi", "rdx", "r10", "r8", "r9"), args, strict=False):
             regs.set(name, value)
-        regs.rip = syscall_insn
-        thread.store_regs()
-        ptrace.singlestep(thread.tid, 0)
-        _wait_for_trap(thread, stepping=True)
-        result = thread.load_regs().rax
+        if landing is not None:
+            regs.rip = rescue_layout.stub(landing.area)
+            thread.store_regs()
+            ptrace.cont(thread.tid, 0)
+            _wait_for_trap(thread, stepping=False)
+            after = thread.load_regs()
+            if after.rip != rescue_layout.stub_trap(landing.area) + 1:
+                raise TargetError(f"injected syscall {nr} stopped at {after.rip:#x}")
+        else:
+            regs.rip = syscall_insn
+            thread.store_regs()
+            ptrace.singlestep(thread.tid, 0)
+            _wait_for_trap(thread, stepping=True)
+            after = thread.load_regs()
+        result = after.rax
     finally:
         _restore(thread, saved, view)
+        if landing is not None:
+            landing.end_injection(thread.tracee)
     return result - (1 << 64) if result >= 1 << 63 else result
 
 
-def call_function(thread: Thread, func: int, return_trap: int, *args: int) -> int:
-    """Call ``func(*args)`` in ``thread``; ``return_trap`` must hold an int3 of ours."""
+def call_function(
+    thread: Thread, func: int, return_trap: int, *args: int, rescue: Rescue | None = None
+) -> int:
+    """Call ``func(*args)`` in ``thread``; ``return_trap`` must hold an int3 of ours.
+
+    With an installed ``rescue`` the call returns on the rescue's stub trap instead.
+    """
     assert thread.state is ThreadState.STOPPED, "inject needs a held thread"
     view = (bytes(thread.regs.buffer), thread.regs.dirty)
     regs = thread.load_regs()
     saved = bytes(regs.buffer)
     mem = thread.tracee
+    landing = rescue if rescue is not None and rescue.is_installed else None
+    if landing is not None:
+        return_trap = rescue_layout.stub_trap(landing.area)
     try:
+        if landing is not None:
+            landing.begin_injection(mem, _home_regs(thread, saved, view[0]))
         sp = ((regs.rsp - _SAFE_STACK_GAP) & ~0xF) - 8
         mem.write(sp, return_trap.to_bytes(8, "little"))
         regs.rsp = sp
@@ -70,7 +110,27 @@ def call_function(thread: Thread, func: int, return_trap: int, *args: int) -> in
         result = after.rax
     finally:
         _restore(thread, saved, view)
+        if landing is not None:
+            landing.end_injection(mem)
     return int(result)
+
+
+def _home_regs(thread: Thread, kernel_regs: bytes, view: bytes) -> bytes:
+    """The registers the rescue gives the thread back if the tool dies during the injection.
+
+    Its own registers, but where it really was: a thread borrowed from inside a handler goes
+    where the handler's view says (its hit is handled); one whose int3 trap is still pending
+    goes back onto the int3, to take that trap again (from the rescue, if the tool is gone).
+    """
+    home = bytearray(kernel_regs)
+    if thread.busy:
+        home[RIP_OFFSET : RIP_OFFSET + 8] = view[RIP_OFFSET : RIP_OFFSET + 8]
+    elif thread.pending == SIGTRAP_STOP:
+        info = ptrace.getsiginfo(thread.tid)
+        if siginfo_code(info) == ptrace.SI_KERNEL:
+            rip = int.from_bytes(home[RIP_OFFSET : RIP_OFFSET + 8], "little") - 1
+            home[RIP_OFFSET : RIP_OFFSET + 8] = rip.to_bytes(8, "little")
+    return bytes(home)
 
 
 def _restore(thread: Thread, kernel_regs: bytes, view: tuple[bytes, bool]) -> None:

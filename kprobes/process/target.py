@@ -23,13 +23,16 @@ from typing import IO, Any
 
 from kprobes.arch.x86_64.decode import check_boundary, iter_insns
 from kprobes.arch.x86_64.emulate import changes_rip_only, emulator_for
-from kprobes.arch.x86_64.plan import PlanKind, build_slot, plan_instruction
+from kprobes.arch.x86_64.plan import SLOT_SIZE, PlanKind, build_slot, plan_instruction
+from kprobes.arch.x86_64.rescue import AREA_SIZE as RESCUE_SIZE
+from kprobes.arch.x86_64.rescue import RECORD_SIZE
 from kprobes.core.manager import ProbeManager
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import InstancePool, Jprobe, Kretprobe, default_maxactive
 from kprobes.core.table import ProbeSite
 from kprobes.errors import (
     Blacklisted,
+    InternalError,
     NotABoundary,
     NotRelocatable,
     ProbeRejected,
@@ -40,7 +43,7 @@ from kprobes.linux import procfs, ptrace
 from kprobes.model import BlacklistEntry, ProbeListing
 from kprobes.process import cleanup, inject, jprobes
 from kprobes.process.detach import detach_all
-from kprobes.process.threads import ThreadState
+from kprobes.process.threads import Thread, ThreadState
 from kprobes.process.tracee import Tracee, TraceeKind
 from kprobes.process.tracer import Prepared, Tracer
 from kprobes.process.trampoline import UNWIND_DONE, UNWIND_ENTRIES, UnwindGuard
@@ -58,6 +61,8 @@ OPTIONS = (
     | ptrace.PTRACE_O_TRACEEXEC
 )
 _NR_MMAP = 9
+_MAP_FIXED_NOREPLACE = 0x100000
+_SCRATCH_GAP = 4096  # below a borrowed thread's stack pointer and red zone
 _MAX_FUNC_DECODE = 1 << 20
 
 StdStream = int | IO[Any] | None
@@ -84,13 +89,16 @@ class Process:
         self._manager = ProbeManager(self)
         self._tracer = Tracer(self._manager, follow_forks=follow_forks)
         self._tracer.on_gone = self._publish
-        self._tracer.trap_guard = TrapGuard(pid, lambda: self._find_syscall(read_maps(pid)))
+        self._tracer.trap_guard = TrapGuard(
+            pid, lambda: self._find_syscall(read_maps(pid)), self._tracer.rescue
+        )
         self._resolver: SymbolResolver | None = None
         self._user_blacklist: list[BlacklistEntry] = []
         self._boundaries: dict[int, frozenset[int]] = {}
         self._ifuncs: dict[int, int] = {}
         self._syscall_insn: int | None = None
         self._unwind_guarded: set[int] = set()
+        self._records: dict[int, int] = {}  # id(pool) → where its rescue records start
         self._saved_affinity: dict[int, set[int]] | None = None
         self._attached = True
 
@@ -316,6 +324,7 @@ class Process:
                         rp.maxactive if rp.maxactive > 0 else default_maxactive(len(self.threads))
                     )
                     rp.pool = InstancePool(rp, size)
+                    self._give_records(rp.pool)
                     rp.kp.pre_handler = self._tracer.trampoline.entry_handler_for(rp)
                     try:
                         self._manager.register(rp.kp)
@@ -343,7 +352,20 @@ class Process:
         self._manager.unregister(rp.kp)
         if self._attached and self._tracer.main is not None:
             self._tracer.trampoline.unhook(list(self._tracer.threads.values()), rp)
+        if rp.pool is not None:
+            start = self._records.pop(id(rp.pool), 0)
+            self._tracer.rescue.free_records(start)
         rp.pool = None
+
+    def _give_records(self, pool: InstancePool) -> None:
+        """Each instance's place in the rescue's return records (``rescue.py``)."""
+        instances = pool.free
+        start = self._tracer.rescue.alloc_records(self._tracer.own_memories(), len(instances))
+        if not start:
+            return
+        self._records[id(pool)] = start
+        for i, ri in enumerate(instances):
+            ri.record = start + i * RECORD_SIZE
 
     def enable_kretprobe(self, rp: Kretprobe) -> None:
         self._manager.enable(rp.kp)
@@ -355,12 +377,15 @@ class Process:
         tramp = self._tracer.trampoline
         if tramp.addr:
             return
-        xol = self._xol()
-        near = xol.pages[0].start if xol.pages else self._symbols().main_module().start
-        slot = xol.alloc(near)
-        for space in self._tracer.own_memories():
-            space.write(slot, b"\xcc")
-        tramp.addr = slot
+        with self._world_held():  # the slot may need a new page, mapped by the program
+            self._ensure_rescue()
+            xol = self._xol()
+            near = xol.pages[0].start if xol.pages else self._symbols().main_module().start
+            slot = xol.alloc(near)
+            self._tracer.rescue.note_trampoline(self._tracer.own_memories(), slot)
+            for space in self._tracer.own_memories():
+                space.write(slot, b"\xcc")
+            tramp.addr = slot
 
     def _ensure_unwind_guard(self) -> None:
         """Probe the unwinder's entry points in every module that has them (see trampoline.py)."""
@@ -463,6 +488,9 @@ class Process:
         if xol is not None:
             for page in xol.pages:
                 out.append(BlacklistEntry(page.start, page.end, "kprobes out-of-line area"))
+        area = self._tracer.rescue.area
+        if area:
+            out.append(BlacklistEntry(area, area + RESCUE_SIZE, "kprobes rescue area"))
         return out
 
     def add_blacklist(self, start: int, end: int | None = None, reason: str = "user") -> None:
@@ -499,6 +527,9 @@ class Process:
             addr = probe.addr + probe.offset
             if self._tracer.xol is not None and self._tracer.xol.contains(addr):
                 raise Blacklisted(f"{addr:#x} is inside kprobes' own out-of-line area")
+            area = self._tracer.rescue.area
+            if area and area <= addr < area + RESCUE_SIZE:
+                raise Blacklisted(f"{addr:#x} is inside kprobes' own rescue area")
             try:
                 loc = resolver.locate_address(addr)
             except SymbolNotFound:
@@ -573,6 +604,7 @@ class Process:
             raise NotABoundary(f"{loc.addr:#x} ({loc.display}) is not an instruction boundary")
 
     def prepare(self, site: ProbeSite) -> None:
+        self._ensure_rescue()
         addr = site.addr
         code = self._original(addr, 16)
         plan = plan_instruction(code, addr, has_post_handler=site.has_post_handler)
@@ -586,14 +618,17 @@ class Process:
                 emulator_for(plan),
                 is_one_stop=True,
                 is_rip_only=changes_rip_only(plan),
+                addr_word=ptrace.Word(addr),
             )
         else:
             xol = self._xol()
             slot = xol.alloc(addr)
             try:
                 body = build_slot(plan, code, slot)
+                # The rest of the slot is int3s (a reused slot holds an older copy): a thread
+                # that runs past the end of this one traps, and the rescue knows that trap.
                 for space in self._tracer.own_memories():
-                    space.write(slot, body)
+                    space.write(slot, body.ljust(SLOT_SIZE, b"\xcc"))
             except BaseException:
                 xol.release(slot)
                 raise
@@ -609,6 +644,10 @@ class Process:
             )
             self._tracer.slot_owner[slot] = site
             self._tracer.slot_history[slot] = prepared
+            if plan.kind in (PlanKind.STEP, PlanKind.SINGLESTEP):
+                self._tracer.rescue.note_slot(
+                    self._tracer.own_memories(), slot, plan.length, plan.addr
+                )
         site.ainsn = prepared
         if old is not None and old.slot:
             self._release_slot(old)
@@ -624,7 +663,9 @@ class Process:
             self._tracer.xol.release(prepared.slot)
 
     def arm(self, site: ProbeSite) -> None:
+        self._ensure_rescue()
         original = self._original(site.addr, 1)[0]
+        self._tracer.rescue.note_breakpoint(self._tracer.own_memories(), site.addr, original)
         self._tracer.breakpoints.arm(self._tracer.own_memories(), site.addr, original)
 
     def disarm(self, site: ProbeSite) -> None:
@@ -643,22 +684,33 @@ class Process:
 
     def _map_xol_page(self, near: int, size: int) -> int:
         """Have the program mmap an executable page in a free gap within reach of ``near``."""
-        maps = read_maps(self.pid)
-        thread = self._tracer.held_thread()
-        insn = self._find_syscall(maps)
-        for cand in candidate_addresses(maps, near, size):
-            result = inject.run_syscall(
-                thread, insn, _NR_MMAP, cand, size, PROT, FLAGS, (1 << 64) - 1, 0
-            )
-            if result == cand:
-                self._memory().write(cand, b"\xcc" * size)
-                return cand
-            if result >= 0:
-                inject.run_syscall(thread, insn, 11, result, size)  # munmap: wrong place
-                continue
-            if result == -errno.EEXIST:
-                continue
-            raise TargetError(f"mmap of an out-of-line page failed: {os.strerror(-result)}")
+        with self._injection_thread() as thread:
+            maps = read_maps(self.pid)
+            insn = self._find_syscall(maps)
+            for cand in candidate_addresses(maps, near, size):
+                rescue = self._tracer.rescue
+                result = inject.run_syscall(
+                    thread,
+                    insn,
+                    _NR_MMAP,
+                    cand,
+                    size,
+                    PROT,
+                    FLAGS,
+                    (1 << 64) - 1,
+                    0,
+                    rescue=rescue,
+                )
+                if result == cand:
+                    self._memory().write(cand, b"\xcc" * size)
+                    rescue.note_page(self._tracer.own_memories(), cand, cand + size)
+                    return cand
+                if result >= 0:  # munmap: wrong place
+                    inject.run_syscall(thread, insn, 11, result, size, rescue=rescue)
+                    continue
+                if result == -errno.EEXIST:
+                    continue
+                raise TargetError(f"mmap of an out-of-line page failed: {os.strerror(-result)}")
         raise NotRelocatable(
             f"no free address within ±2 GiB of {near:#x} for an out-of-line page",
             errno=errno.ERANGE,
@@ -686,10 +738,100 @@ class Process:
         """Run a GNU ifunc resolver in the program: the implementation it picks."""
         impl = self._ifuncs.get(resolver_addr)
         if impl is None:
-            trap = self._xol().ensure_page(resolver_addr).start
-            impl = inject.call_function(self._tracer.held_thread(), resolver_addr, trap)
+            with self._world_held():
+                self._ensure_rescue()
+                trap = self._xol().ensure_page(resolver_addr).start
+                with self._injection_thread() as thread:
+                    impl = inject.call_function(
+                        thread, resolver_addr, trap, rescue=self._tracer.rescue
+                    )
             self._ifuncs[resolver_addr] = impl
         return impl
+
+    @contextmanager
+    def _world_held(self) -> Iterator[None]:
+        """Every thread held for the block (a nested stop of the world only counts)."""
+        self._require_attached()
+        self._tracer.stop_world()
+        try:
+            yield
+        finally:
+            self._tracer.resume_world()
+
+    @contextmanager
+    def _injection_thread(self) -> Iterator[Thread]:
+        """A thread held still to run code for us (an ``mmap``, an ifunc resolver).
+
+        The world is held here, whoever the caller is. In a held world a thread may have
+        stopped for a reason of its own (a hit, a signal) before our interrupt reached it:
+        that status is ``pending``, handled once the world runs again, and the tracer does
+        not lend such a thread. A busy single-threaded program, stopped again while a probe
+        is armed on its loop, has no other thread. Then we borrow one whose pending status is
+        a signal-delivery stop: the signal was already taken from the thread, the injection
+        resumes it with none and puts back every register, and its siginfo is put back
+        here, so the pending stop is handled later exactly as it came. Its interrupt was
+        still due (a ptrace-stop does not consume one): the injection's first resume
+        reports it and consumes it (``inject._wait_for_trap``), so it is no longer awaited.
+        Rejected: failing the registration (the user can do nothing about it), or running
+        the pending stop's handlers from here, in the middle of a registration.
+        """
+        with self._world_held():
+            tracer = self._tracer
+            try:
+                thread = tracer.held_thread()
+            except InternalError:
+                thread = self._thread_stopped_by_signal()
+            else:
+                yield thread
+                return
+            info = ptrace.getsiginfo(thread.tid)
+            try:
+                yield thread
+            finally:
+                thread.interrupt_sent = False
+                with suppress(ProcessLookupError):
+                    ptrace.setsiginfo(thread.tid, info)
+
+    def _thread_stopped_by_signal(self) -> Thread:
+        """A held thread whose pending status is a signal-delivery stop (see above)."""
+        main = self._tracer.main
+        for thread in main.threads.values() if main is not None else ():
+            status = thread.pending
+            if (
+                thread.state is ThreadState.STOPPED
+                and status is not None
+                and os.WIFSTOPPED(status)
+                and status >> 16 == 0
+            ):
+                return thread
+        raise InternalError("no held thread to run code in: every thread is in an event stop")
+
+    def _ensure_rescue(self) -> None:
+        """Give the program its rescue before anything of ours goes in (``rescue.py``)."""
+        rescue = self._tracer.rescue
+        if rescue.is_installed or self._tracer.main is None:
+            return
+        with self._injection_thread() as thread:
+            rescue.install(
+                list(self._tracer.own_memories()), lambda size: self._map_rescue(thread, size)
+            )
+            sp = thread.regs.rsp if thread.busy else thread.load_regs().rsp
+            rescue.activate(
+                thread.tracee,
+                lambda nr, *args: inject.run_syscall(thread, 0, nr, *args, rescue=rescue),
+                scratch=((sp - _SCRATCH_GAP) & ~0xF) - 64,
+            )
+
+    def _map_rescue(self, thread: Thread, size: int) -> int:
+        """The one injection the rescue cannot undo: the mapping it lives in."""
+        insn = self._find_syscall(read_maps(self.pid))
+        anywhere = FLAGS & ~_MAP_FIXED_NOREPLACE
+        result = inject.run_syscall(
+            thread, insn, _NR_MMAP, 0, size, PROT, anywhere, (1 << 64) - 1, 0
+        )
+        if result < 0:
+            raise TargetError(f"mmap of the rescue area failed: {os.strerror(-result)}")
+        return result
 
     def _publish(self) -> None:
         cleanup.publish(self, self.list() if self._tracer.main is not None else [])

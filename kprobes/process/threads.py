@@ -59,6 +59,7 @@ class Thread:
         "regs",
         "regs_struct",
         "req",
+        "resume_stepping",
         "rets",
         "rip_word",
         "skip_hit",
@@ -93,6 +94,7 @@ class Thread:
         self.rets: list[KretprobeInstance] = []  # live return-probe instances, oldest first
         self.lost: dict[int, int] = {}  # stack slot → real return address of released ones
         self.unhooked = False  # the unwinder has the real return addresses in its frames
+        self.resume_stepping = False  # held back onto its step's int3: resumes STEPPING
 
     def to(self, state: ThreadState) -> None:
         """The one place a thread changes state; impossible transitions are bugs."""
@@ -139,7 +141,11 @@ class Thread:
             cont = self.req.cont
             if cont() == -1:
                 ptrace.raise_error()
-        self.to(_RUNNING)
+        if self.resume_stepping:
+            self.resume_stepping = False
+            self.to(_STEPPING)
+        else:
+            self.to(_RUNNING)
 
     def step(self) -> None:
         ptrace.singlestep(self.tid, 0)

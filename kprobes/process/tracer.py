@@ -36,6 +36,7 @@ from kprobes.errors import InternalError, TargetError
 from kprobes.linux import procfs, ptrace
 from kprobes.process import events as ev
 from kprobes.process.breakpoints import Breakpoints
+from kprobes.process.rescue import Rescue
 from kprobes.process.threads import RUNNING_STATES, Thread, ThreadState, siginfo_code
 from kprobes.process.tracee import Tracee, TraceeKind
 from kprobes.process.trampoline import Trampoline
@@ -73,6 +74,7 @@ class Prepared:
     is_one_stop: bool = False  # EMULATE or BOOST: the hit path can finish it inline
     is_rip_only: bool = False  # running it out of line changes rip alone (write back rip only)
     slot_word: ptrace.Word = field(default_factory=ptrace.Word)  # slot, built for POKEUSER
+    addr_word: ptrace.Word = field(default_factory=ptrace.Word)  # the probed address, likewise
 
 
 # Every tid traced by any Tracer in this process, so a status reaped by one loop reaches the
@@ -102,6 +104,7 @@ class Tracer:
         self.trap_guard: TrapGuard | None = None
         self.guarding = False  # the trap guard is armed: hits take the full path
         self.trampoline = Trampoline(self)
+        self.rescue = Rescue()  # what the program needs to carry on if the tool dies
         self._stop_depth = 0
 
     # -- bookkeeping -----------------------------------------------------------------------
@@ -261,17 +264,22 @@ class Tracer:
                 site = sites.get(addr)
                 if site is None or not site.is_armed:
                     if addr == trampoline.addr and addr and not self.guarding:
-                        trampoline.on_return(t)  # rip set to the real return address
-                        if regs.dirty:
-                            request = req.setregs
-                            result = request()
-                        else:
-                            word = t.rip_word
-                            word.value = w[_RIP]
-                            poke_user = req.poke_user
-                            result = poke_user(word)
-                        if result == -1:
+                        # Step 1: pair the return (rip in the view: the real address); it
+                        # goes to the kernel before any handler runs, so that the thread
+                        # goes home by itself should the tool die in a handler.
+                        chain = trampoline.take_return(t)
+                        word = t.rip_word
+                        word.value = w[_RIP]
+                        poke_user = req.poke_user
+                        if poke_user(word) == -1:
                             raise_error()
+                        # Step 2: the handlers.
+                        if chain:
+                            trampoline.report_return(t, chain)
+                            if regs.dirty:
+                                request = req.setregs
+                                if request() == -1:
+                                    raise_error()
                         self._after_handler(t)
                     else:
                         self._foreign_trap(t)
@@ -279,12 +287,32 @@ class Tracer:
                     self._hit(t, site)
                 else:
                     x: Prepared = site.ainsn
+                    emulator = x.emulator
+                    # Step 1: before any handler runs, the kernel's registers become a state
+                    # the program can go on from by itself, should the tool die now (see
+                    # rescue.py): the slot; the emulated rip; or the probed instruction again,
+                    # where the emulation changes more than rip. For a boost, this write is
+                    # the only one the hit needs.
+                    poke_user = req.poke_user
+                    if emulator is None:
+                        result = poke_user(x.slot_word)
+                    elif x.is_rip_only:
+                        emulator(w, t.tracee)
+                        word = t.rip_word
+                        word.value = w[_RIP]
+                        result = poke_user(word)
+                    else:
+                        result = poke_user(x.addr_word)
+                    if result == -1:
+                        raise_error()
                     w[_RIP] = addr  # handlers see ip at the probed instruction
+                    # Step 2: the handlers.
                     redirected = False
                     if site.active:
                         t.busy = True
                         redirected = site.run_pre(regs)
                         t.busy = False
+                    # Step 3: on, past the probed instruction.
                     if (
                         redirected
                         or not x.is_one_stop
@@ -294,27 +322,20 @@ class Tracer:
                     ):
                         self._finish_hit(t, site, redirected)
                     else:
-                        emulator = x.emulator
-                        if emulator is None:  # BOOST: on to the slot
+                        result = 0
+                        if emulator is None:  # BOOST: the slot is in place
                             if regs.dirty:
                                 w[_RIP] = x.slot
                                 request = req.setregs
                                 result = request()
-                            else:
-                                # The view keeps rip at the probed address: the thread runs
-                                # on now, and its next stop reloads the view.
-                                poke_user = req.poke_user
-                                result = poke_user(x.slot_word)
+                            # else the view keeps rip at the probed address: the thread
+                            # runs on now, and its next stop reloads the view.
+                        elif x.is_rip_only and not regs.dirty:
+                            pass  # the emulated rip is in place
                         else:
                             emulator(w, t.tracee)
-                            if x.is_rip_only and not regs.dirty:
-                                word = t.rip_word
-                                word.value = w[_RIP]
-                                poke_user = req.poke_user
-                                result = poke_user(word)
-                            else:
-                                request = req.setregs
-                                result = request()
+                            request = req.setregs
+                            result = request()
                         if result == -1:
                             raise_error()
                         if t.held_signals:
@@ -424,7 +445,7 @@ class Tracer:
         """``t`` stopped on the int3 of ``site``; its registers are loaded."""
         regs = t.regs
         addr = site.addr
-        t.words[_RIP] = addr  # handlers see ip at the probed instruction (as uprobes does)
+        self._make_safe(t, site.ainsn, addr)
         skip = t.skip_hit
         redirected = False
         if skip is not None and skip == (addr, regs.rsp):
@@ -439,8 +460,32 @@ class Tracer:
             self.trap_guard.repair(t)
         self._finish_hit(t, site, redirected)
 
+    def _make_safe(self, t: Thread, x: Prepared, addr: int) -> None:
+        """Step 1 of every hit (see ``run()``): the kernel's registers become a state the
+        program can go on from by itself before any handler runs; the view keeps rip at the
+        probed instruction, as handlers see it.
+
+        The kernel drops the trap a thread was stopped for when its tracer dies (measured:
+        the thread resumes at the int3's next byte, mid-instruction). So the thread is sent
+        to the slot, or to the emulated rip, or back onto the int3 (which the rescue then
+        handles) when the emulation changes more than rip.
+        """
+        w = t.words
+        if x.emulator is None:
+            w[_RIP] = x.slot
+        elif x.is_rip_only:
+            w[_RIP] = addr
+            x.emulator(w, t.tracee)
+        else:
+            w[_RIP] = addr
+        t.store_rip()
+        w[_RIP] = addr
+
     def _finish_hit(self, t: Thread, site: ProbeSite, redirected: bool) -> None:
-        """Run the probed instruction out of line (unless a pre handler redirected)."""
+        """Run the probed instruction out of line (unless a pre handler redirected).
+
+        ``_make_safe`` wrote the slot's address already where there is a slot.
+        """
         if redirected:
             t.store_regs()
             self._after_handler(t)
@@ -458,11 +503,13 @@ class Tracer:
             self._after_handler(t)
         elif kind is _BOOST:
             t.words[_RIP] = x.slot
-            t.store_changes()
+            if t.regs.dirty:
+                t.store_regs()
             self._after_handler(t)
         else:
             t.words[_RIP] = x.slot
-            t.store_changes()
+            if t.regs.dirty:
+                t.store_regs()
             t.step_site = site
             t.step_prep = x
             if t.pending is None and t.state is _STOPPED:
@@ -499,16 +546,22 @@ class Tracer:
         x: Prepared = t.step_prep
         w = t.words
         w[_RIP] = step_fixup(x.plan, x.slot, w[_RIP])
+        t.store_rip()  # past the probed instruction before the post handler (see run())
         self._run_post(t, site)
-        t.store_changes()
+        if t.regs.dirty:
+            t.store_regs()
         self._after_handler(t)
 
     def _return_hit(self, t: Thread) -> None:
         """``t`` returned into the kretprobe trampoline."""
         if self.trap_guard is not None and self.trap_guard.is_armed:
             self.trap_guard.repair(t)
-        self.trampoline.on_return(t)
-        t.store_changes()
+        chain = self.trampoline.take_return(t)
+        t.store_rip()  # home before the handlers (see run())
+        if chain:
+            self.trampoline.report_return(t, chain)
+            if t.regs.dirty:
+                t.store_regs()
         self._after_handler(t)
 
     def _foreign_trap(self, t: Thread) -> None:
@@ -647,6 +700,7 @@ class Tracer:
                 self.xol.forget()
             self.trampoline.forget()
             self.trampoline.forget_thread(t)  # its hooked frames went with the old image
+            self.rescue.forget()
             self.slot_owner.clear()
             self.slot_history.clear()
             tracee.open_memory()
@@ -738,10 +792,38 @@ class Tracer:
                 self.breakpoints.sync(t.tracee)
                 self.trampoline.restore_child(t.tracee)
             return
+        if status == ev.SIGTRAP_STOP and self._rewind_own_trap(t):
+            return
         t.pending_from = t.state
         t.pending = status
         self.has_pending = True
         t.state = S.STOPPED
+
+    def _rewind_own_trap(self, t: Thread) -> bool:
+        """A thread that trapped on an int3 of ours while we stop the world: put it back on
+        the int3, as if it had not got there yet (it takes the trap again once resumed).
+
+        Held with rip past the int3, mid-instruction, the thread would resume there if the
+        tool died (the kernel drops the trap), and an injection or a detach would have to
+        know about the trap. Back on the int3, it is in a state it can go on from by itself:
+        the rescue handles the trap, or the restored byte runs, or we see the trap again.
+        """
+        if siginfo_code(ptrace.getsiginfo(t.tid)) != ptrace.SI_KERNEL:
+            return False  # a single-step, or a SIGTRAP sent by someone
+        at = t.load_regs().rip - 1
+        stepping = t.state is S.STEPPING
+        if stepping:
+            x: Prepared | None = t.step_prep
+            own = x is not None and x.kind is _STEP and at == x.slot + x.plan.length
+        else:
+            own = at in self.breakpoints.ever_patched or (at == self.trampoline.addr and at != 0)
+        if not own:
+            return False
+        t.words[_RIP] = at
+        t.store_rip()
+        t.state = S.STOPPED
+        t.resume_stepping = stepping
+        return True
 
     def _report_queued(self, t: Thread) -> int | None:
         """Resume ``t`` from its interrupt stop: the stop of its queued signal comes next

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from kprobes.process.tracer import Tracer
 
 _Q = struct.Struct("<Q")
+_RECORD = struct.Struct("<QQQ")  # the rescue's return record: slot, real address, sequence
 _RIP = REG_INDEX["rip"]
 _RSP = REG_INDEX["rsp"]
 LOST_LIMIT = 4096  # return addresses remembered per thread for released instances
@@ -118,8 +119,13 @@ class Trampoline:
             if declined:
                 pool.put(ri)
                 return
-        # Step 5: hook the return.
+        # Step 5: hook the return; the rescue's record of the call goes first, so that the
+        # program finds its way back even if the tool dies right after (rescue.py).
         if ri.ret_addr != self.addr:
+            if ri.record:
+                rescue = self.tracer.rescue
+                rescue.seq += 1
+                mem.write(ri.record, _RECORD.pack(sp, ri.ret_addr, rescue.seq))
             mem.write_word(sp, self.addr)
         rets.append(ri)
         if t.lost:
@@ -128,12 +134,19 @@ class Trampoline:
     # -- return ----------------------------------------------------------------------------
 
     def on_return(self, t: Thread) -> None:
-        """``t`` trapped on the trampoline: report the return and send it home.
+        """``t`` trapped on the trampoline: report the return and send it home."""
+        chain = self.take_return(t)
+        if chain:
+            self.report_return(t, chain)
+
+    def take_return(self, t: Thread) -> list[KretprobeInstance]:
+        """Pair the return of ``t`` (stopped on the trampoline) with its instances, newest
+        first, and set rip in its view to the real return address.
 
         Sending it home changes rip alone, through ``t.words`` so that the view is not marked
-        dirty: unless a handler writes a register, the tracer writes back rip only.
+        dirty: unless a handler writes a register, the tracer writes back rip only. The
+        tracer writes it before the handlers run (``report_return``).
         """
-        regs = t.regs
         w = t.words
         slot = w[_RSP] - 8
         rets = t.rets
@@ -152,16 +165,23 @@ class Trampoline:
                     f"{slot:#x}, which no live instance owns"
                 )
             w[_RIP] = real
-            return
+            return chain
         real = chain[-1].ret_addr  # the oldest holds the caller's address
         if real == self.addr:
             raise InternalError(f"thread {t.tid}: no real return address for slot {slot:#x}")
-        # Step 3: handlers, newest call first (as the kernel's trampoline handler). A probe
-        # unregistered meanwhile (by a handler of this chain) has no pool any more and is not
-        # reported, as the kernel's get_kretprobe() returns NULL once rp is unregistered.
         w[_RIP] = real
         for ri in chain:
             ri.ret_addr = real
+        return chain
+
+    def report_return(self, t: Thread, chain: list[KretprobeInstance]) -> None:
+        """Step 3: handlers, newest call first (as the kernel's trampoline handler).
+
+        A probe unregistered meanwhile (by a handler of this chain) has no pool any more and
+        is not reported, as the kernel's get_kretprobe() returns NULL once rp is unregistered.
+        """
+        regs = t.regs
+        for ri in chain:
             rp = ri.probe
             if rp.pool is None:
                 continue

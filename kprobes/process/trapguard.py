@@ -20,6 +20,7 @@ from collections.abc import Callable
 from kprobes.errors import TargetError
 from kprobes.linux import procfs
 from kprobes.process import inject
+from kprobes.process.rescue import Rescue
 from kprobes.process.threads import Thread
 
 _NR_RT_SIGACTION = 13
@@ -37,9 +38,10 @@ def catches_sigtrap(pid: int) -> bool:
 
 
 class TrapGuard:
-    def __init__(self, pid: int, syscall_insn: Callable[[], int]) -> None:
+    def __init__(self, pid: int, syscall_insn: Callable[[], int], rescue: Rescue) -> None:
         self.pid = pid
         self._syscall_insn = syscall_insn
+        self._rescue = rescue  # injections run on its stub once it is installed
         self.saved: bytes | None = None
 
     @property
@@ -74,6 +76,7 @@ class TrapGuard:
             new_at,
             old_at,
             _SIGSET_SIZE,
+            rescue=self._rescue,
         )
         if result < 0:
             raise TargetError(f"rt_sigaction(SIGTRAP) in process {self.pid} failed ({result})")

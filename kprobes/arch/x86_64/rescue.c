@@ -1,0 +1,212 @@
+/*
+ * The rescue: the SIGTRAP handler a probed program runs on its own when kprobes is gone.
+ *
+ * While the tool lives, every trap of ours stops the program under ptrace and the tool
+ * handles it: this code never runs. When the tool dies without detaching (SIGKILL, the OOM
+ * killer), the kernel releases the threads with our int3 bytes, return trampolines and
+ * out-of-line copies still in place, and the next trap delivers SIGTRAP to the program.
+ * Installed as the program's SIGTRAP handler, this code finds what the tool would have done
+ * in tables the tool keeps in the program's memory, and does the least of it:
+ *
+ *   - an int3 of a probe: write the original byte back, resume at the probed instruction;
+ *   - the return trampoline (or the int3 after it): resume at the frame's real return
+ *     address;
+ *   - the end of a stepped out-of-line copy: resume after the probed instruction;
+ *     (the kernel drops the trap of a thread held by a tracer that dies, and the thread
+ *     resumes one byte on: that byte is an int3 too, and means the same);
+ *   - an injected syscall or call: put back the registers the thread had before it;
+ *   - a trap the tool had already handled (rip moved, int3 gone): resume as it is;
+ *   - anything else is the program's own trap: handed to its own disposition.
+ *
+ * It is compiled once into position-independent bytes (scripts/build-rescue writes
+ * rescue_code.py) and copied into an executable mapping of the program. No libc, no
+ * relocations, no writable memory of its own: the header and tables sit at fixed offsets
+ * from the code, written by the tool through /proc/PID/mem.
+ */
+typedef unsigned long u64;
+typedef long s64;
+
+#define AREA_HEADER 0x1000UL
+#define MAX_PAGES 64
+#define MAX_RANGES 64
+
+struct bp { u64 addr, orig; };
+struct redirect { u64 from, len, to; };
+struct record { u64 slot, real, seq; };
+struct range { u64 addr, count; };
+struct action { u64 handler, flags, restorer, mask; };
+
+struct header {
+	u64 magic;
+	u64 tramp;              /* the trampoline's int3, 0 if none */
+	u64 inject_trap;        /* the int3 an injection ends on, 0 when none is in progress */
+	u64 nbp, bps;           /* breakpoints: address and original byte */
+	u64 nredirect, redirects;  /* stepped copies: [from, from+len] -> to + (at - from) */
+	u64 nrange;             /* return records: where the frames' real addresses are */
+	struct range ranges[MAX_RANGES];
+	u64 npage;              /* our executable pages: a rip there is on its way home */
+	struct range pages[MAX_PAGES];
+	struct action old;      /* the program's own SIGTRAP disposition */
+	u64 saved[27];          /* struct user_regs_struct of the thread an injection borrowed */
+};
+
+/* The entry points, first in the blob: the injection stub and the signal restorer. */
+__asm__(".text\n"
+	"rescue_start:\n"
+	"rescue_stub:\n"
+	"	syscall\n"
+	"	int3\n"
+	"	int3\n"   /* where a thread resumes if the tool dies after the first one trapped */
+	"	.p2align 4\n"
+	"rescue_restorer:\n"
+	"	mov $15, %eax\n"
+	"	syscall\n"
+	"	ud2\n");
+
+extern char rescue_start[] __attribute__((visibility("hidden")));
+
+static inline s64 sys3(s64 nr, s64 a, s64 b, s64 c)
+{
+	s64 ret;
+	__asm__ volatile("syscall" : "=a"(ret) : "a"(nr), "D"(a), "S"(b), "d"(c)
+			 : "rcx", "r11", "memory");
+	return ret;
+}
+
+static inline s64 sys4(s64 nr, s64 a, s64 b, s64 c, s64 d)
+{
+	s64 ret;
+	register s64 r10 __asm__("r10") = d;
+	__asm__ volatile("syscall" : "=a"(ret) : "a"(nr), "D"(a), "S"(b), "d"(c), "r"(r10)
+			 : "rcx", "r11", "memory");
+	return ret;
+}
+
+#define NR_PWRITE64 18
+#define NR_OPEN 2
+#define NR_CLOSE 3
+#define NR_MPROTECT 10
+#define NR_RT_SIGACTION 13
+#define NR_GETPID 39
+#define NR_GETTID 186
+#define NR_TGKILL 234
+#define SI_KERNEL 0x80
+#define TF 0x100UL
+
+/* mcontext gregs (REG_R8 = 0, ...) and their places in struct user_regs_struct */
+enum { G_R8, G_R9, G_R10, G_R11, G_R12, G_R13, G_R14, G_R15, G_RDI, G_RSI, G_RBP, G_RBX,
+       G_RDX, G_RAX, G_RCX, G_RSP, G_RIP, G_EFL, G_NREGS = 18 };
+static const unsigned char user_index[G_NREGS] = {
+	9, 8, 7, 6, 3, 2, 1, 0, 14, 13, 4, 5, 12, 10, 11, 19, 16, 18,
+};
+
+struct ucontext_min {
+	u64 uc_flags, uc_link, ss_sp, ss_flags, ss_size;
+	u64 gregs[23];
+};
+
+static void put_back(u64 addr, unsigned char byte)
+{
+	static const char path[] = "/proc/self/mem";
+	s64 fd = sys3(NR_OPEN, (s64)path, 2 /* O_RDWR */, 0);
+	if (fd >= 0) {
+		s64 done = sys4(NR_PWRITE64, fd, (s64)&byte, 1, (s64)addr);
+		sys3(NR_CLOSE, fd, 0, 0);
+		if (done == 1)
+			return;
+	}
+	/* No /proc: make the page writable for the one byte (the code stays executable). */
+	u64 page = addr & ~0xfffUL;
+	if (sys3(NR_MPROTECT, page, 0x1000, 7) == 0) {
+		*(volatile unsigned char *)addr = byte;
+		sys3(NR_MPROTECT, page, 0x1000, 5);
+	}
+}
+
+static int in_ranges(const struct range *r, u64 n, u64 addr)
+{
+	for (u64 i = 0; i < n && i < MAX_PAGES; i++)
+		if (r[i].addr <= addr && addr < r[i].addr + r[i].count)
+			return 1;
+	return 0;
+}
+
+static void chain(const struct header *h, int sig, void *info, void *uc)
+{
+	u64 handler = h->old.handler;
+	if (handler == 1) /* SIG_IGN */
+		return;
+	if (handler == 0) { /* SIG_DFL: die of it, as the program would have */
+		struct action dfl = { 0, 0, 0, 0 };
+		sys4(NR_RT_SIGACTION, sig, (s64)&dfl, 0, 8);
+		sys3(NR_TGKILL, sys3(NR_GETPID, 0, 0, 0), sys3(NR_GETTID, 0, 0, 0), sig);
+		return;
+	}
+	if (h->old.flags & 4 /* SA_SIGINFO */)
+		((void (*)(int, void *, void *))handler)(sig, info, uc);
+	else
+		((void (*)(int))handler)(sig);
+}
+
+__attribute__((used)) void rescue_handler(int sig, void *info, void *ctx)
+{
+	const struct header *h = (const struct header *)(rescue_start + AREA_HEADER);
+	struct ucontext_min *uc = ctx;
+	u64 *g = uc->gregs;
+	int code = ((int *)info)[2];
+	u64 rip = g[G_RIP];
+	u64 at = code == SI_KERNEL ? rip - 1 : rip;
+
+	/* An injection in flight: the thread's own registers back. */
+	if (h->inject_trap && (at == h->inject_trap || at == h->inject_trap + 1)) {
+		for (int i = 0; i < G_NREGS; i++)
+			g[i] = h->saved[user_index[i]];
+		return;
+	}
+	/* The return trampoline: the newest record of this stack slot holds the caller. */
+	if (h->tramp && (at == h->tramp || at == h->tramp + 1)) {
+		u64 slot = g[G_RSP] - 8, best = 0, real = 0;
+		for (u64 r = 0; r < h->nrange && r < MAX_RANGES; r++) {
+			const struct record *rec = (const struct record *)h->ranges[r].addr;
+			for (u64 i = 0; i < h->ranges[r].count; i++)
+				if (rec[i].slot == slot && rec[i].seq > best) {
+					best = rec[i].seq;
+					real = rec[i].real;
+				}
+		}
+		if (real) {
+			g[G_RIP] = real;
+			return;
+		}
+		chain(h, sig, info, ctx);
+		return;
+	}
+	/* The end of a stepped copy (its int3, or the int3 after it, where a thread held on
+	   the first one resumes when the tool dies): after the probed instruction. */
+	const struct redirect *rd = (const struct redirect *)h->redirects;
+	for (u64 i = 0; i < h->nredirect; i++)
+		if (rd[i].from + rd[i].len <= at && at <= rd[i].from + rd[i].len + 1) {
+			g[G_RIP] = rd[i].to + rd[i].len;
+			g[G_EFL] &= ~TF;
+			return;
+		}
+	/* A probe's int3: the original byte back, and the probed instruction runs. */
+	const struct bp *bp = (const struct bp *)h->bps;
+	for (u64 i = 0; i < h->nbp; i++)
+		if (bp[i].addr == at) {
+			if (*(volatile unsigned char *)at == 0xcc)
+				put_back(at, (unsigned char)bp[i].orig);
+			g[G_RIP] = at;
+			return;
+		}
+	/* Sent on by the tool before it died (into a copy, to a return address, past an
+	   emulated instruction): the trap was already handled. */
+	if (in_ranges(h->pages, h->npage, rip)) {
+		g[G_EFL] &= ~TF;
+		return;
+	}
+	if (code == SI_KERNEL && *(volatile unsigned char *)(rip - 1) != 0xcc &&
+	    !(*(volatile unsigned char *)(rip - 2) == 0xcd && *(volatile unsigned char *)(rip - 1) == 3))
+		return;
+	chain(h, sig, info, ctx);
+}

@@ -1,0 +1,119 @@
+"""The rescue area's layout: where the tool writes what the program needs to carry on alone.
+
+The rescue (``rescue.c``, compiled into ``rescue_code.py``) is a SIGTRAP handler the probed
+program runs only when the tool died without detaching. It reads everything from one
+anonymous executable mapping, laid out here, which the tool fills through /proc/PID/mem:
+
+    +0x000000  code: the injection stub (``syscall; int3``), the signal restorer, the handler
+    +0x001000  header: the trampoline, the injection in flight, table sizes, our pages,
+               the program's own SIGTRAP action, the registers an injection borrowed
+    +0x002000  breakpoints: (address, original byte), one per address ever patched
+    +0x042000  stepped copies: (slot, length, probed address)
+    +0x062000  return records: (stack slot, real return address, sequence), one per
+               kretprobe instance; the newest record of a slot is the frame's caller
+
+Every function here is pure: offsets in, bytes out.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Final
+
+from kprobes.arch.x86_64 import rescue_code
+
+AREA_SIZE: Final = 0x400000
+HEADER: Final = 0x1000
+BP_TABLE: Final = 0x2000
+BP_ENTRY: Final = 16
+BP_MAX: Final = (0x42000 - BP_TABLE) // BP_ENTRY
+REDIRECT_TABLE: Final = 0x42000
+REDIRECT_ENTRY: Final = 24
+REDIRECT_MAX: Final = (0x62000 - REDIRECT_TABLE) // REDIRECT_ENTRY
+RECORDS: Final = 0x62000
+RECORD_SIZE: Final = 24
+RECORD_MAX: Final = (AREA_SIZE - RECORDS) // RECORD_SIZE
+MAX_PAGES: Final = 64
+
+MAGIC: Final = 0x6575637365526B50  # "PkResc" + "ue", little-endian
+
+# struct header (rescue.c): offsets from HEADER
+H_MAGIC: Final = 0
+H_TRAMP: Final = 8
+H_INJECT_TRAP: Final = 16
+H_NBP: Final = 24
+H_BPS: Final = 32
+H_NREDIRECT: Final = 40
+H_REDIRECTS: Final = 48
+H_NRANGE: Final = 56
+H_RANGES: Final = 64
+H_NPAGE: Final = 1088
+H_PAGES: Final = 1096
+H_OLD: Final = 2120
+H_SAVED: Final = 2152
+H_SIZE: Final = 2368
+H_NEW_ACTION: Final = 0xF00  # past the struct: the rescue's own action, for rt_sigaction
+
+SIGACTION_SIZE: Final = 32
+SA_SIGINFO: Final = 0x4
+SA_RESTORER: Final = 0x04000000
+
+_Q: Final = struct.Struct("<Q")
+_QQ: Final = struct.Struct("<QQ")
+_QQQ: Final = struct.Struct("<QQQ")
+
+
+def code() -> bytes:
+    return rescue_code.CODE
+
+
+def stub(area: int) -> int:
+    """``syscall; int3``: injections run here, so that a dead tool's rescue can undo them."""
+    return area + rescue_code.STUB
+
+
+def stub_trap(area: int) -> int:
+    """The int3 after the stub's syscall (also the return address of injected calls)."""
+    return area + rescue_code.STUB + 2
+
+
+def header(area: int) -> bytes:
+    """A fresh header: tables empty, one range covering every return record."""
+    out = bytearray(H_SIZE)
+    _Q.pack_into(out, H_MAGIC, MAGIC)
+    _Q.pack_into(out, H_BPS, area + BP_TABLE)
+    _Q.pack_into(out, H_REDIRECTS, area + REDIRECT_TABLE)
+    _Q.pack_into(out, H_NRANGE, 1)
+    _QQ.pack_into(out, H_RANGES, area + RECORDS, 0)
+    return bytes(out) + bytes(H_NEW_ACTION - H_SIZE) + sigaction(area)
+
+
+def sigaction(area: int) -> bytes:
+    """The kernel's ``struct sigaction`` that makes the rescue the SIGTRAP handler."""
+    return struct.pack(
+        "<QQQQ",
+        area + rescue_code.HANDLER,
+        SA_SIGINFO | SA_RESTORER,
+        area + rescue_code.RESTORER,
+        0,
+    )
+
+
+def word(value: int) -> bytes:
+    return _Q.pack(value & (1 << 64) - 1)
+
+
+def bp_entry(addr: int, original: int) -> bytes:
+    return _QQ.pack(addr, original)
+
+
+def redirect_entry(slot: int, length: int, addr: int) -> bytes:
+    return _QQQ.pack(slot, length, addr)
+
+
+def record(slot: int, real: int, seq: int) -> bytes:
+    return _QQQ.pack(slot, real, seq)
+
+
+def page_entry(start: int, end: int) -> bytes:
+    return _QQ.pack(start, end - start)

@@ -1,0 +1,194 @@
+"""The program carries on when the tool dies: the rescue handler and the tables it reads.
+
+SIGKILL of the tool (or the OOM killer) cannot be caught: the kernel detaches every thread
+and leaves our int3 bytes, the return trampoline and the out-of-line copies in place. The
+next trap would kill the program with SIGTRAP. So before the first byte is patched, the
+program is given a SIGTRAP handler of ours (``arch/x86_64/rescue.c``) in a mapping of its
+own, and the tool keeps in that mapping, as it goes, what the handler needs to undo each of
+our traps by itself: the original byte of every breakpoint, where each stepped copy returns,
+the real return address of every hooked frame, the registers of a thread borrowed by an
+injection. While the tool lives the handler never runs (ptrace takes every SIGTRAP first);
+its cost is one more pwrite per kretprobe entry (the record) and a few writes per
+registration. A clean detach puts the program's own SIGTRAP action back.
+
+The rescue itself is mapped by the one injection that cannot be undone by it (an ``mmap``
+through a ``syscall`` instruction borrowed from the program's code); every later injection
+runs on the rescue's own stub, ``syscall; int3``, so that a tool killed in the middle leaves
+a trap the rescue turns back into the thread's own registers.
+
+Rejected: a watchdog process that re-attaches when the tool dies (threads run, and trap,
+between the tool's death and the watchdog's attach), and ``PTRACE_O_EXITKILL`` (kills the
+program: the opposite of the promise).
+"""
+
+from __future__ import annotations
+
+import errno
+import signal
+from collections.abc import Callable, Iterable
+
+from kprobes.arch.x86_64 import rescue as layout
+from kprobes.errors import TargetError
+from kprobes.process.tracee import Tracee
+
+_NR_RT_SIGACTION = 13
+_SIGSET_SIZE = 8
+
+# run_syscall(nr, *args) -> raw result: an injected syscall in a held thread
+Syscall = Callable[..., int]
+
+
+class Rescue:
+    """The rescue of one address space (the program's; followed fork children copy it)."""
+
+    def __init__(self) -> None:
+        self.area = 0  # 0 until installed
+        self._reset()
+
+    def _reset(self) -> None:
+        self.area = 0
+        self._bps: dict[int, int] = {}  # address → index in the breakpoint table
+        self._redirects: dict[int, int] = {}  # slot → index in the redirect table
+        self._pages: list[tuple[int, int]] = []
+        self._records_used = 0  # high-water mark of allocated records
+        self._blocks: dict[int, int] = {}  # start → size of the record blocks in use
+        self._free_records: dict[int, list[int]] = {}  # block size → free block starts
+        self.seq = 0  # the order of return records (the rescue takes a slot's newest)
+
+    @property
+    def is_installed(self) -> bool:
+        return self.area != 0
+
+    # -- install and uninstall -------------------------------------------------------------
+
+    def install(self, spaces: Iterable[Tracee], map_area: Callable[[int], int]) -> None:
+        """Map the area (``map_area(size)``) and write the code and an empty header.
+
+        ``activate`` then makes the handler the program's: the two are apart so that the
+        handler is installed by an injection that runs on the rescue's own stub.
+        """
+        area = map_area(layout.AREA_SIZE)
+        for space in spaces:
+            space.write(area, layout.code())
+            space.write(area + layout.HEADER, layout.header(area))
+        self.area = area
+
+    def activate(self, mem: Tracee, syscall: Syscall, scratch: int) -> None:
+        """Make the rescue the SIGTRAP handler; the program's own action goes in the header.
+
+        The kernel cannot write the old action into the area (it is not writable by the
+        program): it goes to ``scratch``, free stack below the borrowed thread's, and from
+        there into the header, where the rescue reads it (to hand the program's own traps
+        on) and ``deactivate`` finds it.
+        """
+        new_at = self.area + layout.HEADER + layout.H_NEW_ACTION
+        result = syscall(_NR_RT_SIGACTION, signal.SIGTRAP, new_at, scratch, _SIGSET_SIZE)
+        if result < 0:
+            raise TargetError(f"rt_sigaction(SIGTRAP) failed in the program: errno {-result}")
+        old = mem.read(scratch, layout.SIGACTION_SIZE)
+        mem.write(self.area + layout.HEADER + layout.H_OLD, old)
+
+    def deactivate(self, syscall: Syscall) -> None:
+        """Put the program's own SIGTRAP action back (a clean detach)."""
+        if not self.area:
+            return
+        old_at = self.area + layout.HEADER + layout.H_OLD
+        syscall(_NR_RT_SIGACTION, signal.SIGTRAP, old_at, 0, _SIGSET_SIZE)
+
+    def forget(self) -> None:
+        """The address space was replaced (exec): the area and the handler went with it."""
+        self._reset()
+
+    # -- what the rescue reads -------------------------------------------------------------
+
+    def note_breakpoint(self, spaces: Iterable[Tracee], addr: int, original: int) -> None:
+        """Before an int3 is written at ``addr``: its original byte, for the rescue."""
+        if not self.area or addr in self._bps:
+            return
+        index = len(self._bps)
+        if index >= layout.BP_MAX:
+            raise TargetError(
+                f"more than {layout.BP_MAX} probed addresses: no room in the rescue table",
+                errno=errno.ENOSPC,
+            )
+        entry = layout.bp_entry(addr, original)
+        count = layout.word(index + 1)
+        at = self.area + layout.BP_TABLE + index * layout.BP_ENTRY
+        for space in spaces:
+            space.write(at, entry)
+            space.write(self.area + layout.HEADER + layout.H_NBP, count)
+        self._bps[addr] = index
+
+    def note_slot(self, spaces: Iterable[Tracee], slot: int, length: int, addr: int) -> None:
+        """A stepped copy of the instruction at ``addr`` now lives at ``slot``."""
+        if not self.area:
+            return
+        index = self._redirects.get(slot)
+        if index is None:
+            index = len(self._redirects)
+            if index >= layout.REDIRECT_MAX:
+                raise TargetError("no room left in the rescue's table of stepped copies")
+            self._redirects[slot] = index
+        entry = layout.redirect_entry(slot, length, addr)
+        at = self.area + layout.REDIRECT_TABLE + index * layout.REDIRECT_ENTRY
+        count = layout.word(len(self._redirects))
+        for space in spaces:
+            space.write(at, entry)
+            space.write(self.area + layout.HEADER + layout.H_NREDIRECT, count)
+
+    def note_trampoline(self, spaces: Iterable[Tracee], addr: int) -> None:
+        self._write_header(spaces, layout.H_TRAMP, layout.word(addr))
+
+    def note_page(self, spaces: Iterable[Tracee], start: int, end: int) -> None:
+        """An out-of-line page: a thread the tool sent into it is on its way home."""
+        if not self.area or len(self._pages) >= layout.MAX_PAGES:
+            return
+        spaces = list(spaces)
+        index = len(self._pages)
+        self._pages.append((start, end))
+        self._write_header(spaces, layout.H_PAGES + index * 16, layout.page_entry(start, end))
+        self._write_header(spaces, layout.H_NPAGE, layout.word(index + 1))
+
+    def _write_header(self, spaces: Iterable[Tracee], offset: int, data: bytes) -> None:
+        if not self.area:
+            return
+        for space in spaces:
+            space.write(self.area + layout.HEADER + offset, data)
+
+    # -- return records --------------------------------------------------------------------
+
+    def alloc_records(self, spaces: Iterable[Tracee], count: int) -> int:
+        """Room for ``count`` return records (one per kretprobe instance); 0 if none is left."""
+        if not self.area or count <= 0:
+            return 0
+        free = self._free_records.get(count)
+        if free:
+            start = free.pop()
+        elif self._records_used + count > layout.RECORD_MAX:
+            return 0
+        else:
+            start = self.area + layout.RECORDS + self._records_used * layout.RECORD_SIZE
+            self._records_used += count
+            self._write_header(spaces, layout.H_RANGES + 8, layout.word(self._records_used))
+        self._blocks[start] = count
+        return start
+
+    def free_records(self, start: int) -> None:
+        """The pool is gone and its frames unhooked: its records may serve another pool.
+
+        A block of an area that is gone (exec) is not ours any more and is ignored.
+        """
+        count = self._blocks.pop(start, None)
+        if count is not None:
+            self._free_records.setdefault(count, []).append(start)
+
+    # -- injections ------------------------------------------------------------------------
+
+    def begin_injection(self, mem: Tracee, saved_regs: bytes) -> None:
+        """The thread's own registers, and the trap that means "put them back"."""
+        base = self.area + layout.HEADER
+        mem.write(base + layout.H_SAVED, saved_regs[: 27 * 8])
+        mem.write(base + layout.H_INJECT_TRAP, layout.word(layout.stub_trap(self.area)))
+
+    def end_injection(self, mem: Tracee) -> None:
+        mem.write(self.area + layout.HEADER + layout.H_INJECT_TRAP, layout.word(0))

@@ -1,0 +1,156 @@
+"""The probed program never dies because of us: detached in flight, busy, or with the tool killed.
+
+The program is tests/programs/busy.c, started by the test (not by kprobes), its threads
+calling ``rec`` and ``hot`` in tight loops with every result checked; SIGUSR1 makes it finish
+its iterations and print its deterministic summary. Whatever happens to the tool, the program
+must print exactly what an unprobed run prints, and exit 0: one int3, one trampoline address
+or one borrowed register left behind would kill it with SIGTRAP or SIGSEGV, or make a check
+fail.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import kprobes
+import pytest
+import support
+
+pytestmark = pytest.mark.ptrace
+
+DRIVERS = Path(__file__).resolve().parent / "drivers"
+REPO = DRIVERS.parent.parent
+THREADS = 4
+DEPTH = 5
+
+
+def expected_output(threads: int = THREADS, depth: int = DEPTH) -> bytes:
+    want = depth * (depth + 1) // 2
+    lines = [f"thread {t}: rec({depth}) = {want}, every call checked" for t in range(threads)]
+    return ("\n".join([*lines, f"total: {threads} threads stopped"]) + "\n").encode()
+
+
+def start_busy(
+    popen: Callable[..., subprocess.Popen[bytes]], build: Callable[[str], Path], threads: int
+) -> subprocess.Popen[bytes]:
+    prog = popen(
+        [build("busy"), threads, -1, DEPTH], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert prog.stderr is not None
+    line = support.read_line(prog.stderr.fileno(), timeout=20)
+    assert line.startswith(b"busy ") and line.endswith(b"ready\n"), line
+    return prog
+
+
+def finish_busy(prog: subprocess.Popen[bytes], threads: int = THREADS) -> None:
+    """Stop the program; it must end by itself with the unprobed output and status 0."""
+    assert prog.poll() is None, f"the program died: status {prog.returncode}"
+    os.kill(prog.pid, signal.SIGUSR1)
+    out, err = prog.communicate(timeout=30)
+    assert prog.returncode == 0, (prog.returncode, err.decode()[-2000:])
+    assert out == expected_output(threads), err.decode()[-2000:]
+
+
+def test_unprobed_reference(popen, build):
+    finish_busy(start_busy(popen, build, THREADS))
+
+
+@pytest.mark.deadline(60)
+def test_attach_and_detach_with_return_probes_in_flight(popen, build):
+    """15 attach/run/detach cycles on 4 busy threads, a kprobe and a kretprobe on ``rec``."""
+    prog = start_busy(popen, build, THREADS)
+    hits = 0
+    for _ in range(15):
+        with kprobes.attach(prog.pid) as proc:
+            kp = kprobes.Kprobe(symbol="rec", pre_handler=lambda p, r: None)
+            rp = kprobes.Kretprobe(symbol="rec", handler=lambda ri, r: None)
+            proc.register_kprobe(kp)
+            proc.register_kretprobe(rp)
+            proc.run(timeout=0.2)
+        hits += rp.nhit
+        assert prog.poll() is None, f"the program died after a detach: {prog.returncode}"
+    assert hits > 0
+    finish_busy(prog)
+
+
+def start_driver(
+    popen: Callable[..., subprocess.Popen[bytes]], pid: int, *args: Any
+) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    driver = popen(
+        [sys.executable, DRIVERS / "probe_until_killed.py", pid, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    return driver
+
+
+def wait_for(driver: subprocess.Popen[bytes], word: bytes) -> None:
+    assert driver.stdout is not None
+    while True:
+        line = support.read_line(driver.stdout.fileno(), timeout=30)
+        if not line:
+            _, err = driver.communicate(timeout=5)
+            raise AssertionError(f"the driver ended before {word!r}: {err.decode()[-2000:]}")
+        if line.rstrip(b"\n") == word:
+            return
+
+
+def tracer_of(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("TracerPid:"):
+                return int(line.split()[1])
+    return 0
+
+
+def kill_tool(driver: subprocess.Popen[bytes], prog: subprocess.Popen[bytes]) -> None:
+    driver.kill()
+    driver.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while tracer_of(prog.pid) != 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize(
+    ("where", "after"),
+    [("pre", 50), ("ret", 50), ("post", 50), ("inject", 1), ("inject", 2)],
+    ids=[
+        "in-a-hit",
+        "in-a-trampoline-return",
+        "in-an-out-of-line-step",
+        "in-the-rescue-install",
+        "in-a-page-mapping",
+    ],
+)
+def test_tool_killed_in_the_middle(popen, build, where, after):
+    """SIGKILL while the tool holds a thread in each of the states it can hold one in."""
+    prog = start_busy(popen, build, THREADS)
+    driver = start_driver(popen, prog.pid, "--stall", where, "--after", after)
+    wait_for(driver, b"stalled")
+    kill_tool(driver, prog)
+    time.sleep(0.3)  # the program runs on alone, through every probe it still has
+    finish_busy(prog)
+
+
+@pytest.mark.deadline(80)
+def test_tool_killed_at_random_moments(popen, build):
+    """8 SIGKILLs at random moments over one run, probes on entries, returns and steps."""
+    prog = start_busy(popen, build, THREADS)
+    rng = random.Random(int(os.environ.get("KPROBES_TEST_SEED", "10")))
+    for _ in range(8):
+        driver = start_driver(popen, prog.pid)
+        wait_for(driver, b"ready")
+        time.sleep(rng.uniform(0.0, 0.5))
+        kill_tool(driver, prog)
+        assert prog.poll() is None, f"the program died: status {prog.returncode}"
+    finish_busy(prog)
