@@ -154,3 +154,26 @@ def test_tool_killed_at_random_moments(popen, build):
         kill_tool(driver, prog)
         assert prog.poll() is None, f"the program died: status {prog.returncode}"
     finish_busy(prog)
+
+
+def caught_signals(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("SigCgt:"):
+                return int(line.split()[1], 16)
+    return 0
+
+
+def test_the_rescue_is_the_sigtrap_handler_only_while_attached(popen, build):
+    """Attached, the program catches SIGTRAP (the rescue); detached, its own action is back."""
+    prog = start_busy(popen, build, 2)
+    trap = 1 << (signal.SIGTRAP - 1)
+    before = caught_signals(prog.pid)
+    assert not before & trap
+    with kprobes.attach(prog.pid) as proc:
+        proc.register_kprobe(kprobes.Kprobe(symbol="hot", pre_handler=lambda p, r: None))
+        assert caught_signals(prog.pid) & trap
+        assert any(e.reason == "kprobes rescue area" for e in proc.blacklist())
+        proc.run(timeout=0.1)
+    assert caught_signals(prog.pid) == before
+    finish_busy(prog, 2)

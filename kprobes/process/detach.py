@@ -32,6 +32,7 @@ from kprobes.process.tracee import TraceeKind
 from kprobes.process.tracer import Tracer
 
 SLOT_SIZE = 32
+_STOPPED = ThreadState.STOPPED
 
 
 def detach_all(tracer: Tracer) -> None:
@@ -43,8 +44,6 @@ def detach_all(tracer: Tracer) -> None:
                 tracer.breakpoints.restore_all(tracee)
         # Step 2b: every live frame we hooked gets its real return address back.
         tracer.trampoline.unhook(list(tracer.threads.values()))
-        # Step 2c: the program's own SIGTRAP action back in place of the rescue.
-        _deactivate_rescue(tracer)
         # Step 3
         for slot, prepared in tracer.slot_history.items():
             if prepared.kind in (PlanKind.STEP, PlanKind.SINGLESTEP):
@@ -55,30 +54,45 @@ def detach_all(tracer: Tracer) -> None:
                         tracee.write(at, home)
                     except TargetError:
                         continue
-        # Steps 4 and 5, until no thread is left (a pending clone may add one)
+        # Steps 4 and 5, until no thread is left (a pending clone may add one). One thread
+        # with no stop of its own pending is kept, sent home, for last: it puts the program's
+        # own SIGTRAP action back in place of the rescue (rescue.py) once every other thread
+        # is gone, and nothing of ours is left to trap on.
+        last: Thread | None = None
         while tracer.threads:
             for thread in list(tracer.threads.values()):
+                if thread is last:
+                    continue
+                if (
+                    last is None
+                    and thread.pending is None
+                    and thread.state is _STOPPED
+                    and _send_home(tracer, thread) is not None
+                ):
+                    last = thread
+                    continue
                 _release(tracer, thread)
                 tracer.drop_thread(thread)
+            if last is not None and len(tracer.threads) == 1:
+                _deactivate_rescue(tracer, last)
+                _let_go(last, 0)
+                tracer.drop_thread(last)
     finally:
         for tracee in list(tracer.tracees.values()):
             tracer.drop_tracee(tracee)
 
 
-def _deactivate_rescue(tracer: Tracer) -> None:
-    """Needs a thread held with no stop of its own pending; without one the rescue stays
-    installed, which is harmless: it hands every trap that is not ours to the program's own
-    action, and there are no traps of ours left."""
+def _deactivate_rescue(tracer: Tracer, thread: Thread) -> None:
+    """Put the program's own SIGTRAP action back, through ``thread`` (held, sent home).
+
+    Without such a thread the rescue stays installed, which is harmless: it hands every trap
+    that is not ours to the program's own action, and no trap of ours is left.
+    """
     rescue = tracer.rescue
     if not rescue.is_installed:
         return
-    try:
-        thread = tracer.held_thread()
-        if thread.pending is not None:
-            return
+    with contextlib.suppress(TargetError, InternalError, ProcessLookupError):
         rescue.deactivate(lambda nr, *args: inject.run_syscall(thread, 0, nr, *args, rescue=rescue))
-    except (TargetError, InternalError, ProcessLookupError):
-        return
 
 
 def _home(tracer: Tracer, rip: int) -> int:
@@ -101,19 +115,28 @@ def _home(tracer: Tracer, rip: int) -> int:
 
 
 def _release(tracer: Tracer, t: Thread) -> None:
+    sig = _send_home(tracer, t)
+    if sig is not None:
+        _let_go(t, sig)
+
+
+def _send_home(tracer: Tracer, t: Thread) -> int | None:
+    """Step 4: rip back on original code; the signal to deliver (None: the thread is gone)."""
     sig = 0
     if t.state is ThreadState.NEW:
         try:
             _, first = ptrace.waitpid(t.tid, 0)
         except ChildProcessError:
-            return
+            return None
         if os.WIFEXITED(first) or os.WIFSIGNALED(first):
-            return
+            return None
+        t.state = ThreadState.STOPPED
     status = t.pending
+    t.pending = None
     try:
         regs = t.load_regs()
     except ProcessLookupError:
-        return
+        return None
     rip = regs.rip
     if status is not None:
         event = (status >> 16) & 0xFF
@@ -148,6 +171,11 @@ def _release(tracer: Tracer, t: Thread) -> None:
     if rip != regs.rip:
         regs.rip = rip
         t.store_regs()
+    return sig
+
+
+def _let_go(t: Thread, sig: int) -> None:
+    """Step 5: detach, delivering ``sig`` (or a signal we were holding)."""
     # A signal-delivery-stop detached with its sig keeps its own siginfo; otherwise deliver a
     # signal we were holding, with the siginfo it came with.
     if not sig and t.held_signals:
