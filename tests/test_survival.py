@@ -156,6 +156,26 @@ def test_tool_killed_at_random_moments(popen, build):
     finish_busy(prog)
 
 
+@pytest.mark.deadline(90)
+def test_commands_killed_at_random_moments(popen, build):
+    """``kprobes count`` and ``kprobes latency``, alternately, SIGKILLed 8 times at random
+    moments (attaching, registering, tracing) over one run of the program."""
+    prog = start_busy(popen, build, THREADS)
+    rng = random.Random(int(os.environ.get("KPROBES_TEST_SEED", "20")))
+    kprobes_cmd = Path(sys.executable).with_name("kprobes")
+    for i in range(8):
+        command = "count" if i % 2 == 0 else "latency"
+        tool = popen(
+            [kprobes_cmd, command, "-p", prog.pid, "rec", "-d", "60"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(rng.uniform(0.2, 1.2))
+        kill_tool(tool, prog)
+        assert prog.poll() is None, f"the program died: status {prog.returncode}"
+    finish_busy(prog)
+
+
 def caught_signals(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
