@@ -197,3 +197,26 @@ def test_the_rescue_is_the_sigtrap_handler_only_while_attached(popen, build):
         proc.run(timeout=0.1)
     assert caught_signals(prog.pid) == before
     finish_busy(prog, 2)
+
+
+def test_return_records_beyond_the_first_range(popen, build):
+    """Pools larger than the rescue area's records get a range of their own; the program
+    still finds every frame's way home when the tool is killed."""
+    prog = start_busy(popen, build, 2)
+    script = f"""
+import kprobes
+proc = kprobes.attach({prog.pid})
+proc.register_kretprobe(kprobes.Kretprobe(symbol="rec", handler=lambda ri, r: None,
+                                          maxactive=60000))
+proc.register_kretprobe(kprobes.Kretprobe(symbol="hot", handler=lambda ri, r: None,
+                                          maxactive=150000))
+print(len(proc._tracer.rescue._ranges), flush=True)
+proc.run()
+"""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    tool = popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env)
+    assert tool.stdout is not None
+    assert support.read_line(tool.stdout.fileno(), timeout=60).strip() == b"2"
+    time.sleep(0.3)
+    kill_tool(tool, prog)
+    finish_busy(prog, 2)

@@ -50,7 +50,8 @@ class Rescue:
         self._bps: dict[int, int] = {}  # address → index in the breakpoint table
         self._redirects: dict[int, int] = {}  # slot → index in the redirect table
         self._pages: list[tuple[int, int]] = []
-        self._records_used = 0  # high-water mark of allocated records
+        # (base, capacity, used) of each range of return records; the first is in the area
+        self._ranges: list[tuple[int, int, int]] = []
         self._blocks: dict[int, int] = {}  # start → size of the record blocks in use
         self._free_records: dict[int, list[int]] = {}  # block size → free block starts
         self.seq = 0  # the order of return records (the rescue takes a slot's newest)
@@ -72,6 +73,7 @@ class Rescue:
             space.write(area, layout.code())
             space.write(area + layout.HEADER, layout.header(area))
         self.area = area
+        self._ranges = [(area + layout.RECORDS, layout.RECORD_MAX, 0)]
 
     def activate(self, mem: Tracee, syscall: Syscall, scratch: int) -> None:
         """Make the rescue the SIGTRAP handler; the program's own action goes in the header.
@@ -157,19 +159,38 @@ class Rescue:
 
     # -- return records --------------------------------------------------------------------
 
-    def alloc_records(self, spaces: Iterable[Tracee], count: int) -> int:
-        """Room for ``count`` return records (one per kretprobe instance); 0 if none is left."""
+    def alloc_records(
+        self, spaces: Iterable[Tracee], count: int, map_more: Callable[[int], int]
+    ) -> int:
+        """Room for ``count`` return records (one per kretprobe instance); 0 if none is left.
+
+        The area holds about 158,000; past that, ``map_more(size)`` maps another range
+        (the rescue reads up to 64).
+        """
         if not self.area or count <= 0:
             return 0
         free = self._free_records.get(count)
         if free:
             start = free.pop()
-        elif self._records_used + count > layout.RECORD_MAX:
-            return 0
+            self._blocks[start] = count
+            return start
+        spaces = list(spaces)
+        fits = [i for i, (_, capacity, used) in enumerate(self._ranges) if used + count <= capacity]
+        if fits:
+            index = fits[0]
+        elif len(self._ranges) < layout.MAX_RANGES:
+            capacity = max(count, layout.RECORD_MAX)
+            self._ranges.append((map_more(capacity * layout.RECORD_SIZE), capacity, 0))
+            index = len(self._ranges) - 1
+            self._write_header(spaces, layout.H_NRANGE, layout.word(len(self._ranges)))
         else:
-            start = self.area + layout.RECORDS + self._records_used * layout.RECORD_SIZE
-            self._records_used += count
-            self._write_header(spaces, layout.H_RANGES + 8, layout.word(self._records_used))
+            return 0
+        base, capacity, used = self._ranges[index]
+        start = base + used * layout.RECORD_SIZE
+        self._ranges[index] = (base, capacity, used + count)
+        self._write_header(
+            spaces, layout.H_RANGES + 16 * index, layout.range_entry(base, used + count)
+        )
         self._blocks[start] = count
         return start
 

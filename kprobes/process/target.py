@@ -360,7 +360,9 @@ class Process:
     def _give_records(self, pool: InstancePool) -> None:
         """Each instance's place in the rescue's return records (``rescue.py``)."""
         instances = pool.free
-        start = self._tracer.rescue.alloc_records(self._tracer.own_memories(), len(instances))
+        start = self._tracer.rescue.alloc_records(
+            self._tracer.own_memories(), len(instances), self._map_records
+        )
         if not start:
             return
         self._records[id(pool)] = start
@@ -821,6 +823,25 @@ class Process:
                 lambda nr, *args: inject.run_syscall(thread, 0, nr, *args, rescue=rescue),
                 scratch=((sp - _SCRATCH_GAP) & ~0xF) - 64,
             )
+
+    def _map_records(self, size: int) -> int:
+        """More room for the rescue's return records (many large kretprobe pools)."""
+        with self._injection_thread() as thread:
+            result = inject.run_syscall(
+                thread,
+                0,
+                _NR_MMAP,
+                0,
+                size,
+                PROT,
+                FLAGS & ~_MAP_FIXED_NOREPLACE,
+                (1 << 64) - 1,
+                0,
+                rescue=self._tracer.rescue,
+            )
+        if result < 0:
+            raise TargetError(f"mmap of the rescue's records failed: {os.strerror(-result)}")
+        return result
 
     def _map_rescue(self, thread: Thread, size: int) -> int:
         """The one injection the rescue cannot undo: the mapping it lives in."""

@@ -34,6 +34,7 @@ RECORDS: Final = 0x62000
 RECORD_SIZE: Final = 24
 RECORD_MAX: Final = (AREA_SIZE - RECORDS) // RECORD_SIZE
 MAX_PAGES: Final = 64
+MAX_RANGES: Final = 64
 
 MAGIC: Final = 0x6575637365526B50  # "PkResc" + "ue", little-endian
 
@@ -113,6 +114,11 @@ def redirect_entry(slot: int, length: int, addr: int) -> bytes:
 
 def record(slot: int, real: int, seq: int) -> bytes:
     return _QQQ.pack(slot, real, seq)
+
+
+def range_entry(addr: int, count: int) -> bytes:
+    """A range of return records: where it starts and how many are in use."""
+    return _QQ.pack(addr, count)
 
 
 def page_entry(start: int, end: int) -> bytes:
