@@ -290,9 +290,9 @@ class Tracer:
                     emulator = x.emulator
                     # Step 1: before any handler runs, the kernel's registers become a state
                     # the program can go on from by itself, should the tool die now (see
-                    # rescue.py): the slot; the emulated rip; or the probed instruction again,
-                    # where the emulation changes more than rip. For a boost, this write is
-                    # the only one the hit needs.
+                    # _make_safe and rescue.py): the slot, or the emulated instruction's
+                    # effect. Unless a handler writes a register or redirects, this is the
+                    # only write the hit needs.
                     poke_user = req.poke_user
                     if emulator is None:
                         result = poke_user(x.slot_word)
@@ -301,8 +301,12 @@ class Tracer:
                         word = t.rip_word
                         word.value = w[_RIP]
                         result = poke_user(word)
-                    else:
-                        result = poke_user(x.addr_word)
+                    else:  # the whole emulation now; the view keeps the state before it
+                        before = bytes(regs.buffer)
+                        emulator(w, t.tracee)
+                        request = req.setregs
+                        result = request()
+                        regs.buffer[:] = before
                     if result == -1:
                         raise_error()
                     w[_RIP] = addr  # handlers see ip at the probed instruction
@@ -330,12 +334,11 @@ class Tracer:
                                 result = request()
                             # else the view keeps rip at the probed address: the thread
                             # runs on now, and its next stop reloads the view.
-                        elif x.is_rip_only and not regs.dirty:
-                            pass  # the emulated rip is in place
-                        else:
+                        elif regs.dirty:  # again, from the registers the handler left
                             emulator(w, t.tracee)
                             request = req.setregs
                             result = request()
+                        # else the emulated state is in place
                         if result == -1:
                             raise_error()
                         if t.held_signals:
@@ -467,17 +470,23 @@ class Tracer:
 
         The kernel drops the trap a thread was stopped for when its tracer dies (measured:
         the thread resumes at the int3's next byte, mid-instruction). So the thread is sent
-        to the slot, or to the emulated rip, or back onto the int3 (which the rescue then
-        handles) when the emulation changes more than rip.
+        to the slot, or given the emulated instruction's effect, before the handlers run; a
+        handler that writes registers has the emulation done again from them, and one that
+        redirects has its registers written over it (a push's or call's store below the
+        stack pointer stays: memory the probed instruction was about to write anyway).
         """
         w = t.words
+        w[_RIP] = addr
         if x.emulator is None:
             w[_RIP] = x.slot
-        elif x.is_rip_only:
-            w[_RIP] = addr
+        elif not x.is_rip_only:  # the whole emulation; the view keeps the state before it
+            before = bytes(t.regs.buffer)
             x.emulator(w, t.tracee)
+            t.store_regs()
+            t.regs.buffer[:] = before
+            return
         else:
-            w[_RIP] = addr
+            x.emulator(w, t.tracee)
         t.store_rip()
         w[_RIP] = addr
 
