@@ -281,6 +281,53 @@ def wait_for_lines(path: Path, count: int, timeout: float) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# tests/programs/busy.c: threads that never sleep (see its header comment for the modes)
+
+
+def busy_output(threads: int, depth: int, calls: int = -1) -> str:
+    """What ``busy THREADS CALLS DEPTH`` prints on stdout when it runs unharmed."""
+    want = depth * (depth + 1) // 2
+    if calls < 0:
+        lines = [f"thread {t}: rec({depth}) = {want}, every call checked" for t in range(threads)]
+        return "\n".join([*lines, f"total: {threads} threads stopped"]) + "\n"
+    hot_sum = sum(i * 3 + 1 for i in range(calls))
+    lines = [
+        f"thread {t}: {calls} calls, rec({depth}) = {want}, hot sum = {hot_sum}"
+        for t in range(threads)
+    ]
+    total = threads * calls
+    return (
+        "\n".join([*lines, f"total: {total * (depth + 1)} calls of rec, {total} calls of hot"])
+        + "\n"
+    )
+
+
+def start_busy(
+    popen: Callable[..., subprocess.Popen[bytes]], exe: Path, threads: int, depth: int
+) -> subprocess.Popen[bytes]:
+    """``busy THREADS -1 DEPTH`` (until SIGTERM), returned once every thread runs; its stdout
+    and stderr are pipes (``stop_busy`` reads them)."""
+    prog = popen(
+        [exe, threads, -1, depth],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert prog.stderr is not None
+    line = read_line(prog.stderr.fileno(), timeout=10).decode()
+    assert line == f"busy {prog.pid} ready\n", line
+    return prog
+
+
+def stop_busy(prog: subprocess.Popen[bytes], timeout: float = 10) -> tuple[int, str, str]:
+    """SIGTERM to a ``start_busy`` program: (exit status, stdout, stderr) once it ended."""
+    with contextlib.suppress(ProcessLookupError):
+        prog.send_signal(signal.SIGTERM)
+    out, err = prog.communicate(timeout=timeout)
+    return prog.returncode, out.decode(), err.decode()
+
+
+# ---------------------------------------------------------------------------------------------
 # The kernel's uprobes, the reference for hit counts
 
 TRACEFS_CANDIDATES = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")

@@ -1,0 +1,88 @@
+"""The tracing commands on programs that never sleep, and the ways a command ends.
+
+The other command-line tests attach to programs that sleep between calls; a program in a
+tight loop is stopped with a probe hit already queued whenever the tool stops the world, and
+that is where ``count``/``trace -p`` once failed (``no held thread``). Each command here ends
+by itself (``-d``, ``-n``) or by SIGINT, and the program then finishes with the output of an
+unprobed run. The return probes of the command line follow every call of a deep recursion;
+SIGINT ends a command started in the background of a script (SIGINT ignored), and a bug of
+ours reads as one.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import support
+from test_cli_trace import bodies, cli, count_rows, histogram_total
+
+pytestmark = pytest.mark.ptrace
+
+DEPTH = 20
+SUMMARY = re.compile(r"^(\d+) events, (\d+) hits, (\d+) missed, (\d+) dropped in ", re.M)
+
+
+@pytest.fixture
+def busy(build) -> Path:
+    return build("busy")
+
+
+def summary(stderr: str) -> tuple[int, int, int, int]:
+    m = SUMMARY.search(stderr)
+    assert m is not None, stderr
+    events, hits, missed, dropped = (int(g) for g in m.groups())
+    return events, hits, missed, dropped
+
+
+def assert_unharmed(prog: subprocess.Popen[bytes], threads: int) -> None:
+    """The program is still running, untraced, and ends with the output of an unprobed run."""
+    assert support.is_alive(prog.pid)
+    assert "TracerPid:\t0" in Path(f"/proc/{prog.pid}/status").read_text()
+    code, out, err = support.stop_busy(prog)
+    assert (code, out) == (0, support.busy_output(threads, DEPTH)), err
+
+
+# -- (2) busy programs: each command ends by itself -----------------------------------------
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_count_on_a_busy_program(busy, popen, threads):
+    prog = support.start_busy(popen, busy, threads, DEPTH)
+    # The glob is placed first, and hit at once; libc:getpid then needs an out-of-line page
+    # near libc, mapped by the program while the world is stopped on a queued hit.
+    r = cli("count", "-p", prog.pid, "-d", "1", "h*", "libc:getpid", "libc:strlen")
+    assert r.returncode == 0, r.stderr
+    rows = count_rows(r.stdout)
+    assert rows.keys() == {"hot"}, r.stdout  # busy calls neither getpid nor strlen
+    events, hits, missed, dropped = summary(r.stderr)
+    assert rows["hot"] == events == hits > 0
+    assert (missed, dropped) == (0, 0)
+    assert_unharmed(prog, threads)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_trace_on_a_busy_program(busy, popen, threads):
+    prog = support.start_busy(popen, busy, threads, DEPTH)
+    # The return probe is registered after the entry probe is armed and hit, and its
+    # function is in libc: a new out-of-line page again, with a hit queued.
+    r = cli("trace", "-p", prog.pid, "-n", "200", "hot i=%di:s64", "r libc:getpid")
+    assert r.returncode == 0, r.stderr
+    got = bodies(r.stdout)
+    assert len(got) == 200, r.stdout
+    assert all(re.fullmatch(r"p_hot_0: \(hot\+0x0/0x[0-9a-f]+\) i=\d+", b) for b in got), got[:3]
+    assert summary(r.stderr)[0] == 200
+    assert_unharmed(prog, threads)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_latency_on_a_busy_program(busy, popen, threads):
+    prog = support.start_busy(popen, busy, threads, DEPTH)
+    r = cli("latency", "-p", prog.pid, "-d", "1", "rec")
+    assert r.returncode == 0, r.stderr
+    events, hits, _, dropped = summary(r.stderr)
+    assert histogram_total(r.stdout, "nsecs") == events == hits > 0
+    assert dropped == 0
+    assert_unharmed(prog, threads)
