@@ -82,7 +82,45 @@ def test_latency_on_a_busy_program(busy, popen, threads):
     prog = support.start_busy(popen, busy, threads, DEPTH)
     r = cli("latency", "-p", prog.pid, "-d", "1", "rec")
     assert r.returncode == 0, r.stderr
-    events, hits, _, dropped = summary(r.stderr)
+    events, hits, missed, dropped = summary(r.stderr)
     assert histogram_total(r.stdout, "nsecs") == events == hits > 0
-    assert dropped == 0
+    assert (missed, dropped) == (0, 0), r.stderr
     assert_unharmed(prog, threads)
+
+
+# -- (5) return probes of the command line follow every call --------------------------------
+
+
+@pytest.mark.parametrize(("calls", "depth"), [(10, 50), (1, 10_000)])
+def test_latency_follows_every_call_of_a_deep_recursion(busy, calls, depth):
+    r = cli("latency", "-c", f"{busy} 1 {calls} {depth}", "rec")
+    assert r.returncode == 0, r.stderr
+    n = calls * (depth + 1)
+    assert histogram_total(r.stdout, "nsecs") == n
+    assert re.search(rf"count: {n}$", r.stdout, re.M)
+    assert summary(r.stderr) == (n, n, 0, 0)
+    assert "WARNING" not in r.stderr
+    assert support.busy_output(1, depth, calls) in r.stdout  # the program's own, unharmed
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["latency", "--maxactive", "20", "rec"],
+        ["trace", "r20 rec"],
+    ],
+)
+def test_an_explicit_maxactive_is_honoured_and_its_misses_explained(busy, args):
+    cmd, *rest = args
+    r = cli(cmd, "-c", f"{busy} 1 10 50", *rest)
+    assert r.returncode == 0, r.stderr
+    events, hits, missed, _ = summary(r.stderr)
+    assert (events, hits, missed) == (200, 200, 310)  # 20 of each 51-deep descent
+    assert "WARNING: 310 hits lost" in r.stderr
+    assert re.search(r"^hint: \S+ follows at most 20 calls at once \(r20\)", r.stderr, re.M)
+
+
+def test_latency_refuses_a_maxactive_above_the_kernels_limit(busy):
+    r = cli("latency", "--maxactive", "5000", "-c", f"{busy} 1 1 1", "rec")
+    assert r.returncode == 2
+    assert "--maxactive 5000" in r.stderr and "4096" in r.stderr

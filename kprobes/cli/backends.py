@@ -26,11 +26,12 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 from kprobes.cli.targets import command_argv, open_target
 from kprobes.core.probes import Kprobe
-from kprobes.core.retprobes import Kretprobe
+from kprobes.core.retprobes import InstancePool, Kretprobe, KretprobeInstance
 from kprobes.errors import ProbeError, ProbeRejected, SpecError, TargetError, TraceFsError
 from kprobes.model import Event
 from kprobes.process.target import Process, spawn
@@ -130,6 +131,59 @@ class Backend(abc.ABC):
         return 0
 
 
+# Instances a return probe of the command line may have in flight when its line gives no
+# ``rN``: a frame is at least 16 bytes (return address, alignment), so an 8 MiB stack holds
+# at most 2**19 frames; 2**20 covers any realistic depth over a few threads, and bounds the
+# memory (~180 bytes an instance) of a function that never returns.
+GROWING_MAXACTIVE = 1 << 20
+
+
+class GrowingPool(InstancePool):
+    """A kretprobe instance pool that makes more instances whenever none is free, twice as
+    many each time, up to ``limit``: the command line's return probes when the line gives no
+    ``rN``. It takes over the instances the target made at registration (``start``), before
+    any call used one, and hands each new block to ``equip`` (the target's per-instance
+    state: ``Process.equip_kretprobe_instances``).
+
+    The API keeps the document's pool, ``maxactive`` instances made at registration
+    (``max(10, 2 * threads)`` by default), as a program's handlers expect. The commands have
+    no reason to drop calls: ``latency rec`` on a recursion 10,000 deep must count every one.
+    Rejected: a large fixed ``maxactive`` (4096 made at registration costs ~10 ms and ~0.75 MB
+    per probe, and a deeper recursion still loses calls).
+    """
+
+    __slots__ = ("equip", "limit", "probe")
+
+    def __init__(
+        self,
+        probe: Kretprobe,
+        start: InstancePool,
+        equip: Callable[[list[KretprobeInstance]], None],
+        limit: int = GROWING_MAXACTIVE,
+    ) -> None:
+        super().__init__(probe, 0)
+        self.probe = probe
+        self.free = start.free
+        self.size = start.size
+        self.equip = equip
+        self.limit = limit
+
+    def get(self) -> KretprobeInstance | None:
+        free = self.free
+        if free:
+            return free.pop()
+        if self.size >= self.limit:
+            return None
+        made = [
+            KretprobeInstance(self.probe)
+            for _ in range(min(max(self.size, 16), self.limit - self.size))
+        ]
+        self.equip(made)
+        self.size += len(made)
+        free.extend(made)
+        return free.pop()
+
+
 class PtraceBackend(Backend):
     """Our own kprobes on one process, through ptrace."""
 
@@ -146,8 +200,16 @@ class PtraceBackend(Backend):
 
     def place(self, specs: Sequence[ProbeSpec]) -> list[Placed]:
         placed = self.tracer.place(specs)
+        for one in placed:
+            # No instance is in flight yet: hits are handled only once run() is called.
+            probe = one.probe
+            if isinstance(probe, Kretprobe) and not one.spec.maxactive and probe.pool:
+                probe.pool = GrowingPool(probe, probe.pool, partial(self._equip, probe))
         self.placed += placed
         return list(placed)
+
+    def _equip(self, probe: Kretprobe, made: list[KretprobeInstance]) -> None:
+        self.proc.equip_kretprobe_instances(probe, made)
 
     def functions(self, pattern: str) -> list[str]:
         module, sep, glob = pattern.rpartition(":")

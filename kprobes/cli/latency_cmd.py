@@ -13,8 +13,10 @@ import sys
 from typing import Any
 
 from kprobes.cli.session import Session, add_common_arguments, parse_spec
+from kprobes.errors import SpecError
 from kprobes.model import Event
 from kprobes.output.hist import LatencyStats, Log2Histogram, format_average
+from kprobes.spec.parser import KRETPROBE_MAXACTIVE_MAX
 
 UNITS = {"nsecs": 1e9, "usecs": 1e6, "msecs": 1e3}
 
@@ -26,13 +28,26 @@ def add_parser(sub: Any) -> None:
     unit = p.add_mutually_exclusive_group()
     unit.add_argument("-u", "--microseconds", action="store_true", help="in microseconds")
     unit.add_argument("-m", "--milliseconds", action="store_true", help="in milliseconds")
-    p.add_argument("--maxactive", type=int, default=0, help="instances per function")
+    p.add_argument(
+        "--maxactive",
+        type=int,
+        default=0,
+        help="calls followed at once (default: as many as needed with the ptrace backend, "
+        "the kernel's default with --kernel)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     unit = "msecs" if args.milliseconds else "usecs" if args.microseconds else "nsecs"
     scale = UNITS[unit]
+    if not 0 <= args.maxactive <= KRETPROBE_MAXACTIVE_MAX:
+        raise SpecError(
+            f"--maxactive {args.maxactive}: give 1 to {KRETPROBE_MAXACTIVE_MAX} instances (the "
+            "kernel's limit), or leave it out: the ptrace backend then makes as many as there "
+            "are calls in flight",
+            column=0,
+        )
     maxactive = str(args.maxactive) if args.maxactive > 0 else ""
     spec = parse_spec(f"r{maxactive} {args.function}")
     session = Session(args, [spec])

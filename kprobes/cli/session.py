@@ -171,7 +171,7 @@ class Session:
         return self.backend.dropped if self.backend is not None else 0
 
     def summary(self) -> str:
-        return format_summary(
+        text = format_summary(
             events=self.events,
             hits=self.hits,
             misses=self.missed,
@@ -179,3 +179,21 @@ class Session:
             duration=time.monotonic() - self.started,
             missed_by_probe={p.name: p.missed for p in self.placed},
         )
+        for p in self.placed:
+            if p.spec.is_return and p.missed:
+                text += _return_miss_hint(p)
+        return text
+
+
+def _return_miss_hint(placed: Placed) -> str:
+    """What to do about a return probe's misses: most are calls that found no free instance."""
+    n = placed.spec.maxactive
+    if n:
+        return (
+            f"hint: {placed.name} follows at most {n} calls at once (r{n}) and missed "
+            f"{placed.missed}: give a larger N, or leave rN out (latency: --maxactive N)\n"
+        )
+    return (
+        f"hint: {placed.name} missed {placed.missed} calls: give more instances with rN in "
+        "the probe line (latency: --maxactive N)\n"
+    )

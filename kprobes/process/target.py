@@ -28,7 +28,13 @@ from kprobes.arch.x86_64.rescue import AREA_SIZE as RESCUE_SIZE
 from kprobes.arch.x86_64.rescue import RECORD_SIZE
 from kprobes.core.manager import ProbeManager
 from kprobes.core.probes import Kprobe
-from kprobes.core.retprobes import InstancePool, Jprobe, Kretprobe, default_maxactive
+from kprobes.core.retprobes import (
+    InstancePool,
+    Jprobe,
+    Kretprobe,
+    KretprobeInstance,
+    default_maxactive,
+)
 from kprobes.core.table import ProbeSite
 from kprobes.errors import (
     Blacklisted,
@@ -98,7 +104,8 @@ class Process:
         self._ifuncs: dict[int, int] = {}
         self._syscall_insn: int | None = None
         self._unwind_guarded: set[int] = set()
-        self._records: dict[int, int] = {}  # id(pool) → where its rescue records start
+        # id(kretprobe) → where each block of its instances' rescue records starts
+        self._records: dict[int, list[int]] = {}
         self._saved_affinity: dict[int, set[int]] | None = None
         self._attached = True
 
@@ -324,7 +331,7 @@ class Process:
                         rp.maxactive if rp.maxactive > 0 else default_maxactive(len(self.threads))
                     )
                     rp.pool = InstancePool(rp, size)
-                    self._give_records(rp.pool)
+                    self._give_records(rp, rp.pool.free)
                     rp.kp.pre_handler = self._tracer.trampoline.entry_handler_for(rp)
                     try:
                         self._manager.register(rp.kp)
@@ -352,20 +359,29 @@ class Process:
         self._manager.unregister(rp.kp)
         if self._attached and self._tracer.main is not None:
             self._tracer.trampoline.unhook(list(self._tracer.threads.values()), rp)
-        if rp.pool is not None:
-            start = self._records.pop(id(rp.pool), 0)
+        for start in self._records.pop(id(rp), ()):
             self._tracer.rescue.free_records(start)
         rp.pool = None
 
-    def _give_records(self, pool: InstancePool) -> None:
+    def equip_kretprobe_instances(
+        self, rp: Kretprobe, instances: Sequence[KretprobeInstance]
+    ) -> None:
+        """Instances that the pool of the registered ``rp`` made after its registration (the
+        command line's pools grow on demand) get what the target keeps for each: their
+        place in the rescue's return records, so that the frames they hook survive the
+        tool's death as the others do. Callable from a handler."""
+        if rp.pool is None:
+            raise ProbeRejected(f"{rp!r} is not registered", errno=errno.EINVAL)
+        self._give_records(rp, instances)
+
+    def _give_records(self, rp: Kretprobe, instances: Sequence[KretprobeInstance]) -> None:
         """Each instance's place in the rescue's return records (``rescue.py``)."""
-        instances = pool.free
         start = self._tracer.rescue.alloc_records(
             self._tracer.own_memories(), len(instances), self._map_records
         )
         if not start:
             return
-        self._records[id(pool)] = start
+        self._records.setdefault(id(rp), []).append(start)
         for i, ri in enumerate(instances):
             ri.record = start + i * RECORD_SIZE
 
