@@ -11,13 +11,18 @@ ours reads as one.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import support
-from test_cli_trace import bodies, cli, count_rows, histogram_total
+from test_cli_trace import KPROBES, bodies, cli, count_rows, histogram_total
+
+import kprobes
 
 pytestmark = pytest.mark.ptrace
 
@@ -124,3 +129,82 @@ def test_latency_refuses_a_maxactive_above_the_kernels_limit(busy):
     r = cli("latency", "--maxactive", "5000", "-c", f"{busy} 1 1 1", "rec")
     assert r.returncode == 2
     assert "--maxactive 5000" in r.stderr and "4096" in r.stderr
+
+
+# -- (4) SIGINT to a command started with SIGINT ignored ------------------------------------
+
+MODULE = """
+hits = 0
+
+def init(target):
+    import kprobes
+    def pre(p, regs):
+        global hits
+        hits += 1
+    target.register_kprobe(kprobes.Kprobe(symbol="hot", pre_handler=pre))
+
+def exit(target):
+    print(f"module saw {hits} hits")
+"""
+
+
+@pytest.mark.parametrize("command", ["count", "trace", "latency", "hist", "run"])
+def test_sigint_ends_a_command_started_in_the_background_of_a_script(
+    busy, popen, tmp_path, command
+):
+    # A non-interactive shell starts a background job with SIGINT ignored.
+    probe = subprocess.run(
+        ["sh", "-c", "grep SigIgn /proc/self/status & wait"], capture_output=True, text=True
+    )
+    assert int(probe.stdout.split()[1], 16) & 1 << (signal.SIGINT - 1), probe.stdout
+    prog = support.start_busy(popen, busy, 1, DEPTH)
+    func = "rec" if command == "latency" else "hot"
+    args = {
+        "count": ["count", "-p", prog.pid, "hot"],
+        "trace": ["trace", "-p", prog.pid, "hot"],
+        "latency": ["latency", "-p", prog.pid, "rec"],
+        "hist": ["hist", "-p", prog.pid, "hot i=%di:u64", "--key", "i", "-H"],
+        "run": ["run", tmp_path / "module.py", "-p", prog.pid],
+    }[command]
+    (tmp_path / "module.py").write_text(MODULE)
+    out, err = tmp_path / "out", tmp_path / "err"
+    script = f'"$@" >{out} 2>{err} & echo $!; wait $!'
+    shell = popen(["sh", "-c", script, "sh", KPROBES, *args], stdout=subprocess.PIPE)
+    assert shell.stdout is not None
+    pid = int(support.read_line(shell.stdout.fileno(), timeout=10))
+    addr = support.runtime_address(prog.pid, busy, func)
+
+    def placed() -> bool:
+        assert shell.poll() is None, f"{command} ended: {err.read_text()}"
+        return support.raw_read(prog.pid, addr, 1) == b"\xcc"
+
+    support.wait_until(placed, 20, f"a probe on {func}")
+    time.sleep(0.3)  # hits under way
+
+    os.kill(pid, signal.SIGINT)
+    start = time.monotonic()
+    try:
+        shell.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        os.kill(pid, signal.SIGTERM)  # the probes go, the program stays
+        raise
+    took = time.monotonic() - start
+    assert shell.returncode == 0, err.read_text()
+    assert took < 1.0, f"{command} took {took:.2f} s to end after SIGINT"
+    if command == "run":
+        assert re.fullmatch(r"module saw [1-9]\d* hits\n", out.read_text())
+    else:
+        events, hits, _, dropped = summary(err.read_text())
+        assert events > 0 and hits > 0 and dropped == 0
+    assert_unharmed(prog, 1)
+
+
+def test_the_library_leaves_sigint_alone(busy, popen):
+    before = signal.getsignal(signal.SIGINT)
+    prog = support.start_busy(popen, busy, 1, DEPTH)
+    with kprobes.attach(prog.pid) as proc:
+        proc.register_kprobe(kprobes.Kprobe(symbol="hot"))
+        proc.run(timeout=0.1)
+        assert signal.getsignal(signal.SIGINT) is before
+    assert signal.getsignal(signal.SIGINT) is before
+    assert_unharmed(prog, 1)

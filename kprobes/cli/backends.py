@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
+from kprobes.cli.sigint import is_in_trace_stop
 from kprobes.cli.targets import command_argv, open_target
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import InstancePool, Kretprobe, KretprobeInstance
@@ -130,6 +131,14 @@ class Backend(abc.ABC):
         """Events lost before they could be read (a full ring buffer)."""
         return 0
 
+    def end_run(self, exc: BaseException) -> None:  # noqa: B027 - most need nothing
+        """Make ``run()`` raise ``exc`` at its next safe point (``sigint.py``); the kernel's
+        probes need none: an exception anywhere leaves them whole."""
+
+    def is_mid_hit(self) -> bool:
+        """Could an exception raised now cut a stop of the program in two? (``sigint.py``)"""
+        return False
+
 
 # Instances a return probe of the command line may have in flight when its line gives no
 # ``rN``: a frame is at least 16 bytes (return address, alignment), so an 8 MiB stack holds
@@ -219,6 +228,12 @@ class PtraceBackend(Backend):
 
     def run(self, timeout: float | None) -> bool:
         return self.proc.run(timeout=timeout)
+
+    def end_run(self, exc: BaseException) -> None:
+        self.proc.end_run(exc)
+
+    def is_mid_hit(self) -> bool:
+        return is_in_trace_stop(self.proc.pid)
 
     def close(self) -> None:
         try:

@@ -55,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
             if not found:
                 raise SpecError(f"no function matches {pattern!r}", column=0, text=pattern)
             for where in found:
+                if session.interrupted:
+                    return  # SIGINT: count what is placed so far
                 spec: ProbeSpec = parse_spec(where)
                 try:
                     (placed,) = backend.place([spec])

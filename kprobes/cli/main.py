@@ -2,6 +2,8 @@
 
 Every ``ProbeError`` is caught here, in one place, and becomes one line on stderr and an exit
 code: 2 for bad usage or a bad spec, 1 for any other failure.
+
+SIGINT ends every command as Ctrl-C does, even one started with SIGINT ignored (``sigint.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from kprobes.cli import count_cmd, hist_cmd, latency_cmd, list_cmd, run_cmd, trace_cmd
+from kprobes.cli.sigint import sigint_ends_command
 from kprobes.errors import ProbeError, SpecError, TraceFsError
 
 EXIT_FAILURE = 1
@@ -36,7 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        code: int = args.func(args)
+        with sigint_ends_command():
+            code: int = args.func(args)
     except SpecError as exc:
         print(f"kprobes: {exc}", file=sys.stderr)
         if exc.text:  # point at the column, as the kernel's error_log does

@@ -2,10 +2,11 @@
 
 The equivalent of loading a kprobes kernel module: the Python file's ``init(target)``
 registers probes (its handlers print what they like, as a module's handlers call printk),
-the program runs until it exits or Ctrl-C, then the optional ``exit(target)`` runs (as at
-rmmod) and every probe is removed. ``PARAM=VALUE`` words set the module's global variables
-before ``init`` runs, like ``insmod mod.ko func=...`` sets ``module_param`` variables; the
-value is converted to the type of the variable's default.
+the program runs until it exits or Ctrl-C (SIGINT, obeyed at a safe point: ``sigint.py``),
+then the optional ``exit(target)`` runs (as at rmmod) and every probe is removed.
+``PARAM=VALUE`` words set the module's global variables before ``init`` runs, like
+``insmod mod.ko func=...`` sets ``module_param`` variables; the value is converted to the
+type of the variable's default.
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ import sys
 from types import ModuleType
 from typing import Any
 
+from kprobes.cli.sigint import (
+    RunInterrupted,
+    SafeInterrupt,
+    is_in_trace_stop,
+    sigint_ignored,
+)
 from kprobes.cli.targets import add_target_arguments, open_target
 from kprobes.errors import SpecError, TargetError
 
@@ -81,12 +88,18 @@ def run(args: argparse.Namespace) -> int:
     set_params(module, args.params)
     proc = open_target(args, follow_forks=args.follow_forks)
     exit_fn = getattr(module, "exit", None)
+    interrupt = SafeInterrupt(proc.end_run, lambda: is_in_trace_stop(proc.pid))
     try:
-        module.init(proc)
-        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends the run, like rmmod
-            proc.run()
+        with interrupt.installed():
+            module.init(proc)
+            interrupt.is_placing = False
+            # Ctrl-C ends the run, like rmmod
+            with contextlib.suppress(KeyboardInterrupt, RunInterrupted):
+                if not interrupt.interrupted:
+                    proc.run()
         if callable(exit_fn):
             exit_fn(proc)
     finally:
-        proc.detach()
+        with sigint_ignored():
+            proc.detach()
     return 0

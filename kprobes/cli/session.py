@@ -3,7 +3,8 @@
 ``trace``, ``count``, ``latency`` and ``hist`` differ only in what they do with each event
 (the sink) and what they print at the end. The loop here owns the rest: the backend and its
 target (``--backend``/``--kernel``, ``-p``/``-c``: ``backends.py``), ``-d`` duration, ``-n``
-max events, ``--filter``, Ctrl-C, a live status line on stderr when it is a terminal, and the
+max events, ``--filter``, SIGINT (Ctrl-C, or ``kill -INT``: the run ends at a safe point,
+``sigint.py``), a live status line on stderr when it is a terminal, and the
 summary that counts every missed hit and every dropped event.
 """
 
@@ -16,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from kprobes.cli.backends import Backend, Placed, add_backend_arguments, open_backend
+from kprobes.cli.sigint import RunInterrupted, SafeInterrupt
 from kprobes.cli.targets import add_target_arguments
 from kprobes.errors import SpecError
 from kprobes.model import Event
@@ -81,6 +83,7 @@ class Session:
         self.prepare: Callable[[Backend], None] | None = None
         self.patterns: list[str] = []  # the globs ``prepare`` places (they may name the file)
         self.entry_times = False  # return events must carry entry_timestamp (latency)
+        self._interrupt = SafeInterrupt()
 
     @staticmethod
     def _compile_filter(
@@ -93,34 +96,51 @@ class Session:
             fields.update(spec.filter_fields)
         return compile_filter(parse_filter(text, fields))
 
+    @property
+    def interrupted(self) -> bool:
+        """SIGINT came: placing stops between two probes, the run ends at a safe point."""
+        return self._interrupt.interrupted
+
     def sink(self, event: Event) -> None:
-        if self._filter is not None and not self._filter(event_fields(event)):
-            return
-        self.events += 1
-        self.handle(event)
         if self._max is not None and self.events >= self._max:
-            raise EnoughEvents
+            raise EnoughEvents  # a kernel backend delivers the rest of its batch
+        if self._filter is None or self._filter(event_fields(event)):
+            self.events += 1
+            self.handle(event)
+            if self._max is not None and self.events >= self._max:
+                raise EnoughEvents  # from a handler: the tracer finishes the hit first
 
     def run(self) -> None:
-        self.backend = backend = open_backend(
-            self.args,
-            self.sink,
-            self.specs,
-            entry_times=self.entry_times,
-            patterns=self.patterns,
-        )
-        try:
-            if self.prepare is not None:
-                self.prepare(backend)
-            backend.place(self.specs)
-            self._loop(backend)
-        finally:
+        interrupt = self._interrupt
+        with interrupt.installed():
+            self.backend = backend = open_backend(
+                self.args,
+                self.sink,
+                self.specs,
+                entry_times=self.entry_times,
+                patterns=self.patterns,
+            )
+            interrupt.end_run = backend.end_run
+            interrupt.is_mid_hit = backend.is_mid_hit
             try:
-                backend.close()
+                try:
+                    if self.prepare is not None:
+                        self.prepare(backend)
+                    if not interrupt.interrupted:
+                        backend.place(self.specs)
+                    interrupt.is_placing = False
+                    if not interrupt.interrupted:
+                        self._loop(backend)
+                except (EnoughEvents, KeyboardInterrupt, RunInterrupted):
+                    pass  # -n, or SIGINT (sigint.py): the run ends with its summary
             finally:
-                backend.end_command()
-            if self._status:
-                sys.stderr.write("\r\x1b[K")
+                interrupt.quiet()
+                try:
+                    backend.close()
+                finally:
+                    backend.end_command()
+                if self._status:
+                    sys.stderr.write("\r\x1b[K")
 
     @property
     def placed(self) -> list[Placed]:
@@ -144,11 +164,11 @@ class Session:
                 if next_tick is not None and now >= next_tick and self.on_interval is not None:
                     self.on_interval()
                     next_tick += self.interval or 0.0
-                if done or (deadline is not None and now >= deadline):
+                if done or self.interrupted or (deadline is not None and now >= deadline):
                     return
                 if not periodic and timeout is None:
                     return
-        except (EnoughEvents, KeyboardInterrupt):
+        except (EnoughEvents, KeyboardInterrupt, RunInterrupted):
             return
 
     def _print_status(self, now: float) -> None:

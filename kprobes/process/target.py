@@ -134,6 +134,13 @@ class Process:
             self._finish()
         return done
 
+    def end_run(self, exc: BaseException) -> None:
+        """Make ``run()`` raise ``exc`` once it has finished the stop it is handling (or, if
+        it is waiting, the next one): a way out of ``run()`` that never leaves a thread
+        half-way through a hit, as an exception raised at a random point (by a signal
+        handler, say) can. Callable from a signal handler; the first request counts."""
+        self._manager.table.park(exc)
+
     def detach(self) -> None:
         """Restore every patched byte and release every thread; the program carries on."""
         if not self._attached:

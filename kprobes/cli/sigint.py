@@ -1,0 +1,146 @@
+"""SIGINT in the command line: it ends a command as Ctrl-C does, whatever we inherited, and it
+ends a tracing run where ending is safe.
+
+A shell script's background job starts with SIGINT ignored (``kprobes count -p PID f &`` then
+``kill -INT $!`` did nothing), and CPython keeps an inherited SIG_IGN. perf and bpftrace
+install their own SIGINT handler and end with their summary; so do we, for every command
+(``sigint_ends_command``, installed by ``main``): SIGINT raises ``KeyboardInterrupt``.
+
+While probes are live, an exception at an arbitrary point is not harmless. Raised between
+the tracer's ``waitpid`` and its resuming the thread, it loses that stop: the thread waits at
+the byte after our int3 with nobody knowing, and the detach that follows can only guess (it
+waited two seconds for an interrupt stop that never came, then let the thread go on from the
+middle of an instruction). So while probes are live, SIGINT (``SafeInterrupt``):
+
+* while probes are being placed, only sets ``interrupted``: placing stops between two probes
+  and the run is skipped;
+* then asks the target to end its run (``Process.end_run``): the tracer raises
+  ``RunInterrupted`` out of ``run()`` once it has finished the stop it is handling, or the
+  next one, never in the middle of one;
+* and raises ``KeyboardInterrupt`` itself only when no thread of the program is in a ptrace
+  stop (no stop to finish: the tracer is waiting in ``waitpid``, which an exception
+  interrupts without loss, or is between two stops), looked at again every few milliseconds
+  by a timer, and after half a second anyway (a thread may stay stopped for good).
+
+While the probes are removed SIGINT is only noted: an exception in the middle of a detach would
+leave the program with our breakpoints and nobody to answer them. Only the command line does
+any of this; the library leaves SIGINT to the program that imports it.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from types import FrameType
+from typing import Any
+
+from kprobes.linux import procfs
+
+# How soon a deferred SIGINT is looked at again.
+RECHECK = 0.005
+# How long a SIGINT may wait for a safe point before it is raised anyway.
+GIVE_UP = 0.5
+
+Handler = signal.Handlers | Callable[[int, FrameType | None], Any]
+
+
+class RunInterrupted(Exception):
+    """SIGINT, raised out of a target's ``run()`` once the stop it was handling is finished."""
+
+
+@contextmanager
+def sigint_ends_command() -> Iterator[None]:
+    """SIGINT raises ``KeyboardInterrupt`` in the block; the handler found is put back after
+    it (``main()`` may run in a process of others, as the tests do)."""
+    with _handler(signal.SIGINT, signal.default_int_handler):
+        yield
+
+
+@contextmanager
+def sigint_ignored() -> Iterator[None]:
+    """SIGINT is ignored in the block: for the removal of every probe."""
+    with _handler(signal.SIGINT, signal.SIG_IGN):
+        yield
+
+
+def is_in_trace_stop(pid: int) -> bool:
+    """Some thread of ``pid`` is in a ptrace stop: a stop the tracer may be handling."""
+    try:
+        tids = procfs.list_tasks(pid)
+    except OSError:
+        return False
+    return any(procfs.task_state(pid, tid) == "t" for tid in tids)
+
+
+class SafeInterrupt:
+    """SIGINT for one run with live probes (see the module's docstring).
+
+    ``end_run(exc)`` makes the run raise ``exc`` at its next safe point (the ptrace target:
+    ``Process.end_run``); ``is_mid_hit()`` says whether raising here and now could cut a
+    stop in two.
+    """
+
+    def __init__(
+        self,
+        end_run: Callable[[BaseException], None] = lambda exc: None,
+        is_mid_hit: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.interrupted = False
+        self.is_placing = True  # probes are being placed: never raise, stop between two
+        self.end_run = end_run
+        self.is_mid_hit = is_mid_hit
+        self._since = 0.0
+        self._has_asked = False
+        self._is_quiet = False
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        with ExitStack() as stack:
+            stack.enter_context(_handler(signal.SIGINT, self._on_sigint))
+            stack.enter_context(_handler(signal.SIGALRM, self._on_recheck))
+            try:
+                yield
+            finally:
+                self.quiet()
+
+    def quiet(self) -> None:
+        """From now on (the probes are being removed) SIGINT is only noted."""
+        self._is_quiet = True
+        if threading.current_thread() is threading.main_thread():
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
+        if not self.interrupted:
+            self.interrupted = True
+            self._since = time.monotonic()
+        self._raise_when_safe()
+
+    def _on_recheck(self, signum: int, frame: FrameType | None) -> None:
+        if self.interrupted:
+            self._raise_when_safe()
+
+    def _raise_when_safe(self) -> None:
+        if self._is_quiet or self.is_placing:
+            return  # placing: the caller looks at ``interrupted`` once it is over
+        if not self._has_asked:
+            self._has_asked = True
+            self.end_run(RunInterrupted())
+        if time.monotonic() - self._since < GIVE_UP and self.is_mid_hit():
+            signal.setitimer(signal.ITIMER_REAL, RECHECK)  # in case no stop comes
+            return
+        raise KeyboardInterrupt
+
+
+@contextmanager
+def _handler(signum: int, handler: Handler) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers: leave them to it
+        return
+    previous = signal.signal(signum, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signum, previous)
