@@ -23,6 +23,8 @@ import support
 from test_cli_trace import KPROBES, bodies, cli, count_rows, histogram_total
 
 import kprobes
+from kprobes.cli import main as cli_main
+from kprobes.errors import InternalError
 
 pytestmark = pytest.mark.ptrace
 
@@ -208,3 +210,23 @@ def test_the_library_leaves_sigint_alone(busy, popen):
         assert signal.getsignal(signal.SIGINT) is before
     assert signal.getsignal(signal.SIGINT) is before
     assert_unharmed(prog, 1)
+
+
+# -- (6) a bug of ours is said to be one ----------------------------------------------------
+
+
+def test_an_internal_error_asks_for_a_bug_report(monkeypatch, capsys):
+    def broken(pid: int) -> None:
+        raise InternalError("the probe table is upside down")
+
+    monkeypatch.setattr("kprobes.cli.list_cmd.read_state", broken)
+    code = cli_main.main(["list", "-p", "12345"])
+    assert code == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "kprobes: internal error: the probe table is upside down"
+    assert len(err) > 3
+    text = "\n".join(err)
+    assert "bug in kprobes" in text and "report" in text
+    assert f"kprobes {kprobes.__version__}" in text
+    assert "kprobes list -p 12345" in text  # the command line
+    assert re.search(r"raised at: .*test_cli_busy\.py:\d+ in broken", text)

@@ -1,7 +1,10 @@
 """The ``kprobes`` command: one module per subcommand; the only place that prints.
 
-Every ``ProbeError`` is caught here, in one place, and becomes one line on stderr and an exit
-code: 2 for bad usage or a bad spec, 1 for any other failure.
+Every ``ProbeError`` is caught here, in one place, and becomes a message on stderr and an exit
+code: 2 for bad usage or a bad spec, 1 for any other failure. An ``InternalError`` is a bug of
+ours, about which the user can do nothing but tell us: it is said so, with what a report needs
+(version, command line, the message and where it was raised), never as a bare line that reads
+like the user's mistake.
 
 SIGINT ends every command as Ctrl-C does, even one started with SIGINT ignored (``sigint.py``).
 """
@@ -9,12 +12,16 @@ SIGINT ends every command as Ctrl-C does, even one started with SIGINT ignored (
 from __future__ import annotations
 
 import argparse
+import platform
+import shlex
 import sys
+import traceback
 from collections.abc import Sequence
 
+from kprobes import __version__
 from kprobes.cli import count_cmd, hist_cmd, latency_cmd, list_cmd, run_cmd, trace_cmd
 from kprobes.cli.sigint import sigint_ends_command
-from kprobes.errors import ProbeError, SpecError, TraceFsError
+from kprobes.errors import InternalError, ProbeError, SpecError, TraceFsError
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -24,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kprobes", description="Kprobes for live x86-64 Linux processes."
     )
-    parser.add_argument("--version", action="version", version="kprobes 0.1.0")
+    parser.add_argument("--version", action="version", version=f"kprobes {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     list_cmd.add_parser(sub)
     run_cmd.add_parser(sub)
@@ -46,6 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if exc.text:  # point at the column, as the kernel's error_log does
             print(f"  {exc.text}\n  {' ' * exc.column}^", file=sys.stderr)
         return EXIT_USAGE
+    except InternalError as exc:
+        print(bug_report(exc, sys.argv[1:] if argv is None else argv), file=sys.stderr, end="")
+        return EXIT_FAILURE
     except ProbeError as exc:
         print(f"kprobes: {exc}", file=sys.stderr)
         if isinstance(exc, TraceFsError) and exc.log_line:
@@ -55,6 +65,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return code
+
+
+def bug_report(exc: InternalError, argv: Sequence[str]) -> str:
+    """What the user reads when kprobes reached a state it should never reach."""
+    where = ""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames:
+        last = frames[-1]
+        where = f"  raised at: {last.filename}:{last.lineno} in {last.name}\n"
+    return (
+        f"kprobes: internal error: {exc}\n"
+        "This is a bug in kprobes, not a mistake of yours. Please report it, with these "
+        "details:\n"
+        f"  version:   kprobes {__version__}, Python {platform.python_version()}, "
+        f"Linux {platform.release()}\n"
+        f"  command:   {shlex.join(['kprobes', *argv])}\n"
+        f"  message:   {exc}\n"
+        f"{where}"
+    )
 
 
 if __name__ == "__main__":
