@@ -20,9 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import kprobes
 import pytest
 import support
+
+import kprobes
 
 pytestmark = pytest.mark.ptrace
 
@@ -220,3 +221,22 @@ proc.run()
     time.sleep(0.3)
     kill_tool(tool, prog)
     finish_busy(prog, 2)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_detach_after_a_lost_stop_report(popen, build, threads):
+    """A stop whose report the tool took and lost (as a KeyboardInterrupt between waitpid
+    and the code that records it would lose it): detach finds the trap from the thread's
+    siginfo and puts it back on its int3, instead of letting it go on mid-instruction."""
+    prog = start_busy(popen, build, threads)
+    with kprobes.attach(prog.pid) as proc:
+        # rec+0x11 is `mov $0x0,%eax` (b8 00 00 00 00): one byte on, `add %al,(%rax)`
+        # writes to wherever rax points (the value of a counter: a fault).
+        assert dict(support.function_insns(build("busy"), "rec"))[0x11] == "mov    $0x0,%eax"
+        proc.register_kprobe(kprobes.Kprobe(symbol="rec+0x11", pre_handler=lambda p, r: None))
+        proc.run(timeout=0.05)
+        stolen, status = os.waitpid(-1, 0x40000000)  # __WALL: the report the tool loses
+        assert os.WIFSTOPPED(status) and os.WSTOPSIG(status) == signal.SIGTRAP, status
+        assert stolen in proc.threads
+    time.sleep(0.2)
+    finish_busy(prog, threads)

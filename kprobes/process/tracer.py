@@ -844,16 +844,35 @@ class Tracer:
             return None
 
     def _assume_stopped(self) -> None:
-        """Threads we did not hear from in time: trust /proc when it says they are stopped."""
+        """Threads we did not hear from in time: trust /proc when it says they are stopped.
+
+        Such a thread may sit in a stop whose report we took from the kernel and lost (an
+        exception, KeyboardInterrupt say, between ``waitpid`` and the code that records it):
+        its siginfo says which. A signal-delivery stop is held as if just reported (the trap
+        of one of our int3s is put back on its int3, another signal is delivered later);
+        left alone, the thread would resume past our int3, mid-instruction.
+        """
         for t in list(self.threads.values()):
-            if t.state in RUNNING_STATES:
-                state = procfs.task_state(t.tracee.pid, t.tid)
-                if state == "":
-                    self.drop_thread(t)
-                elif state in "tT":
-                    t.state = S.STOPPED
-                else:
-                    raise TargetError(f"thread {t.tid} did not stop (state {state!r})")
+            if t.state not in RUNNING_STATES:
+                continue
+            state = procfs.task_state(t.tracee.pid, t.tid)
+            if state == "":
+                self.drop_thread(t)
+                continue
+            if state not in "tT":
+                raise TargetError(f"thread {t.tid} did not stop (state {state!r})")
+            try:
+                tid, status = ptrace.waitpid(t.tid, ptrace.WNOHANG)
+            except ChildProcessError:
+                tid = status = 0
+            if tid == t.tid:
+                self._hold(t, status)  # the report was late, not lost
+                continue
+            lost = _lost_stop(t.tid)
+            if lost is None:
+                t.state = S.STOPPED  # a group-stop or an event stop: nothing to redo
+            else:
+                self._hold(t, lost)
 
     def resume_world(self) -> None:
         self._stop_depth -= 1
@@ -873,6 +892,20 @@ class Tracer:
                     t.resume()
                 except ProcessLookupError:
                     self.drop_thread(t)
+
+
+def _lost_stop(tid: int) -> int | None:
+    """The wait status of a signal-delivery stop ``tid`` is in, from its siginfo (None when
+    it is in another kind of stop)."""
+    try:
+        info = ptrace.getsiginfo(tid)
+    except OSError:
+        return None  # a group-stop has no siginfo
+    signo = int.from_bytes(info[0:4], "little")
+    code = siginfo_code(info)
+    if signo == signal.SIGTRAP and code > 0 and code >> 8:
+        return None  # a ptrace event stop (si_code = SIGTRAP | event << 8)
+    return (signo << 8) | 0x7F
 
 
 def _fault_trapnr(sig: int, info: bytes) -> int | None:
