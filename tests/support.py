@@ -490,3 +490,44 @@ def reference_output(
         [str(a) for a in argv], input=stdin, capture_output=True, timeout=timeout, check=True
     )
     return result.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Nothing of ours left behind
+
+
+def tracer_of(pid: int, tid: int) -> int:
+    """TracerPid of one thread of ``pid`` (0: untraced, or the thread is gone)."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            for line in f:
+                if line.startswith("TracerPid:"):
+                    return int(line.split(":", 1)[1])
+    except FileNotFoundError:
+        pass
+    return 0
+
+
+def assert_untouched(pid: int, path: Path | str) -> None:
+    """Every executable byte of the file ``path`` mapped in ``pid`` is the file's (no int3,
+    no jump of a tracer left), and no thread of ``pid`` is traced."""
+    real = str(Path(path).resolve())
+    compared = 0
+    with open(real, "rb") as f:
+        for m in maps(pid):
+            if m.path != real or "x" not in m.perms:
+                continue
+            live = raw_read(pid, m.start, m.end - m.start)
+            f.seek(m.offset)
+            disk = f.read(m.end - m.start)
+            for i, (a, b) in enumerate(zip(live, disk, strict=False)):
+                if a != b:
+                    raise AssertionError(
+                        f"byte {m.start + i:#x} of {Path(real).name} is {a:#04x} in process "
+                        f"{pid}, {b:#04x} in the file: left patched"
+                    )
+            compared += len(disk)
+    assert compared > 0, f"no executable mapping of {real} in {pid}"
+    traced = {tid: tracer_of(pid, tid) for tid in thread_ids(pid)}
+    traced = {tid: by for tid, by in traced.items() if by}
+    assert not traced, f"threads of {pid} still traced (tid: tracer): {traced}"

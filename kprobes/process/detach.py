@@ -124,11 +124,8 @@ def _send_home(tracer: Tracer, t: Thread) -> int | None:
     """Step 4: rip back on original code; the signal to deliver (None: the thread is gone)."""
     sig = 0
     if t.state is ThreadState.NEW:
-        try:
-            _, first = ptrace.waitpid(t.tid, 0)
-        except ChildProcessError:
-            return None
-        if os.WIFEXITED(first) or os.WIFSIGNALED(first):
+        first = _first_stop(tracer, t.tid)
+        if first is None or os.WIFEXITED(first) or os.WIFSIGNALED(first):
             return None
         t.state = ThreadState.STOPPED
     status = t.pending
@@ -172,6 +169,18 @@ def _send_home(tracer: Tracer, t: Thread) -> int | None:
         regs.rip = rip
         t.store_regs()
     return sig
+
+
+def _first_stop(tracer: Tracer, tid: int) -> int | None:
+    """The first stop of a new thread: reaped already (waiting in the inbox), or to come."""
+    for i, (who, status) in enumerate(tracer.inbox):
+        if who == tid:
+            del tracer.inbox[i]
+            return status
+    try:
+        return ptrace.waitpid(tid, 0)[1]
+    except ChildProcessError:
+        return None
 
 
 def _let_go(t: Thread, sig: int) -> None:

@@ -44,9 +44,11 @@ class Rescue:
     def __init__(self) -> None:
         self.area = 0  # 0 until installed
         self._reset()
+        self.unavailable: str | None = None  # why the program could not be given it
 
     def _reset(self) -> None:
         self.area = 0
+        self.unavailable = None
         self._bps: dict[int, int] = {}  # address → index in the breakpoint table
         self._redirects: dict[int, int] = {}  # slot → index in the redirect table
         self._pages: list[tuple[int, int]] = []

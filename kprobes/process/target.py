@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import builtins
 import errno
+import functools
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, Concatenate, ParamSpec, TypeVar
 
 from kprobes.arch.x86_64.decode import check_boundary, iter_insns
 from kprobes.arch.x86_64.emulate import changes_rip_only, emulator_for
@@ -70,8 +72,12 @@ _NR_MMAP = 9
 _MAP_FIXED_NOREPLACE = 0x100000
 _SCRATCH_GAP = 4096  # below a borrowed thread's stack pointer and red zone
 _MAX_FUNC_DECODE = 1 << 20
+_PF_KTHREAD = 0x00200000  # /proc/PID/stat flags: a kernel thread
+_RELEASE_TIMEOUT = 2.0  # a failed attach waits this long for each seized thread to stop
 
 StdStream = int | IO[Any] | None
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +90,25 @@ class ProbeLocation:
     is_executable: bool
     module_path: str = ""
     bias: int = 0  # runtime address = bias + the ELF file's virtual address
+
+
+def _says_when_gone(
+    method: Callable[Concatenate[Process, _P], _R],
+) -> Callable[Concatenate[Process, _P], _R]:
+    """A registration that fails because the program exited meanwhile (before it, or in
+    the middle, whatever step noticed) says that, in one line, as a ``TargetError``."""
+
+    @functools.wraps(method)
+    def registering(self: Process, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return method(self, *args, **kwargs)
+        except (TargetError, ProcessLookupError, ChildProcessError) as exc:
+            gone = self._gone()
+            if gone is None or (isinstance(exc, TargetError) and str(exc) == str(gone)):
+                raise
+            raise gone from exc
+
+    return registering
 
 
 class Process:
@@ -296,10 +321,12 @@ class Process:
 
     # -- the Kprobes API -------------------------------------------------------------------
 
+    @_says_when_gone
     def register_kprobe(self, kp: Kprobe) -> None:
         self._require_attached()
         self._manager.register(kp)
 
+    @_says_when_gone
     def register_kprobes(self, kps: Sequence[Kprobe]) -> None:
         self._require_attached()
         self._manager.register_many(kps)
@@ -321,6 +348,7 @@ class Process:
     def register_kretprobe(self, rp: Kretprobe) -> None:
         self.register_kretprobes([rp])
 
+    @_says_when_gone
     def register_kretprobes(self, rps: Sequence[Kretprobe]) -> None:
         """Register return probes; a failure rolls back the ones already registered."""
         self._require_attached()
@@ -440,6 +468,7 @@ class Process:
     def register_jprobe(self, jp: Jprobe) -> None:
         self.register_jprobes([jp])
 
+    @_says_when_gone
     def register_jprobes(self, jps: Sequence[Jprobe]) -> None:
         """Register jprobes; a failure rolls back the ones already registered."""
         self._require_attached()
@@ -522,8 +551,36 @@ class Process:
         self._user_blacklist.append(BlacklistEntry(start, end or start + 1, reason))
 
     def _require_attached(self) -> None:
-        if not self._attached or self._tracer.main is None:
-            raise TargetError(f"process {self.pid} has exited or was detached")
+        if self._attached and self._tracer.main is not None:
+            return
+        if not self._attached and self._tracer.exit_code is None:
+            raise TargetError(f"process {self.pid} was detached", errno=errno.ESRCH)
+        raise self._exited()
+
+    def _gone(self) -> TargetError | None:
+        """The error for a registration the program did not wait for: it has exited
+        (None while it lives, or once it was detached: that error is said as it is)."""
+        if not self._attached:
+            return None
+        if (
+            self._tracer.main is not None
+            and self._tracer.exit_code is None
+            and procfs.task_state(self.pid, self.pid) not in ("", "Z", "X")
+        ):
+            return None
+        return self._exited()
+
+    def _exited(self) -> TargetError:
+        code = self._tracer.exit_code
+        how = ""
+        if code is not None and code >= 0:
+            how = f" (exit status {code})"
+        elif code is not None:
+            try:
+                how = f" (killed by {signal.Signals(-code).name})"
+            except ValueError:
+                how = f" (killed by signal {-code})"
+        return TargetError(f"process {self.pid} has exited{how}", errno=errno.ESRCH)
 
     # -- ArchHooks -------------------------------------------------------------------------
 
@@ -829,23 +886,37 @@ class Process:
                 and status >> 16 == 0
             ):
                 return thread
+        threads = list(main.threads.values()) if main is not None else []
+        if threads and all(_is_group_stopped(t) for t in threads):
+            raise TargetError(
+                f"process {self.pid} is stopped (SIGSTOP or the like): kprobes needs one of "
+                "its threads to run a moment to place this probe; continue it (kill -CONT) "
+                "and try again",
+                errno=errno.EAGAIN,
+            )
         raise InternalError("no held thread to run code in: every thread is in an event stop")
 
     def _ensure_rescue(self) -> None:
         """Give the program its rescue before anything of ours goes in (``rescue.py``)."""
         rescue = self._tracer.rescue
-        if rescue.is_installed or self._tracer.main is None:
+        if rescue.is_installed or rescue.unavailable or self._tracer.main is None:
             return
+        # A program that cannot have it (a seccomp filter refusing mmap or rt_sigaction) is
+        # still probed, as before the rescue existed: only the tool's death would hurt it.
         with self._injection_thread() as thread:
-            rescue.install(
-                list(self._tracer.own_memories()), lambda size: self._map_rescue(thread, size)
-            )
-            sp = thread.regs.rsp if thread.busy else thread.load_regs().rsp
-            rescue.activate(
-                thread.tracee,
-                lambda nr, *args: inject.run_syscall(thread, 0, nr, *args, rescue=rescue),
-                scratch=((sp - _SCRATCH_GAP) & ~0xF) - 64,
-            )
+            try:
+                rescue.install(
+                    list(self._tracer.own_memories()),
+                    lambda size: self._map_rescue(thread, size),
+                )
+                sp = thread.regs.rsp if thread.busy else thread.load_regs().rsp
+                rescue.activate(
+                    thread.tracee,
+                    lambda nr, *args: inject.run_syscall(thread, 0, nr, *args, rescue=rescue),
+                    scratch=((sp - _SCRATCH_GAP) & ~0xF) - 64,
+                )
+            except TargetError as exc:
+                rescue.unavailable = str(exc)
 
     def _map_records(self, size: int) -> int:
         """More room for the rescue's return records (many large kretprobe pools)."""
@@ -879,6 +950,19 @@ class Process:
 
     def _publish(self) -> None:
         cleanup.publish(self, self.list() if self._tracer.main is not None else [])
+
+
+def _is_group_stopped(thread: Thread) -> bool:
+    """In a job-control stop (SIGSTOP and the like), reported or still pending."""
+    if thread.state is ThreadState.GROUP_STOPPED:
+        return True
+    status = thread.pending
+    return (
+        status is not None
+        and os.WIFSTOPPED(status)
+        and (status >> 16) == ptrace.PTRACE_EVENT_STOP
+        and os.WSTOPSIG(status) != signal.SIGTRAP
+    )
 
 
 def _guard_handler(on: Callable[[Any], None]) -> Callable[[Kprobe, Any], None]:
@@ -996,38 +1080,169 @@ def _spawn_failure(argv: Sequence[str], err_r: int) -> TargetError:
 
 
 def attach(pid: int, *, follow_forks: bool = False) -> Process:
-    """Seize every thread of the running process ``pid``; it keeps running between hits."""
+    """Seize every thread of the running process ``pid``; it keeps running between hits.
+
+    Each way this can fail is one ``TargetError`` that says what happened (no such process,
+    a thread id, a kernel thread, a zombie, already traced and by whom, gone meanwhile), and
+    leaves the program as it was: every thread seized before the failure is let go again.
+    A thread that exits while we seize it is no failure: it is simply not there any more.
+    """
     if pid <= 0 or not os.path.exists(f"/proc/{pid}"):
         raise TargetError(f"no process {pid}", errno=errno.ESRCH)
     if pid == os.getpid():
         raise TargetError("a process cannot trace itself", errno=errno.EINVAL)
+    _check_attachable(pid)
     proc = Process(pid, follow_forks=follow_forks)
     tracer = proc._tracer
-    main = tracer.add_tracee(pid, TraceeKind.MAIN)
-    seized: set[int] = set()
+    try:
+        main = tracer.add_tracee(pid, TraceeKind.MAIN)
+    except TargetError as exc:
+        _check_attachable(pid)  # it exited meanwhile: say so
+        raise TargetError(f"cannot trace process {pid}: {exc}", errno=exc.errno) from exc
+    try:
+        _seize_all(tracer, main)
+    except BaseException:
+        _release_seized(tracer, main)
+        raise
+    cleanup.remember(proc)
+    return proc
+
+
+def _seize_all(tracer: Tracer, main: Tracee) -> None:
+    """Seize every thread of ``main``, including those it creates while we do."""
+    pid = main.pid
+    seen: set[int] = set()
     while True:
         try:
-            tids = [t for t in procfs.list_tasks(pid) if t not in seized]
+            tids = [t for t in procfs.list_tasks(pid) if t not in seen]
         except FileNotFoundError as exc:
-            raise TargetError(f"process {pid} exited", errno=errno.ESRCH) from exc
+            raise TargetError(
+                f"process {pid} exited while being attached", errno=errno.ESRCH
+            ) from exc
         if not tids:
             break
         for tid in tids:
+            seen.add(tid)
             try:
                 ptrace.seize(tid, OPTIONS)
             except ProcessLookupError:
-                seized.add(tid)
-                continue
+                continue  # exited since it was listed
             except PermissionError as exc:
-                for done in seized:
-                    with suppress(OSError):
-                        ptrace.detach(done)
-                tracer_pid = procfs.read_status(pid).get("TracerPid", "0")
-                why = f" (already traced by pid {tracer_pid})" if tracer_pid != "0" else ""
-                raise TargetError(
-                    f"cannot trace process {pid}: {exc.strerror}{why}", errno=errno.EPERM
-                ) from exc
-            seized.add(tid)
+                if procfs.task_state(pid, tid) in ("", "Z", "X"):
+                    continue  # exiting: the kernel refuses to trace a dead thread
+                if _tracer_of(pid, tid) == os.getpid() and tid != pid:
+                    # Created by a thread we had seized: the kernel attached it to us, and
+                    # its first stop is on its way, as for any thread created while traced.
+                    tracer.add_thread(main, tid, ThreadState.NEW)
+                    continue
+                raise _not_traceable(pid, tid, exc) from exc
             tracer.add_thread(main, tid, ThreadState.RUNNING)
-    cleanup.remember(proc)
-    return proc
+    if not main.threads:
+        raise TargetError(f"process {pid} exited while being attached", errno=errno.ESRCH)
+
+
+def _check_attachable(pid: int) -> None:
+    """Refuse, with the reason, a pid that no tracer could attach to."""
+    try:
+        status = procfs.read_status(pid)
+        with open(f"/proc/{pid}/stat") as f:
+            flags = int(f.read().rsplit(")", 1)[1].split()[6])
+    except (OSError, IndexError, ValueError) as exc:
+        raise TargetError(f"process {pid} exited", errno=errno.ESRCH) from exc
+    name = status.get("Name", "?")
+    tgid = int(status.get("Tgid", pid))
+    if tgid != pid:
+        raise TargetError(
+            f"{pid} is a thread of process {tgid}, not a process: attach to {tgid}",
+            errno=errno.EINVAL,
+        )
+    if flags & _PF_KTHREAD:
+        raise TargetError(
+            f"process {pid} ({name}) is a kernel thread: only user processes can be traced",
+            errno=errno.EPERM,
+        )
+    if status.get("State", "")[:1] in ("Z", "X"):
+        raise TargetError(
+            f"process {pid} ({name}) has exited (a zombie its parent has not reaped)",
+            errno=errno.ESRCH,
+        )
+    _check_tracer(pid, pid, status.get("TracerPid", "0"))
+
+
+def _check_tracer(pid: int, tid: int, tracer_pid: str) -> None:
+    if tracer_pid in ("", "0"):
+        return
+    who = int(tracer_pid)
+    if who == os.getpid():
+        what = f"this process itself (pid {who}: another Process object still attached?)"
+    else:
+        what = f"process {who} ({procfs.comm(who) or '?'})"
+    thread = "" if tid == pid else f" (its thread {tid})"
+    raise TargetError(
+        f"process {pid}{thread} is already traced by {what}: a thread can have one tracer only",
+        errno=errno.EPERM,
+    )
+
+
+def _tracer_of(pid: int, tid: int) -> int:
+    """The TracerPid of one thread (0: none, or the thread is gone)."""
+    with suppress(OSError, ValueError), open(f"/proc/{pid}/task/{tid}/status") as f:
+        for line in f:
+            if line.startswith("TracerPid:"):
+                return int(line.split(":", 1)[1])
+    return 0
+
+
+def _not_traceable(pid: int, tid: int, exc: OSError) -> TargetError:
+    try:
+        _check_tracer(pid, tid, str(_tracer_of(pid, tid)))
+    except TargetError as traced:
+        return traced
+    return TargetError(f"cannot trace process {pid}: {exc.strerror}", errno=exc.errno)
+
+
+def _release_seized(tracer: Tracer, main: Tracee) -> None:
+    """Undo a failed attach: let go of every thread seized, as it was.
+
+    PTRACE_DETACH needs a stopped tracee, so each one is interrupted first and detached at
+    its next stop, with the signal that stop was for (if it was one). A thread (or child) it
+    created meanwhile was seized with it by the kernel and is let go the same way.
+    """
+    todo = list(main.threads)
+    for tid in todo:
+        with suppress(ProcessLookupError):
+            ptrace.interrupt(tid)
+    deadline = time.monotonic() + _RELEASE_TIMEOUT
+    while todo:
+        tid = todo.pop()
+        status = _next_stop(tid, deadline)
+        if status is None:
+            continue
+        event = (status >> 16) & 0xFF
+        sig = os.WSTOPSIG(status) if event == 0 else 0  # a signal-delivery stop: give it back
+        if event in (
+            ptrace.PTRACE_EVENT_CLONE,
+            ptrace.PTRACE_EVENT_FORK,
+            ptrace.PTRACE_EVENT_VFORK,
+        ):
+            with suppress(OSError):
+                todo.append(ptrace.geteventmsg(tid))
+        with suppress(ProcessLookupError):
+            ptrace.detach(tid, sig)
+    tracer.drop_tracee(main)
+
+
+def _next_stop(tid: int, deadline: float) -> int | None:
+    """The wait status of ``tid``'s next stop; None once it is gone (or after ``deadline``)."""
+    while True:
+        try:
+            got, status = ptrace.waitpid(tid, ptrace.WNOHANG)
+        except ChildProcessError:
+            return None
+        if got == tid:
+            if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+                return None
+            return status
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.001)

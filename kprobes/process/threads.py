@@ -51,6 +51,7 @@ RIP_OFFSET = _RIP * 8  # rip in struct user, whose first member is the registers
 class Thread:
     __slots__ = (
         "busy",
+        "event_stopped",
         "held_signals",
         "interrupt_sent",
         "lost",
@@ -59,6 +60,7 @@ class Thread:
         "regs",
         "regs_struct",
         "req",
+        "reraised",
         "resume_stepping",
         "rets",
         "rip_word",
@@ -95,6 +97,8 @@ class Thread:
         self.lost: dict[int, int] = {}  # stack slot → real return address of released ones
         self.unhooked = False  # the unwinder has the real return addresses in its frames
         self.resume_stepping = False  # held back onto its step's int3: resumes STEPPING
+        self.event_stopped = False  # held in an event stop, where no signal can be injected
+        self.reraised: list[bytes] = []  # siginfo of held signals sent again with tgkill
 
     def to(self, state: ThreadState) -> None:
         """The one place a thread changes state; impossible transitions are bugs."""
@@ -131,20 +135,34 @@ class Thread:
             self.store_rip()
 
     def resume(self, sig: int = 0) -> None:
-        """PTRACE_CONT, delivering a held signal (with its original siginfo) if there is one."""
-        if not sig and self.held_signals:
-            sig, info = self.held_signals.pop(0)
-            ptrace.setsiginfo(self.tid, info)
+        """PTRACE_CONT, delivering a held signal (with its original siginfo) if there is one.
+
+        Not to a thread going back into its step (the signal waits for the step's end), and
+        not by PTRACE_CONT from an event stop, which injects nothing: there the signal is
+        sent again (tgkill), and its own siginfo is put back when it is reported.
+        """
+        stepping = self.resume_stepping and self.step_site is not None
+        if not sig and self.held_signals and not stepping:
+            if self.event_stopped:
+                for held, info in self.held_signals:
+                    self.reraised.append(info)
+                    ptrace.tgkill(self.tracee.pid, self.tid, held)
+                self.held_signals.clear()
+            else:
+                sig, info = self.held_signals.pop(0)
+                ptrace.setsiginfo(self.tid, info)
+        self.event_stopped = False
         if sig:
             ptrace.cont(self.tid, sig)
         else:
             cont = self.req.cont
             if cont() == -1:
                 ptrace.raise_error()
-        if self.resume_stepping:
+        if self.resume_stepping and self.step_site is not None:
             self.resume_stepping = False
             self.to(_STEPPING)
         else:
+            self.resume_stepping = False
             self.to(_RUNNING)
 
     def step(self) -> None:

@@ -173,6 +173,10 @@ class Tracer:
     # -- waiting ---------------------------------------------------------------------------
 
     def _wait(self, deadline: float | None) -> tuple[int, int]:
+        # The deadline first: a program whose threads stop as fast as we resume them would
+        # otherwise never let run(timeout) return.
+        if deadline is not None and time.monotonic() >= deadline:
+            return 0, 0
         if self.inbox:
             return self.inbox.pop(0)
         if deadline is None:
@@ -429,7 +433,12 @@ class Tracer:
                 # our interrupt, a new thread's first stop, or the end of a group-stop
                 t.interrupt_sent = False
                 was_new = t.state is S.NEW
+                # An interrupt that outlived the stop of the world (sent to a thread already
+                # stopped, it traps at its next resume) does not end what the thread was
+                # doing: one in the middle of its step goes back to it.
+                t.resume_stepping = t.state is S.STEPPING
                 t.to(S.STOPPED)
+                t.event_stopped = True
                 if was_new and t.tracee.kind is not TraceeKind.MAIN:
                     self._first_stop_of_child(t)
                 else:
@@ -601,6 +610,8 @@ class Tracer:
     def _on_signal(self, t: Thread, sig: int) -> None:
         was = t.state
         t.to(S.STOPPED)
+        if t.reraised and int.from_bytes(t.reraised[0][0:4], "little") == sig:
+            ptrace.setsiginfo(t.tid, t.reraised.pop(0))  # a held signal sent again: its own
         if t.tracee.kind is TraceeKind.RELEASE:
             t.held_signals.append((sig, ptrace.getsiginfo(t.tid)))
             return
@@ -759,16 +770,20 @@ class Tracer:
                 except ProcessLookupError:
                     self.drop_thread(t)
         deadline = time.monotonic() + STOP_WORLD_TIMEOUT
-        while any(t.state in RUNNING_STATES for t in self.threads.values()):
-            tid, status = self._wait(deadline)
-            if tid == 0:
-                self._assume_stopped()
-                break
-            held = self.threads.get(tid)
-            if held is None:
-                self._unowned(tid, status)
-                continue
-            self._hold(held, status)
+        try:
+            while any(t.state in RUNNING_STATES for t in self.threads.values()):
+                tid, status = self._wait(deadline)
+                if tid == 0:
+                    self._assume_stopped()
+                    break
+                held = self.threads.get(tid)
+                if held is None:
+                    self._unowned(tid, status)
+                    continue
+                self._hold(held, status)
+        except BaseException:
+            self.resume_world()  # the threads held so far run again; the caller sees why
+            raise
 
     def _hold(self, t: Thread, status: int) -> None:
         """Record a stop that arrived while stopping the world."""
@@ -777,11 +792,15 @@ class Tracer:
             return
         event = (status >> 16) & 0xFF
         is_event_stop = event == ptrace.PTRACE_EVENT_STOP and os.WSTOPSIG(status) == signal.SIGTRAP
-        if is_event_stop and (t.interrupt_sent or t.state is S.NEW):
-            t.interrupt_sent = False
+        # Any stop of a thread ends our interrupt's claim on it: the kernel clears a pending
+        # PTRACE_INTERRUPT at every ptrace-stop ("any trap clears pending STOP trap").
+        sent, t.interrupt_sent = t.interrupt_sent, False
+        if is_event_stop and (sent or t.state is S.NEW):
             was = t.state
             was_new = was is S.NEW
             t.to(S.STOPPED)
+            t.resume_stepping = was is S.STEPPING  # stopped before its step ended
+            t.event_stopped = True
             if was in RUNNING_STATES and procfs.deliverable_signals(t.tracee.pid, t.tid):
                 # The interrupt overtook a signal the thread had just raised (an int3 of
                 # ours, a step, a fault): its trap is queued, not reported. Let it report
@@ -802,6 +821,14 @@ class Tracer:
                 self.trampoline.restore_child(t.tracee)
             return
         if status == ev.SIGTRAP_STOP and self._rewind_own_trap(t):
+            return
+        if event == ptrace.PTRACE_EVENT_CLONE and t.state is S.RUNNING:
+            # A new thread: take it in now (its first stop comes by itself), and hold the
+            # creator with nothing pending, free to be lent for an injection.
+            new_tid = ptrace.geteventmsg(t.tid)
+            t.to(S.STOPPED)
+            if new_tid not in self.threads:
+                self.add_thread(t.tracee, new_tid, S.NEW)
             return
         t.pending_from = t.state
         t.pending = status
@@ -871,6 +898,7 @@ class Tracer:
             lost = _lost_stop(t.tid)
             if lost is None:
                 t.state = S.STOPPED  # a group-stop or an event stop: nothing to redo
+                t.event_stopped = True
             else:
                 self._hold(t, lost)
 

@@ -16,6 +16,10 @@
  *
  * Once every worker runs it writes "busy PID ready" to stderr (time to attach).
  *
+ * SIGUSR2 only counts: its handler, on_usr2(), adds one to usr2_seen and returns (SA_RESTART),
+ * whenever it comes and as often as it comes; it changes no output. It is the signal a test
+ * sends while a tracer runs probed instructions out of line (a probe on on_usr2 counts them).
+ *
  * Output on stdout, deterministic for given arguments (in the -1 mode it does not depend on
  * when the signal came):
  *   CALLS >= 0:  "thread W: CALLS calls, rec(DEPTH) = R, hot sum = H" per worker, in order,
@@ -36,6 +40,7 @@
 #define MAX_THREADS 64
 
 static volatile sig_atomic_t stop;
+volatile sig_atomic_t usr2_seen;
 static long calls, depth;
 static pthread_barrier_t started;
 volatile long sink;
@@ -96,6 +101,12 @@ static void on_signal(int sig)
 	stop = 1;
 }
 
+__attribute__((noinline)) void on_usr2(int sig)
+{
+	(void)sig;
+	usr2_seen++;
+}
+
 int main(int argc, char **argv)
 {
 	if (argc != 4) {
@@ -116,6 +127,9 @@ int main(int argc, char **argv)
 	sigaction(SIGTERM, &sa, NULL);
 	sigaction(SIGINT, &sa, NULL);
 	sigaction(SIGUSR1, &sa, NULL);
+	sa.sa_handler = on_usr2;
+	sa.sa_flags = SA_RESTART;
+	sigaction(SIGUSR2, &sa, NULL);
 
 	pthread_barrier_init(&started, NULL, (unsigned)threads);
 	for (long t = 0; t < threads; t++) {
