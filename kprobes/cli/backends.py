@@ -35,7 +35,8 @@ from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import InstancePool, Kretprobe, KretprobeInstance
 from kprobes.errors import ProbeError, ProbeRejected, SpecError, TargetError, TraceFsError
 from kprobes.model import Event
-from kprobes.process.target import Process, spawn
+from kprobes.process.launch import spawn
+from kprobes.process.target import Process
 from kprobes.process.tracing import SpecTracer
 from kprobes.spec import FileOffsetLocation, ProbeSpec, SymbolLocation
 from kprobes.tracefs.kernel import Kernel

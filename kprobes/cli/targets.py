@@ -13,7 +13,8 @@ import errno
 import shlex
 
 from kprobes.errors import SpecError, TargetError
-from kprobes.process.target import Process, attach, spawn
+from kprobes.process.launch import attach, spawn
+from kprobes.process.target import Process
 
 
 def add_target_arguments(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
