@@ -823,12 +823,20 @@ class Tracer:
         if status == ev.SIGTRAP_STOP and self._rewind_own_trap(t):
             return
         if event == ptrace.PTRACE_EVENT_CLONE and t.state is S.RUNNING:
-            # A new thread: take it in now (its first stop comes by itself), and hold the
-            # creator with nothing pending, free to be lent for an injection.
+            # A new thread: take it in now (its first stop comes by itself), and let the
+            # creator finish its clone() and stop again at our interrupt. Held in the
+            # middle of the syscall it could not be lent for an injection (the kernel
+            # writes clone's result over the injected call's registers).
             new_tid = ptrace.geteventmsg(t.tid)
-            t.to(S.STOPPED)
             if new_tid not in self.threads:
                 self.add_thread(t.tracee, new_tid, S.NEW)
+            try:
+                ptrace.cont(t.tid, 0)
+                ptrace.interrupt(t.tid)
+            except ProcessLookupError:
+                self.drop_thread(t)
+                return
+            t.interrupt_sent = True
             return
         t.pending_from = t.state
         t.pending = status
