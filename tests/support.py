@@ -503,7 +503,7 @@ def tracer_of(pid: int, tid: int) -> int:
             for line in f:
                 if line.startswith("TracerPid:"):
                     return int(line.split(":", 1)[1])
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before, or while, it was read
         pass
     return 0
 

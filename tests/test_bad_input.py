@@ -488,7 +488,7 @@ def test_registration_while_threads_come_and_go(program, churn):
     cycles = 0
     with kprobes.attach(prog.pid) as proc:
         started = time.monotonic()
-        while time.monotonic() - started < 6:
+        while cycles < 10 or time.monotonic() - started < 5:  # at least 10, however slow
             kp = kprobes.Kprobe(symbol="hot", post_handler=lambda *_: None)
             rp = kprobes.Kretprobe(symbol="hot", handler=lambda *_: None)
             try:
@@ -505,7 +505,6 @@ def test_registration_while_threads_come_and_go(program, churn):
             cycles += 1
     support.assert_untouched(prog.pid, churn)
     assert prog.finish() == expected
-    assert cycles > 10
 
 
 @pytest.mark.deadline(40)
@@ -514,9 +513,8 @@ def test_attach_and_detach_while_threads_come_and_go(program, churn):
     argv = [churn, -1, 8, 0]
     expected = reference(argv, program)
     prog = program(argv)
-    started = time.monotonic()
     cycles = 0
-    while cycles < 200 and time.monotonic() - started < 20:
+    while cycles < 60:
         hung = threading.Event()
 
         def end_the_hang(hung: threading.Event = hung) -> None:
@@ -537,7 +535,6 @@ def test_attach_and_detach_while_threads_come_and_go(program, churn):
         prog.check_alive()
     support.assert_untouched(prog.pid, churn)
     assert prog.finish() == expected
-    assert cycles >= 50, f"only {cycles} cycles in 20 s"
 
 
 # ---------------------------------------------------------------------------------------------

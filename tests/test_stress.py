@@ -477,7 +477,7 @@ def test_run_timeout_is_kept_while_hits_keep_coming(running, busy):
 
     def slow(_p: Any, _regs: Any) -> None:
         time.sleep(0.005)  # meanwhile every other thread hits hot and waits
-        if time.monotonic() - started > 3 and not ended_it.is_set():
+        if time.monotonic() - started > 10 and not ended_it.is_set():
             ended_it.set()  # bound the test if run() does not return: end the program
             os.kill(prog.pid, signal.SIGUSR1)
 
@@ -486,5 +486,6 @@ def test_run_timeout_is_kept_while_hits_keep_coming(running, busy):
         began = time.monotonic()
         done = proc.run(timeout=0.2)
         took = time.monotonic() - began
-    assert not done and took < 2.0, f"run(timeout=0.2) returned {done} after {took:.1f} s"
+    # Generous: 0.2 s and one slow hit, on a loaded machine; the bug it guards never returned.
+    assert not done and took < 5.0, f"run(timeout=0.2) returned {done} after {took:.1f} s"
     prog.finish()
