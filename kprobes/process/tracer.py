@@ -33,14 +33,16 @@ from kprobes.arch.x86_64.regs import REG_INDEX
 from kprobes.core.manager import ProbeManager
 from kprobes.core.table import ProbeSite
 from kprobes.errors import InternalError, TargetError
-from kprobes.linux import procfs, ptrace
+from kprobes.linux import ptrace
 from kprobes.process import events as ev
 from kprobes.process.breakpoints import Breakpoints
 from kprobes.process.rescue import Rescue
-from kprobes.process.threads import RUNNING_STATES, Thread, ThreadState, siginfo_code
+from kprobes.process.signals import SignalDelivery
+from kprobes.process.threads import Thread, ThreadState, siginfo_code
 from kprobes.process.tracee import Tracee, TraceeKind
 from kprobes.process.trampoline import Trampoline
 from kprobes.process.trapguard import TrapGuard
+from kprobes.process.world import WorldStop
 from kprobes.process.xol import XolArea
 
 S = ThreadState
@@ -53,13 +55,6 @@ _EMULATE = PlanKind.EMULATE
 _BOOST = PlanKind.BOOST
 _STEP = PlanKind.STEP
 _RIP = REG_INDEX["rip"]
-_SYNC_FAULTS: dict[int, int] = {
-    signal.SIGSEGV: 14,  # page fault (13, general protection, when si_code is SI_KERNEL)
-    signal.SIGBUS: 17,
-    signal.SIGFPE: 0,
-    signal.SIGILL: 6,
-}
-STOP_WORLD_TIMEOUT = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +78,7 @@ _OWNERS: dict[int, Tracer] = {}
 _UNCLAIMED: dict[int, list[int]] = {}
 
 
-class Tracer:
+class Tracer(WorldStop, SignalDelivery):
     def __init__(self, manager: ProbeManager, *, follow_forks: bool) -> None:
         self.manager = manager
         self.sites = manager.table.sites
@@ -605,89 +600,6 @@ class Tracer:
             ptrace.setsiginfo(t.tid, info)  # the injection replaced the stop's siginfo
         t.resume(signal.SIGTRAP)  # the program's own trap: deliver it
 
-    # -- signals ---------------------------------------------------------------------------
-
-    def _on_signal(self, t: Thread, sig: int) -> None:
-        was = t.state
-        t.to(S.STOPPED)
-        if t.reraised and int.from_bytes(t.reraised[0][0:4], "little") == sig:
-            ptrace.setsiginfo(t.tid, t.reraised.pop(0))  # a held signal sent again: its own
-        if t.tracee.kind is TraceeKind.RELEASE:
-            t.held_signals.append((sig, ptrace.getsiginfo(t.tid)))
-            return
-        regs = t.load_regs()
-        if was is S.STEPPING:
-            self._signal_while_stepping(t, sig)
-        elif self.xol is not None and self.xol.contains(regs.rip):
-            self._signal_in_slot(t, sig)
-        else:
-            t.resume(sig)
-
-    def _signal_while_stepping(self, t: Thread, sig: int) -> None:
-        site = t.step_site
-        assert site is not None
-        x: Prepared = t.step_prep
-        regs = t.regs
-        info = ptrace.getsiginfo(t.tid)
-        off = regs.rip - x.slot
-        trapnr = _fault_trapnr(sig, info)
-        if trapnr is not None and off == 0:
-            # The copy itself faulted: restart the instruction where it belongs.
-            t.step_site = None
-            self._fault_in_copy(t, site, sig, trapnr)
-        elif x.kind is PlanKind.SINGLESTEP:
-            # A signal interrupting a syscall must be delivered now.
-            t.step_site = None
-            if 0 <= off <= x.plan.length:
-                regs.rip = site.addr + off
-                if off == 0:
-                    t.skip_hit = (site.addr, regs.rsp)
-                t.store_regs()
-            ptrace.cont(t.tid, sig)
-            t.to(S.RUNNING)
-        else:
-            t.held_signals.append((sig, info))
-            ptrace.cont(t.tid, 0)
-            t.to(S.STEPPING)
-
-    def _signal_in_slot(self, t: Thread, sig: int) -> None:
-        """A signal for a thread running a boosted copy: map it back to the original code."""
-        assert self.xol is not None
-        regs = t.regs
-        page = self.xol.page_of(regs.rip)
-        assert page is not None
-        slot = page.start + (regs.rip - page.start) // 32 * 32
-        site = self.slot_owner.get(slot)
-        if site is None:
-            t.resume(sig)
-            return
-        x: Prepared = site.ainsn
-        off = regs.rip - x.slot
-        info = ptrace.getsiginfo(t.tid)
-        trapnr = _fault_trapnr(sig, info)
-        if off == 0 and trapnr is not None:
-            self._fault_in_copy(t, site, sig, trapnr)
-            return
-        if off == 0:
-            regs.rip = site.addr
-            t.skip_hit = (site.addr, regs.rsp)
-            t.store_regs()
-        elif off == x.plan.length:
-            regs.rip = site.addr + x.plan.length
-            t.store_regs()
-        t.resume(sig)
-
-    def _fault_in_copy(self, t: Thread, site: ProbeSite, sig: int, trapnr: int) -> None:
-        regs = t.regs
-        regs.rip = site.addr
-        t.busy = True
-        try:
-            handled = site.run_fault(regs, trapnr)
-        finally:
-            t.busy = False
-        t.store_regs()
-        t.resume(0 if handled else sig)
-
     # -- life and death --------------------------------------------------------------------
 
     def _on_exit(self, t: Thread, code: int) -> None:
@@ -754,201 +666,3 @@ class Tracer:
             with contextlib.suppress(ProcessLookupError):
                 ptrace.detach(thread.tid, sig)
         self.drop_tracee(tracee)
-
-    # -- stopping the world ----------------------------------------------------------------
-
-    def stop_world(self) -> None:
-        """Hold every thread of every tracee; nested calls only count."""
-        self._stop_depth += 1
-        if self._stop_depth > 1:
-            return
-        for t in list(self.threads.values()):
-            if t.state in RUNNING_STATES and not t.interrupt_sent:
-                try:
-                    ptrace.interrupt(t.tid)
-                    t.interrupt_sent = True
-                except ProcessLookupError:
-                    self.drop_thread(t)
-        deadline = time.monotonic() + STOP_WORLD_TIMEOUT
-        try:
-            while any(t.state in RUNNING_STATES for t in self.threads.values()):
-                tid, status = self._wait(deadline)
-                if tid == 0:
-                    self._assume_stopped()
-                    break
-                held = self.threads.get(tid)
-                if held is None:
-                    self._unowned(tid, status)
-                    continue
-                self._hold(held, status)
-        except BaseException:
-            self.resume_world()  # the threads held so far run again; the caller sees why
-            raise
-
-    def _hold(self, t: Thread, status: int) -> None:
-        """Record a stop that arrived while stopping the world."""
-        if os.WIFEXITED(status) or os.WIFSIGNALED(status):
-            self.dispatch(t, status)
-            return
-        event = (status >> 16) & 0xFF
-        is_event_stop = event == ptrace.PTRACE_EVENT_STOP and os.WSTOPSIG(status) == signal.SIGTRAP
-        # Any stop of a thread ends our interrupt's claim on it: the kernel clears a pending
-        # PTRACE_INTERRUPT at every ptrace-stop ("any trap clears pending STOP trap").
-        sent, t.interrupt_sent = t.interrupt_sent, False
-        if is_event_stop and (sent or t.state is S.NEW):
-            was = t.state
-            was_new = was is S.NEW
-            t.to(S.STOPPED)
-            t.resume_stepping = was is S.STEPPING  # stopped before its step ended
-            t.event_stopped = True
-            if was in RUNNING_STATES and procfs.deliverable_signals(t.tracee.pid, t.tid):
-                # The interrupt overtook a signal the thread had just raised (an int3 of
-                # ours, a step, a fault): its trap is queued, not reported. Let it report
-                # it now (the thread dequeues it before running a single instruction), so
-                # that the stop is held as what it really is. Released or borrowed with
-                # the trap still queued, the thread would take it without us: SIGTRAP.
-                queued = self._report_queued(t)
-                if queued is None:
-                    self.drop_thread(t)
-                else:
-                    t.state = was
-                    self._hold(t, queued)
-                return
-            if was_new and t.tracee.kind is TraceeKind.RELEASE:
-                self._release(t.tracee, clean=True)
-            elif was_new and t.tracee.kind is TraceeKind.FORK:
-                self.breakpoints.sync(t.tracee)
-                self.trampoline.restore_child(t.tracee)
-            return
-        if status == ev.SIGTRAP_STOP and self._rewind_own_trap(t):
-            return
-        if event == ptrace.PTRACE_EVENT_CLONE and t.state is S.RUNNING:
-            # A new thread: take it in now (its first stop comes by itself), and let the
-            # creator finish its clone() and stop again at our interrupt. Held in the
-            # middle of the syscall it could not be lent for an injection (the kernel
-            # writes clone's result over the injected call's registers).
-            new_tid = ptrace.geteventmsg(t.tid)
-            if new_tid not in self.threads:
-                self.add_thread(t.tracee, new_tid, S.NEW)
-            try:
-                ptrace.cont(t.tid, 0)
-                ptrace.interrupt(t.tid)
-            except ProcessLookupError:
-                self.drop_thread(t)
-                return
-            t.interrupt_sent = True
-            return
-        t.pending_from = t.state
-        t.pending = status
-        self.has_pending = True
-        t.state = S.STOPPED
-
-    def _rewind_own_trap(self, t: Thread) -> bool:
-        """A thread that trapped on an int3 of ours while we stop the world: put it back on
-        the int3, as if it had not got there yet (it takes the trap again once resumed).
-
-        Held with rip past the int3, mid-instruction, the thread would resume there if the
-        tool died (the kernel drops the trap), and an injection or a detach would have to
-        know about the trap. Back on the int3, it is in a state it can go on from by itself:
-        the rescue handles the trap, or the restored byte runs, or we see the trap again.
-        """
-        if siginfo_code(ptrace.getsiginfo(t.tid)) != ptrace.SI_KERNEL:
-            return False  # a single-step, or a SIGTRAP sent by someone
-        at = t.load_regs().rip - 1
-        stepping = t.state is S.STEPPING
-        if stepping:
-            x: Prepared | None = t.step_prep
-            own = x is not None and x.kind is _STEP and at == x.slot + x.plan.length
-        else:
-            own = at in self.breakpoints.ever_patched or (at == self.trampoline.addr and at != 0)
-        if not own:
-            return False
-        t.words[_RIP] = at
-        t.store_rip()
-        t.state = S.STOPPED
-        t.resume_stepping = stepping
-        return True
-
-    def _report_queued(self, t: Thread) -> int | None:
-        """Resume ``t`` from its interrupt stop: the stop of its queued signal comes next
-        (None if the thread is gone)."""
-        try:
-            ptrace.cont(t.tid, 0)
-            return ptrace.waitpid(t.tid, 0)[1]
-        except (ProcessLookupError, ChildProcessError):
-            return None
-
-    def _assume_stopped(self) -> None:
-        """Threads we did not hear from in time: trust /proc when it says they are stopped.
-
-        Such a thread may sit in a stop whose report we took from the kernel and lost (an
-        exception, KeyboardInterrupt say, between ``waitpid`` and the code that records it):
-        its siginfo says which. A signal-delivery stop is held as if just reported (the trap
-        of one of our int3s is put back on its int3, another signal is delivered later);
-        left alone, the thread would resume past our int3, mid-instruction.
-        """
-        for t in list(self.threads.values()):
-            if t.state not in RUNNING_STATES:
-                continue
-            state = procfs.task_state(t.tracee.pid, t.tid)
-            if state == "":
-                self.drop_thread(t)
-                continue
-            if state not in "tT":
-                raise TargetError(f"thread {t.tid} did not stop (state {state!r})")
-            try:
-                tid, status = ptrace.waitpid(t.tid, ptrace.WNOHANG)
-            except ChildProcessError:
-                tid = status = 0
-            if tid == t.tid:
-                self._hold(t, status)  # the report was late, not lost
-                continue
-            lost = _lost_stop(t.tid)
-            if lost is None:
-                t.state = S.STOPPED  # a group-stop or an event stop: nothing to redo
-                t.event_stopped = True
-            else:
-                self._hold(t, lost)
-
-    def resume_world(self) -> None:
-        self._stop_depth -= 1
-        if self._stop_depth:
-            return
-        if self.xol is not None and self.xol.has_quarantine:
-            rips = []
-            for t in self.threads.values():
-                if t.state is S.STOPPED:
-                    rips.append(t.load_regs().rip if not t.busy else t.regs.rip)
-            self.xol.recycle(rips)
-        if self.hold_all:
-            return
-        for t in list(self.threads.values()):
-            if t.state is S.STOPPED and t.pending is None and not t.busy:
-                try:
-                    t.resume()
-                except ProcessLookupError:
-                    self.drop_thread(t)
-
-
-def _lost_stop(tid: int) -> int | None:
-    """The wait status of a signal-delivery stop ``tid`` is in, from its siginfo (None when
-    it is in another kind of stop)."""
-    try:
-        info = ptrace.getsiginfo(tid)
-    except OSError:
-        return None  # a group-stop has no siginfo
-    signo = int.from_bytes(info[0:4], "little")
-    code = siginfo_code(info)
-    if signo == signal.SIGTRAP and code > 0 and code >> 8:
-        return None  # a ptrace event stop (si_code = SIGTRAP | event << 8)
-    return (signo << 8) | 0x7F
-
-
-def _fault_trapnr(sig: int, info: bytes) -> int | None:
-    """The x86 trap number of a synchronous fault, or None for any other signal."""
-    trapnr = _SYNC_FAULTS.get(sig)
-    if trapnr is None or siginfo_code(info) <= 0:
-        return None
-    if sig == signal.SIGSEGV and siginfo_code(info) == ptrace.SI_KERNEL:
-        return 13
-    return trapnr

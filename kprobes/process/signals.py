@@ -1,0 +1,131 @@
+"""Signals for a traced thread: delivered, held while it runs an out-of-line copy, or
+mapped back to the original code.
+
+A signal that arrives while a thread executes an out-of-line copy is held and delivered, with
+its original siginfo, when the copy has finished (a fault in the copy itself restarts the
+instruction at the probed address and is delivered there). The exception is the hardware
+single-step of a ``syscall``: a signal that interrupts a blocking syscall must be delivered at
+once, so its rip is mapped back to the original code first.
+
+``SignalDelivery`` is a part of ``Tracer`` (tracer.py), kept apart as a mechanism of its own.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import TYPE_CHECKING, Any
+
+from kprobes.arch.x86_64.plan import PlanKind
+from kprobes.linux import ptrace
+from kprobes.process.threads import Thread, ThreadState, siginfo_code
+from kprobes.process.tracee import TraceeKind
+
+if TYPE_CHECKING:
+    from kprobes.core.table import ProbeSite
+    from kprobes.process.xol import XolArea
+
+S = ThreadState
+_SYNC_FAULTS: dict[int, int] = {
+    signal.SIGSEGV: 14,  # page fault (13, general protection, when si_code is SI_KERNEL)
+    signal.SIGBUS: 17,
+    signal.SIGFPE: 0,
+    signal.SIGILL: 6,
+}
+
+
+class SignalDelivery:
+    """The signal stops of ``Tracer``."""
+
+    xol: XolArea | None
+    slot_owner: dict[int, ProbeSite]
+
+    def _on_signal(self, t: Thread, sig: int) -> None:
+        was = t.state
+        t.to(S.STOPPED)
+        if t.reraised and int.from_bytes(t.reraised[0][0:4], "little") == sig:
+            ptrace.setsiginfo(t.tid, t.reraised.pop(0))  # a held signal sent again: its own
+        if t.tracee.kind is TraceeKind.RELEASE:
+            t.held_signals.append((sig, ptrace.getsiginfo(t.tid)))
+            return
+        regs = t.load_regs()
+        if was is S.STEPPING:
+            self._signal_while_stepping(t, sig)
+        elif self.xol is not None and self.xol.contains(regs.rip):
+            self._signal_in_slot(t, sig)
+        else:
+            t.resume(sig)
+
+    def _signal_while_stepping(self, t: Thread, sig: int) -> None:
+        site = t.step_site
+        assert site is not None
+        x: Any = t.step_prep
+        regs = t.regs
+        info = ptrace.getsiginfo(t.tid)
+        off = regs.rip - x.slot
+        trapnr = _fault_trapnr(sig, info)
+        if trapnr is not None and off == 0:
+            # The copy itself faulted: restart the instruction where it belongs.
+            t.step_site = None
+            self._fault_in_copy(t, site, sig, trapnr)
+        elif x.kind is PlanKind.SINGLESTEP:
+            # A signal interrupting a syscall must be delivered now.
+            t.step_site = None
+            if 0 <= off <= x.plan.length:
+                regs.rip = site.addr + off
+                if off == 0:
+                    t.skip_hit = (site.addr, regs.rsp)
+                t.store_regs()
+            ptrace.cont(t.tid, sig)
+            t.to(S.RUNNING)
+        else:
+            t.held_signals.append((sig, info))
+            ptrace.cont(t.tid, 0)
+            t.to(S.STEPPING)
+
+    def _signal_in_slot(self, t: Thread, sig: int) -> None:
+        """A signal for a thread running a boosted copy: map it back to the original code."""
+        assert self.xol is not None
+        regs = t.regs
+        page = self.xol.page_of(regs.rip)
+        assert page is not None
+        slot = page.start + (regs.rip - page.start) // 32 * 32
+        site = self.slot_owner.get(slot)
+        if site is None:
+            t.resume(sig)
+            return
+        x: Any = site.ainsn
+        off = regs.rip - x.slot
+        info = ptrace.getsiginfo(t.tid)
+        trapnr = _fault_trapnr(sig, info)
+        if off == 0 and trapnr is not None:
+            self._fault_in_copy(t, site, sig, trapnr)
+            return
+        if off == 0:
+            regs.rip = site.addr
+            t.skip_hit = (site.addr, regs.rsp)
+            t.store_regs()
+        elif off == x.plan.length:
+            regs.rip = site.addr + x.plan.length
+            t.store_regs()
+        t.resume(sig)
+
+    def _fault_in_copy(self, t: Thread, site: ProbeSite, sig: int, trapnr: int) -> None:
+        regs = t.regs
+        regs.rip = site.addr
+        t.busy = True
+        try:
+            handled = site.run_fault(regs, trapnr)
+        finally:
+            t.busy = False
+        t.store_regs()
+        t.resume(0 if handled else sig)
+
+
+def _fault_trapnr(sig: int, info: bytes) -> int | None:
+    """The x86 trap number of a synchronous fault, or None for any other signal."""
+    trapnr = _SYNC_FAULTS.get(sig)
+    if trapnr is None or siginfo_code(info) <= 0:
+        return None
+    if sig == signal.SIGSEGV and siginfo_code(info) == ptrace.SI_KERNEL:
+        return 13
+    return trapnr

@@ -1,0 +1,242 @@
+"""Stopping the world: hold every thread of the program, so that patches are made safely.
+
+Every running thread gets PTRACE_INTERRUPT and we wait until each has stopped. A thread that
+stops for another reason meanwhile (a hit, a signal, a clone) keeps that status as
+``pending`` and is handled by ``run()`` once the world runs again; nothing is lost or
+handled twice. A held thread is always in a state it can go on from by itself (see
+``_rewind_own_trap`` and rescue.py): the tool may die while it holds the world.
+
+``WorldStop`` is a part of ``Tracer`` (tracer.py), kept apart because it is a mechanism of
+its own; it relies on the tracer's bookkeeping declared below.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import TYPE_CHECKING
+
+from kprobes.arch.x86_64.plan import PlanKind
+from kprobes.arch.x86_64.regs import REG_INDEX
+from kprobes.errors import TargetError
+from kprobes.linux import procfs, ptrace
+from kprobes.process import events as ev
+from kprobes.process.threads import RUNNING_STATES, Thread, ThreadState, siginfo_code
+from kprobes.process.tracee import Tracee, TraceeKind
+
+if TYPE_CHECKING:
+    from kprobes.process.breakpoints import Breakpoints
+    from kprobes.process.trampoline import Trampoline
+    from kprobes.process.xol import XolArea
+
+S = ThreadState
+_RIP = REG_INDEX["rip"]
+STOP_WORLD_TIMEOUT = 2.0
+
+
+class WorldStop:
+    """stop_world / resume_world and what they hold, for ``Tracer``."""
+
+    threads: dict[int, Thread]
+    breakpoints: Breakpoints
+    trampoline: Trampoline
+    xol: XolArea | None
+    hold_all: bool
+    has_pending: bool
+    _stop_depth: int
+
+    if TYPE_CHECKING:
+
+        def _wait(self, deadline: float | None) -> tuple[int, int]: ...
+        def _unowned(self, tid: int, status: int) -> None: ...
+        def dispatch(self, t: Thread, status: int) -> None: ...
+        def drop_thread(self, thread: Thread) -> None: ...
+        def add_thread(self, tracee: Tracee, tid: int, state: ThreadState) -> Thread: ...
+        def _release(self, tracee: Tracee, *, clean: bool) -> None: ...
+
+    def stop_world(self) -> None:
+        """Hold every thread of every tracee; nested calls only count."""
+        self._stop_depth += 1
+        if self._stop_depth > 1:
+            return
+        for t in list(self.threads.values()):
+            if t.state in RUNNING_STATES and not t.interrupt_sent:
+                try:
+                    ptrace.interrupt(t.tid)
+                    t.interrupt_sent = True
+                except ProcessLookupError:
+                    self.drop_thread(t)
+        deadline = time.monotonic() + STOP_WORLD_TIMEOUT
+        try:
+            while any(t.state in RUNNING_STATES for t in self.threads.values()):
+                tid, status = self._wait(deadline)
+                if tid == 0:
+                    self._assume_stopped()
+                    break
+                held = self.threads.get(tid)
+                if held is None:
+                    self._unowned(tid, status)
+                    continue
+                self._hold(held, status)
+        except BaseException:
+            self.resume_world()  # the threads held so far run again; the caller sees why
+            raise
+
+    def _hold(self, t: Thread, status: int) -> None:
+        """Record a stop that arrived while stopping the world."""
+        if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+            self.dispatch(t, status)
+            return
+        event = (status >> 16) & 0xFF
+        is_event_stop = event == ptrace.PTRACE_EVENT_STOP and os.WSTOPSIG(status) == signal.SIGTRAP
+        # Any stop of a thread ends our interrupt's claim on it: the kernel clears a pending
+        # PTRACE_INTERRUPT at every ptrace-stop ("any trap clears pending STOP trap").
+        sent, t.interrupt_sent = t.interrupt_sent, False
+        if is_event_stop and (sent or t.state is S.NEW):
+            was = t.state
+            was_new = was is S.NEW
+            t.to(S.STOPPED)
+            t.resume_stepping = was is S.STEPPING  # stopped before its step ended
+            t.event_stopped = True
+            if was in RUNNING_STATES and procfs.deliverable_signals(t.tracee.pid, t.tid):
+                # The interrupt overtook a signal the thread had just raised (an int3 of
+                # ours, a step, a fault): its trap is queued, not reported. Let it report
+                # it now (the thread dequeues it before running a single instruction), so
+                # that the stop is held as what it really is. Released or borrowed with
+                # the trap still queued, the thread would take it without us: SIGTRAP.
+                queued = self._report_queued(t)
+                if queued is None:
+                    self.drop_thread(t)
+                else:
+                    t.state = was
+                    self._hold(t, queued)
+                return
+            if was_new and t.tracee.kind is TraceeKind.RELEASE:
+                self._release(t.tracee, clean=True)
+            elif was_new and t.tracee.kind is TraceeKind.FORK:
+                self.breakpoints.sync(t.tracee)
+                self.trampoline.restore_child(t.tracee)
+            return
+        if status == ev.SIGTRAP_STOP and self._rewind_own_trap(t):
+            return
+        if event == ptrace.PTRACE_EVENT_CLONE and t.state is S.RUNNING:
+            # A new thread: take it in now (its first stop comes by itself), and let the
+            # creator finish its clone() and stop again at our interrupt. Held in the
+            # middle of the syscall it could not be lent for an injection (the kernel
+            # writes clone's result over the injected call's registers).
+            new_tid = ptrace.geteventmsg(t.tid)
+            if new_tid not in self.threads:
+                self.add_thread(t.tracee, new_tid, S.NEW)
+            try:
+                ptrace.cont(t.tid, 0)
+                ptrace.interrupt(t.tid)
+            except ProcessLookupError:
+                self.drop_thread(t)
+                return
+            t.interrupt_sent = True
+            return
+        t.pending_from = t.state
+        t.pending = status
+        self.has_pending = True
+        t.state = S.STOPPED
+
+    def _rewind_own_trap(self, t: Thread) -> bool:
+        """A thread that trapped on an int3 of ours while we stop the world: put it back on
+        the int3, as if it had not got there yet (it takes the trap again once resumed).
+
+        Held with rip past the int3, mid-instruction, the thread would resume there if the
+        tool died (the kernel drops the trap), and an injection or a detach would have to
+        know about the trap. Back on the int3, it is in a state it can go on from by itself:
+        the rescue handles the trap, or the restored byte runs, or we see the trap again.
+        """
+        if siginfo_code(ptrace.getsiginfo(t.tid)) != ptrace.SI_KERNEL:
+            return False  # a single-step, or a SIGTRAP sent by someone
+        at = t.load_regs().rip - 1
+        stepping = t.state is S.STEPPING
+        if stepping:
+            x = t.step_prep
+            own = x is not None and x.kind is PlanKind.STEP and at == x.slot + x.plan.length
+        else:
+            own = at in self.breakpoints.ever_patched or (at == self.trampoline.addr and at != 0)
+        if not own:
+            return False
+        t.words[_RIP] = at
+        t.store_rip()
+        t.state = S.STOPPED
+        t.resume_stepping = stepping
+        return True
+
+    def _report_queued(self, t: Thread) -> int | None:
+        """Resume ``t`` from its interrupt stop: the stop of its queued signal comes next
+        (None if the thread is gone)."""
+        try:
+            ptrace.cont(t.tid, 0)
+            return ptrace.waitpid(t.tid, 0)[1]
+        except (ProcessLookupError, ChildProcessError):
+            return None
+
+    def _assume_stopped(self) -> None:
+        """Threads we did not hear from in time: trust /proc when it says they are stopped.
+
+        Such a thread may sit in a stop whose report we took from the kernel and lost (an
+        exception, KeyboardInterrupt say, between ``waitpid`` and the code that records it):
+        its siginfo says which. A signal-delivery stop is held as if just reported (the trap
+        of one of our int3s is put back on its int3, another signal is delivered later);
+        left alone, the thread would resume past our int3, mid-instruction.
+        """
+        for t in list(self.threads.values()):
+            if t.state not in RUNNING_STATES:
+                continue
+            state = procfs.task_state(t.tracee.pid, t.tid)
+            if state == "":
+                self.drop_thread(t)
+                continue
+            if state not in "tT":
+                raise TargetError(f"thread {t.tid} did not stop (state {state!r})")
+            try:
+                tid, status = ptrace.waitpid(t.tid, ptrace.WNOHANG)
+            except ChildProcessError:
+                tid = status = 0
+            if tid == t.tid:
+                self._hold(t, status)  # the report was late, not lost
+                continue
+            lost = _lost_stop(t.tid)
+            if lost is None:
+                t.state = S.STOPPED  # a group-stop or an event stop: nothing to redo
+                t.event_stopped = True
+            else:
+                self._hold(t, lost)
+
+    def resume_world(self) -> None:
+        self._stop_depth -= 1
+        if self._stop_depth:
+            return
+        if self.xol is not None and self.xol.has_quarantine:
+            rips = []
+            for t in self.threads.values():
+                if t.state is S.STOPPED:
+                    rips.append(t.load_regs().rip if not t.busy else t.regs.rip)
+            self.xol.recycle(rips)
+        if self.hold_all:
+            return
+        for t in list(self.threads.values()):
+            if t.state is S.STOPPED and t.pending is None and not t.busy:
+                try:
+                    t.resume()
+                except ProcessLookupError:
+                    self.drop_thread(t)
+
+
+def _lost_stop(tid: int) -> int | None:
+    """The wait status of a signal-delivery stop ``tid`` is in, from its siginfo (None when
+    it is in another kind of stop)."""
+    try:
+        info = ptrace.getsiginfo(tid)
+    except OSError:
+        return None  # a group-stop has no siginfo
+    signo = int.from_bytes(info[0:4], "little")
+    code = siginfo_code(info)
+    if signo == signal.SIGTRAP and code > 0 and code >> 8:
+        return None  # a ptrace event stop (si_code = SIGTRAP | event << 8)
+    return (signo << 8) | 0x7F
