@@ -16,7 +16,7 @@ import functools
 import os
 import signal
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -37,31 +37,26 @@ from kprobes.core.retprobes import (
 from kprobes.core.table import ProbeSite
 from kprobes.errors import (
     Blacklisted,
-    InternalError,
     NotABoundary,
-    NotRelocatable,
     ProbeRejected,
     SymbolNotFound,
     TargetError,
 )
 from kprobes.linux import procfs, ptrace
 from kprobes.model import BlacklistEntry, ProbeListing
-from kprobes.process import cleanup, inject, jprobes
+from kprobes.process import cleanup, jprobes
 from kprobes.process.detach import detach_all
-from kprobes.process.threads import Thread, ThreadState
+from kprobes.process.programcalls import ProgramCalls
 from kprobes.process.tracee import Tracee
 from kprobes.process.tracer import Prepared, Tracer
 from kprobes.process.trampoline import UNWIND_DONE, UNWIND_ENTRIES, UnwindGuard
 from kprobes.process.trapguard import TrapGuard
-from kprobes.process.xol import FLAGS, PROT, XolArea, candidate_addresses
+from kprobes.process.xol import XolArea
 from kprobes.symbols.elf import SymbolKind
-from kprobes.symbols.maps import Mapping, read_maps
+from kprobes.symbols.maps import read_maps
 from kprobes.symbols.resolve import SymbolResolver
 from kprobes.symbols.unwind import FoundBy, unwind
 
-_NR_MMAP = 9
-_MAP_FIXED_NOREPLACE = 0x100000
-_SCRATCH_GAP = 4096  # below a borrowed thread's stack pointer and red zone
 _MAX_FUNC_DECODE = 1 << 20
 
 _P = ParamSpec("_P")
@@ -99,7 +94,7 @@ def _says_when_gone(
     return registering
 
 
-class Process:
+class Process(ProgramCalls):
     """A traced program. Use ``spawn()`` or ``attach()`` to get one."""
 
     def __init__(self, pid: int, *, follow_forks: bool = False) -> None:
@@ -752,205 +747,8 @@ class Process:
             self._tracer.xol = XolArea(self._map_xol_page)
         return self._tracer.xol
 
-    def _map_xol_page(self, near: int, size: int) -> int:
-        """Have the program mmap an executable page in a free gap within reach of ``near``."""
-        with self._injection_thread() as thread:
-            maps = read_maps(self.pid)
-            insn = self._find_syscall(maps)
-            for cand in candidate_addresses(maps, near, size):
-                rescue = self._tracer.rescue
-                result = inject.run_syscall(
-                    thread,
-                    insn,
-                    _NR_MMAP,
-                    cand,
-                    size,
-                    PROT,
-                    FLAGS,
-                    (1 << 64) - 1,
-                    0,
-                    rescue=rescue,
-                )
-                if result == cand:
-                    self._memory().write(cand, b"\xcc" * size)
-                    rescue.note_page(self._tracer.own_memories(), cand, cand + size)
-                    return cand
-                if result >= 0:  # munmap: wrong place
-                    inject.run_syscall(thread, insn, 11, result, size, rescue=rescue)
-                    continue
-                if result == -errno.EEXIST:
-                    continue
-                raise TargetError(f"mmap of an out-of-line page failed: {os.strerror(-result)}")
-        raise NotRelocatable(
-            f"no free address within ±2 GiB of {near:#x} for an out-of-line page",
-            errno=errno.ERANGE,
-        )
-
-    def _find_syscall(self, maps: builtins.list[Mapping]) -> int:
-        """The address of an existing ``syscall`` instruction (0f 05) in the program."""
-        if self._syscall_insn is not None:
-            return self._syscall_insn
-        mem = self._memory()
-        ordered = sorted(
-            (m for m in maps if "x" in m.perms and m.path not in ("[vsyscall]", "")),
-            key=lambda m: (m.path != "[vdso]", "libc" not in m.path),
-        )
-        for m in ordered:
-            for start in range(m.start, m.end, 0x10000):
-                data = mem.read_some(start, min(0x10001, m.end - start))
-                at = data.find(b"\x0f\x05")
-                if at >= 0:
-                    self._syscall_insn = start + at
-                    return start + at
-        raise TargetError("no syscall instruction found in the program's code")
-
-    def _ifunc_target(self, resolver_addr: int) -> int:
-        """Run a GNU ifunc resolver in the program: the implementation it picks."""
-        impl = self._ifuncs.get(resolver_addr)
-        if impl is None:
-            with self._world_held():
-                self._ensure_rescue()
-                trap = self._xol().ensure_page(resolver_addr).start
-                with self._injection_thread() as thread:
-                    impl = inject.call_function(
-                        thread, resolver_addr, trap, rescue=self._tracer.rescue
-                    )
-            self._ifuncs[resolver_addr] = impl
-        return impl
-
-    @contextmanager
-    def _world_held(self) -> Iterator[None]:
-        """Every thread held for the block (a nested stop of the world only counts)."""
-        self._require_attached()
-        self._tracer.stop_world()
-        try:
-            yield
-        finally:
-            self._tracer.resume_world()
-
-    @contextmanager
-    def _injection_thread(self) -> Iterator[Thread]:
-        """A thread held still to run code for us (an ``mmap``, an ifunc resolver).
-
-        The world is held here, whoever the caller is. In a held world a thread may have
-        stopped for a reason of its own (a hit, a signal) before our interrupt reached it:
-        that status is ``pending``, handled once the world runs again, and the tracer does
-        not lend such a thread. A busy single-threaded program, stopped again while a probe
-        is armed on its loop, has no other thread. Then we borrow one whose pending status is
-        a signal-delivery stop: the signal was already taken from the thread, the injection
-        resumes it with none and puts back every register, and its siginfo is put back
-        here, so the pending stop is handled later exactly as it came. Its interrupt was
-        still due (a ptrace-stop does not consume one): the injection's first resume
-        reports it and consumes it (``inject._wait_for_trap``), so it is no longer awaited.
-        Rejected: failing the registration (the user can do nothing about it), or running
-        the pending stop's handlers from here, in the middle of a registration.
-        """
-        with self._world_held():
-            tracer = self._tracer
-            try:
-                thread = tracer.held_thread()
-            except InternalError:
-                thread = self._thread_stopped_by_signal()
-            else:
-                yield thread
-                return
-            info = ptrace.getsiginfo(thread.tid)
-            try:
-                yield thread
-            finally:
-                thread.interrupt_sent = False
-                with suppress(ProcessLookupError):
-                    ptrace.setsiginfo(thread.tid, info)
-
-    def _thread_stopped_by_signal(self) -> Thread:
-        """A held thread whose pending status is a signal-delivery stop (see above)."""
-        main = self._tracer.main
-        for thread in main.threads.values() if main is not None else ():
-            status = thread.pending
-            if (
-                thread.state is ThreadState.STOPPED
-                and status is not None
-                and os.WIFSTOPPED(status)
-                and status >> 16 == 0
-            ):
-                return thread
-        threads = list(main.threads.values()) if main is not None else []
-        if threads and all(_is_group_stopped(t) for t in threads):
-            raise TargetError(
-                f"process {self.pid} is stopped (SIGSTOP or the like): kprobes needs one of "
-                "its threads to run a moment to place this probe; continue it (kill -CONT) "
-                "and try again",
-                errno=errno.EAGAIN,
-            )
-        raise InternalError("no held thread to run code in: every thread is in an event stop")
-
-    def _ensure_rescue(self) -> None:
-        """Give the program its rescue before anything of ours goes in (``rescue.py``)."""
-        rescue = self._tracer.rescue
-        if rescue.is_installed or rescue.unavailable or self._tracer.main is None:
-            return
-        # A program that cannot have it (a seccomp filter refusing mmap or rt_sigaction) is
-        # still probed, as before the rescue existed: only the tool's death would hurt it.
-        with self._injection_thread() as thread:
-            try:
-                rescue.install(
-                    list(self._tracer.own_memories()),
-                    lambda size: self._map_rescue(thread, size),
-                )
-                sp = thread.regs.rsp if thread.busy else thread.load_regs().rsp
-                rescue.activate(
-                    thread.tracee,
-                    lambda nr, *args: inject.run_syscall(thread, 0, nr, *args, rescue=rescue),
-                    scratch=((sp - _SCRATCH_GAP) & ~0xF) - 64,
-                )
-            except TargetError as exc:
-                rescue.unavailable = str(exc)
-
-    def _map_records(self, size: int) -> int:
-        """More room for the rescue's return records (many large kretprobe pools)."""
-        with self._injection_thread() as thread:
-            result = inject.run_syscall(
-                thread,
-                0,
-                _NR_MMAP,
-                0,
-                size,
-                PROT,
-                FLAGS & ~_MAP_FIXED_NOREPLACE,
-                (1 << 64) - 1,
-                0,
-                rescue=self._tracer.rescue,
-            )
-        if result < 0:
-            raise TargetError(f"mmap of the rescue's records failed: {os.strerror(-result)}")
-        return result
-
-    def _map_rescue(self, thread: Thread, size: int) -> int:
-        """The one injection the rescue cannot undo: the mapping it lives in."""
-        insn = self._find_syscall(read_maps(self.pid))
-        anywhere = FLAGS & ~_MAP_FIXED_NOREPLACE
-        result = inject.run_syscall(
-            thread, insn, _NR_MMAP, 0, size, PROT, anywhere, (1 << 64) - 1, 0
-        )
-        if result < 0:
-            raise TargetError(f"mmap of the rescue area failed: {os.strerror(-result)}")
-        return result
-
     def _publish(self) -> None:
         cleanup.publish(self, self.list() if self._tracer.main is not None else [])
-
-
-def _is_group_stopped(thread: Thread) -> bool:
-    """In a job-control stop (SIGSTOP and the like), reported or still pending."""
-    if thread.state is ThreadState.GROUP_STOPPED:
-        return True
-    status = thread.pending
-    return (
-        status is not None
-        and os.WIFSTOPPED(status)
-        and (status >> 16) == ptrace.PTRACE_EVENT_STOP
-        and os.WSTOPSIG(status) != signal.SIGTRAP
-    )
 
 
 def _guard_handler(on: Callable[[Any], None]) -> Callable[[Kprobe, Any], None]:
