@@ -46,6 +46,7 @@ PTRACE_PEEKDATA: Final = 2
 PTRACE_POKEDATA: Final = 5
 PTRACE_POKEUSER: Final = 6
 PTRACE_CONT: Final = 7
+PTRACE_SYSCALL: Final = 24
 PTRACE_KILL: Final = 8
 PTRACE_SINGLESTEP: Final = 9
 PTRACE_GETREGS: Final = 12
@@ -133,7 +134,9 @@ class BoundRequests:
     # PTRACE_POKEUSER of one word at the bound offset: one register written back for about
     # half the kernel time of a PTRACE_SETREGS, which reads and checks all 27.
     poke_user: Callable[[Word], int]
-    cont: Callable[[], int]  # PTRACE_CONT, no signal
+    cont: Callable[[], int]  # how the thread is resumed now: PTRACE_CONT or PTRACE_SYSCALL
+    plain_cont: Callable[[], int]  # PTRACE_CONT, no signal
+    syscall_cont: Callable[[], int]  # PTRACE_SYSCALL, no signal: stop at its next syscall
 
 
 def bind_requests(tid: int, regs: StructBuffer, user_offset: int) -> BoundRequests:
@@ -148,6 +151,8 @@ def bind_requests(tid: int, regs: StructBuffer, user_offset: int) -> BoundReques
         setregs=partial(_ptrace, PTRACE_SETREGS, tid, None, regs._array),
         poke_user=partial(_ptrace, PTRACE_POKEUSER, tid, user_offset),
         cont=partial(_ptrace, PTRACE_CONT, tid, None, None),
+        plain_cont=partial(_ptrace, PTRACE_CONT, tid, None, None),
+        syscall_cont=partial(_ptrace, PTRACE_SYSCALL, tid, None, None),
     )
 
 
@@ -166,6 +171,11 @@ def interrupt(tid: int) -> None:
 def cont(tid: int, sig: int = 0) -> None:
     if _ptrace(PTRACE_CONT, tid, None, _word(sig) if sig else None) == -1:
         _check(-1)
+
+
+def syscall_cont(tid: int, sig: int = 0) -> None:
+    """PTRACE_SYSCALL: resume, and stop at the next syscall's entry or exit."""
+    _check(_ptrace(PTRACE_SYSCALL, tid, None, _word(sig)))
 
 
 def singlestep(tid: int, sig: int = 0) -> None:

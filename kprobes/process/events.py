@@ -73,14 +73,32 @@ class EventStop:
 
 
 @dataclass(frozen=True, slots=True)
+class SyscallStop:
+    """A syscall-entry or syscall-exit stop (PTRACE_SYSCALL, with PTRACE_O_TRACESYSGOOD)."""
+
+    tid: int
+
+
+@dataclass(frozen=True, slots=True)
 class OtherEvent:
     tid: int
     event: int
 
 
 StopEvent = (
-    Exited | Killed | Trap | Signal | NewThread | Forked | Exec | GroupStop | EventStop | OtherEvent
+    Exited
+    | Killed
+    | Trap
+    | Signal
+    | SyscallStop
+    | NewThread
+    | Forked
+    | Exec
+    | GroupStop
+    | EventStop
+    | OtherEvent
 )
+SYSCALL_TRAP = signal.SIGTRAP | 0x80  # WSTOPSIG of a syscall stop
 
 _GROUP_STOP_SIGNALS = frozenset({signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU})
 
@@ -94,7 +112,9 @@ def decode(tid: int, status: int) -> StopEvent:
     event = (status >> 16) & 0xFF
     match event:
         case 0:
-            return Trap(tid) if sig == signal.SIGTRAP else Signal(tid, sig)
+            if sig == signal.SIGTRAP:
+                return Trap(tid)
+            return SyscallStop(tid) if sig == SYSCALL_TRAP else Signal(tid, sig)
         case ptrace.PTRACE_EVENT_CLONE:
             return NewThread(tid)
         case ptrace.PTRACE_EVENT_FORK:

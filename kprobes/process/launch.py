@@ -29,6 +29,7 @@ OPTIONS = (
     | ptrace.PTRACE_O_TRACEFORK
     | ptrace.PTRACE_O_TRACEVFORK
     | ptrace.PTRACE_O_TRACEEXEC
+    | ptrace.PTRACE_O_TRACESYSGOOD  # syscall stops (the loader's startup) say they are
 )
 _PF_KTHREAD = 0x00200000  # /proc/PID/stat flags: a kernel thread
 _RELEASE_TIMEOUT = 2.0  # a failed attach waits this long for each seized thread to stop
