@@ -4,6 +4,7 @@
     ├── SpecError                   the probe text is malformed; ``.column`` (0-based)
     ├── ProbeRejected               this probe cannot be placed; ``.errno`` says why
     │   ├── SymbolNotFound          ENOENT: the symbol is in none of the places searched
+    │   │   └── NotMapped           ENOENT: its library is not mapped yet (may be, later)
     │   ├── NotABoundary            EILSEQ: the address is inside an instruction
     │   ├── Blacklisted             EINVAL: our own pages, or an address the user blacklisted
     │   └── NotRelocatable          EINVAL/ERANGE/EOPNOTSUPP: the instruction cannot run out of line
@@ -50,6 +51,11 @@ class ProbeRejected(ProbeError):
 
 class SymbolNotFound(ProbeRejected):
     default_errno = _errno.ENOENT
+
+
+class NotMapped(SymbolNotFound):
+    """The probe names a library the process has not mapped (yet): a target that follows
+    the program may keep such a probe pending until the library is loaded."""
 
 
 class NotABoundary(ProbeRejected):

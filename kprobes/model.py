@@ -17,6 +17,7 @@ class ProbeListing:
     is_gone: bool
     is_disabled: bool
     plan: str  # how the probed instruction runs out of line: emulate, boost, step, singlestep
+    is_pending: bool = False  # waiting for its library to be mapped (addr 0)
 
     @property
     def is_optimized(self) -> bool:
@@ -34,6 +35,8 @@ class ProbeListing:
             parts.append(f"[{self.module}]")
         if self.is_gone:
             parts.append("[GONE]")
+        elif self.is_pending:
+            parts.append("[PENDING]")
         if self.is_disabled:
             parts.append("[DISABLED]")
         if self.plan:
@@ -49,6 +52,7 @@ class ProbeListing:
             "is_gone": self.is_gone,
             "is_disabled": self.is_disabled,
             "plan": self.plan,
+            "is_pending": self.is_pending,
         }
 
     @classmethod
@@ -61,6 +65,7 @@ class ProbeListing:
             is_gone=bool(data["is_gone"]),
             is_disabled=bool(data["is_disabled"]),
             plan=str(data["plan"]),
+            is_pending=bool(data.get("is_pending", False)),
         )
 
 

@@ -35,7 +35,9 @@ def init(target: Any) -> None:
     global my_jprobe
     my_jprobe = kprobes.Jprobe(symbol=func, entry=j_emit_line)
     target.register_jprobe(my_jprobe)
-    print(f"Planted jprobe at {my_jprobe.addr:#x}, handler addr {id(j_emit_line):#x}", flush=True)
+    addr = my_jprobe.addr  # None while pending: its library is not mapped yet
+    where = f"{addr:#x}" if addr is not None else "pending"
+    print(f"Planted jprobe at {where}, handler addr {id(j_emit_line):#x}", flush=True)
 
 
 def exit(target: Any) -> None:

@@ -66,7 +66,10 @@ def main() -> int:
     try:
         with kprobes.spawn(argv) as proc:
             proc.register_kprobe(kp)
-            print(f"Planted kprobe at {kp.addr:#x}", file=sys.stderr)
+            # Spawned, the program has not loaded its libraries yet: a probe on one of them
+            # is pending, and placed the moment the loader maps it.
+            where = f"{kp.addr:#x}" if kp.addr is not None else f"{kp.symbol} (pending)"
+            print(f"Planted kprobe at {where}", file=sys.stderr)
             for line in proc.list():
                 print(line, file=sys.stderr)
             proc.run()

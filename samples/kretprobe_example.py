@@ -52,7 +52,9 @@ def init(target: Any) -> None:
         maxactive=maxactive,
     )
     target.register_kretprobe(my_kretprobe)
-    print(f"Planted return probe at {func}: {my_kretprobe.addr:#x}", flush=True)
+    addr = my_kretprobe.addr  # None while pending: its library is not mapped yet
+    where = f"{addr:#x}" if addr is not None else "pending"
+    print(f"Planted return probe at {func}: {where}", flush=True)
 
 
 def exit(target: Any) -> None:

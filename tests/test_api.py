@@ -176,7 +176,8 @@ REJECTED: dict[str, tuple[Callable[[Callable[[str], int]], dict[str, Any]], type
 @pytest.mark.parametrize("case", list(REJECTED))
 def test_rejected_registration(spawn, target, tmp_path, expected, case):
     make_kwargs, exc_type, errnos = REJECTED[case]
-    proc, out = start(spawn, tmp_path, [target, N])
+    # Not pending: a library the program has not mapped is an error at once (ENOENT).
+    proc, out = start(spawn, tmp_path, [target, N], pending=False)
     text_before = support.exe_text(proc.pid, target)
     asm = support.runtime_address(proc.pid, target, "kpt_asm")
     seen_before = proc.read(asm, 0x2B)
@@ -673,10 +674,17 @@ def test_libc_function_through_the_plt(spawn, target, tmp_path, expected):
     """The program calls printf() through its PLT: "libc:printf" is libc's own function."""
     proc, out = start(spawn, tmp_path, [target, N])
     libc = support.libc_path(target)
-    kp = kprobes.Kprobe(symbol="libc:printf")
+    where: list[int] = []
+
+    def first_hit(p: kprobes.Kprobe, regs: Any) -> None:
+        if not where:
+            where.append(support.runtime_address(proc.pid, libc, "printf", dynamic=True))
+
+    kp = kprobes.Kprobe(symbol="libc:printf", pre_handler=first_hit)
     proc.register_kprobe(kp)
-    assert kp.addr == support.runtime_address(proc.pid, libc, "printf", dynamic=True)
+    assert kp.is_pending  # spawned: stopped before the loader mapped libc
     run_to_exit(proc)
+    assert where == [kp.addr]
     assert kp.nhit == expected.count(b"\n")  # one printf per line
     assert out.read_bytes() == expected
 
@@ -688,12 +696,22 @@ def test_shared_library_probe(spawn, build, tmp_path, form):
     spec = "libkpt:lib_work" if form == "library" else f"{lib}:lib_work"
     proc, out = start(spawn, tmp_path, [exe, 30])
     args: list[int] = []
-    kp = kprobes.Kprobe(symbol=spec, pre_handler=lambda p, r: args.append(r.rdi))
+    seen: list[tuple[int, str]] = []
+
+    def pre(p: kprobes.Kprobe, regs: Any) -> None:
+        if not args:
+            (entry,) = proc.list()
+            seen.append((support.runtime_address(proc.pid, lib, "lib_work"), str(entry)))
+        args.append(regs.rdi)
+
+    kp = kprobes.Kprobe(symbol=spec, pre_handler=pre)
     proc.register_kprobe(kp)
-    assert kp.addr == support.runtime_address(proc.pid, lib, "lib_work")
-    (entry,) = proc.list()
-    assert str(entry).startswith(f"{kp.addr:016x}  k  lib_work+0x0  [libkpt.so]")
+    (pending,) = proc.list()
+    assert str(pending) == f"0000000000000000  k  {spec}  [PENDING]"
     run_to_exit(proc)
+    ((addr, listed),) = seen
+    assert kp.addr == addr
+    assert listed.startswith(f"{addr:016x}  k  lib_work+0x0  [libkpt.so]")
     assert args == list(range(30))
     assert out.read_bytes() == b"lib sum=2205\n"
 

@@ -107,9 +107,12 @@ def probed_run(exe: Path, sites: list[Site], tmp: Path, *, with_post: bool) -> P
     pre_calls = [0] * len(sites)
     post_calls = [0] * len(sites)
     bad_ip: list[tuple[int, int]] = []
+    where: list[int | None] = [None] * len(sites)
 
     def make(i: int) -> kprobes.Kprobe:
         def pre(p: Any, regs: Any) -> None:
+            if not pre_calls[i]:  # placed where the file's own address says (libraries: late)
+                where[i] = support.runtime_address_of(proc.pid, sites[i].path, sites[i].vaddr)
             pre_calls[i] += 1
             if regs.ip != p.addr:
                 bad_ip.append((i, regs.ip))
@@ -129,9 +132,9 @@ def probed_run(exe: Path, sites: list[Site], tmp: Path, *, with_post: bool) -> P
         proc = kprobes.spawn([str(exe), *ARGS], stdin=fin, stdout=fout)
     try:
         proc.register_kprobes(kps)
-        for site, kp in zip(sites, kps, strict=True):
-            assert kp.addr == support.runtime_address_of(proc.pid, site.path, site.vaddr)
         assert proc.run(timeout=60), "the probed program did not finish within 60 s"
+        for i, kp in enumerate(kps):
+            assert where[i] in (None, kp.addr), sites[i]
     finally:
         support.cleanup_proc(proc)
     return ProbedRun(

@@ -18,11 +18,12 @@ from collections.abc import Callable, Sequence
 
 from kprobes.cli.backends import Backend, Placed, add_backend_arguments, open_backend
 from kprobes.cli.sigint import RunInterrupted, SafeInterrupt
-from kprobes.cli.targets import add_target_arguments
+from kprobes.cli.targets import add_target_arguments, say_pending
 from kprobes.errors import SpecError
 from kprobes.model import Event
 from kprobes.output.status import format_status, format_summary
 from kprobes.spec import FieldKind, ProbeSpec, compile_filter, parse, parse_filter
+from kprobes.spec.render import render_location
 
 STATUS_PERIOD = 0.5
 
@@ -127,7 +128,14 @@ class Session:
                     if self.prepare is not None:
                         self.prepare(backend)
                     if not interrupt.interrupted:
-                        backend.place(self.specs)
+                        placed = backend.place(self.specs)
+                        say_pending(
+                            (getattr(p, "probe", None) for p in placed),
+                            (
+                                render_location(p.spec.location) if p.spec.location else p.name
+                                for p in placed
+                            ),
+                        )
                     interrupt.is_placing = False
                     if not interrupt.interrupted:
                         self._loop(backend)

@@ -2,8 +2,8 @@
 
 Picking the target is the command line's job (the library never chooses one): ``-p`` attaches
 to a running process and leaves it running afterwards; ``-c`` spawns the command (split like
-a shell would, without one) stopped at its entry point, so probes are in place before its
-first instruction.
+a shell would, without one) stopped before its first instruction, so probes are in place
+from it on: those on libraries wait for the loader to map them (pending).
 """
 
 from __future__ import annotations
@@ -11,7 +11,10 @@ from __future__ import annotations
 import argparse
 import errno
 import shlex
+import sys
+from collections.abc import Iterable
 
+from kprobes.core.probes import Kprobe
 from kprobes.errors import SpecError, TargetError
 from kprobes.process.launch import attach, spawn
 from kprobes.process.target import Process
@@ -35,7 +38,24 @@ def command_argv(args: argparse.Namespace) -> list[str]:
 
 
 def open_target(args: argparse.Namespace, *, follow_forks: bool = False) -> Process:
-    """The process ``-p``/``-c`` names, traced by us (``-c``: stopped at its entry point)."""
+    """The process ``-p``/``-c`` names, traced by us (``-c``: stopped before its first
+    instruction). Probes on libraries it has not loaded wait for them (pending), and what
+    the program's loads say about them is said on stderr."""
     if args.pid is not None:
-        return attach(args.pid, follow_forks=follow_forks)
-    return spawn(command_argv(args), follow_forks=follow_forks)
+        proc = attach(args.pid, follow_forks=follow_forks, pending=True)
+    else:
+        proc = spawn(command_argv(args), follow_forks=follow_forks, pending=True)
+    proc.on_notice = _say
+    return proc
+
+
+def _say(message: str) -> None:
+    print(f"kprobes: {message}", file=sys.stderr, flush=True)
+
+
+def say_pending(probes: Iterable[object], names: Iterable[str]) -> None:
+    """One stderr line per probe still waiting for its library after placement."""
+    for probe, name in zip(probes, names, strict=True):
+        entry = getattr(probe, "kp", probe)  # a Kretprobe's or Jprobe's entry probe
+        if isinstance(entry, Kprobe) and entry.is_pending:
+            _say(f"{name} is pending: it is placed when the program loads its library")

@@ -5,18 +5,27 @@ ptrace. Everything machine-specific goes through ``ArchHooks``, shaped like the 
 ``arch_*`` hooks: resolve and check a location, prepare and remove the per-address state, arm
 and disarm. Registration is a straight pipeline undone in reverse on failure; a batch rolls
 back the members already registered, as ``register_kprobes()`` does.
+
+Pending probes. A target that follows a program (``allow_pending``) accepts a probe on a
+library the program has not mapped yet: the probe is registered with no site and waits in
+``pending``. The target calls ``resolve_pending()`` when the program maps code and
+``unmap()`` when code goes (dlclose, exec); a probe in unmapped code waits again, ``GONE``
+until its library comes back. A probe given by address never comes back: the kernel's
+``kprobe_gone()`` for code that was unloaded. Rejected: making every target poll for its
+libraries; the target knows when the program maps code, the manager only decides what that
+means for each probe.
 """
 
 from __future__ import annotations
 
 import errno
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
 from kprobes.core.probes import Kprobe, Location, ProbeFlags
 from kprobes.core.table import ProbeSite, ProbeTable
-from kprobes.errors import ProbeRejected
+from kprobes.errors import NotMapped, ProbeRejected
 
 
 class ArchHooks(Protocol):
@@ -42,6 +51,10 @@ class ArchHooks(Protocol):
 
     def disarm(self, site: ProbeSite) -> None: ...
 
+    def drop(self, site: ProbeSite) -> None:
+        """The code under ``site`` was unmapped: forget its patch without writing anything."""
+        ...
+
     def batch(self) -> AbstractContextManager[None]:
         """Hold the target still (every thread stopped) across a group of changes."""
         ...
@@ -53,6 +66,8 @@ class ProbeManager:
         self.table = ProbeTable()
         self._enabled = True
         self._requested_addr: dict[int, int | None] = {}  # id(probe) → addr the user gave
+        self.allow_pending = False  # a probe on a library not mapped yet waits for it
+        self.pending: list[Kprobe] = []  # registered, no site: waiting for their library
 
     # -- registration ------------------------------------------------------------------
 
@@ -100,10 +115,22 @@ class ProbeManager:
         try:
             location = self.hooks.resolve(probe)
             self.hooks.check(probe, location)
+        except NotMapped:
+            probe.addr = requested
+            if not self.allow_pending or probe.symbol is None:
+                raise
+            self._requested_addr[id(probe)] = requested
+            probe.addr = None
+            probe.flags |= ProbeFlags.PENDING
+            probe.nmissed = 0
+            self.pending.append(probe)
+            return
         except BaseException:
             probe.addr = requested
             raise
+        self._place(probe, location, requested)
 
+    def _place(self, probe: Kprobe, location: Location, requested: int | None) -> None:
         # Step 3: join the site at that address, or prepare a new one.
         site = self.table.get(location.addr)
         if site is None:
@@ -131,13 +158,19 @@ class ProbeManager:
         probe.addr = location.addr
         probe.location = location
         probe.site = site
-        probe.flags &= ~ProbeFlags.GONE
-        probe.nmissed = 0
+        if not probe.is_pending:
+            probe.nmissed = 0
+        probe.flags &= ~(ProbeFlags.GONE | ProbeFlags.PENDING)
         site.refresh()
         self._sync_arming(site)
 
     def _unregister(self, probe: Kprobe) -> None:
         site = probe.site
+        if probe.is_pending:
+            self.pending.remove(probe)
+            probe.flags &= ~(ProbeFlags.PENDING | ProbeFlags.GONE)
+            probe.addr = self._requested_addr.pop(id(probe), None)
+            return
         if site is None:
             # The kernel clears addr of a probe it does not know, and reports nothing.
             probe.addr = self._requested_addr.pop(id(probe), None)
@@ -163,6 +196,9 @@ class ProbeManager:
 
     def enable(self, probe: Kprobe) -> None:
         self._require_registered(probe)
+        if probe.is_pending:
+            probe.flags &= ~ProbeFlags.DISABLED
+            return
         with self.hooks.batch():
             probe.flags &= ~ProbeFlags.DISABLED
             assert probe.site is not None
@@ -171,6 +207,9 @@ class ProbeManager:
 
     def disable(self, probe: Kprobe) -> None:
         self._require_registered(probe)
+        if probe.is_pending:
+            probe.flags |= ProbeFlags.DISABLED
+            return
         with self.hooks.batch():
             probe.flags |= ProbeFlags.DISABLED
             assert probe.site is not None
@@ -195,12 +234,66 @@ class ProbeManager:
             for probe in site.probes:
                 probe.flags |= ProbeFlags.GONE
 
+    def requested_addr(self, probe: Kprobe) -> int | None:
+        """The address the user gave a registered probe (None if it was given by symbol)."""
+        return self._requested_addr.get(id(probe))
+
     def iter_probes(self) -> Iterator[Kprobe]:
         for site in self.table:
             yield from site.probes
+        yield from self.pending
+
+    # -- code that comes and goes ---------------------------------------------------------
+
+    def resolve_pending(self) -> list[tuple[Kprobe, ProbeRejected]]:
+        """Place every pending probe whose library is mapped now. Returns the probes whose
+        library is there but which cannot be placed in it, each with why; they keep waiting
+        (another file of that name may come)."""
+        failed: list[tuple[Kprobe, ProbeRejected]] = []
+        waiting = [p for p in self.pending if p.symbol is not None]
+        if not waiting:
+            return failed
+        with self.hooks.batch():
+            for probe in waiting:
+                try:
+                    location = self.hooks.resolve(probe)
+                    self.hooks.check(probe, location)
+                except NotMapped:
+                    continue
+                except ProbeRejected as exc:
+                    failed.append((probe, exc))
+                    continue
+                self.pending.remove(probe)
+                try:
+                    self._place(probe, location, self._requested_addr.get(id(probe)))
+                except ProbeRejected as exc:
+                    probe.site = None
+                    probe.addr = None
+                    probe.flags |= ProbeFlags.PENDING
+                    self.pending.append(probe)
+                    failed.append((probe, exc))
+        return failed
+
+    def unmap(self, is_unmapped: Callable[[ProbeSite], bool]) -> list[Kprobe]:
+        """The code of some sites was unmapped (dlclose, exec): nothing of ours is there to
+        undo. Their probes wait again, ``GONE``; those given by address for good. Returns
+        the probes that left their sites."""
+        moved: list[Kprobe] = []
+        for site in [s for s in self.table if is_unmapped(s)]:
+            self.hooks.drop(site)
+            site.is_armed = False
+            self.hooks.remove(site)
+            self.table.remove(site)
+            for probe in site.probes:
+                probe.site = None
+                probe.addr = None
+                probe.flags |= ProbeFlags.GONE | ProbeFlags.PENDING
+                self.pending.append(probe)
+                moved.append(probe)
+        return moved
 
     def _require_registered(self, probe: Kprobe) -> None:
-        if probe.site is None:
+        if probe.site is None and not probe.is_pending:
             raise ProbeRejected(f"{probe!r} is not registered", errno=errno.EINVAL)
 
     def _sync_arming(self, site: ProbeSite) -> None:

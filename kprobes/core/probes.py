@@ -28,6 +28,7 @@ class ProbeFlags(enum.Flag):
     NONE = 0
     GONE = enum.auto()  # the code it was placed in is no longer mapped (exec, exit)
     DISABLED = enum.auto()  # registered but not armed (disable_kprobe or disabled=True)
+    PENDING = enum.auto()  # registered, waiting for its library to be mapped (no site)
 
 
 class Location(Protocol):
@@ -79,7 +80,12 @@ class Kprobe:
 
     @property
     def is_registered(self) -> bool:
-        return self.site is not None
+        return self.site is not None or ProbeFlags.PENDING in self.flags
+
+    @property
+    def is_pending(self) -> bool:
+        """Registered, but its library is not mapped (yet, or any more): nothing is armed."""
+        return ProbeFlags.PENDING in self.flags
 
     @property
     def is_disabled(self) -> bool:
@@ -92,4 +98,6 @@ class Kprobe:
     def __repr__(self) -> str:
         where = self.location.display if self.location else (self.symbol or hex(self.addr or 0))
         state = "registered" if self.is_registered else "unregistered"
+        if self.is_pending:
+            state = "pending"
         return f"<{type(self).__name__} {where} {state} nhit={self.nhit} nmissed={self.nmissed}>"

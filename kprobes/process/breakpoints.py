@@ -79,6 +79,12 @@ class Breakpoints:
             except TargetError:
                 continue
 
+    def drop(self, addr: int) -> None:
+        """The code at ``addr`` was unmapped (dlclose): our int3 went with it, and what is
+        mapped there later is not ours to restore."""
+        self.armed.pop(addr, None)
+        self.ever_patched.pop(addr, None)
+
     def forget(self) -> None:
         """The address space was replaced (exec): nothing of ours is in it any more."""
         self.armed.clear()

@@ -19,6 +19,7 @@ from typing import IO, Any
 from kprobes.errors import TargetError
 from kprobes.linux import procfs, ptrace
 from kprobes.process import cleanup
+from kprobes.process.events import SYSCALL_TRAP
 from kprobes.process.target import Process
 from kprobes.process.threads import ThreadState
 from kprobes.process.tracee import Tracee, TraceeKind
@@ -54,8 +55,14 @@ def spawn(
     env: dict[str, str] | None = None,
     cwd: str | None = None,
     follow_forks: bool = False,
+    pending: bool = True,
 ) -> Process:
-    """Start ``argv`` traced and stopped at its entry point (its libraries are mapped)."""
+    """Start ``argv`` traced, stopped before its first instruction (at the exit of execve).
+
+    Its executable and dynamic loader are mapped, its libraries are not yet: a probe on a
+    library is pending (``pending=True``) and is placed the moment the loader maps it,
+    before any of its code runs (following.py).
+    """
     if not argv:
         raise TargetError("nothing to run: empty argv", errno=errno.EINVAL)
     fds = (_fd_of(stdin), _fd_of(stdout), _fd_of(stderr))
@@ -81,13 +88,15 @@ def spawn(
             os._exit(127)
     os.close(err_w)
     try:
-        proc = _seize_spawned(pid, argv, err_r, follow_forks)
+        proc = _seize_spawned(pid, argv, err_r, follow_forks, pending)
     finally:
         os.close(err_r)
     return proc
 
 
-def _seize_spawned(pid: int, argv: Sequence[str], err_r: int, follow_forks: bool) -> Process:
+def _seize_spawned(
+    pid: int, argv: Sequence[str], err_r: int, follow_forks: bool, pending: bool
+) -> Process:
     _, status = os.waitpid(pid, os.WUNTRACED)
     if not os.WIFSTOPPED(status):
         raise _spawn_failure(argv, err_r)
@@ -106,33 +115,20 @@ def _seize_spawned(pid: int, argv: Sequence[str], err_r: int, follow_forks: bool
             ptrace.cont(pid, sig)
         else:
             ptrace.cont(pid, 0)
-    proc = Process(pid, follow_forks=follow_forks)
+    # Step 2: to the exit of execve: the new image is in place, none of it has run.
+    ptrace.syscall_cont(pid, 0)
+    _, status = ptrace.waitpid(pid, 0)
+    if not os.WIFSTOPPED(status) or os.WSTOPSIG(status) != SYSCALL_TRAP:
+        raise TargetError(f"{argv[0]} did not come back from execve (status {status:#x})")
+    proc = Process(pid, follow_forks=follow_forks, pending=pending)
     tracer = proc._tracer
     main = tracer.add_tracee(pid, TraceeKind.MAIN)
     thread = tracer.add_thread(main, pid, ThreadState.STOPPED)
-    # Step 2: run the dynamic loader up to the program's entry point.
-    entry = procfs.read_auxv(pid).get(procfs.AT_ENTRY)
-    if entry:
-        original = main.read(entry, 1)
-        main.write(entry, b"\xcc")
-        try:
-            ptrace.cont(pid, 0)
-            while True:
-                _, status = ptrace.waitpid(pid, 0)
-                if os.WIFEXITED(status) or os.WIFSIGNALED(status):
-                    raise TargetError(f"{argv[0]} exited before reaching its entry point")
-                sig = os.WSTOPSIG(status)
-                if sig == signal.SIGTRAP and status >> 16 == 0:
-                    regs = thread.load_regs()
-                    if regs.rip == entry + 1:
-                        regs.rip = entry
-                        thread.store_regs()
-                        break
-                ptrace.cont(pid, sig if status >> 16 == 0 and sig != signal.SIGTRAP else 0)
-        finally:
-            if main.mem_fd >= 0:
-                main.write(entry, original)
+    thread.event_stopped = True
+    thread.exec_landing = True
     tracer.hold_all = True
+    # Step 3: the new image's probes, and the loader's startup followed (following.py).
+    proc._on_syscall_stop(thread)
     cleanup.remember(proc)
     return proc
 
@@ -144,7 +140,7 @@ def _spawn_failure(argv: Sequence[str], err_r: int) -> TargetError:
     return TargetError(f"cannot run {argv[0]}: {message or 'it exited at once'}", errno=code)
 
 
-def attach(pid: int, *, follow_forks: bool = False) -> Process:
+def attach(pid: int, *, follow_forks: bool = False, pending: bool = False) -> Process:
     """Seize every thread of the running process ``pid``; it keeps running between hits.
 
     Each way this can fail is one ``TargetError`` that says what happened (no such process,
@@ -157,7 +153,7 @@ def attach(pid: int, *, follow_forks: bool = False) -> Process:
     if pid == os.getpid():
         raise TargetError("a process cannot trace itself", errno=errno.EINVAL)
     _check_attachable(pid)
-    proc = Process(pid, follow_forks=follow_forks)
+    proc = Process(pid, follow_forks=follow_forks, pending=pending)
     tracer = proc._tracer
     try:
         main = tracer.add_tracee(pid, TraceeKind.MAIN)

@@ -38,6 +38,7 @@ from kprobes.core.table import ProbeSite
 from kprobes.errors import (
     Blacklisted,
     NotABoundary,
+    NotMapped,
     ProbeRejected,
     SymbolNotFound,
     TargetError,
@@ -46,6 +47,7 @@ from kprobes.linux import procfs, ptrace
 from kprobes.model import BlacklistEntry, ProbeListing
 from kprobes.process import cleanup, jprobes
 from kprobes.process.detach import detach_all
+from kprobes.process.following import Following, LoaderWatch
 from kprobes.process.programcalls import ProgramCalls
 from kprobes.process.tracee import Tracee
 from kprobes.process.tracer import Prepared, Tracer
@@ -94,10 +96,10 @@ def _says_when_gone(
     return registering
 
 
-class Process(ProgramCalls):
+class Process(ProgramCalls, Following):
     """A traced program. Use ``spawn()`` or ``attach()`` to get one."""
 
-    def __init__(self, pid: int, *, follow_forks: bool = False) -> None:
+    def __init__(self, pid: int, *, follow_forks: bool = False, pending: bool = False) -> None:
         self.pid = pid
         self.follow_forks = follow_forks
         self._manager = ProbeManager(self)
@@ -116,6 +118,7 @@ class Process(ProgramCalls):
         self._records: dict[int, list[int]] = {}
         self._saved_affinity: dict[int, set[int]] | None = None
         self._attached = True
+        self._init_following(pending=pending)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -504,7 +507,7 @@ class Process(ProgramCalls):
             x: Prepared | None = site.ainsn
             loc: ProbeLocation = site.location  # type: ignore[assignment]
             for probe in site.probes:
-                if isinstance(probe.owner, UnwindGuard):
+                if isinstance(probe.owner, (UnwindGuard, LoaderWatch)):
                     continue
                 out.append(
                     ProbeListing(
@@ -517,6 +520,21 @@ class Process(ProgramCalls):
                         plan=x.kind.value if x is not None else "",
                     )
                 )
+        for probe in self.iter_pending():
+            if isinstance(probe.owner, UnwindGuard):
+                continue
+            out.append(
+                ProbeListing(
+                    addr=0,
+                    kind=probe.kind,
+                    where=probe.symbol or f"{self._manager.requested_addr(probe) or 0:#x}",
+                    module="",
+                    is_gone=probe.is_gone,
+                    is_disabled=probe.is_disabled,
+                    plan="",
+                    is_pending=True,
+                )
+            )
         return sorted(out, key=lambda e: e.addr)
 
     def blacklist(self) -> builtins.list[BlacklistEntry]:
@@ -573,6 +591,7 @@ class Process(ProgramCalls):
         if self._attached and tracer.main is not None:
             tracer.stop_world()
             try:
+                self._watch_loader()
                 yield
             finally:
                 tracer.resume_world()
@@ -609,6 +628,11 @@ class Process(ProgramCalls):
                 loc = resolver.resolve(probe.symbol, probe.offset)
         if loc.symbol is not None and loc.symbol.kind is SymbolKind.IFUNC:
             name = loc.symbol.name
+            if self.is_starting:  # its resolver cannot run in a library not relocated yet
+                raise NotMapped(
+                    f"{name} is a GNU ifunc: it is placed once the loader has "
+                    f"relocated {loc.module.name}"
+                )
             impl = self._ifunc_target(loc.addr - loc.offset)
             try:
                 loc = resolver.locate_address(impl + loc.offset)
@@ -736,6 +760,9 @@ class Process(ProgramCalls):
     def disarm(self, site: ProbeSite) -> None:
         if site.addr in self._tracer.breakpoints.armed:
             self._tracer.breakpoints.disarm(self._tracer.own_memories(), site.addr)
+
+    def drop(self, site: ProbeSite) -> None:
+        self._tracer.breakpoints.drop(site.addr)
 
     # -- helpers ---------------------------------------------------------------------------
 

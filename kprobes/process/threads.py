@@ -9,6 +9,7 @@ not been reported yet: it cannot run until we resume it.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import struct
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,7 @@ class Thread:
     __slots__ = (
         "busy",
         "event_stopped",
+        "exec_landing",
         "held_signals",
         "interrupt_sent",
         "lost",
@@ -99,6 +101,7 @@ class Thread:
         self.resume_stepping = False  # held back onto its step's int3: resumes STEPPING
         self.event_stopped = False  # held in an event stop, where no signal can be injected
         self.reraised: list[bytes] = []  # siginfo of held signals sent again with tgkill
+        self.exec_landing = False  # its next syscall stop is the exit of execve
 
     def to(self, state: ThreadState) -> None:
         """The one place a thread changes state; impossible transitions are bugs."""
@@ -153,7 +156,7 @@ class Thread:
                 ptrace.setsiginfo(self.tid, info)
         self.event_stopped = False
         if sig:
-            ptrace.cont(self.tid, sig)
+            (ptrace.syscall_cont if self.is_tracing_syscalls else ptrace.cont)(self.tid, sig)
         else:
             cont = self.req.cont
             if cont() == -1:
@@ -164,6 +167,18 @@ class Thread:
         else:
             self.resume_stepping = False
             self.to(_RUNNING)
+
+    def trace_syscalls(self, on: bool) -> None:
+        """Resume it with PTRACE_SYSCALL from now on (stopping at each syscall's entry and
+        exit), or with PTRACE_CONT again."""
+        req = self.req
+        want = req.syscall_cont if on else req.plain_cont
+        if req.cont is not want:
+            self.req = dataclasses.replace(req, cont=want)
+
+    @property
+    def is_tracing_syscalls(self) -> bool:
+        return self.req.cont is self.req.syscall_cont
 
     def step(self) -> None:
         ptrace.singlestep(self.tid, 0)

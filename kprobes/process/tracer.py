@@ -96,6 +96,9 @@ class Tracer(WorldStop, SignalDelivery):
         self.live = 0  # tracees that keep run() going (the program and followed children)
         self.has_pending = False  # some thread holds a status received while stopping
         self.on_gone: Callable[[], None] = lambda: None
+        # A syscall stop (PTRACE_SYSCALL: the exit of execve, the loader's startup), for
+        # the target to look at before the thread goes on.
+        self.on_syscall: Callable[[Thread], None] = lambda t: None
         self.trap_guard: TrapGuard | None = None
         self.guarding = False  # the trap guard is armed: hits take the full path
         self.trampoline = Trampoline(self)
@@ -395,6 +398,16 @@ class Tracer(WorldStop, SignalDelivery):
                     self._foreign_trap(t)
             case ev.Signal(signal=sig):
                 self._on_signal(t, sig)
+            case ev.SyscallStop():
+                t.to(S.STOPPED)
+                t.event_stopped = True  # no signal can be injected from a syscall stop
+                t.busy = True  # a stop of the world in on_syscall must not resume it
+                t.load_regs()  # the view a busy thread's injection starts from
+                try:
+                    self.on_syscall(t)
+                finally:
+                    t.busy = False
+                self._resume_if_free(t)
             case ev.Exited(code=code):
                 self._on_exit(t, code)
             case ev.Killed(signal=sig):
@@ -625,8 +638,9 @@ class Tracer(WorldStop, SignalDelivery):
         t.state = S.STOPPED
         t.step_site = None
         if tracee.kind is TraceeKind.MAIN:
-            # The code we probed is gone; keep tracing until the new image exits.
-            self.manager.mark_gone()
+            # The code we probed is gone: every probe waits to be placed again in the new
+            # image, from the exit of execve on (following.py), with nothing of ours in it.
+            self.manager.unmap(lambda site: True)
             self.breakpoints.forget()
             if self.xol is not None:
                 self.xol.forget()
@@ -637,6 +651,8 @@ class Tracer(WorldStop, SignalDelivery):
             self.slot_history.clear()
             tracee.open_memory()
             self.on_gone()
+            t.exec_landing = True
+            t.trace_syscalls(True)
             self._resume_if_free(t)
         else:
             # A child's new image holds nothing of ours.

@@ -20,8 +20,8 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kprobes.errors import ProbeRejected, SpecError, SymbolNotFound, TargetError
-from kprobes.symbols.elf import Symbol
+from kprobes.errors import NotMapped, ProbeRejected, SpecError, SymbolNotFound, TargetError
+from kprobes.symbols.elf import ElfImage, Symbol
 from kprobes.symbols.maps import Mapping, Module, iter_modules, read_maps
 
 
@@ -180,9 +180,18 @@ class SymbolResolver:
             if len(paths) > 1:
                 raise SymbolNotFound(f"module name {name!r} is ambiguous: {', '.join(paths)}")
         mapped = ", ".join(sorted({module.name for module in self._modules}))
-        raise SymbolNotFound(
-            f"no module {name!r} is mapped in process {self.pid} (mapped: {mapped})"
-        )
+        if "/" in name and same_file is None:
+            raise SymbolNotFound(f"no file {name} (in the view of process {self.pid})")
+        raise NotMapped(f"no module {name!r} is mapped in process {self.pid} (mapped: {mapped})")
+
+    def _check_file_has(self, path: str, function: str) -> None:
+        """A file named by path and not mapped yet: it must be ELF and hold ``function``
+        (else no load can ever make the probe match: an error now, not a pending probe)."""
+        inside = f"/proc/{self.pid}/root{path}"
+        image = ElfImage.open(inside if os.path.exists(inside) else path)
+        if image.lookup(function) is None:
+            searched = ", ".join(image.tables) or "no symbol table: the file is stripped"
+            raise SymbolNotFound(f"no symbol {function!r} in {path} (searched {searched})")
 
     def _stat_for_path(self, path: str) -> os.stat_result | None:
         for candidate in (f"/proc/{self.pid}/root{path}", path):
@@ -199,7 +208,12 @@ class SymbolResolver:
         implementation); the caller decides whether to run it and call locate_address().
         """
         text = _split_symbol(symbol)
-        module = self.main_module() if text.module is None else self.find_module(text.module)
+        try:
+            module = self.main_module() if text.module is None else self.find_module(text.module)
+        except NotMapped:
+            if text.module is not None and "/" in text.module:
+                self._check_file_has(text.module, text.function)
+            raise
         image = module.image
         found = image.lookup(text.function)
         if found is None:

@@ -12,7 +12,7 @@ import pytest
 from kprobes.core.manager import ProbeManager
 from kprobes.core.probes import Kprobe
 from kprobes.core.table import ProbeSite
-from kprobes.errors import NotABoundary, ProbeRejected
+from kprobes.errors import NotABoundary, NotMapped, ProbeRejected
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class FakeTarget:
 
     def __init__(self) -> None:
         self.symbols = {"f": 0x1000, "g": 0x2000}
+        self.unmapped: dict[str, int] = {"lib:h": 0x3000}  # mapped by map_library()
         self.log: list[tuple[str, int]] = []
         self.armed: set[int] = set()
         self.batches = 0
@@ -35,6 +36,8 @@ class FakeTarget:
         if probe.addr is not None:
             return Loc(probe.addr + probe.offset, hex(probe.addr))
         assert probe.symbol is not None
+        if probe.symbol in self.unmapped:
+            raise NotMapped(f"no module lib is mapped ({probe.symbol})")
         if probe.symbol not in self.symbols:
             raise ProbeRejected(f"no {probe.symbol}", errno=errno.ENOENT)
         return Loc(self.symbols[probe.symbol] + probe.offset, f"{probe.symbol}+{probe.offset:#x}")
@@ -56,6 +59,18 @@ class FakeTarget:
 
     def disarm(self, site: ProbeSite) -> None:
         self.armed.remove(site.addr)
+
+    def drop(self, site: ProbeSite) -> None:
+        self.armed.discard(site.addr)
+        self.log.append(("drop", site.addr))
+
+    def map_library(self) -> None:
+        self.symbols.update(self.unmapped)
+        self.unmapped = {}
+
+    def unmap_library(self) -> None:
+        self.unmapped = {"lib:h": 0x3000}
+        del self.symbols["lib:h"]
 
     @contextmanager
     def batch(self) -> Iterator[None]:
@@ -173,3 +188,87 @@ def test_handler_exceptions_go_to_the_fault_handler_or_are_parked(
     manager.table.get(0x2000).run_pre(object())  # type: ignore[union-attr]
     assert isinstance(manager.table.take_error(), ValueError)
     assert handled.nhit == 1 and unhandled.nhit == 1
+
+
+# -- pending probes: a library mapped later, unmapped, mapped again ---------------------------
+
+
+def test_a_probe_on_an_unmapped_library_fails_unless_pending_is_allowed(
+    manager: ProbeManager,
+) -> None:
+    with pytest.raises(NotMapped) as info:
+        manager.register(Kprobe(symbol="lib:h"))
+    assert info.value.errno == errno.ENOENT
+    assert manager.pending == []
+
+
+def test_pending_probe_is_placed_when_its_library_maps_and_waits_again_when_it_goes(
+    manager: ProbeManager, target: FakeTarget
+) -> None:
+    manager.allow_pending = True
+    kp = Kprobe(symbol="lib:h", offset=4)
+    manager.register(kp)
+    assert kp.is_registered and kp.is_pending and not kp.is_gone
+    assert kp.addr is None and target.armed == set()
+    assert manager.resolve_pending() == []  # still not mapped
+    target.map_library()
+    assert manager.resolve_pending() == []
+    assert not kp.is_pending and kp.addr == 0x3004 and target.armed == {0x3004}
+    target.unmap_library()
+    assert manager.unmap(lambda site: site.addr >= 0x3000) == [kp]
+    assert kp.is_pending and kp.is_gone and kp.addr is None
+    assert ("drop", 0x3004) in target.log and ("remove", 0x3004) in target.log
+    assert target.armed == set()
+    target.map_library()
+    manager.resolve_pending()
+    assert not kp.is_pending and not kp.is_gone and target.armed == {0x3004}
+    manager.unregister(kp)
+    assert not kp.is_registered and target.armed == set()
+
+
+def test_pending_probe_can_be_disabled_and_unregistered(
+    manager: ProbeManager, target: FakeTarget
+) -> None:
+    manager.allow_pending = True
+    kp = Kprobe(symbol="lib:h")
+    manager.register(kp)
+    manager.disable(kp)
+    target.map_library()
+    manager.resolve_pending()
+    assert kp.is_disabled and kp.addr == 0x3000 and target.armed == set()
+    manager.enable(kp)
+    assert target.armed == {0x3000}
+    other = Kprobe(symbol="lib:h")
+    target.unmap_library()
+    manager.unmap(lambda site: True)
+    manager.register(other)
+    assert {p.is_pending for p in manager.iter_probes()} == {True}
+    manager.unregister(kp)
+    manager.unregister(other)
+    assert manager.pending == [] and not kp.is_registered and not other.is_disabled
+
+
+def test_a_probe_given_by_address_in_unmapped_code_is_gone_for_good(
+    manager: ProbeManager, target: FakeTarget
+) -> None:
+    manager.allow_pending = True
+    kp = Kprobe(addr=0x1000)
+    manager.register(kp)
+    manager.unmap(lambda site: True)
+    assert kp.is_gone and kp.is_registered
+    manager.resolve_pending()
+    assert kp.is_gone and target.armed == set()
+    manager.unregister(kp)
+    assert kp.addr == 0x1000 and not kp.is_registered
+
+
+def test_a_pending_probe_that_cannot_be_placed_says_why_and_keeps_waiting(
+    manager: ProbeManager, target: FakeTarget
+) -> None:
+    manager.allow_pending = True
+    kp = Kprobe(symbol="lib:h", offset=1)  # odd: not an instruction boundary
+    manager.register(kp)
+    target.map_library()
+    ((probe, exc),) = manager.resolve_pending()
+    assert probe is kp and isinstance(exc, NotABoundary)
+    assert kp.is_pending and target.armed == set()

@@ -506,6 +506,8 @@ def test_walk_matches_gdb_backtrace(
     walks: list[list[Frame]] = []
 
     def pre_handler(_kp: Kprobe, regs: Any) -> None:
+        if not walks:
+            resolver.refresh()  # spawned before the loader mapped the libraries
         walks.append(unwind(regs.as_dict(), read_word, module_at))
 
     proc.register_kprobe(Kprobe(addr=main.start + stop_at.offset, pre_handler=pre_handler))
