@@ -65,6 +65,13 @@ BUILDS: dict[str, Build] = {
         libs=(f"-L{BIN}", "-lkpt", "-Wl,-rpath,$ORIGIN"),
         needs=("libkpt.so",),
     ),
+    "libplug.so": Build("libplug.c", flags=("-O1", *DEBUG, "-fPIC", "-shared")),
+    "plugged": Build(
+        "plugged.c",
+        libs=(f"-L{BIN}", "-lplug", "-Wl,-rpath,$ORIGIN"),
+        needs=("libplug.so",),
+    ),
+    "plughost": Build("plughost.c", libs=("-ldl",)),
 }
 
 
