@@ -1,0 +1,304 @@
+"""Probes that follow the program's code (following.py): from its first instruction, through
+the loader's startup, dlopen and dlclose, and exec.
+
+The programs make the expected counts exact by construction: libplug.so's constructor calls
+plug_work() once before anything else, and the loader calls its ifunc resolver plug_resolve()
+once per load, while it relocates the library (before the constructor). Probes placed at the
+program's entry point, as spawn() did before, saw neither.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import support
+
+import kprobes
+from kprobes import errors
+
+KPROBES = Path(sys.executable).parent / "kprobes"  # the command the package installs
+
+
+def output(path: Path) -> bytes:
+    return path.read_bytes() if path.exists() else b""
+
+
+def signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def counter(hits: list[int]) -> Any:
+    """A pre handler that keeps each call's first argument."""
+
+    def pre(_kp: kprobes.Kprobe, regs: Any) -> None:
+        hits.append(signed(regs.rdi))
+
+    return pre
+
+
+def plug_work_args(rounds: int, calls: int) -> list[int]:
+    """plug_work's arguments in one plughost run: the constructor's -1, then the host's."""
+    return [x for _ in range(rounds) for x in (-1, *range(calls))]
+
+
+@pytest.fixture
+def plugin(build: Any) -> Path:
+    return Path(build("libplug.so"))
+
+
+# ---------------------------------------------------------------------------------------------
+# From the first instruction: the loader, relocation, constructors
+
+
+def test_a_spawned_program_is_probed_from_its_first_instruction(spawn, build, tmp_path):
+    exe = build("plugged")
+    out = tmp_path / "out"
+    with open(out, "wb") as f:
+        proc = spawn([exe, 5], stdout=f)
+    work: list[int] = []
+    resolver: list[int] = []
+    rendezvous: list[int] = []
+    probes = [
+        kprobes.Kprobe(symbol="libplug:plug_work", pre_handler=counter(work)),
+        kprobes.Kprobe(symbol="libplug:plug_resolve", pre_handler=counter(resolver)),
+        kprobes.Kprobe(
+            symbol="ld-linux-x86-64.so.2:_dl_debug_state", pre_handler=counter(rendezvous)
+        ),
+    ]
+    proc.register_kprobes(probes)
+    # At the exit of execve: the executable and the loader are mapped, the plugin is not.
+    listed = {e.where: e for e in proc.list()}
+    assert listed["libplug:plug_work"].is_pending
+    assert listed["libplug:plug_resolve"].is_pending
+    assert not listed["_dl_debug_state+0x0"].is_pending
+    assert len(listed) == 3  # the hidden probe on the loader's rendezvous is not listed
+    assert proc.run(timeout=30)
+    assert proc.exit_code == 0
+    assert output(out) == b"plugged sum=35 fast=7 seen=-2\n"
+    assert work == [-1, 0, 1, 2, 3, 4]  # the constructor's call first
+    assert len(resolver) == 1  # run by the loader while relocating, before the constructor
+    assert len(rendezvous) == 2  # RT_ADD and RT_CONSISTENT, at startup
+
+
+def test_a_libc_ifunc_waits_for_the_relocation_then_counts_every_call(spawn, build, tmp_path):
+    exe = build("ifunc")
+    out = tmp_path / "out"
+    with open(out, "wb") as f:
+        proc = spawn([exe, 25], stdout=f)
+    kp = kprobes.Kprobe(symbol="libc:strlen")
+    proc.register_kprobe(kp)
+    assert kp.is_pending
+    assert proc.run(timeout=30)
+    assert proc.exit_code == 0
+    assert out.read_text().splitlines()[1] == "total=325"
+    assert kp.nhit >= 25
+
+
+# ---------------------------------------------------------------------------------------------
+# dlopen and dlclose: pending → placed → GONE → placed again
+
+
+def test_dlopen_places_pending_probes_and_dlclose_takes_them_away(spawn, build, plugin, tmp_path):
+    host = build("plughost")
+    out = tmp_path / "out"
+    with open(out, "wb") as f:
+        proc = spawn([host, plugin, 2, 3], stdout=f)
+    work: list[int] = []
+    resolver: list[int] = []
+    placed_at: list[tuple[int, int, str]] = []
+
+    def pre(kp: kprobes.Kprobe, regs: Any) -> None:
+        if signed(regs.rdi) == -1:  # each load's constructor: where is the probe this time?
+            (entry,) = [e for e in proc.list() if e.where.startswith("plug_work") and e.kind == "k"]
+            placed_at.append(
+                (kp.addr, support.runtime_address(proc.pid, plugin, "plug_work"), str(entry))
+            )
+        work.append(signed(regs.rdi))
+
+    returns: list[tuple[int, int]] = []
+
+    def ret_handler(ri: kprobes.KretprobeInstance, regs: Any) -> None:
+        returns.append(signed(regs.return_value))
+
+    kp = kprobes.Kprobe(symbol="libplug:plug_work", pre_handler=pre)
+    rp = kprobes.Kretprobe(symbol=f"{plugin}:plug_work", handler=ret_handler)
+    res = kprobes.Kprobe(symbol="libplug:plug_resolve", pre_handler=counter(resolver))
+    proc.register_kprobes([kp, res])
+    proc.register_kretprobe(rp)
+    assert kp.is_pending and rp.is_registered and rp.kp.is_pending
+    assert proc.run(timeout=30)
+    assert proc.exit_code == 0
+    assert output(out) == b"plughost sum=24\n"
+    assert work == plug_work_args(2, 3)
+    assert returns == [x * 3 + 1 for x in plug_work_args(2, 3)]
+    assert len(resolver) == 2  # once per load, while the loader relocates it
+    assert len(placed_at) == 2
+    for addr, real, listed in placed_at:
+        assert addr == real
+        assert listed.startswith(f"{real:016x}  k  plug_work+0x0  [libplug.so]")
+    # Unloaded for good at the end: waiting again, GONE.
+    for entry in proc.list():
+        assert entry.is_gone and entry.is_pending, entry
+        assert "[GONE]" in str(entry)
+
+
+def test_attach_with_pending_probes_waits_for_the_plugin(attach, popen, build, plugin):
+    host = build("plughost")
+    child = popen([host, plugin, 2, 4, "wait"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert child.stdout is not None and child.stdin is not None
+    assert support.read_line(child.stdout.fileno(), timeout=10) == b"ready\n"
+    proc = attach(child.pid)
+    with pytest.raises(errors.NotMapped) as info:  # attach's default: not pending
+        proc.register_kprobe(kprobes.Kprobe(symbol="libplug:plug_work"))
+    assert info.value.errno == errno.ENOENT
+    assert "libplug" in str(info.value) and "mapped" in str(info.value)
+    proc.pending = True
+    work: list[int] = []
+    kp = kprobes.Kprobe(symbol="libplug:plug_work", pre_handler=counter(work))
+    proc.register_kprobe(kp)
+    assert [str(e) for e in proc.list()] == ["0000000000000000  k  libplug:plug_work  [PENDING]"]
+    child.stdin.write(b"go\n")
+    child.stdin.flush()
+    assert proc.run(timeout=30)
+    assert proc.exit_code == 0
+    assert work == plug_work_args(2, 4)
+
+
+def test_detach_after_a_plugin_probe_was_placed_leaves_the_program_unharmed(
+    attach, popen, build, plugin
+):
+    host = build("plughost")
+    child = popen([host, plugin, 400, 50, "wait"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert child.stdout is not None and child.stdin is not None
+    assert support.read_line(child.stdout.fileno(), timeout=10) == b"ready\n"
+    proc = attach(child.pid, pending=True)
+    kp = kprobes.Kprobe(symbol="libplug:plug_work")
+    proc.register_kprobe(kp)
+    child.stdin.write(b"go\n")
+    child.stdin.flush()
+    while kp.nhit < 500:
+        assert not proc.run(timeout=0.01)
+    proc.detach()
+    stdout, _ = child.communicate(timeout=30)
+    assert child.returncode == 0
+    expected = subprocess.run([host, plugin, "400", "50"], capture_output=True, check=True)
+    assert stdout == expected.stdout  # "ready" was read above
+
+
+# ---------------------------------------------------------------------------------------------
+# exec: every probe placed again in the new image
+
+
+def test_a_shell_that_execs_the_program_is_followed_into_it(spawn, build, tmp_path):
+    uselib = build("uselib")
+    out = tmp_path / "out"
+    with open(out, "wb") as f:
+        proc = spawn(["/bin/sh", "-c", f"{uselib} 3; exec {uselib} 7"], stdout=f)
+    args: list[int] = []
+    kp = kprobes.Kprobe(symbol="libkpt:lib_work", pre_handler=counter(args))
+    proc.register_kprobe(kp)
+    assert proc.run(timeout=30)
+    assert proc.exit_code == 0
+    assert output(out) == b"lib sum=18\nlib sum=112\n"
+    # The child that ran "uselib 3" is another process (not followed without follow_forks);
+    # the exec'd image is this one.
+    assert args == list(range(7))
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+
+
+def test_a_pending_probe_whose_library_lacks_the_symbol_is_said_once(
+    spawn, build, plugin, tmp_path
+):
+    host = build("plughost")
+    out = tmp_path / "out"
+    with open(out, "wb") as f:
+        proc = spawn([host, plugin, 3, 2], stdout=f)
+    notices: list[str] = []
+    proc.on_notice = notices.append
+    kp = kprobes.Kprobe(symbol="libplug:no_such_function")
+    proc.register_kprobe(kp)
+    assert proc.run(timeout=30)
+    assert proc.exit_code == 0
+    assert output(out) == b"plughost sum=15\n"
+    assert len(notices) == 1, notices
+    assert "no_such_function" in notices[0] and "libplug.so" in notices[0]
+    assert kp.is_pending and kp.nhit == 0
+
+
+@pytest.mark.parametrize("case", ["no such file", "no such symbol in the file"])
+def test_a_probe_that_can_never_match_fails_at_once(spawn, build, plugin, tmp_path, case):
+    host = build("plughost")
+    spec = (
+        "/nonexistent/libplug.so:plug_work"
+        if case == "no such file"
+        else f"{plugin}:no_such_function"
+    )
+    with open(os.devnull, "wb") as devnull:
+        proc = spawn([host, plugin, 1, 1], stdout=devnull)
+    with pytest.raises(errors.SymbolNotFound) as info:
+        proc.register_kprobe(kprobes.Kprobe(symbol=spec))
+    assert not isinstance(info.value, errors.NotMapped)
+    assert info.value.errno == errno.ENOENT
+    assert proc.list() == []
+    assert proc.run(timeout=30) and proc.exit_code == 0
+
+
+def test_a_name_matching_two_mapped_libraries_says_which(attach, popen, build, plugin, tmp_path):
+    host = build("plughost")
+    other = tmp_path / "copy" / "libplug.so"
+    other.parent.mkdir()
+    shutil.copy(plugin, other)
+    child = popen(
+        [host, f"{plugin},{other}", 1, 1, "wait"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert child.stdout is not None and child.stdin is not None
+    assert support.read_line(child.stdout.fileno(), timeout=10) == b"ready\n"
+    # Both copies are mapped only inside a round: stop the host in its first call.
+    proc = attach(child.pid, pending=True)
+    both: list[str] = []
+
+    def pre(_kp: kprobes.Kprobe, _regs: Any) -> None:
+        if not both:
+            with pytest.raises(errors.SymbolNotFound) as info:
+                proc.register_kprobe(kprobes.Kprobe(symbol="libplug:plug_resolve"))
+            both.append(str(info.value))
+
+    proc.register_kprobe(kprobes.Kprobe(symbol=f"{other}:plug_work", pre_handler=pre))
+    child.stdin.write(b"go\n")
+    child.stdin.flush()
+    assert proc.run(timeout=30) and proc.exit_code == 0
+    (message,) = both
+    assert "ambiguous" in message and str(plugin) in message and str(other) in message
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line: -c and -p say which probes are pending
+
+
+def test_count_says_which_probes_are_pending_and_counts_the_constructor(build, plugin):
+    host = build("plughost")
+    result = subprocess.run(
+        [KPROBES, "count", "-c", f"{host} {plugin} 2 3", "libplug:plug_work", "plughost:main"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "libplug:plug_work is pending" in result.stderr
+    assert "plughost:main is pending" not in result.stderr
+    counts = {
+        line.split()[0]: int(line.split()[1])
+        for line in result.stdout.splitlines()
+        if line.startswith(("libplug:", "plughost:"))
+    }
+    assert counts == {"libplug:plug_work": 8, "plughost:main": 1}
