@@ -8,11 +8,14 @@ kprobes. The commands hand specs and a sink to a backend and never see which one
     --kernel (--backend kernel)   [-p PID | -c CMD]    ``kprobes.Kernel()``, ``pid=`` to keep
                                                        only that process's events
 
-With ``-c`` and a kernel backend the command is started by the Process target, stopped at its
-entry point with its libraries mapped, so that ``libc:malloc`` resolves and every probe is in
-place before its first instruction; then it is released and runs untraced, the kernel doing
-the probing, and its exit ends the session. Rejected alternative: starting it with
-``subprocess`` and registering afterwards, which misses whatever it does first.
+With ``-c`` and the uprobes backend the command is forked and held before its exec while the
+instance's pid filter takes its pid and the probes are placed on the files it will map
+(``Uprobes(command=...)``), then let go: the kernel counts it from its first instruction, and
+every process it starts (``event-fork``), as perf does. ``-p PID`` follows that process, and
+with ``--follow-forks`` the processes it starts from then on. With ``--kernel`` the command is
+started stopped by the Process target (``spawn``) and released, untraced, once the probes are
+placed. Either way its exit ends the session. Rejected alternative: starting it with ``subprocess``
+and registering afterwards, which misses whatever it does first.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ from kprobes.tracefs.uprobes import Uprobes
 
 Sink = Callable[[Event], None]
 BACKENDS = ("ptrace", "uprobes", "kernel")
+# Per-CPU ring buffer of the uprobes backend: a program's startup makes ~100,000 libc:malloc
+# and free hits in a fraction of a second, ~20 bytes each, faster than Python decodes them.
+UPROBES_BUFFER_KB = 8192
 
 
 class Placed(Protocol):
@@ -77,6 +83,12 @@ def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_const",
         const="kernel",
         help="probe kernel functions with the kernel's kprobes (= --backend kernel)",
+    )
+    parser.add_argument(
+        "--follow-forks",
+        action="store_true",
+        help="with -p: also the processes it starts from now on (-c with --backend uprobes "
+        "always follows them)",
     )
 
 
@@ -199,7 +211,7 @@ class PtraceBackend(Backend):
 
     def __init__(self, args: argparse.Namespace, sink: Sink) -> None:
         super().__init__()
-        self.proc = open_target(args)
+        self.proc = open_target(args, follow_forks=getattr(args, "follow_forks", False))
         if args.command is not None:
             self.command_pid = self.proc.pid
         try:
@@ -250,6 +262,7 @@ class TracePlaced:
     spec: ProbeSpec
     probe: Kprobe | Kretprobe
     event: str
+    target: TraceTarget
 
     @property
     def name(self) -> str:
@@ -257,6 +270,11 @@ class TracePlaced:
 
     @property
     def hits(self) -> int:
+        """The hits of the processes traced: with ``-p``/``-c`` on uprobes, those recorded
+        for them; otherwise the kernel's count (for a file, every process that runs it)."""
+        target = self.target
+        if isinstance(target, Uprobes) and target.pid is not None:
+            return target.recorded_hits(self.event.rpartition("/")[2])
         return self.probe.nhit
 
     @property
@@ -281,33 +299,53 @@ class TraceFsBackend(Backend):
         super().__init__()
         self.entry_times = entry_times
         self._spawned: Process | None = None
+        group = _group_of(specs)
+        self.target: TraceTarget
+        if args.backend == "uprobes":
+            self.target = self._open_uprobes(args, specs, patterns, sink, group)
+            if args.command is not None:
+                self.command_pid = self.target.pid
+            return
         pid: int | None = args.pid
         if args.command is not None:
             self._spawned = spawn(command_argv(args))
             pid = self.command_pid = self._spawned.pid
         try:
-            self.target = self._open(args.backend, pid, specs, patterns, sink)
+            self.target = Kernel(pid=pid, group=group, sink=sink)
         except BaseException:
-            self._release()
+            self._detach_spawned()
             raise
 
     @staticmethod
-    def _open(
-        backend: str,
-        pid: int | None,
+    def _open_uprobes(
+        args: argparse.Namespace,
         specs: Sequence[ProbeSpec],
         patterns: Sequence[str],
         sink: Sink,
-    ) -> TraceTarget:
-        group = _group_of(specs)
-        if backend == "kernel":
-            return Kernel(pid=pid, group=group, sink=sink)
-        if pid is not None:
-            return Uprobes(pid=pid, group=group, sink=sink)
-        return Uprobes(path=_path_of(specs, patterns), group=group, sink=sink)
+        group: str | None,
+    ) -> Uprobes:
+        if args.command is not None:
+            return Uprobes(
+                command=command_argv(args), group=group, sink=sink, buffer_kb=UPROBES_BUFFER_KB
+            )
+        if args.pid is not None:
+            return Uprobes(
+                pid=args.pid,
+                follow_forks=getattr(args, "follow_forks", False),
+                group=group,
+                sink=sink,
+                buffer_kb=UPROBES_BUFFER_KB,
+            )
+        path = _path_of(specs, patterns)
+        return Uprobes(path=path, group=group, sink=sink, buffer_kb=UPROBES_BUFFER_KB)
 
     def _release(self) -> None:
         """Let a ``-c`` command run on its own: the kernel probes it from now on."""
+        self._detach_spawned()
+        if isinstance(self.target, Uprobes):
+            self.target.start()
+
+    def _detach_spawned(self) -> None:
         spawned, self._spawned = self._spawned, None
         if spawned is not None:
             spawned.detach()
@@ -318,7 +356,7 @@ class TraceFsBackend(Backend):
             for spec in specs:
                 probe = self.target.place_spec(spec, entry_times=self.entry_times)
                 event = self.target.get_event_name(probe) or spec.effective_event
-                done.append(TracePlaced(spec, probe, f"{self.target.group}/{event}"))
+                done.append(TracePlaced(spec, probe, f"{self.target.group}/{event}", self.target))
         except BaseException:
             for placed in reversed(done):
                 with contextlib.suppress(ProbeError):
@@ -341,11 +379,12 @@ class TraceFsBackend(Backend):
         try:
             self.target.close()
         finally:
-            self._release()
+            self._detach_spawned()
 
     @property
     def dropped(self) -> int:
-        return max(self.target.lost, 0)
+        """The kernel's count (per-CPU stats) once the buffer is gone or while it is there."""
+        return max(self.target.lost, self.target.session.lost_events(), 0)
 
 
 def _group_of(specs: Sequence[ProbeSpec]) -> str | None:

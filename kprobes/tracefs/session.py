@@ -34,7 +34,7 @@ from typing import Any, Final, Protocol
 
 from kprobes.errors import TraceFsError
 from kprobes.lifetime import hold_exit_signals, release_exit_signals
-from kprobes.tracefs.control import TraceFs
+from kprobes.tracefs.control import TraceFs, read_file
 from kprobes.tracefs.lines import line_names, removal_line
 
 PREFIX: Final = "kprobes"
@@ -150,6 +150,16 @@ def remove_stale(fs: TraceFs) -> list[str]:
     return removed
 
 
+def _stats_lost(text: str) -> int:
+    """``overrun`` + ``dropped events`` of one ``per_cpu/cpuN/stats`` text."""
+    lost = 0
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("overrun", "dropped events") and value.strip().isdigit():
+            lost += int(value)
+    return lost
+
+
 class Session:
     """A group and a private instance, created together and removed together."""
 
@@ -166,6 +176,7 @@ class Session:
                 errno=_errno.EEXIST,
             )
         self.instance_dir = fs.path("instances", self.name)
+        self._lost_at_close = 0
         # Step 1: the instance, tuned for us: monotonic clock, wake-ups on any data.
         try:
             os.mkdir(self.instance_dir)
@@ -187,6 +198,11 @@ class Session:
             self.write("trace_clock", "mono")
         if self.exists("buffer_percent"):
             self.write("buffer_percent", "0")
+        # A full buffer drops the newest events instead of overwriting the oldest, as perf's
+        # does: what came first (a followed command's exec record) is never lost, and every
+        # event lost is counted in the CPU's ``dropped events`` (``lost_events``).
+        if self.exists("options", "overwrite"):
+            self.write("options/overwrite", "0")
         self.write("buffer_size_kb", str(buffer_kb))
 
     # -- the instance's files ------------------------------------------------------------------
@@ -206,6 +222,23 @@ class Session:
     def set_event_enabled(self, event: str, value: bool) -> None:
         self.write(f"events/{self.group}/{event}/enable", "1" if value else "0")
 
+    def lost_events(self) -> int:
+        """Events the instance's buffer could not keep, every CPU together: the ``overrun``
+        (overwritten before they were read) and ``dropped events`` (refused, when the
+        buffer does not overwrite) of each ``per_cpu/cpuN/stats``. As perf reports lost
+        samples, a count the page headers of ``trace_pipe_raw`` give only in part (a page
+        says that events were lost before it, not always how many). After ``close()``,
+        the count read just before the instance went."""
+        if not self.is_open:
+            return self._lost_at_close
+        lost = 0
+        per_cpu = os.path.join(self.instance_dir, "per_cpu")
+        with contextlib.suppress(OSError):
+            for cpu in os.listdir(per_cpu):
+                with contextlib.suppress(OSError):
+                    lost += _stats_lost(read_file(os.path.join(per_cpu, cpu, "stats")))
+        return lost
+
     def trace_clock(self) -> str:
         text = self.read("trace_clock")
         m = re.search(r"\[(\w+)\]", text)
@@ -217,6 +250,7 @@ class Session:
         """Remove the instance (disabling our events), then every event of the group."""
         if not self.is_open:
             return
+        self._lost_at_close = self.lost_events()
         self.is_open = False
         problems = []
         try:

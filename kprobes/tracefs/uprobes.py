@@ -9,13 +9,30 @@ address: every process that maps the file hits it. So a symbol is resolved to it
 address (ELF symbol table) and then to the file offset through the PT_LOAD program header that
 contains it (``ElfImage.vaddr_to_offset``); section headers and load biases play no part.
 
-``Uprobes(path=...)`` probes a file for every process that runs it. ``Uprobes(pid=...)``
-resolves names in that process's mappings (``libc:malloc`` finds the libc it loaded) and keeps
-only its events: the instance's ``set_event_pid`` holds its threads and ``options/event-fork``
-adds the tasks it creates, so other processes' hits are not even recorded; children it forks
-are told from its threads by the ``task_newtask`` records of the same instance, and dropped.
-The profile's hit count, like the kernel's, counts every process that hit the probe.
-``run()`` returns True when the process exits.
+``Uprobes(path=...)`` probes a file for every process that runs it; the profile's count of
+hits (``uprobe_profile``) is then every process's, as the kernel's.
+
+``Uprobes(pid=...)`` resolves names in that process's mappings (``libc:malloc`` finds the libc
+it loaded) and keeps only its events: the instance's ``set_event_pid`` holds its threads and
+``options/event-fork`` adds the tasks they create, so other processes' hits are not even
+recorded. Its children are told from its threads by the ``task_newtask`` records of the same
+instance, and dropped, unless ``follow_forks=True``: then every process it starts from now
+on, through fork, vfork, clone and exec, is kept too. ``run()`` returns True when the process
+exits (its children are not waited for, as under perf).
+
+``Uprobes(command=argv)`` runs a command and follows it and every process it starts, from
+the first instruction of its exec (the dynamic loader's): the command is forked and held
+before its exec (``held.py``) while its pid goes in the filter and the probes are placed,
+so names are resolved in the files it will map (``programfiles.py``), and it is let go by
+``start()`` or the first ``run()``. What its child records before its ``sched_process_exec``
+(the Python between fork and exec) is dropped. ``pid`` is the command's; it is our child,
+and the caller reaps it (``os.waitpid``) once ``run()`` has said it exited.
+
+A probe's ``nhit`` is the kernel's count (``uprobe_profile``): every process that hit the
+file's probe, followed or not. ``recorded_hits(probe)`` counts those of the processes followed
+(``pid=``, ``command=``), as delivered; hits the buffer could not keep are ``lost_events()``
+(the per-CPU ``overrun`` and ``dropped events``), in no probe's count. Once the process exits,
+``run()`` reads the buffer to the end before it returns.
 
 Places in definition lines (``add``) are the kernel's ``PATH:0xOFFSET`` (a file offset), or
 ``[MODULE:]SYMBOL[+OFFS]`` resolved as above.
@@ -23,16 +40,20 @@ Places in definition lines (``add``) are the kernel's ``PATH:0xOFFSET`` (a file 
 
 from __future__ import annotations
 
+import contextlib
 import errno as _errno
 import fnmatch
 import os
 import re
-from collections.abc import Sequence
+import struct
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe
-from kprobes.errors import ProbeRejected, SpecError, SymbolNotFound, TargetError
+from kprobes.errors import ProbeError, ProbeRejected, SpecError, SymbolNotFound, TargetError
+from kprobes.model import Event
 from kprobes.spec import (
     AddressLocation,
     Dereference,
@@ -47,8 +68,11 @@ from kprobes.spec import (
 )
 from kprobes.symbols.elf import ElfImage
 from kprobes.symbols.resolve import SymbolResolver
+from kprobes.tracefs.eventformat import EventFormat
+from kprobes.tracefs.held import HeldCommand
 from kprobes.tracefs.lines import uprobe_location
 from kprobes.tracefs.points import AnyProbe, ProbePoint
+from kprobes.tracefs.programfiles import ProgramFiles, find_command
 from kprobes.tracefs.target import Sink, TraceTarget
 
 _NUMBER = re.compile(r"0x[0-9a-fA-F]+|\d+")
@@ -77,7 +101,8 @@ def _symbol_offset(rest: str) -> tuple[str, int]:
 
 
 class Uprobes(TraceTarget):
-    """Kernel uprobes on one process (``pid=``) or on one file for every process (``path=``)."""
+    """Kernel uprobes on one process (``pid=``), on a command and what it starts
+    (``command=``), or on one file for every process (``path=``)."""
 
     events_file = "uprobe_events"
     profile_file = "uprobe_profile"
@@ -88,16 +113,39 @@ class Uprobes(TraceTarget):
         *,
         pid: int | None = None,
         path: str | None = None,
+        command: Sequence[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        follow_forks: bool | None = None,
         group: str | None = None,
         buffer_kb: int = 2048,
         sink: Sink | None = None,
     ) -> None:
-        if (pid is None) == (path is None):
-            raise TargetError("Uprobes needs exactly one of pid= or path=", errno=_errno.EINVAL)
+        if sum(x is not None for x in (pid, path, command)) != 1:
+            raise TargetError(
+                "Uprobes needs exactly one of pid=, path= or command=", errno=_errno.EINVAL
+            )
         self.path = os.path.realpath(path) if path is not None else None
         self._resolver: SymbolResolver | None = None
         self._image: ElfImage | None = None
-        if pid is not None:
+        self._files: ProgramFiles | None = None
+        self._held: HeldCommand | None = None
+        # A command's first exec: its child's events before it are dropped (-1: not yet seen).
+        self._exec_ns = -1
+        self._is_cut_pending = command is not None
+        self._hits: Counter[str] = Counter()  # event → hits recorded (pid=, command=)
+        self._pages_read = 0
+        self._resolvers: dict[int, SymbolResolver] = {}  # tgid → its symbols (_resolver_of)
+        self._stale: set[int] = set()  # processes that exec'ed since their symbols were read
+        self.follow_forks = command is not None if follow_forks is None else follow_forks
+        if command is not None:
+            if not command:
+                raise TargetError("nothing to run: empty command", errno=_errno.EINVAL)
+            environ = dict(os.environ if env is None else env)
+            exe = find_command(command[0], environ)
+            self._files = ProgramFiles.of_command(exe, environ)
+            self._held = HeldCommand(exe, command, environ)
+            pid = self._held.pid
+        elif pid is not None:
             try:
                 self._resolver = SymbolResolver(pid)
             except OSError as exc:
@@ -105,7 +153,16 @@ class Uprobes(TraceTarget):
         else:
             assert self.path is not None
             self._image = ElfImage.open(self.path)
-        super().__init__(group=group, buffer_kb=buffer_kb, sink=sink, pid=pid)
+        try:
+            super().__init__(group=group, buffer_kb=buffer_kb, sink=sink, pid=pid)
+            if self._held is not None:
+                self._watch_execs()
+        except BaseException:
+            if self._held is not None:
+                self._held.abandon()
+            if getattr(self, "session", None) is not None:
+                self.close()
+            raise
 
     def _check_available(self) -> None:
         if not self.fs.exists("uprobe_events"):
@@ -140,16 +197,27 @@ class Uprobes(TraceTarget):
             return [f"{module}:{name}" if sep else name for name in names]
         path, image, _bias = self._module_image(module if sep else None)
         matches = {s.name for s in image.iter_functions() if fnmatch.fnmatchcase(s.name, glob)}
+        if self._files is not None:
+            return [f"{module}:{name}" if sep else name for name in sorted(matches)]
         return [f"{path}:{name}" for name in sorted(matches)]
 
     def _module_image(self, module: str | None) -> tuple[str, ElfImage, int]:
         """(path, image, load bias) of ``module`` (None: the executable or the path)."""
         if self._resolver is not None:
-            found = self._resolver.main_module() if module is None else None
-            if found is None:
-                assert module is not None
-                found = self._resolver.find_module(module)
+            try:
+                found = self._resolver.main_module() if module is None else None
+                if found is None:
+                    assert module is not None
+                    found = self._resolver.find_module(module)
+            except SymbolNotFound:
+                if module is None or not module.startswith("/") or not os.path.isfile(module):
+                    raise
+                # A file the process has not mapped: some process of it may map it later.
+                return os.path.realpath(module), ElfImage.open(module), 0
             return found.path, found.image, found.bias
+        if self._files is not None:
+            file = self._files.main if module is None else self._files.find(module)
+            return file.path, file.image, 0
         assert self._image is not None and self.path is not None
         if module is None or os.path.realpath(module) == self.path:
             return self.path, self._image, 0
@@ -211,6 +279,12 @@ class Uprobes(TraceTarget):
             if file_offset is None:
                 raise ProbeRejected(f"{addr:#x} is in no PT_LOAD of {module.path}")
             return self._file_offset_point(module.path, file_offset)
+        if self._files is not None:
+            raise ProbeRejected(
+                f"{addr:#x}: an address means nothing before the command runs; name a symbol "
+                "or a PATH:OFFSET",
+                errno=_errno.EINVAL,
+            )
         assert self._image is not None and self.path is not None
         file_offset = self._image.vaddr_to_offset(addr)
         if file_offset is None:
@@ -264,13 +338,131 @@ class Uprobes(TraceTarget):
 
         return tuple(render_arg(replace(arg, fetch=translate(arg.fetch))) for arg in args)
 
+    # -- the processes followed -------------------------------------------------------------------
+
+    def _accepts(self, tgid: int) -> bool:
+        """With ``follow_forks`` every task the kernel records is of the tree followed (the
+        filter holds nothing else); otherwise only the process's own threads."""
+        return self.follow_forks or super()._accepts(tgid)
+
+    def _watch_execs(self) -> None:
+        """Record the execs of the followed tasks (``sched/sched_process_exec``), for the cut
+        of the command's own first exec and for the names the tasks take at each exec."""
+        if not self.session.exists("events", "sched", "sched_process_exec", "format"):
+            raise TargetError(
+                "this kernel has no sched/sched_process_exec event: a command cannot be "
+                "followed from its exec (give -p PID of a running process)",
+                errno=_errno.ENOSYS,
+            )
+        fmt = EventFormat.parse(
+            self.session.read("events", "sched", "sched_process_exec", "format")
+        )
+        tid_at = fmt.field("common_pid").offset
+        name_at = fmt.field("filename").offset
+        unpack_tid = struct.Struct("<i").unpack_from
+        unpack_loc = struct.Struct("<I").unpack_from
+        root, tasks = self.pid, self.tasks
+
+        def on_exec(page: bytes, start: int, ts: int, cpu: int) -> None:
+            tid = unpack_tid(page, start + tid_at)[0]
+            if tid == root and self._exec_ns < 0:
+                self._exec_ns = ts
+            # The kernel names the task after the file it runs (kbasename of the filename).
+            loc = unpack_loc(page, start + name_at)[0]
+            begin, size = start + (loc & 0xFFFF), loc >> 16
+            name = page[begin : begin + max(size - 1, 0)].split(b"\0")[0]
+            tasks.comms[tid] = os.path.basename(name).decode(errors="replace")[:15]
+            tasks.known.pop(tid, None)
+            self._stale.add(tid)
+
+        self._builders[fmt.id] = on_exec  # a record that makes no Event
+        self.session.write("events/sched/sched_process_exec/enable", "1")
+
+    def start(self) -> None:
+        """Let a ``command=`` run (placed probes are live from its first instruction); once
+        only, and a no-op for other targets. Raises ``TargetError`` if it cannot exec."""
+        if self._held is not None and self._held.is_held:
+            self._held.release()
+            assert self.pid is not None
+            with contextlib.suppress(OSError, ProbeError):
+                self._resolvers[self.pid] = SymbolResolver(self.pid)  # its exe, the loader
+
+    def decode_pages(self, pages: Sequence[tuple[int, bytes]]) -> list[Event]:
+        events = super().decode_pages(pages)
+        if self._is_cut_pending and events:
+            # The command's child before its exec: every event of it until the exec record
+            # is seen, then those older than the exec (the batch is in time order).
+            root, cut = self.pid, self._exec_ns / 1e9
+            if self._exec_ns < 0:
+                events = [ev for ev in events if ev.tid != root]
+            else:
+                events = [ev for ev in events if ev.tid != root or ev.timestamp > cut]
+                self._is_cut_pending = False
+        if self.pid is not None:
+            self._hits.update(ev.event for ev in events)
+        return events
+
+    def read_pages(self) -> list[tuple[int, bytes]]:
+        pages = super().read_pages()
+        self._pages_read = len(pages)
+        return pages
+
+    def run(self, timeout: float | None = None) -> bool:
+        """Deliver events until ``stop()``, the exit of the process, or ``timeout``; starts a
+        ``command=`` first. Once the process has exited, the buffer is read to its end."""
+        self.start()
+        finished = super().run(timeout)
+        if finished and self._exited and self.session.is_open:
+            try:
+                while self._pages_read:  # the rest, batch after batch
+                    self.poll()
+            finally:
+                with contextlib.suppress(ProbeError):
+                    self.update_counts()
+        return finished
+
+    def recorded_hits(self, event: str) -> int:
+        """The hits of the event ``event`` (``get_event_name(probe)``) recorded for the
+        processes followed (``pid=``/``command=``), during and after the session: what
+        ``nhit``, the kernel's profile count of every process on the machine, is not."""
+        return self._hits[event]
+
+    def lost_events(self) -> int:
+        """Events the kernel recorded and could not keep (a full buffer), every CPU."""
+        return max(self.session.lost_events(), self.lost, 0)
+
+    def _after_close(self) -> None:
+        if self._held is not None:
+            self._held.abandon()  # never released: it exits without running the command
+
     # -- events ------------------------------------------------------------------------------------
 
+    def _resolver_of(self, tid: int) -> SymbolResolver | None:
+        """The symbols of thread ``tid``'s process, for the return addresses of its events.
+
+        ``pid=``: the process's, read at the start. A process of the tree has its own layout
+        (ASLR at each exec), so it gets its own, read from /proc while it lives and again
+        after it execs; a ``command=``'s is first read at its exec (its executable and the
+        loader: enough for its own functions once it has exited).
+        """
+        tgid = self.tasks.tgid(tid) or tid
+        if self._files is None and (tgid == self.pid or self.pid is None):
+            return self._resolver
+        resolver = self._resolvers.get(tgid)
+        if resolver is None or tgid in self._stale:
+            self._stale.discard(tgid)
+            with contextlib.suppress(OSError, ProbeError):
+                fresh = SymbolResolver(tgid)
+                if fresh.modules():  # an exited process shows no mappings: keep the old
+                    resolver = self._resolvers[tgid] = fresh
+        return resolver
+
     def _describe(self, addr: int, tid: int) -> str:
-        if self._resolver is None:
+        resolver = self._resolver_of(tid)
+        if resolver is None:
             return f"{addr:#x}"
         try:
-            location = self._resolver.locate_address(addr)
+            location = resolver.locate_address(addr)
         except (SymbolNotFound, TargetError):
             return f"{addr:#x}"
         if location.symbol is None:
