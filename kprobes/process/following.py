@@ -169,11 +169,12 @@ class Following:
         the pending probes whose library came."""
         resolver = self._symbols()
         resolver.refresh()
-        live = {(m.path, m.bias) for m in resolver.modules()}
 
         def is_unmapped(site: Any) -> bool:
-            loc = site.location
-            return (loc.module_path, loc.bias) not in live
+            # Gone if no mapped object holds the address any more, or another one does.
+            # Not by path: a file replaced on disk while mapped reads "(deleted)" in maps.
+            module = resolver.get_module_at(site.addr)
+            return module is None or module.bias != site.location.bias
 
         with self.batch():
             for probe in self._manager.unmap(is_unmapped):
