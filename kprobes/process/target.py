@@ -47,6 +47,7 @@ from kprobes.linux import procfs, ptrace
 from kprobes.model import BlacklistEntry, ProbeListing
 from kprobes.process import cleanup, jprobes
 from kprobes.process.detach import detach_all
+from kprobes.process.family import Family
 from kprobes.process.following import Following, LoaderWatch
 from kprobes.process.programcalls import ProgramCalls
 from kprobes.process.tracee import Tracee
@@ -96,7 +97,7 @@ def _says_when_gone(
     return registering
 
 
-class Process(ProgramCalls, Following):
+class Process(ProgramCalls, Following, Family):
     """A traced program. Use ``spawn()`` or ``attach()`` to get one."""
 
     def __init__(self, pid: int, *, follow_forks: bool = False, pending: bool = False) -> None:
@@ -119,6 +120,7 @@ class Process(ProgramCalls, Following):
         self._saved_affinity: dict[int, set[int]] | None = None
         self._attached = True
         self._init_following(pending=pending)
+        self._init_family()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -157,6 +159,7 @@ class Process(ProgramCalls, Following):
         if not self._attached:
             return
         try:
+            self._detach_members()
             if self._tracer.is_alive:
                 self._undo_colocation()
                 detach_all(self._tracer)
@@ -322,6 +325,7 @@ class Process(ProgramCalls, Following):
 
     def unregister_kprobes(self, kps: Sequence[Kprobe]) -> None:
         self._manager.unregister_many(kps)
+        self._unregister_copies(list(kps))
 
     def enable_kprobe(self, kp: Kprobe) -> None:
         self._manager.enable(kp)
@@ -375,6 +379,7 @@ class Process(ProgramCalls, Following):
         with self.batch():
             for rp in rps:
                 self._unregister_kretprobe(rp)
+        self._unregister_copies(list(rps))
 
     def _unregister_kretprobe(self, rp: Kretprobe) -> None:
         self._manager.unregister(rp.kp)

@@ -96,6 +96,9 @@ class Tracer(WorldStop, SignalDelivery):
         self.live = 0  # tracees that keep run() going (the program and followed children)
         self.has_pending = False  # some thread holds a status received while stopping
         self.on_gone: Callable[[], None] = lambda: None
+        # Followed children that exec'd, driven by this loop (family.py); and who adopts one.
+        self.family: list[Tracer] = []
+        self.on_child_exec: Callable[[Tracee, Thread], bool] = lambda tracee, t: False
         # A syscall stop (PTRACE_SYSCALL: the exit of execve, the loader's startup), for
         # the target to look at before the thread goes on.
         self.on_syscall: Callable[[Thread], None] = lambda t: None
@@ -232,7 +235,9 @@ class Tracer(WorldStop, SignalDelivery):
         # Likewise a bound request is read into a local, then called: `req.cont()` compiles
         # to LOAD_METHOD, which 3.11 cannot specialise for a callable held in a slot.
         while True:
-            if not self.live:
+            if self.family and any(m.inbox or m.has_pending for m in self.family):
+                self._pump_family()
+            if not self.live and not self.family:
                 break
             if self.has_pending:
                 self._drain_pending()
@@ -252,6 +257,8 @@ class Tracer(WorldStop, SignalDelivery):
                 t = threads[tid]
             except KeyError:
                 self._unowned(tid, status)
+                if self.family:
+                    self._pump_family()
                 continue
             if status == TRAP and t.state is RUNNING:
                 t.state = STOPPED
@@ -375,9 +382,29 @@ class Tracer(WorldStop, SignalDelivery):
             _UNCLAIMED.setdefault(tid, []).append(status)
 
     def _all_gone(self) -> None:
+        for member in self.family:
+            member._all_gone()
+        self.family.clear()
         for tracee in list(self.tracees.values()):
             self.drop_tracee(tracee)
         self.on_gone()
+
+    def _pump_family(self) -> None:
+        """Handle the stops that reached the members of the family (followed children that
+        exec'd: each has an image, and so a tracer, of its own) through this loop."""
+        for member in list(self.family):
+            while member.inbox:
+                tid, status = member.inbox.pop(0)
+                t = member.threads.get(tid)
+                if t is None:
+                    member._unowned(tid, status)
+                    continue
+                member.dispatch(t, status)
+            if member.has_pending:
+                member._drain_pending()
+            if not member.live:
+                self.family.remove(member)
+                member.on_gone()
 
     # -- dispatch --------------------------------------------------------------------------
 
@@ -654,8 +681,9 @@ class Tracer(WorldStop, SignalDelivery):
             t.exec_landing = True
             t.trace_syscalls(True)
             self._resume_if_free(t)
-        else:
-            # A child's new image holds nothing of ours.
+        elif not (self.follow_forks and self.on_child_exec(tracee, t)):
+            # A child's new image holds nothing of ours: let it go, unless it is followed,
+            # and adopted with an image of its own (family.py).
             self._release(tracee, clean=False)
 
     def _first_stop_of_child(self, t: Thread) -> None:
