@@ -1,6 +1,7 @@
-"""``--backend uprobes`` follows the process tree, and counts exactly what the kernel counts.
+"""Both backends follow the process tree, and count exactly what the kernel counts.
 
-Each test runs the same command twice, once under ``kprobes count --backend uprobes`` and once
+Each test runs the same command twice, once under ``kprobes count`` (``--backend uprobes``, and
+our own ptrace backend where the test says so) and once
 under the kernel's own uprobes placed by hand (``kernel_reference``, which shares no code with
 kprobes), and compares the counts probe by probe: ``-c`` counts the command and every process
 it starts (fork, vfork, clone, posix_spawn, through exec) from its first instruction; ``-p``
@@ -107,7 +108,11 @@ def libc_probes(libc: Path, *names: str) -> list[RefProbe]:
 # -c: the command and every process it starts
 
 
-def test_python_through_a_wrapper_script(tmp_path, clean_tracefs):
+BACKENDS = pytest.mark.parametrize("backend", ["uprobes", "ptrace"])
+
+
+@BACKENDS
+def test_python_through_a_wrapper_script(tmp_path, clean_tracefs, backend):
     """python3 as a pyenv shim is: bash that runs helpers, then execs the interpreter."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -127,7 +132,7 @@ def test_python_through_a_wrapper_script(tmp_path, clean_tracefs):
 
     ref = reference_run(libc_probes(libc, "malloc", "free", "realloc"), command, env=env)
     ours = count_json(
-        "--backend", "uprobes", "-c", command, "libc:malloc", "libc:free", "libc:realloc", env=env
+        "--backend", backend, "-c", command, "libc:malloc", "libc:free", "libc:realloc", env=env
     )
 
     assert len(ref.by_process) >= 4  # the shim, $(dirname), $(uname), cut, true
@@ -136,7 +141,10 @@ def test_python_through_a_wrapper_script(tmp_path, clean_tracefs):
     assert ours == expected
 
 
-def test_a_script_that_runs_a_program_as_a_child_and_by_exec(build, tmp_path, clean_tracefs):
+@BACKENDS
+def test_a_script_that_runs_a_program_as_a_child_and_by_exec(
+    build, tmp_path, clean_tracefs, backend
+):
     procs = build("procs")
     script = tmp_path / "twice.sh"
     script.write_text(f"#!/bin/sh\n{procs} exit 0\nexec {procs} exit 0\n")
@@ -147,7 +155,7 @@ def test_a_script_that_runs_a_program_as_a_child_and_by_exec(build, tmp_path, cl
 
     ref = reference_run(probes, str(script), env=env)
     ours = count_json(
-        "--backend", "uprobes", "-c", script, f"{procs}:work", "libc:malloc", "libc:free", env=env
+        "--backend", backend, "-c", script, f"{procs}:work", "libc:malloc", "libc:free", env=env
     )
 
     assert ref.counts["work"] == 6  # "procs exit" works 3 times, once in each process
@@ -158,12 +166,13 @@ def test_a_script_that_runs_a_program_as_a_child_and_by_exec(build, tmp_path, cl
     }
 
 
-def test_every_way_of_starting_a_process(tree, tmp_path, clean_tracefs):
+@BACKENDS
+def test_every_way_of_starting_a_process(tree, tmp_path, clean_tracefs, backend):
     """fork, vfork + exec, a raw clone and posix_spawn, each from the first instruction."""
     env = same_env(tmp_path)
     probes = [RefProbe("work", tree, "work"), RefProbe("leaf", tree, "leaf")]
     ref = reference_run(probes, f"{tree} go {N}", env=env)
-    ours = count_json("--backend", "uprobes", "-c", f"{tree} go {N}", "work", "leaf", env=env)
+    ours = count_json("--backend", backend, "-c", f"{tree} go {N}", "work", "leaf", env=env)
     assert ref.counts == {"work": 10 * N, "leaf": 2}
     assert ours == dict(ref.counts)
 
@@ -270,3 +279,48 @@ def test_lost_events_are_counted_not_hidden(tmp_path, clean_tracefs):
         support.wait_child(u.pid, 10)
     assert lost > 0
     assert delivered + lost == expected
+
+
+@pytest.mark.parametrize("follow", [False, True], ids=["process", "follow-forks"])
+def test_our_backend_attached_with_and_without_the_children(tree, follow, clean_tracefs):
+    """The same on our ptrace backend: -p, and --follow-forks (children that exec have images
+    of their own, placed as they come, family.py)."""
+    from kprobes.process.cleanup import read_state
+
+    probes = [RefProbe("work", tree, "work"), RefProbe("leaf", tree, "leaf")]
+    proc = _waiting_tree(tree)
+    try:
+        with KernelReference(probes) as ref:
+            run = ref.attach(proc.pid, _go(proc), lambda: proc.poll() is not None)
+    finally:
+        proc.kill()
+        proc.wait()
+    expected = run.counts if follow else run.counts_of(proc.pid)
+
+    proc = _waiting_tree(tree)
+    try:
+        cli = subprocess.Popen(
+            [str(KPROBES), "count", "--json", "-p", str(proc.pid)]
+            + (["--follow-forks"] if follow else [])
+            + ["work", "leaf"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+        def placed() -> bool:
+            state = read_state(proc.pid)
+            return state is not None and len(state[1]) == 2
+
+        support.wait_until(placed, 10, "the probes are placed")
+        _go(proc)()
+        out, err = cli.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+    assert cli.returncode == 0, err
+    rows = {r["probe"]: r["hits"] for r in map(json.loads, out.splitlines()) if r}
+    assert rows == {"work": expected["work"], "leaf": expected["leaf"]}

@@ -211,27 +211,43 @@ class PtraceBackend(Backend):
 
     def __init__(self, args: argparse.Namespace, sink: Sink) -> None:
         super().__init__()
-        self.proc = open_target(args, follow_forks=getattr(args, "follow_forks", False))
+        # -c follows the command and everything it starts, as perf does; -p on request.
+        follow = args.command is not None or getattr(args, "follow_forks", False)
+        self.proc = open_target(args, follow_forks=follow)
         if args.command is not None:
             self.command_pid = self.proc.pid
+        self.sink = sink
+        self.specs: list[ProbeSpec] = []
+        self.members: list[SpecTracer] = []
         try:
             self.tracer = SpecTracer(self.proc, sink)
         except BaseException:
             self.proc.detach()
             raise
+        self.proc.on_new_process = self._follow
 
     def place(self, specs: Sequence[ProbeSpec]) -> list[Placed]:
-        placed = self.tracer.place(specs)
+        placed = self._place(self.proc, self.tracer, specs)
+        self.specs += specs
+        return list(placed)
+
+    def _place(self, proc: Process, tracer: SpecTracer, specs: Sequence[ProbeSpec]) -> list[Placed]:
+        placed = tracer.place(specs)
         for one in placed:
             # No instance is in flight yet: hits are handled only once run() is called.
             probe = one.probe
             if isinstance(probe, Kretprobe) and not one.spec.maxactive and probe.pool:
-                probe.pool = GrowingPool(probe, probe.pool, partial(self._equip, probe))
+                equip = partial(proc.equip_kretprobe_instances, probe)
+                probe.pool = GrowingPool(probe, probe.pool, equip)
         self.placed += placed
         return list(placed)
 
-    def _equip(self, probe: Kretprobe, made: list[KretprobeInstance]) -> None:
-        self.proc.equip_kretprobe_instances(probe, made)
+    def _follow(self, member: Process) -> None:
+        """A followed child exec'd (family.py): the same specs in its new image, its events
+        read from its own memory and carrying its own pid."""
+        tracer = SpecTracer(member, self.sink)
+        self.members.append(tracer)
+        self._place(member, tracer, self.specs)
 
     def functions(self, pattern: str) -> list[str]:
         module, sep, glob = pattern.rpartition(":")
@@ -253,6 +269,8 @@ class PtraceBackend(Backend):
             self.proc.detach()
         finally:
             self.tracer.close()
+            for member in self.members:
+                member.close()
 
 
 @dataclass(slots=True)
