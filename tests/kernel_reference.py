@@ -61,6 +61,11 @@ class RefProbe:
     name: str
     path: Path | str
     symbol: str
+    offset: int = 0  # bytes into the function: a probe on one of its instructions
+
+
+# Errors the kernel gives when enabling a uprobe on an instruction it will not probe.
+_REFUSED = {524, errno.EOPNOTSUPP, errno.EINVAL, errno.EILSEQ}  # 524 = the kernel's ENOTSUPP
 
 
 def file_offset(path: Path | str, symbol: str) -> int:
@@ -125,6 +130,7 @@ class KernelReference:
         self.group = f"kpref_{tag}"
         self.instance = TRACEFS / "instances" / f"kpref_{tag}"
         self.defined: list[str] = []
+        self.refused: set[str] = set()  # probes the kernel would not enable (ENOTSUPP...)
         # Step 1: the instance.
         self.instance.mkdir()
         try:
@@ -133,7 +139,7 @@ class KernelReference:
             _write(self.instance / "options" / "event-fork", "1", append=False)
             # Step 2: the events, defined (not enabled).
             for probe in self.probes:
-                offset = file_offset(probe.path, probe.symbol)
+                offset = file_offset(probe.path, probe.symbol) + probe.offset
                 line = f"p:{self.group}/{probe.name} {os.path.realpath(probe.path)}:{offset:#x}"
                 _write(TRACEFS / "uprobe_events", line + "\n")
                 self.defined.append(probe.name)
@@ -167,7 +173,12 @@ class KernelReference:
         _write(self.instance / "set_event_pid", " ".join(map(str, tids)), append=False)
         _write(self.instance / "events" / "sched" / "sched_process_exec" / "enable", "1")
         for name in self.defined:
-            _write(self.instance / "events" / self.group / name / "enable", "1")
+            try:
+                _write(self.instance / "events" / self.group / name / "enable", "1")
+            except OSError as exc:  # an instruction the kernel will not probe
+                if exc.errno not in _REFUSED:
+                    raise
+                self.refused.add(name)
 
     def run(
         self,
