@@ -302,3 +302,36 @@ def test_count_says_which_probes_are_pending_and_counts_the_constructor(build, p
         if line.startswith(("libplug:", "plughost:"))
     }
     assert counts == {"libplug:plug_work": 8, "plughost:main": 1}
+
+
+def test_after_exec_what_the_new_image_lacks_is_gone(spawn, build, tmp_path):
+    plugged, uselib = build("plugged"), build("uselib")
+    out = tmp_path / "out"
+    with open(out, "wb") as f:
+        proc = spawn([plugged, 3, uselib, 4], stdout=f)
+    work: list[int] = []
+    lib: list[int] = []
+    mains: list[int] = []
+    seen: dict[str, kprobes.ProbeListing] = {}
+
+    def in_new_image(kp: kprobes.Kprobe, regs: Any) -> None:
+        if not lib:  # the new image runs: what is listed now
+            seen.update({e.where: e for e in proc.list()})
+        lib.append(signed(regs.rdi))
+
+    probes = [
+        kprobes.Kprobe(symbol="libplug:plug_work", pre_handler=counter(work)),
+        kprobes.Kprobe(symbol="libkpt:lib_work", pre_handler=in_new_image),
+        kprobes.Kprobe(symbol=f"{plugged}:main", pre_handler=counter(mains)),
+    ]
+    proc.register_kprobes(probes)
+    assert proc.run(timeout=30)
+    assert proc.exit_code == 0
+    assert output(out) == b"plugged sum=12 fast=5 seen=-2\nlib sum=34\n"
+    assert work == [-1, 0, 1, 2]  # before the exec
+    assert lib == [0, 1, 2, 3]  # after it: libkpt was pending until uselib's loader mapped it
+    assert len(mains) == 1
+    # Neither libplug nor plugged is mapped by the new image: gone, waiting.
+    assert seen["libplug:plug_work"].is_gone and seen["libplug:plug_work"].is_pending
+    assert seen[f"{plugged}:main"].is_gone and "[GONE]" in str(seen[f"{plugged}:main"])
+    assert not seen["lib_work+0x0"].is_gone and not seen["lib_work+0x0"].is_pending
