@@ -335,3 +335,30 @@ def test_after_exec_what_the_new_image_lacks_is_gone(spawn, build, tmp_path):
     assert seen["libplug:plug_work"].is_gone and seen["libplug:plug_work"].is_pending
     assert seen[f"{plugged}:main"].is_gone and "[GONE]" in str(seen[f"{plugged}:main"])
     assert not seen["lib_work+0x0"].is_gone and not seen["lib_work+0x0"].is_pending
+
+
+def test_detach_mid_run_lets_every_process_of_the_tree_go_unharmed(build, plugin, tmp_path):
+    """Children that exec'd are processes of their own (family.py): detaching the root lets
+    them go too, with every byte restored, and each finishes as it would have unprobed."""
+    host = build("plughost")
+    script = tmp_path / "two.sh"
+    out = tmp_path / "out"
+    script.write_text(
+        f"#!/bin/sh\n{host} {plugin} 300 40 > {out}.child\nexec {host} {plugin} 300 40\n"
+    )
+    script.chmod(0o755)
+    with open(out, "wb") as f:
+        proc = kprobes.spawn([str(script)], stdout=f, follow_forks=True)
+    work: list[int] = []
+    kp = kprobes.Kprobe(symbol="libplug:plug_work", pre_handler=counter(work))
+    proc.register_kprobe(kp)
+    try:
+        while len(work) < 300:
+            assert not proc.run(timeout=0.02)
+        assert proc.members, "the child that exec'd is a member of the family"
+    finally:
+        proc.detach()
+    assert support.wait_child(proc.pid, timeout=30) == 0
+    expected = subprocess.run([host, plugin, "300", "40"], capture_output=True, check=True)
+    assert output(out) == expected.stdout
+    assert Path(f"{out}.child").read_bytes() == expected.stdout
