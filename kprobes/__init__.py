@@ -19,6 +19,7 @@ from kprobes.arch.x86_64.regs import Regs
 from kprobes.core.probes import TRAP_HANDLER_EXCEPTION, Kprobe, ProbeFlags
 from kprobes.core.retprobes import Jprobe, Kretprobe, KretprobeInstance, Task
 from kprobes.model import BlacklistEntry, Event, EventArg, ProbeListing
+from kprobes.process.following import ProbeNotice
 from kprobes.process.launch import attach, spawn
 from kprobes.process.target import Process
 from kprobes.tracefs.kernel import Kernel
@@ -38,6 +39,7 @@ __all__ = [
     "KretprobeInstance",
     "ProbeFlags",
     "ProbeListing",
+    "ProbeNotice",
     "Process",
     "Regs",
     "Task",

@@ -14,6 +14,7 @@ EXPECTED = {
     "KretprobeInstance",
     "ProbeFlags",
     "ProbeListing",
+    "ProbeNotice",
     "Process",
     "Regs",
     "Task",
