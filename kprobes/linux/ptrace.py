@@ -246,3 +246,59 @@ def block_sigchld() -> None:
 
 def unblock_sigchld() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
+
+
+# -- what a signal frame of our own needs (process/selfrestore.py) -------------------------
+
+PTRACE_GETREGSET: Final = 0x4204
+PTRACE_GETSIGMASK: Final = 0x420A
+PTRACE_GET_SYSCALL_INFO: Final = 0x420E
+NT_X86_XSTATE: Final = 0x202
+PTRACE_SYSCALL_INFO_NONE: Final = 0
+PTRACE_SYSCALL_INFO_ENTRY: Final = 1
+PTRACE_SYSCALL_INFO_EXIT: Final = 2
+_SYSCALL_INFO_SIZE: Final = 88  # struct ptrace_syscall_info: op, arch, ip, sp, then a union
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = (("base", ctypes.c_void_p), ("len", ctypes.c_size_t))
+
+
+def getregset(tid: int, note: int, size: int) -> bytes:
+    """PTRACE_GETREGSET: the regset ``note`` (NT_*), as many bytes as the kernel gives, at most
+    ``size`` (a multiple of 8)."""
+    buf = ctypes.create_string_buffer(size)
+    iov = _Iovec(ctypes.addressof(buf), size)
+    _check(_ptrace(PTRACE_GETREGSET, tid, _word(note), ctypes.byref(iov)))
+    return buf.raw[: iov.len]
+
+
+def getsigmask(tid: int) -> int:
+    """PTRACE_GETSIGMASK: the signals the thread blocks (bit n-1 = signal n), as it will
+    block them back in user space (the saved mask while a ``ppoll`` or the like has its own)."""
+    mask = ctypes.c_uint64(0)
+    _check(_ptrace(PTRACE_GETSIGMASK, tid, _word(8), ctypes.byref(mask)))
+    return int(mask.value)
+
+
+@dataclass(frozen=True, slots=True)
+class SyscallInfo:
+    """PTRACE_GET_SYSCALL_INFO, the part we read: which stop (``op``: PTRACE_SYSCALL_INFO_*),
+    and the syscall's number at its entry or its return value at its exit."""
+
+    op: int
+    nr: int  # at an entry stop
+    rval: int  # at an exit stop (a negative errno on failure)
+
+
+def get_syscall_info(tid: int) -> SyscallInfo:
+    buf = ctypes.create_string_buffer(_SYSCALL_INFO_SIZE)
+    _check(_ptrace(PTRACE_GET_SYSCALL_INFO, tid, _word(_SYSCALL_INFO_SIZE), buf))
+    raw = buf.raw
+    op = raw[0]
+    value = int.from_bytes(raw[24:32], "little", signed=op == PTRACE_SYSCALL_INFO_EXIT)
+    return SyscallInfo(
+        op=op,
+        nr=value if op == PTRACE_SYSCALL_INFO_ENTRY else -1,
+        rval=value if op == PTRACE_SYSCALL_INFO_EXIT else 0,
+    )

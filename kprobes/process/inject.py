@@ -10,7 +10,9 @@ that restart back as it was.
 
 Once the rescue is mapped (``rescue.py``), injections run on its stub (``syscall; int3``)
 instead, with the thread's registers written beside it first: if the tool dies in the
-middle, the thread traps on the stub's int3 and the rescue puts its registers back.
+middle, the thread traps on the stub's int3 and the rescue puts its registers back. The
+``mmap`` of the rescue itself carries its own way home (``selfrestore.py``); the borrowed
+``syscall`` here serves it only where the program's code offers no such way.
 
 Rejected: writing a ``syscall`` instruction over the thread's current code. Another thread
 could execute those bytes; we only borrow instructions that already exist.
@@ -48,7 +50,7 @@ def run_syscall(
     landing = rescue if rescue is not None and rescue.is_installed else None
     try:
         if landing is not None:
-            landing.begin_injection(thread.tracee, _home_regs(thread, saved, view[0]))
+            landing.begin_injection(thread.tracee, home_regs(thread, saved, view[0]))
         regs.rax = nr
         regs.orig_rax = (1 << 64) - 1
         for name, value in zip(("rdi", "rsi", "rdx", "r10", "r8", "r9"), args, strict=False):
@@ -69,7 +71,7 @@ def run_syscall(
             after = thread.load_regs()
         result = after.rax
     finally:
-        _restore(thread, saved, view)
+        restore_regs(thread, saved, view)
         if landing is not None:
             landing.end_injection(thread.tracee)
     return result - (1 << 64) if result >= 1 << 63 else result
@@ -92,7 +94,7 @@ def call_function(
         return_trap = rescue_layout.stub_trap(landing.area)
     try:
         if landing is not None:
-            landing.begin_injection(mem, _home_regs(thread, saved, view[0]))
+            landing.begin_injection(mem, home_regs(thread, saved, view[0]))
         sp = ((regs.rsp - _SAFE_STACK_GAP) & ~0xF) - 8
         mem.write(sp, return_trap.to_bytes(8, "little"))
         regs.rsp = sp
@@ -109,13 +111,13 @@ def call_function(
             raise TargetError(f"injected call to {func:#x} stopped at {after.rip:#x}")
         result = after.rax
     finally:
-        _restore(thread, saved, view)
+        restore_regs(thread, saved, view)
         if landing is not None:
             landing.end_injection(mem)
     return int(result)
 
 
-def _home_regs(thread: Thread, kernel_regs: bytes, view: bytes) -> bytes:
+def home_regs(thread: Thread, kernel_regs: bytes, view: bytes) -> bytes:
     """The registers the rescue gives the thread back if the tool dies during the injection.
 
     Its own registers, but where it really was: a thread borrowed from inside a handler goes
@@ -133,7 +135,7 @@ def _home_regs(thread: Thread, kernel_regs: bytes, view: bytes) -> bytes:
     return bytes(home)
 
 
-def _restore(thread: Thread, kernel_regs: bytes, view: tuple[bytes, bool]) -> None:
+def restore_regs(thread: Thread, kernel_regs: bytes, view: tuple[bytes, bool]) -> None:
     """Put the thread's registers back, and the handler's view of them as it was."""
     thread.regs.buffer[:] = kernel_regs
     thread.store_regs()

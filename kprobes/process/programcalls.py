@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from kprobes.errors import InternalError, NotRelocatable, TargetError
 from kprobes.linux import ptrace
-from kprobes.process import inject
+from kprobes.process import inject, selfrestore
 from kprobes.process.threads import Thread, ThreadState
 from kprobes.process.xol import FLAGS, PROT, XolArea, candidate_addresses
 from kprobes.symbols.maps import Mapping, read_maps
@@ -222,12 +222,16 @@ class ProgramCalls:
         return result
 
     def _map_rescue(self, thread: Thread, size: int) -> int:
-        """The one injection the rescue cannot undo: the mapping it lives in."""
-        insn = self._find_syscall(read_maps(self.pid))
-        anywhere = FLAGS & ~_MAP_FIXED_NOREPLACE
-        result = inject.run_syscall(
-            thread, insn, _NR_MMAP, 0, size, PROT, anywhere, (1 << 64) - 1, 0
-        )
+        """The one injection the rescue cannot undo: the mapping it lives in. It brings its
+        thread home by itself if the tool dies (``selfrestore.py``), where the program's code
+        allows; else it runs as any injection did before the rescue."""
+        args = (0, size, PROT, FLAGS & ~_MAP_FIXED_NOREPLACE, (1 << 64) - 1, 0)
+        way = selfrestore.find_way_home(thread)
+        if way is not None:
+            result = selfrestore.run_syscall(thread, way, _NR_MMAP, *args)
+        else:
+            insn = self._find_syscall(read_maps(self.pid))
+            result = inject.run_syscall(thread, insn, _NR_MMAP, *args)
         if result < 0:
             raise TargetError(f"mmap of the rescue area failed: {os.strerror(-result)}")
         return result

@@ -12,9 +12,11 @@ its cost is one more pwrite per kretprobe entry (the record) and a few writes pe
 registration. A clean detach puts the program's own SIGTRAP action back.
 
 The rescue itself is mapped by the one injection that cannot be undone by it (an ``mmap``
-through a ``syscall`` instruction borrowed from the program's code); every later injection
-runs on the rescue's own stub, ``syscall; int3``, so that a tool killed in the middle leaves
-a trap the rescue turns back into the thread's own registers.
+through a ``syscall`` instruction borrowed from the program's code), which carries its own
+way home instead: a signal frame of the thread's state that ``rt_sigreturn`` loads if the
+tool dies (``selfrestore.py``). Every later injection runs on the rescue's own stub,
+``syscall; int3``, so that a tool killed in the middle leaves a trap the rescue turns back
+into the thread's own registers.
 
 Rejected: a watchdog process that re-attaches when the tool dies (threads run, and trap,
 between the tool's death and the watchdog's attach), and ``PTRACE_O_EXITKILL`` (kills the
