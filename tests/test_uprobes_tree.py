@@ -324,3 +324,18 @@ def test_our_backend_attached_with_and_without_the_children(tree, follow, clean_
     assert cli.returncode == 0, err
     rows = {r["probe"]: r["hits"] for r in map(json.loads, out.splitlines()) if r}
     assert rows == {"work": expected["work"], "leaf": expected["leaf"]}
+
+
+@BACKENDS
+def test_a_program_that_loads_and_unloads_a_plugin_twice(build, tmp_path, clean_tracefs, backend):
+    """dlopen, dlclose, dlopen again: the plugin's constructor and calls, each load."""
+    host, plugin = build("plughost"), build("libplug.so")
+    env = same_env(tmp_path)
+    command = f"{host} {plugin} 2 3"
+    probes = [RefProbe("work", plugin, "plug_work"), RefProbe("resolve", plugin, "plug_resolve")]
+    ref = reference_run(probes, command, env=env)
+    ours = count_json(
+        "--backend", backend, "-c", command, f"{plugin}:plug_work", f"{plugin}:plug_resolve", env=env
+    )
+    assert ref.counts == {"work": 2 * (1 + 3), "resolve": 2}  # constructor + calls, per load
+    assert ours == {f"{plugin}:plug_work": 8, f"{plugin}:plug_resolve": 2}
