@@ -334,8 +334,7 @@ def test_a_program_that_loads_and_unloads_a_plugin_twice(build, tmp_path, clean_
     command = f"{host} {plugin} 2 3"
     probes = [RefProbe("work", plugin, "plug_work"), RefProbe("resolve", plugin, "plug_resolve")]
     ref = reference_run(probes, command, env=env)
-    ours = count_json(
-        "--backend", backend, "-c", command, f"{plugin}:plug_work", f"{plugin}:plug_resolve", env=env
-    )
+    specs = (f"{plugin}:plug_work", f"{plugin}:plug_resolve")
+    ours = count_json("--backend", backend, "-c", command, *specs, env=env)
     assert ref.counts == {"work": 2 * (1 + 3), "resolve": 2}  # constructor + calls, per load
     assert ours == {f"{plugin}:plug_work": 8, f"{plugin}:plug_resolve": 2}
