@@ -60,6 +60,8 @@ class Family:
         def unregister_kretprobes(self, rps: list[Kretprobe]) -> None: ...
         def detach(self) -> None: ...
         def on_notice(self, message: str) -> None: ...
+        def _finish(self) -> None: ...
+        def _publish(self) -> None: ...
 
     def _init_family(self) -> None:
         self._root: Process | None = None  # None: this is the root
@@ -95,6 +97,7 @@ class Family:
         member.on_notice = root.on_notice
         member.on_new_process = root.on_new_process
         tracer = member._tracer
+        tracer.on_gone = member._member_gone
         main = tracer.add_tracee(pid, TraceeKind.MAIN)
         thread = tracer.add_thread(main, t.tid, ThreadState.STOPPED)
         thread.event_stopped = True
@@ -107,6 +110,14 @@ class Family:
         cleanup.remember(member)
         thread.resume()
         return True
+
+    def _member_gone(self) -> None:
+        """A member's probes are gone: it exec'd again (published anew), or it exited
+        (finished: nothing of it is traced any more)."""
+        if self._tracer.main is None:
+            self._finish()
+        else:
+            self._publish()
 
     def _take_first_image_hook(self) -> None:
         """Run ``on_new_process`` for this member, once, at its first image."""
