@@ -20,7 +20,6 @@ once, so its rip is mapped back to the original code first.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
@@ -36,6 +35,7 @@ from kprobes.errors import InternalError, TargetError
 from kprobes.linux import ptrace
 from kprobes.process import events as ev
 from kprobes.process.breakpoints import Breakpoints
+from kprobes.process.lifecycle import Lifecycle
 from kprobes.process.rescue import Rescue
 from kprobes.process.signals import SignalDelivery
 from kprobes.process.threads import Thread, ThreadState, siginfo_code
@@ -78,7 +78,7 @@ _OWNERS: dict[int, Tracer] = {}
 _UNCLAIMED: dict[int, list[int]] = {}
 
 
-class Tracer(WorldStop, SignalDelivery):
+class Tracer(WorldStop, SignalDelivery, Lifecycle):
     def __init__(self, manager: ProbeManager, *, follow_forks: bool) -> None:
         self.manager = manager
         self.sites = manager.table.sites
@@ -381,31 +381,6 @@ class Tracer(WorldStop, SignalDelivery):
             # A new thread or child whose clone/fork event we have not seen yet.
             _UNCLAIMED.setdefault(tid, []).append(status)
 
-    def _all_gone(self) -> None:
-        for member in self.family:
-            member._all_gone()
-        self.family.clear()
-        for tracee in list(self.tracees.values()):
-            self.drop_tracee(tracee)
-        self.on_gone()
-
-    def _pump_family(self) -> None:
-        """Handle the stops that reached the members of the family (followed children that
-        exec'd: each has an image, and so a tracer, of its own) through this loop."""
-        for member in list(self.family):
-            while member.inbox:
-                tid, status = member.inbox.pop(0)
-                t = member.threads.get(tid)
-                if t is None:
-                    member._unowned(tid, status)
-                    continue
-                member.dispatch(t, status)
-            if member.has_pending:
-                member._drain_pending()
-            if not member.live:
-                self.family.remove(member)
-                member.on_gone()
-
     # -- dispatch --------------------------------------------------------------------------
 
     def dispatch(self, t: Thread, status: int) -> None:
@@ -639,74 +614,3 @@ class Tracer(WorldStop, SignalDelivery):
             self.guarding = self.trap_guard.is_armed
             ptrace.setsiginfo(t.tid, info)  # the injection replaced the stop's siginfo
         t.resume(signal.SIGTRAP)  # the program's own trap: deliver it
-
-    # -- life and death --------------------------------------------------------------------
-
-    def _on_exit(self, t: Thread, code: int) -> None:
-        tracee = t.tracee
-        self.drop_thread(t)
-        if t.tid == tracee.pid:
-            tracee.exit_code = code
-            if tracee is self.main:
-                self.exit_code = code
-            self.drop_tracee(tracee)
-            if tracee.kind is TraceeKind.MAIN:
-                self.manager.mark_gone()
-                self.on_gone()
-
-    def _on_exec(self, t: Thread) -> None:
-        tracee = t.tracee
-        former = ptrace.geteventmsg(t.tid)
-        if former != t.tid and former in self.threads:
-            self.drop_thread(self.threads[former])
-        for other in list(tracee.threads.values()):
-            if other is not t:
-                self.drop_thread(other)
-        t.state = S.STOPPED
-        t.step_site = None
-        if tracee.kind is TraceeKind.MAIN:
-            # The code we probed is gone: every probe waits to be placed again in the new
-            # image, from the exit of execve on (following.py), with nothing of ours in it.
-            self.manager.unmap(lambda site: True)
-            self.breakpoints.forget()
-            if self.xol is not None:
-                self.xol.forget()
-            self.trampoline.forget()
-            self.trampoline.forget_thread(t)  # its hooked frames went with the old image
-            self.rescue.forget()
-            self.slot_owner.clear()
-            self.slot_history.clear()
-            tracee.open_memory()
-            self.on_gone()
-            t.exec_landing = True
-            t.trace_syscalls(True)
-            self._resume_if_free(t)
-        elif not (self.follow_forks and self.on_child_exec(tracee, t)):
-            # A child's new image holds nothing of ours: let it go, unless it is followed,
-            # and adopted with an image of its own (family.py).
-            self._release(tracee, clean=False)
-
-    def _first_stop_of_child(self, t: Thread) -> None:
-        tracee = t.tracee
-        if tracee.kind is TraceeKind.RELEASE:
-            self._release(tracee, clean=True)
-        elif tracee.kind is TraceeKind.FORK:
-            self.breakpoints.sync(tracee)
-            self.trampoline.restore_child(tracee)
-            self._resume_if_free(t)
-        else:
-            self._resume_if_free(t)
-
-    def _release(self, tracee: Tracee, *, clean: bool) -> None:
-        """Take our bytes out of a child's own memory and let it go."""
-        if clean:
-            self.breakpoints.restore_all(tracee)
-            self.trampoline.restore_child(tracee)
-        for thread in list(tracee.threads.values()):
-            sig = 0
-            if thread.held_signals:
-                sig, info = thread.held_signals.pop(0)
-                ptrace.setsiginfo(thread.tid, info)
-            with contextlib.suppress(ProcessLookupError):
-                ptrace.detach(thread.tid, sig)
-        self.drop_tracee(tracee)
