@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -359,6 +360,59 @@ def test_detach_mid_run_lets_every_process_of_the_tree_go_unharmed(build, plugin
     finally:
         proc.detach()
     assert support.wait_child(proc.pid, timeout=30) == 0
+    expected = subprocess.run([host, plugin, "300", "40"], capture_output=True, check=True)
+    assert output(out) == expected.stdout
+    assert Path(f"{out}.child").read_bytes() == expected.stdout
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.2, 0.5])
+def test_sigkill_of_the_tool_following_a_tree_harms_no_process(build, plugin, tmp_path, delay):
+    """Each process of the tree has its own rescue (family.py): killed with SIGKILL while it
+    follows a shell, its child and its exec'd image, the tool leaves every one able to finish
+    as it would have unprobed."""
+    from kprobes.process.cleanup import read_state
+
+    host = build("plughost")
+    script = tmp_path / "tree.sh"
+    out = tmp_path / "out"
+    script.write_text(
+        f"#!/bin/sh\nread go\n{host} {plugin} 300 40 > {out}.child\nexec {host} {plugin} 300 40\n"
+    )
+    script.chmod(0o755)
+    with open(out, "wb") as f:
+        prog = subprocess.Popen([str(script)], stdin=subprocess.PIPE, stdout=f)
+    assert prog.stdin is not None
+    tool = subprocess.Popen(
+        [
+            KPROBES,
+            "count",
+            "-p",
+            str(prog.pid),
+            "--follow-forks",
+            "libplug:plug_work",
+            "r libplug:plug_work",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+
+        def placed() -> bool:
+            state = read_state(prog.pid)
+            return state is not None and len(state[1]) == 2
+
+        support.wait_until(placed, 10, "the probes are registered")
+        prog.stdin.write(b"go\n")
+        prog.stdin.flush()
+        time.sleep(delay)
+        tool.kill()
+        tool.wait(timeout=10)
+        assert prog.wait(timeout=60) == 0
+    finally:
+        for p in (tool, prog):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     expected = subprocess.run([host, plugin, "300", "40"], capture_output=True, check=True)
     assert output(out) == expected.stdout
     assert Path(f"{out}.child").read_bytes() == expected.stdout
