@@ -117,9 +117,15 @@ def _seize_spawned(
             ptrace.cont(pid, 0)
     # Step 2: to the exit of execve: the new image is in place, none of it has run.
     ptrace.syscall_cont(pid, 0)
-    _, status = ptrace.waitpid(pid, 0)
-    if not os.WIFSTOPPED(status) or os.WSTOPSIG(status) != SYSCALL_TRAP:
-        raise TargetError(f"{argv[0]} did not come back from execve (status {status:#x})")
+    while True:
+        _, status = ptrace.waitpid(pid, 0)
+        if not os.WIFSTOPPED(status):
+            raise TargetError(f"{argv[0]} ended at its exec (status {status:#x})")
+        sig = os.WSTOPSIG(status)
+        if sig == SYSCALL_TRAP:
+            break
+        # A signal sent meanwhile: the new image gets it, as it would without us.
+        ptrace.syscall_cont(pid, sig if status >> 16 == 0 else 0)
     proc = Process(pid, follow_forks=follow_forks, pending=pending)
     tracer = proc._tracer
     main = tracer.add_tracee(pid, TraceeKind.MAIN)
