@@ -11,8 +11,10 @@ kprobes. The commands hand specs and a sink to a backend and never see which one
 With ``-c`` and the uprobes backend the command is forked and held before its exec while the
 instance's pid filter takes its pid and the probes are placed on the files it will map
 (``Uprobes(command=...)``), then let go: the kernel counts it from its first instruction, and
-every process it starts (``event-fork``), as perf does. ``-p PID`` follows that process, and
-with ``--follow-forks`` the processes it starts from then on. With ``--kernel`` the command is
+every process it starts (``event-fork``), as perf does. Our own backend follows the same tree:
+``-c`` stops the command before its first instruction, and each child that execs becomes a
+process of its own with the specs placed again in its image (process/family.py). ``-p PID``
+follows that process, and with ``--follow-forks`` the processes it starts from then on. With ``--kernel`` the command is
 started stopped by the Process target (``spawn``) and released, untraced, once the probes are
 placed. Either way its exit ends the session. Rejected alternative: starting it with ``subprocess``
 and registering afterwards, which misses whatever it does first.
@@ -87,8 +89,7 @@ def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--follow-forks",
         action="store_true",
-        help="with -p: also the processes it starts from now on (-c with --backend uprobes "
-        "always follows them)",
+        help="with -p: also the processes it starts from now on (-c always follows them)",
     )
 
 
