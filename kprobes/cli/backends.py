@@ -14,10 +14,11 @@ instance's pid filter takes its pid and the probes are placed on the files it wi
 every process it starts (``event-fork``), as perf does. Our own backend follows the same tree:
 ``-c`` stops the command before its first instruction, and each child that execs becomes a
 process of its own with the specs placed again in its image (process/family.py). ``-p PID``
-follows that process, and with ``--follow-forks`` the processes it starts from then on. With ``--kernel`` the command is
-started stopped by the Process target (``spawn``) and released, untraced, once the probes are
-placed. Either way its exit ends the session. Rejected alternative: starting it with ``subprocess``
-and registering afterwards, which misses whatever it does first.
+follows that process, and with ``--follow-forks`` the processes it starts from then on. With
+``--kernel`` the command is started stopped by the Process target (``spawn``) and released,
+untraced, once the probes are placed. Either way its exit ends the session. Rejected
+alternative: starting it with ``subprocess`` and registering afterwards, which misses whatever
+it does first.
 """
 
 from __future__ import annotations
