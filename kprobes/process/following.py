@@ -54,6 +54,7 @@ RT_CONSISTENT = 0  # r_debug.r_state: the link map is complete and stable
 _R_STATE = 24  # offsetof(struct r_debug, r_state): int r_version, r_map, r_brk, then r_state
 _NR_MMAP = 9
 _PROT_EXEC = 0x4
+_MAP_ANONYMOUS = 0x20
 _MAX_ERRNO = 4095
 
 
@@ -199,14 +200,24 @@ class Following:
             t.exec_landing = False
             self._new_image(t)
             return
+        if not self._is_waiting():
+            # Nothing waits for a library: the syscall stops of the startup are of no use
+            # (a probe registered later still gets its library at the rendezvous).
+            t.trace_syscalls(False)
+            return
         regs = t.regs  # loaded by the tracer at the stop
         result = regs.rax
         if (
             regs.orig_rax == _NR_MMAP
             and regs.rdx & _PROT_EXEC
+            and not regs.r10 & _MAP_ANONYMOUS  # code from a file, not a JIT's page
             and result < (1 << 64) - _MAX_ERRNO  # not an error; at the entry rax is -ENOSYS
         ):
             self._follow_maps()
+
+    def _is_waiting(self) -> bool:
+        """Some probe given by symbol waits for its library."""
+        return any(p.symbol is not None for p in self._manager.pending)
 
     def _new_image(self, t: Thread) -> None:
         """``t`` stands at the exit of ``execve``: place every probe the new image allows,

@@ -108,11 +108,16 @@ class SymbolResolver:
         self._mappings: list[tuple[Mapping, Module]] = []
         self._starts: list[int] = []  # of self._mappings
         self._main: Module | None = None
+        self._maps: list[Mapping] | None = None
         self.refresh()
 
     def refresh(self) -> None:
-        """Re-read the process's mappings (after dlopen(), dlclose() or exec)."""
+        """Re-read the process's mappings (after dlopen(), dlclose() or exec); the modules
+        are rebuilt only if the mappings changed."""
         maps = read_maps(self.pid)
+        if maps == self._maps:
+            return
+        self._maps = maps
         self._modules = sorted(iter_modules(self.pid, maps), key=lambda m: m.start)
         self._mappings = sorted(
             ((mapping, module) for module in self._modules for mapping in module.mappings),
