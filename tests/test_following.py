@@ -416,3 +416,28 @@ def test_sigkill_of_the_tool_following_a_tree_harms_no_process(build, plugin, tm
     expected = subprocess.run([host, plugin, "300", "40"], capture_output=True, check=True)
     assert output(out) == expected.stdout
     assert Path(f"{out}.child").read_bytes() == expected.stdout
+
+
+def test_an_error_in_a_handler_run_for_a_child_is_raised_out_of_run(build, tmp_path):
+    """A child that exec'd is handled by the root's loop (family.py): what its hits raise,
+    or end_run() asks, ends the root's run() as for the root's own hits."""
+    uselib = build("uselib")
+    with open(os.devnull, "wb") as null:
+        proc = kprobes.spawn(
+            ["/bin/sh", "-c", f"{uselib} 50; true"], stdout=null, follow_forks=True
+        )
+    try:
+        calls: list[int] = []
+
+        def pre(_kp: kprobes.Kprobe, regs: Any) -> None:
+            calls.append(regs.rdi)
+            if len(calls) == 5:
+                raise RuntimeError("deliberate, in the child")
+
+        proc.register_kprobe(kprobes.Kprobe(symbol="libkpt:lib_work", pre_handler=pre))
+        with pytest.raises(RuntimeError, match="deliberate, in the child"):
+            proc.run(timeout=30)
+        assert proc.members and calls[:5] == [0, 1, 2, 3, 4]
+    finally:
+        proc.detach()
+    assert support.wait_child(proc.pid, timeout=30) == 0

@@ -148,6 +148,9 @@ class Lifecycle:
                 member.dispatch(t, status)
             if member.has_pending:
                 member._drain_pending()
+            error = member.manager.table.take_error()
+            if error is not None:  # raised out of the root's run(), as the root's own are
+                self.manager.table.park(error)
             if not member.live:
                 self.family.remove(member)
                 member.on_gone()

@@ -259,6 +259,10 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
                 self._unowned(tid, status)
                 if self.family:
                     self._pump_family()
+                    if table.pending_error is not None:  # a member's handler, or end_run()
+                        exc = table.take_error()
+                        assert exc is not None
+                        raise exc from None
                 continue
             if status == TRAP and t.state is RUNNING:
                 t.state = STOPPED
