@@ -26,7 +26,7 @@ tracee's stops are reported to the thread that traces it: one loop must see them
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kprobes.core.probes import Kprobe
@@ -65,7 +65,7 @@ class Family:
 
     def _init_family(self) -> None:
         self._root: Process | None = None  # None: this is the root
-        self.members: list[Process] = []  # (on the root) every member, alive or not
+        self.members: list[Process] = []  # (on the root) the members still traced
         self.on_new_process: NewProcessHook = _copy_root_probes
         self._first_image_hook: Callable[[], None] | None = None
         self._copies: dict[int, list[tuple[Process, Kprobe | Kretprobe]]] = {}
@@ -75,12 +75,6 @@ class Family:
     def root(self) -> Process:
         """The process the user holds, at the top of the family."""
         return self._root if self._root is not None else self  # type: ignore[return-value]
-
-    def iter_family(self) -> Iterator[Process]:
-        """This process and every member still traced."""
-        root = self.root
-        yield root
-        yield from (m for m in root.members if m._attached)
 
     # -- adoption ---------------------------------------------------------------------------
 
@@ -116,6 +110,11 @@ class Family:
         (finished: nothing of it is traced any more)."""
         if self._tracer.main is None:
             self._finish()
+            root = self.root
+            if self in root.members:  # a long run may start thousands: keep the live ones
+                root.members.remove(self)
+            for copies in root._copies.values():
+                copies[:] = [(m, c) for m, c in copies if m is not self]
         else:
             self._publish()
 
