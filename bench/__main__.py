@@ -19,13 +19,21 @@ from bench.build import BuildError, build_all
 from bench.measure import PLACEMENTS, Baselines, Cell, RowResult, measure_row
 from bench.peer import Peer, Row
 from bench.peer_floor import FloorPeer
+from bench.peer_frida import FridaPeer
 from bench.peer_gdb import GdbPeer
 from bench.peer_kprobes import KprobesPeer
 from bench.peer_ptrace import PtracePeer
 from bench.peer_uprobes import UprobesPeer
 from bench.report import render, to_json, write_json
 
-PEERS: tuple[type[Peer], ...] = (FloorPeer, UprobesPeer, PtracePeer, GdbPeer, KprobesPeer)
+PEERS: tuple[type[Peer], ...] = (
+    FloorPeer,
+    UprobesPeer,
+    FridaPeer,
+    PtracePeer,
+    GdbPeer,
+    KprobesPeer,
+)
 BASELINE_CALLS, QUICK_BASELINE_CALLS = 1_000_000, 100_000
 
 
@@ -46,7 +54,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--only",
         default="",
-        help="comma-separated peers (floor, uprobes, ptrace, gdb, kprobes) or row keys",
+        help="comma-separated peers (floor, uprobes, frida, ptrace, gdb, kprobes) or row keys",
     )
     parser.add_argument(
         "--quick",
