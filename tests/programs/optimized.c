@@ -1,0 +1,68 @@
+/*
+ * A function called in a tight loop, for jump-optimized probes.
+ *
+ *   optimized T N [R]  T threads (T <= 16) each call work(t, i) for i in 0..N-1, in R rounds
+ *                      (default 1); before each round after the first, print "round r" and
+ *                      wait for a byte on stdin. tiny() is called once per round: a function
+ *                      too short for a jump.
+ *
+ * Output: "round r sum S" after each round, then "total S".
+ */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+static long per_thread_n;
+static long sums[16];
+
+__attribute__((noinline)) long work(long t, long i)
+{
+	long x = t * 1000003 + i;
+	return x ^ (x >> 7);
+}
+
+__attribute__((noinline)) void tiny(void) { __asm__ volatile(""); }
+
+static void *run(void *arg)
+{
+	long t = (long)arg, s = 0;
+
+	for (long i = 0; i < per_thread_n; i++)
+		s += work(t, i);
+	sums[t] = s;
+	return NULL;
+}
+
+int main(int argc, char **argv)
+{
+	long nthreads = argc > 1 ? atol(argv[1]) : 1;
+	long rounds = argc > 3 ? atol(argv[3]) : 1;
+	pthread_t tids[16];
+	long total = 0;
+	char c;
+
+	per_thread_n = argc > 2 ? atol(argv[2]) : 1000;
+	setvbuf(stdout, NULL, _IONBF, 0);
+	if (nthreads < 1 || nthreads > 16)
+		return 2;
+	for (long r = 0; r < rounds; r++) {
+		long s = 0;
+		if (r > 0) {
+			printf("round %ld\n", r);
+			if (read(0, &c, 1) < 0)
+				return 3;
+		}
+		tiny();
+		for (long t = 0; t < nthreads; t++)
+			pthread_create(&tids[t], NULL, run, (void *)t);
+		for (long t = 0; t < nthreads; t++) {
+			pthread_join(tids[t], NULL);
+			s += sums[t];
+		}
+		printf("round %ld sum %ld\n", r, s);
+		total += s;
+	}
+	printf("total %ld\n", total);
+	return 0;
+}
