@@ -5,12 +5,17 @@
  *                      (default 1); before each round after the first, print "round r" and
  *                      wait for a byte on stdin. tiny() is called once per round: a function
  *                      too short for a jump.
+ *   optimized T N R fork  as above, and first a fork child calls work(0, i) N times, prints
+ *                      "child code XX XX XX XX XX" (work's first 5 bytes as it sees them) and
+ *                      "child sum S", and exits; the parent waits for it.
  *
  * Output: "round r sum S" after each round, then "total S".
  */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 static long per_thread_n;
@@ -46,6 +51,23 @@ int main(int argc, char **argv)
 	setvbuf(stdout, NULL, _IONBF, 0);
 	if (nthreads < 1 || nthreads > 16)
 		return 2;
+	if (argc > 4 && strcmp(argv[4], "fork") == 0) {
+		pid_t child = fork();
+		int status;
+
+		if (child == 0) {
+			const unsigned char *code = (const unsigned char *)work;
+			long s = 0;
+
+			for (long i = 0; i < per_thread_n; i++)
+				s += work(0, i);
+			printf("child code %02x %02x %02x %02x %02x\nchild sum %ld\n", code[0],
+			       code[1], code[2], code[3], code[4], s);
+			_exit(0);
+		}
+		if (child < 0 || waitpid(child, &status, 0) != child || status != 0)
+			return 4;
+	}
 	for (long r = 0; r < rounds; r++) {
 		long s = 0;
 		if (r > 0) {

@@ -1,0 +1,220 @@
+"""Optimized count probes in live processes (process/optimizer.py): a jmp to a detour that counts
+in the program, no trap per hit.
+
+tests/programs/optimized.c calls work(t, i) N times from each of T threads, in rounds that
+wait for a byte on stdin between them, so the exact count is known and the tool can act
+between rounds (detach, switch optimization off and on, unregister). tiny() is a one-byte
+function: too short for a jump, it stays a trap probe and says why.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import support
+
+import kprobes
+
+pytestmark = pytest.mark.ptrace
+
+
+@pytest.fixture
+def optimized(build: Callable[[str], Path]) -> Path:
+    return build("optimized")
+
+
+class Run:
+    """A spawned optimized.c with its stdout in a file and its stdin a pipe of ours."""
+
+    def __init__(self, spawn: Any, exe: Path, tmp_path: Path, *args: int) -> None:
+        self.out = tmp_path / "out"
+        self.argv = [exe, *args]
+        stdin_r, self.stdin = os.pipe()
+        with open(self.out, "wb") as f:
+            self.proc = spawn(self.argv, stdin=stdin_r, stdout=f.fileno())
+        os.close(stdin_r)
+
+    def run_until(self, line: str, timeout: float = 20) -> None:
+        """Dispatch stops until the program printed ``line`` (it then waits on stdin)."""
+        deadline = time.monotonic() + timeout
+        while line not in self.out.read_text().splitlines():
+            assert time.monotonic() < deadline, f"no {line!r} in {self.out.read_text()!r}"
+            assert not self.proc.run(timeout=0.05), "the program exited early"
+
+    def next_round(self) -> None:
+        os.write(self.stdin, b"x")
+
+    def finish(self) -> None:
+        os.close(self.stdin)
+        assert self.proc.run(timeout=30)
+        assert self.proc.exit_code == 0
+
+    def output(self) -> str:
+        return self.out.read_text()
+
+    def reference(self) -> str:
+        rounds = int(self.argv[3]) if len(self.argv) > 3 else 1
+        return support.reference_output(self.argv, stdin=b"x" * rounds).decode()
+
+
+def listing(proc: Any, where: str) -> kprobes.ProbeListing:
+    (entry,) = [e for e in proc.list() if e.where == where]
+    return entry
+
+
+def raw(proc: Any, kp: kprobes.Kprobe, n: int = 5) -> bytes:
+    assert kp.addr is not None
+    return support.raw_read(proc.pid, kp.addr, n)
+
+
+def file_code(exe: Path, name: str, n: int = 5) -> bytes:
+    return support.file_bytes(exe, support.symbol(exe, name).value, n)
+
+
+def test_shared_area_is_one_memfd_seen_from_both_sides(spawn, optimized, tmp_path):
+    run = Run(spawn, optimized, tmp_path, 1, 10)
+    proc = run.proc
+    kp = kprobes.Kprobe(symbol="work", optimize=True)
+    proc.register_kprobe(kp)
+    area = proc._tracer.optimizer.area
+    assert area is not None
+    # No fd of ours is left in the program; its mapping of the memfd is.
+    for fd in os.listdir(f"/proc/{proc.pid}/fd"):
+        assert "kprobes" not in os.readlink(f"/proc/{proc.pid}/fd/{fd}")
+    (mapped,) = [m for m in support.maps(proc.pid) if "kprobes-area" in m.path]
+    assert mapped.start == area.addr
+    # A value written on one side is read on the other.
+    area.mapping[5000:5008] = b"fromtool"
+    assert support.raw_read(proc.pid, area.addr + 5000, 8) == b"fromtool"
+    fd = os.open(f"/proc/{proc.pid}/mem", os.O_RDWR)
+    try:
+        os.pwrite(fd, b"fromprog", area.addr + 6000)
+    finally:
+        os.close(fd)
+    assert area.mapping[6000:6008] == b"fromprog"
+    area.mapping[5000:5008] = area.mapping[6000:6008] = bytes(8)
+    run.finish()
+    assert kp.nhit == 10
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_count_is_exact_with_no_trap_per_hit(spawn, optimized, tmp_path, threads):
+    n = 200_000
+    run = Run(spawn, optimized, tmp_path, threads, n)
+    kp = kprobes.Kprobe(symbol="work", optimize=True)
+    run.proc.register_kprobe(kp)
+    entry = listing(run.proc, "work+0x0")
+    assert entry.is_optimized and "[OPTIMIZED]" in str(entry)
+    assert raw(run.proc, kp, 1) == b"\xe9"  # a jmp rel32, no int3
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_nvcsw
+    run.finish()
+    # Every ptrace stop is a voluntary context switch of the stopped thread.
+    switches = resource.getrusage(resource.RUSAGE_CHILDREN).ru_nvcsw - before
+    assert switches / (threads * n) < 0.01, switches
+    assert kp.nhit == threads * n
+    assert run.output() == run.reference()
+
+
+def test_detach_mid_run_leaves_the_original_code(spawn, optimized, tmp_path):
+    n = 50_000
+    run = Run(spawn, optimized, tmp_path, 4, n, 2)
+    kp = kprobes.Kprobe(symbol="work", optimize=True)
+    run.proc.register_kprobe(kp)
+    run.run_until("round 1")
+    pid = run.proc.pid
+    run.proc.detach()
+    support.assert_untouched(pid, optimized)
+    assert kp.nhit == 4 * n
+    run.next_round()
+    os.close(run.stdin)
+    assert support.wait_child(pid, 30) == 0
+    assert run.output() == run.reference()
+
+
+def test_optimization_off_and_on_and_unregister_keep_counts_exact(spawn, optimized, tmp_path):
+    n = 20_000
+    run = Run(spawn, optimized, tmp_path, 4, n, 4)
+    proc = run.proc
+    kp = kprobes.Kprobe(symbol="work", optimize=True)
+    proc.register_kprobe(kp)
+    original = file_code(optimized, "work")
+    run.run_until("round 1")
+    assert kp.nhit == 4 * n
+    # Off: back to the int3 (the original code behind it), hits through traps.
+    proc.optimization = False
+    entry = listing(proc, "work+0x0")
+    assert not entry.is_optimized and "proc.optimization" in entry.why_not_optimized
+    assert raw(proc, kp) == b"\xcc" + original[1:]
+    run.next_round()
+    run.run_until("round 2")
+    assert kp.nhit == 2 * 4 * n
+    # On again: a jump, counted in the program.
+    proc.optimization = True
+    assert listing(proc, "work+0x0").is_optimized
+    assert raw(proc, kp, 1) == b"\xe9"
+    run.next_round()
+    run.run_until("round 3")
+    assert kp.nhit == 3 * 4 * n
+    # Unregistered: the original bytes, and no more counting.
+    proc.unregister_kprobe(kp)
+    assert support.raw_read(proc.pid, support.runtime_address(proc.pid, optimized, "work"), 5) == (
+        original
+    )
+    run.next_round()
+    run.finish()
+    assert kp.nhit == 3 * 4 * n
+    assert run.output() == run.reference()
+
+
+def test_a_refused_site_stays_a_trap_probe_and_says_why(spawn, optimized, tmp_path):
+    run = Run(spawn, optimized, tmp_path, 1, 10, 3)
+    tiny = kprobes.Kprobe(symbol="tiny", optimize=True)
+    handled = kprobes.Kprobe(symbol="work", optimize=True, pre_handler=lambda kp, regs: None)
+    run.proc.register_kprobes([tiny, handled])
+    entry = listing(run.proc, "tiny+0x0")
+    assert not entry.is_optimized and "the jump needs 5" in entry.why_not_optimized
+    assert raw(run.proc, tiny, 1) == b"\xcc"
+    entry = listing(run.proc, "work+0x0")
+    assert not entry.is_optimized and "handler" in entry.why_not_optimized
+    for _ in range(2):
+        run.next_round()
+    run.finish()
+    assert tiny.nhit == 3
+    assert handled.nhit == 30
+    assert run.output() == run.reference()
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_a_fork_child_released_gets_the_original_code(spawn, optimized, tmp_path, follow):
+    """A child that is let go gets the original bytes in its copy (breakpoints.restore_all);
+    a followed one keeps the jump and counts into the same shared area (a MAP_SHARED memfd)."""
+    n = 1000
+    out = tmp_path / "out"
+    argv = [optimized, 1, n, 1, "fork"]
+    with open(out, "wb") as f:
+        proc = spawn(argv, stdout=f.fileno(), follow_forks=follow)
+    kp = kprobes.Kprobe(symbol="work", optimize=True)
+    proc.register_kprobe(kp)
+    assert listing(proc, "work+0x0").is_optimized
+    # The code as every analysis reads it: the jump undone.
+    assert proc._tracer.breakpoints.original(proc._tracer.main, kp.addr, 5) == file_code(
+        optimized, "work"
+    )
+    assert proc.run(timeout=30) and proc.exit_code == 0
+    lines = out.read_text().splitlines()
+    reference = support.reference_output(argv).decode().splitlines()
+    (code,) = [line for line in lines if line.startswith("child code")]
+    seen = bytes.fromhex(code.removeprefix("child code "))
+    if follow:
+        assert seen[0] == 0xE9  # our jump, counting into the shared area
+        assert kp.nhit == 2 * n
+    else:
+        assert seen == file_code(optimized, "work")
+        assert kp.nhit == n
+    assert [x for x in lines if x != code] == [x for x in reference if "child code" not in x]
