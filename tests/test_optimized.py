@@ -82,8 +82,7 @@ def test_shared_area_is_one_memfd_seen_from_both_sides(spawn, optimized, tmp_pat
     proc = run.proc
     kp = kprobes.Kprobe(symbol="work", optimize=True)
     proc.register_kprobe(kp)
-    area = proc._tracer.optimizer.area
-    assert area is not None
+    (area,) = proc._tracer.optimizer.areas
     # No fd of ours is left in the program; its mapping of the memfd is.
     for fd in os.listdir(f"/proc/{proc.pid}/fd"):
         assert "kprobes" not in os.readlink(f"/proc/{proc.pid}/fd/{fd}")

@@ -94,7 +94,8 @@ class SiteOpt:
 
     state: OptState = OptState.TRAP
     reason: str = ""
-    counter: int = -1  # index in the shared area, kept across unoptimize/optimize
+    area: int = 0  # which shared area (JumpState.areas) holds its counter
+    counter: int = -1  # index in that area, kept across unoptimize/optimize
     seen: int = 0  # the counter's value already added to the probes' nhit
     detour: int = 0  # where the current detour is (0 when not optimized)
     region_len: int = 0
@@ -135,24 +136,21 @@ class JumpState:
 
     is_enabled: bool = True  # proc.optimization
     sites: dict[int, SiteOpt] = field(default_factory=dict)
-    area: SharedArea | None = None
+    areas: list[SharedArea] = field(default_factory=list)  # one per ±2 GiB neighbourhood
     pages: list[DetourPage] = field(default_factory=list)
 
     def forget(self) -> None:
         """The address space was replaced (exec): nothing of ours is in it any more."""
         self.sites.clear()
-        self.area = None
+        self.areas.clear()
         self.pages.clear()
 
     def counts(self) -> Iterator[tuple[int, int]]:
         """(site address, hits counted in the program since the last call) of every site."""
-        if self.area is None:
-            return
-        view = self.area.view
         for addr, so in self.sites.items():
             if so.counter < 0:
                 continue
-            value = sa.read_counter(view, so.counter)
+            value = sa.read_counter(self.areas[so.area].view, so.counter)
             if value != so.seen:
                 delta, so.seen = value - so.seen, value
                 yield addr, delta
@@ -253,13 +251,12 @@ class Optimizing:
             return
         # Step 3: the counter, then the detour, written before the jump that leads to it.
         try:
-            area = self._area(addr)
             if so.counter < 0:
-                if area.next_counter >= area.layout.ncounters:
-                    so.to(OptState.REFUSED, f"no counter left ({area.layout.ncounters} used)")
-                    return
+                so.area = self._area(addr)
+                area = self._tracer.optimizer.areas[so.area]
                 so.counter, area.next_counter = area.next_counter, area.next_counter + 1
                 so.seen = sa.read_counter(area.view, so.counter)
+            area = self._tracer.optimizer.areas[so.area]
             at = self._alloc_detour(addr)
             detour = build_detour(at, region, CountAction(area.counter_addr(so.counter)))
         except NotRelocatable as exc:
@@ -281,9 +278,7 @@ class Optimizing:
         assert self._tracer._stop_depth > 0, "unoptimizing needs the world stopped"
         so = self._tracer.optimizer.sites[site.addr]
         self._collect_counts()
-        self._tracer.breakpoints.unpatch_jump(
-            self._tracer.own_memories(), site.addr, rearm=rearm
-        )
+        self._tracer.breakpoints.unpatch_jump(self._tracer.own_memories(), site.addr, rearm=rearm)
         so.detour = 0
         so.to(OptState.TRAP)
 
@@ -306,8 +301,11 @@ class Optimizing:
         x: Prepared | None = site.ainsn
         slot = x.slot if x is not None else 0
         for t in self._tracer.threads.values():
-            if t.busy or t.step_site is site:
+            # A thread in a handler: its view keeps rip at the probe it is hitting.
+            if t.step_site is site or (t.busy and t.regs.rip == addr):
                 return "a thread was running this probe's trap (tried again at the next stop)"
+            if t.busy:
+                continue  # hitting another probe, not inside this region (checked above)
             if t.state not in (ThreadState.STOPPED, ThreadState.GROUP_STOPPED):
                 continue  # a new thread, not yet run: it starts far from here
             rip = t.load_regs().rip
@@ -329,12 +327,15 @@ class Optimizing:
         pages.append(DetourPage(start, size))
         return start
 
-    def _area(self, near: int) -> SharedArea:
-        """The shared area, made by the program near ``near`` the first time."""
-        state = self._tracer.optimizer
-        if state.area is None:
-            state.area = self._make_area(near)
-        return state.area
+    def _area(self, near: int) -> int:
+        """A shared area with a free counter within reach of ``near`` (its index), made by
+        the program when there is none."""
+        areas = self._tracer.optimizer.areas
+        for i, area in enumerate(areas):
+            if abs(area.addr - near) <= REACH and area.next_counter < area.layout.ncounters:
+                return i
+        areas.append(self._make_area(near))
+        return len(areas) - 1
 
     def _make_area(self, near: int) -> SharedArea:
         layout = sa.AreaLayout(NCOUNTERS, capacity=1)
