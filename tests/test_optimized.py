@@ -217,3 +217,37 @@ def test_a_fork_child_released_gets_the_original_code(spawn, optimized, tmp_path
         assert seen == file_code(optimized, "work")
         assert kp.nhit == n
     assert [x for x in lines if x != code] == [x for x in reference if "child code" not in x]
+
+
+def test_library_probes_get_an_area_of_their_own(spawn, optimized, tmp_path):
+    """Probes in libc, placed when the loader maps it, are optimized with a second shared area
+    within their reach (the executable's is more than 2 GiB away)."""
+    run = Run(spawn, optimized, tmp_path, 4, 1000, 2)
+    names = ("work", "libc:pthread_create", "libc:pthread_join")
+    kps = [kprobes.Kprobe(symbol=name, optimize=True) for name in names]
+    run.proc.register_kprobes(kps)
+    run.run_until("round 1")
+    assert all(e.is_optimized for e in run.proc.list()), run.proc.list()
+    assert len(run.proc._tracer.optimizer.areas) == 2
+    run.next_round()
+    run.finish()
+    assert [kp.nhit for kp in kps] == [8000, 8, 8]
+    assert run.output() == run.reference()
+
+
+def test_switching_while_threads_hammer_keeps_every_hit(spawn, optimized, tmp_path):
+    """Optimize and unoptimize, over and over, while 4 threads call the probed function: no
+    crash, no changed output, and not one hit lost or counted twice."""
+    n = 3_000_000
+    run = Run(spawn, optimized, tmp_path, 4, n)
+    kp = kprobes.Kprobe(symbol="work", optimize=True)
+    run.proc.optimization = False  # trap phases are slow: start with one
+    run.proc.register_kprobe(kp)
+    switches = 0
+    while not run.proc.run(timeout=0.005):
+        run.proc.optimization = not run.proc.optimization
+        switches += 1
+    assert run.proc.exit_code == 0
+    assert switches >= 4
+    assert kp.nhit == 4 * n
+    assert run.output() == run.reference()

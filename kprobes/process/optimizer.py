@@ -212,6 +212,18 @@ class Optimizing:
 
     # -- the sweep, at the end of every stop of the world --------------------------------
 
+    def _retry_optimizing(self) -> None:
+        """Stop the world once more if a site waits for a thread that was in its way (the
+        kernel's optimizer retries from its delayed work; we retry when ``run()`` returns)."""
+        state = self._tracer.optimizer
+        for site in self._manager.table:
+            so = state.sites.get(site.addr)
+            is_waiting = so is not None and so.state is OptState.TRAP
+            if is_waiting and why_no_jump(site, state.is_enabled) is None:
+                with self.batch():
+                    pass
+                return
+
     def _optimize_sites(self) -> None:
         """Bring every site to what it should be: a jump where asked and possible, else the
         int3. The world is held here."""

@@ -123,6 +123,8 @@ class Process(Placing, ProgramCalls, Following, Family, Optimizing):
             done = self._tracer.run(timeout)
         finally:
             self._collect_counts()
+        if not done:
+            self._retry_optimizing()
         if done:
             self._finish()
         return done
