@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import resource
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -251,3 +253,43 @@ def test_switching_while_threads_hammer_keeps_every_hit(spawn, optimized, tmp_pa
     assert switches >= 4
     assert kp.nhit == 4 * n
     assert run.output() == run.reference()
+
+
+_KILLED_TOOL = """
+import sys, kprobes
+proc = kprobes.attach(int(sys.argv[1]))
+proc.register_kprobe(kprobes.Kprobe(symbol="work", optimize=True))
+assert proc.list()[0].is_optimized
+print("ready", flush=True)
+proc.run()
+"""
+
+
+def test_the_program_keeps_counting_when_the_tool_is_killed(optimized, tmp_path):
+    """SIGKILL leaves the jump, the detour and the area: the program carries on unharmed."""
+    out = tmp_path / "out"
+    argv = [str(optimized), "4", "100000", "2"]
+    with open(out, "wb") as f:
+        prog = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=f)
+    try:
+        support.wait_until(lambda: "round 1" in out.read_text(), 10, "round 1")
+        tool = subprocess.Popen(
+            [sys.executable, "-c", _KILLED_TOOL, str(prog.pid)],
+            stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": str(Path(kprobes.__file__).parents[1])},
+        )
+        assert tool.stdout is not None
+        assert support.read_line(tool.stdout.fileno(), 20) == b"ready\n"
+        tool.kill()
+        tool.wait(10)
+        work = support.runtime_address(prog.pid, optimized, "work")
+        assert support.raw_read(prog.pid, work, 1) == b"\xe9"
+        assert prog.stdin is not None
+        prog.stdin.write(b"x")
+        prog.stdin.close()
+        assert prog.wait(30) == 0
+    finally:
+        if prog.poll() is None:
+            prog.kill()
+            prog.wait(10)
+    assert out.read_text().encode() == support.reference_output(argv, stdin=b"x")
