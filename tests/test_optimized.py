@@ -293,3 +293,41 @@ def test_the_program_keeps_counting_when_the_tool_is_killed(optimized, tmp_path)
             prog.kill()
             prog.wait(10)
     assert out.read_text().encode() == support.reference_output(argv, stdin=b"x")
+
+
+def test_exec_leaves_nothing_and_the_new_image_is_optimized_again(spawn, optimized, tmp_path):
+    """At exec the jump, detours and area go with the old image; the probe, given by symbol,
+    is placed in the new one and optimized there with an area of its own."""
+    n = 10_000
+    out = tmp_path / "out"
+    argv = [optimized, 2, n, 1, "exec"]
+    with open(out, "wb") as f:
+        proc = spawn(argv, stdout=f.fileno())
+    kp = kprobes.Kprobe(symbol="work", optimize=True)
+    proc.register_kprobe(kp)
+    (first,) = proc._tracer.optimizer.areas
+    assert proc.run(timeout=30) and proc.exit_code == 0
+    assert kp.nhit == 2 * 2 * n
+    (area,) = proc._tracer.optimizer.areas  # the old image's was forgotten at exec
+    assert area is not first
+    assert out.read_text().encode() == support.reference_output([str(a) for a in argv])
+
+
+def test_disable_and_enable_keep_counts_exact(spawn, optimized, tmp_path):
+    n = 20_000
+    run = Run(spawn, optimized, tmp_path, 4, n, 3)
+    kp = kprobes.Kprobe(symbol="work", optimize=True)
+    run.proc.register_kprobe(kp)
+    run.run_until("round 1")
+    run.proc.disable_kprobe(kp)
+    entry = listing(run.proc, "work+0x0")
+    assert entry.is_disabled and not entry.is_optimized
+    assert raw(run.proc, kp) == file_code(optimized, "work")
+    run.next_round()
+    run.run_until("round 2")
+    run.proc.enable_kprobe(kp)
+    assert listing(run.proc, "work+0x0").is_optimized
+    run.next_round()
+    run.finish()
+    assert kp.nhit == 2 * 4 * n
+    assert run.output() == run.reference()
