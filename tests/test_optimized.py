@@ -176,8 +176,11 @@ def test_optimization_off_and_on_and_unregister_keep_counts_exact(spawn, optimiz
 def test_a_refused_site_stays_a_trap_probe_and_says_why(spawn, optimized, tmp_path):
     run = Run(spawn, optimized, tmp_path, 1, 10, 3)
     tiny = kprobes.Kprobe(symbol="tiny", optimize=True)
+    hot = kprobes.Kprobe(symbol="hot", optimize=True)
     handled = kprobes.Kprobe(symbol="work", optimize=True, pre_handler=lambda kp, regs: None)
-    run.proc.register_kprobes([tiny, handled])
+    run.proc.register_kprobes([tiny, hot, handled])
+    entry = listing(run.proc, "hot+0x0")
+    assert not entry.is_optimized and "jumps into the region" in entry.why_not_optimized
     entry = listing(run.proc, "tiny+0x0")
     assert not entry.is_optimized and "the jump needs 5" in entry.why_not_optimized
     assert raw(run.proc, tiny, 1) == b"\xcc"
@@ -186,7 +189,7 @@ def test_a_refused_site_stays_a_trap_probe_and_says_why(spawn, optimized, tmp_pa
     for _ in range(2):
         run.next_round()
     run.finish()
-    assert tiny.nhit == 3
+    assert tiny.nhit == hot.nhit == 3
     assert handled.nhit == 30
     assert run.output() == run.reference()
 

@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from kprobes.process.threads import Thread
     from kprobes.process.tracer import Prepared, Tracer
     from kprobes.symbols.maps import Mapping
+    from kprobes.symbols.resolve import SymbolResolver
 
 NCOUNTERS: Final = 1024
 PAGES_SIZE: Final = 0x10000  # detour pages are mapped 64 KiB at a time
@@ -184,6 +185,7 @@ class Optimizing:
         from contextlib import AbstractContextManager
 
         def _original(self, addr: int, size: int) -> bytes: ...
+        def _symbols(self) -> SymbolResolver: ...
         def _map_xol_page(self, near: int, size: int) -> int: ...
         def _find_syscall(self, maps: list[Mapping]) -> int: ...
         def _injection_thread(self) -> AbstractContextManager[Thread]: ...
@@ -252,7 +254,8 @@ class Optimizing:
         # Step 1: the region the jump displaces, from the original code only.
         loc: ProbeLocation = site.location  # type: ignore[assignment]
         code = self._original(loc.func_start, loc.func_size) if loc.func_size > 0 else b""
-        region = find_region(code, loc.func_start, addr, loc.func_size)
+        fragments = self._fragments(loc)
+        region = find_region(code, loc.func_start, addr, loc.func_size, fragments=fragments)
         if isinstance(region, Refusal):
             so.to(OptState.REFUSED, region.reason)
             return
@@ -284,6 +287,22 @@ class Optimizing:
         self._tracer.breakpoints.patch_jump(spaces, addr, detour.patch, region.original[:5])
         so.detour, so.region_len = at, region.length
         so.to(OptState.OPTIMIZED)
+
+    def _fragments(self, loc: ProbeLocation) -> list[tuple[int, bytes]]:
+        """The other parts of the probed function (gcc's ``foo.cold``; for a probe in a
+        ``foo.cold``, ``foo``), whose jumps may enter the region from outside it."""
+        module = self._symbols().get_module_at(loc.addr)
+        found = None if module is None else module.image.function_at(loc.addr - module.bias)
+        if module is None or found is None:
+            return []
+        name = found[0].name
+        other = name.removesuffix(".cold") if name.endswith(".cold") else f"{name}.cold"
+        out = []
+        for sym in module.image.lookup_all(other):
+            if sym.kind.is_function and sym.size > 0:
+                start = module.bias + sym.value
+                out.append((start, self._original(start, sym.size)))
+        return out
 
     def _unoptimize(self, site: ProbeSite, *, rearm: bool) -> None:
         """Put the original bytes back, then the int3 if ``rearm``. The world is held."""

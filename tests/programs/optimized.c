@@ -4,7 +4,8 @@
  *   optimized T N [R]  T threads (T <= 16) each call work(t, i) for i in 0..N-1, in R rounds
  *                      (default 1); before each round after the first, print "round r" and
  *                      wait for a byte on stdin. tiny() is called once per round: a function
- *                      too short for a jump.
+ *                      too short for a jump. hot() is called once per round: its cold part
+ *                      jumps into its first bytes.
  *   optimized T N R fork  as above, and first a fork child calls work(0, i) N times, prints
  *                      "child code XX XX XX XX XX" (work's first 5 bytes as it sees them) and
  *                      "child sum S", and exits; the parent waits for it.
@@ -29,6 +30,23 @@ __attribute__((noinline)) long work(long t, long i)
 }
 
 __attribute__((noinline)) void tiny(void) { __asm__ volatile(""); }
+
+/* hot() and its cold part as gcc splits them: hot.cold jumps back into hot's first bytes,
+ * which a jump at hot must not overwrite (it is never run here). */
+long hot(long x);
+__asm__(".text\n"
+	".globl hot\n"
+	".type hot, @function\n"
+	"hot:\n"
+	"	mov %rdi, %rax\n"
+	"	add $1, %rax\n"
+	"	add $2, %rax\n"
+	"	ret\n"
+	".size hot, .-hot\n"
+	".type hot.cold, @function\n"
+	"hot.cold:\n"
+	"	jmp hot + 3\n"
+	".size hot.cold, .-hot.cold\n");
 
 static void *run(void *arg)
 {
@@ -77,6 +95,7 @@ int main(int argc, char **argv)
 				return 3;
 		}
 		tiny();
+		total += hot(0) - 3;
 		for (long t = 0; t < nthreads; t++)
 			pthread_create(&tids[t], NULL, run, (void *)t);
 		for (long t = 0; t < nthreads; t++) {
