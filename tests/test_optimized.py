@@ -34,9 +34,9 @@ def optimized(build: Callable[[str], Path]) -> Path:
 class Run:
     """A spawned optimized.c with its stdout in a file and its stdin a pipe of ours."""
 
-    def __init__(self, spawn: Any, exe: Path, tmp_path: Path, *args: int) -> None:
+    def __init__(self, spawn: Any, exe: Path, tmp_path: Path, *args: int | str) -> None:
         self.out = tmp_path / "out"
-        self.argv = [exe, *args]
+        self.argv: list[Any] = [exe, *args]
         stdin_r, self.stdin = os.pipe()
         with open(self.out, "wb") as f:
             self.proc = spawn(self.argv, stdin=stdin_r, stdout=f.fileno())
@@ -333,4 +333,23 @@ def test_disable_and_enable_keep_counts_exact(spawn, optimized, tmp_path):
     run.next_round()
     run.finish()
     assert kp.nhit == 2 * 4 * n
+    assert run.output() == run.reference()
+
+
+def test_a_signal_frame_inside_the_region_delays_the_jump(spawn, optimized, tmp_path):
+    """A thread in a signal handler will return into the middle of the region (faulty+3):
+    the site waits as an int3 probe and is optimized once the handler has returned."""
+    n = 1000
+    run = Run(spawn, optimized, tmp_path, 1, n, 2, "signal")
+    run.run_until("in handler")
+    kp = kprobes.Kprobe(symbol="faulty", optimize=True)
+    run.proc.register_kprobe(kp)
+    entry = listing(run.proc, "faulty+0x0")
+    assert not entry.is_optimized and "stack holds" in entry.why_not_optimized
+    run.next_round()  # the handler returns to faulty+3, which still holds the original code
+    run.run_until("round 1")
+    assert listing(run.proc, "faulty+0x0").is_optimized
+    run.next_round()
+    run.finish()
+    assert kp.nhit == n
     assert run.output() == run.reference()

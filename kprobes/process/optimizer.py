@@ -24,7 +24,12 @@ probe; a probe out of the area's reach stays on traps and says so.
 
 **Safety** (the kernel's rules, DESIGN.md §3): patched only while every thread is held, none
 with ``rip`` strictly inside ``(A, A+len)``, none in the site's out-of-line slot (its jump back
-lands inside the region) or stepping it, no other probe inside the region. A thread at ``A``
+lands inside the region) or stepping it, no other probe inside the region, and no word in the
+64 KiB above any thread's stack pointer inside the region. A region holds no call, so no
+return address points inside it; that word would be the ``rip`` a signal frame saved, the
+handler still running, which ``rt_sigreturn`` would resume mid-jump. Rejected: unwinding
+every stack (slow, and frames without unwind tables are exactly where it fails); a word that
+only looks like such an address delays the jump to a later stop, no worse. A thread at ``A``
 itself runs the jmp. A refused *site* (``find_region``'s ``Refusal``, a detour out of reach)
 stays an int3 probe for good and ``list()`` says why; a site waiting on a thread is tried again
 at the next stop of the world. Unoptimizing writes the original bytes back (then the int3 if the
@@ -34,6 +39,7 @@ probe stays a trap probe); a thread still in the detour finishes it and jumps ba
 
 from __future__ import annotations
 
+import bisect
 import enum
 import errno
 import mmap
@@ -64,6 +70,7 @@ if TYPE_CHECKING:
 
 NCOUNTERS: Final = 1024
 PAGES_SIZE: Final = 0x10000  # detour pages are mapped 64 KiB at a time
+STACK_SCAN: Final = 0x10000  # bytes above each thread's rsp searched for a saved rip
 AREA_NAME: Final = b"kprobes-area\0"
 _NR_CLOSE: Final = 3
 _NR_MMAP: Final = 9
@@ -72,6 +79,26 @@ _NR_MEMFD_CREATE: Final = 319
 _MFD_CLOEXEC: Final = 1
 _MAP_FIXED_NOREPLACE: Final = 0x100000
 _NO_FD: Final = (1 << 64) - 1
+
+
+class _Threads:
+    """Each held thread's rip and the sorted words above its stack pointer, read once per
+    sweep and only if a site gets that far."""
+
+    def __init__(self) -> None:
+        self._seen: list[tuple[int, int, list[int]]] | None = None
+
+    def get(self, tracer: Tracer) -> list[tuple[int, int, list[int]]]:
+        if self._seen is None:
+            self._seen = []
+            for t in tracer.threads.values():
+                if t.busy or t.state not in (ThreadState.STOPPED, ThreadState.GROUP_STOPPED):
+                    continue  # in a handler (see _in_the_way), or new: not run yet
+                regs = t.load_regs()
+                stack = t.tracee.read_some(regs.rsp & ~7, STACK_SCAN)
+                words = sorted(set(memoryview(stack[: len(stack) & ~7]).cast("Q")))
+                self._seen.append((t.tid, regs.rip, words))
+        return self._seen
 
 
 class OptState(enum.Enum):
@@ -230,6 +257,7 @@ class Optimizing:
         """Bring every site to what it should be: a jump where asked and possible, else the
         int3. The world is held here."""
         state = self._tracer.optimizer
+        threads = _Threads()
         for site in list(self._manager.table):
             so = state.sites.get(site.addr)
             why = why_no_jump(site, state.is_enabled)
@@ -242,9 +270,9 @@ class Optimizing:
             if so is None:
                 so = state.sites[site.addr] = SiteOpt()
             if so.state is OptState.TRAP:
-                self._optimize(site, so)
+                self._optimize(site, so, threads)
 
-    def _optimize(self, site: ProbeSite, so: SiteOpt) -> None:
+    def _optimize(self, site: ProbeSite, so: SiteOpt, threads: _Threads) -> None:
         """Replace the site's int3 by a jump to a new count detour, or say why not."""
         assert self._tracer._stop_depth > 0, "optimizing needs the world stopped"
         addr = site.addr
@@ -260,7 +288,7 @@ class Optimizing:
             so.to(OptState.REFUSED, region.reason)
             return
         # Step 2: what may not be there while we patch.
-        why = self._in_the_way(site, region.end)
+        why = self._in_the_way(site, region.end, threads)
         if why is not None:
             so.reason = why  # tried again at the next stop of the world
             return
@@ -323,7 +351,7 @@ class Optimizing:
                     self._unoptimize(site, rearm=True)
                     so.reason = f"another probe at {addr:#x} is inside the region"
 
-    def _in_the_way(self, site: ProbeSite, end: int) -> str | None:
+    def _in_the_way(self, site: ProbeSite, end: int, threads: _Threads) -> str | None:
         """Why the region [site.addr, end) cannot be patched now, or None."""
         addr = site.addr
         for other in self._manager.table:
@@ -335,13 +363,15 @@ class Optimizing:
             # A thread in a handler: its view keeps rip at the probe it is hitting.
             if t.step_site is site or (t.busy and t.regs.rip == addr):
                 return "a thread was running this probe's trap (tried again at the next stop)"
-            if t.busy:
-                continue  # hitting another probe, not inside this region (checked above)
-            if t.state not in (ThreadState.STOPPED, ThreadState.GROUP_STOPPED):
-                continue  # a new thread, not yet run: it starts far from here
-            rip = t.load_regs().rip
+        for tid, rip, words in threads.get(self._tracer):
             if addr < rip < end or (slot and slot <= rip < slot + SLOT_SIZE):
-                return f"thread {t.tid} was inside the region (tried again at the next stop)"
+                return f"thread {tid} was inside the region (tried again at the next stop)"
+            i = bisect.bisect_right(words, addr)
+            if i < len(words) and words[i] < end:
+                return (
+                    f"thread {tid}'s stack holds {words[i]:#x}, inside the region (a signal "
+                    "frame's rip?); tried again at the next stop"
+                )
         return None
 
     # -- memory in the program -------------------------------------------------------------

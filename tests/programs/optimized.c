@@ -10,10 +10,16 @@
  *                      "child code XX XX XX XX XX" (work's first 5 bytes as it sees them) and
  *                      "child sum S", and exits; the parent waits for it.
  *   optimized T N R exec  as above, then execs itself as "optimized T N" (a new image).
+ *   optimized T N R signal  first faulty(NULL) faults inside its first 5 bytes; the SIGSEGV
+ *                      handler prints "in handler", waits for a byte on stdin and returns to
+ *                      the faulting instruction with rdi fixed; then faulty() is called N times.
  *
  * Output: "round r sum S" after each round, then "total S".
  */
+#define _GNU_SOURCE
 #include <pthread.h>
+#include <signal.h>
+#include <ucontext.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,6 +53,33 @@ __asm__(".text\n"
 	"hot.cold:\n"
 	"	jmp hot + 3\n"
 	".size hot.cold, .-hot.cold\n");
+
+/* faulty(p) loads *p at faulty+3: a fault there leaves a signal frame whose rip is inside the
+ * region a jump at faulty would displace. */
+long faulty(long *p);
+__asm__(".text\n"
+	".globl faulty\n"
+	".type faulty, @function\n"
+	"faulty:\n"
+	"	nop; nop; nop\n"
+	"	mov (%rdi), %rax\n"
+	"	ret\n"
+	".size faulty, .-faulty\n");
+
+static long valid = 42;
+
+static void on_segv(int sig, siginfo_t *si, void *ctx)
+{
+	ucontext_t *uc = ctx;
+	char c;
+
+	(void)sig;
+	(void)si;
+	printf("in handler\n");
+	if (read(0, &c, 1) < 0)
+		_exit(6);
+	uc->uc_mcontext.gregs[REG_RDI] = (greg_t)&valid;
+}
 
 static void *run(void *arg)
 {
@@ -86,6 +119,16 @@ int main(int argc, char **argv)
 		}
 		if (child < 0 || waitpid(child, &status, 0) != child || status != 0)
 			return 4;
+	}
+	if (argc > 4 && strcmp(argv[4], "signal") == 0) {
+		struct sigaction sa = {.sa_sigaction = on_segv, .sa_flags = SA_SIGINFO};
+		long s = 0;
+
+		sigaction(SIGSEGV, &sa, NULL);
+		printf("faulty %ld\n", faulty(NULL));
+		for (long i = 0; i < per_thread_n; i++)
+			s += faulty(&valid);
+		printf("faulty sum %ld\n", s);
 	}
 	for (long r = 0; r < rounds; r++) {
 		long s = 0;
