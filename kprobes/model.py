@@ -18,6 +18,7 @@ class ProbeListing:
     is_disabled: bool
     plan: str  # how the probed instruction runs out of line: emulate, boost, step, singlestep
     is_pending: bool = False  # waiting for its library to be mapped (addr 0)
+    why_not_optimized: str = ""  # a probe that asked for a jump and kept its int3: why
 
     @property
     def is_optimized(self) -> bool:
@@ -53,6 +54,7 @@ class ProbeListing:
             "is_disabled": self.is_disabled,
             "plan": self.plan,
             "is_pending": self.is_pending,
+            "why_not_optimized": self.why_not_optimized,
         }
 
     @classmethod
@@ -66,6 +68,7 @@ class ProbeListing:
             is_disabled=bool(data["is_disabled"]),
             plan=str(data["plan"]),
             is_pending=bool(data.get("is_pending", False)),
+            why_not_optimized=str(data.get("why_not_optimized", "")),
         )
 
 

@@ -45,6 +45,7 @@ BUILDS: dict[str, Build] = {
     "target-nopie": Build("target.c", flags=("-O1", *DEBUG, "-no-pie")),
     "ticker": Build("ticker.c"),
     "threads": Build("threads.c", flags=("-O1", *DEBUG, "-pthread")),
+    "optimized": Build("optimized.c", flags=("-O1", *DEBUG, "-pthread")),
     # -O2 for the jump table; no red zone because hand() pushes in inline asm.
     "fidelity": Build("fidelity.c", flags=("-O2", *DEBUG, "-mno-red-zone")),
     "signals": Build("signals.c"),

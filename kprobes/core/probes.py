@@ -51,6 +51,11 @@ class Kprobe:
     handler changed ``regs.ip`` and the instruction must not run. ``post_handler(probe, regs,
     flags)`` runs after it ran out of line. ``fault_handler(probe, regs, trapnr)`` runs when a
     handler raises (trapnr -1) or the out-of-line copy faults; a true result means handled.
+
+    ``optimize=True`` asks for a jump instead of a breakpoint where the site allows it (the
+    kernel's optimized probes). A probe with no handler is then a *count*: its hits are
+    counted in the program, with no trap, and ``nhit`` shows them. A site that cannot be
+    optimized, or a probe with a handler, keeps the breakpoint and ``list()`` says why.
     """
 
     kind = "k"
@@ -64,6 +69,7 @@ class Kprobe:
         post_handler: PostHandler | None = None,
         fault_handler: FaultHandler | None = None,
         disabled: bool = False,
+        optimize: bool = False,
     ) -> None:
         self.symbol = symbol
         self.offset = offset
@@ -71,6 +77,7 @@ class Kprobe:
         self.pre_handler = pre_handler
         self.post_handler = post_handler
         self.fault_handler = fault_handler
+        self.optimize = optimize
         self.flags = ProbeFlags.DISABLED if disabled else ProbeFlags.NONE
         self.nmissed = 0
         self.nhit = 0

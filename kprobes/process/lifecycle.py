@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from kprobes.core.manager import ProbeManager
     from kprobes.core.table import ProbeSite
     from kprobes.process.breakpoints import Breakpoints
+    from kprobes.process.optimizer import JumpState
     from kprobes.process.rescue import Rescue
     from kprobes.process.tracer import Prepared, Tracer
     from kprobes.process.trampoline import Trampoline
@@ -42,6 +43,7 @@ class Lifecycle:
     xol: XolArea | None
     trampoline: Trampoline
     rescue: Rescue
+    optimizer: JumpState
     slot_owner: dict[int, ProbeSite]
     slot_history: dict[int, Prepared]
     tracees: dict[int, Tracee]
@@ -88,6 +90,7 @@ class Lifecycle:
             self.trampoline.forget()
             self.trampoline.forget_thread(t)  # its hooked frames went with the old image
             self.rescue.forget()
+            self.optimizer.forget()
             self.slot_owner.clear()
             self.slot_history.clear()
             tracee.open_memory()

@@ -70,6 +70,9 @@ class Placing:
         def _ensure_rescue(self) -> None: ...
         def _map_xol_page(self, near: int, size: int) -> int: ...
         def blacklist(self) -> list[BlacklistEntry]: ...
+        def _unoptimize_around(self, addr: int) -> None: ...
+        def _collect_counts(self) -> None: ...
+        def _unoptimize(self, site: ProbeSite, *, rearm: bool) -> None: ...
 
     def resolve(self, probe: Kprobe) -> ProbeLocation:
         self._require_attached()
@@ -209,6 +212,7 @@ class Placing:
             self._release_slot(old)
 
     def remove(self, site: ProbeSite) -> None:
+        self._tracer.optimizer.sites.pop(site.addr, None)
         old: Prepared | None = site.ainsn
         if old is not None and old.slot:
             self._release_slot(old)
@@ -220,16 +224,21 @@ class Placing:
 
     def arm(self, site: ProbeSite) -> None:
         self._ensure_rescue()
+        self._unoptimize_around(site.addr)
         original = self._original(site.addr, 1)[0]
         self._tracer.rescue.note_breakpoint(self._tracer.own_memories(), site.addr, original)
         self._tracer.breakpoints.arm(self._tracer.own_memories(), site.addr, original)
 
     def disarm(self, site: ProbeSite) -> None:
-        if site.addr in self._tracer.breakpoints.armed:
+        if site.addr in self._tracer.breakpoints.jumps:
+            self._unoptimize(site, rearm=False)
+        elif site.addr in self._tracer.breakpoints.armed:
             self._tracer.breakpoints.disarm(self._tracer.own_memories(), site.addr)
 
     def drop(self, site: ProbeSite) -> None:
+        self._collect_counts()  # the counter goes with the code (exec, dlclose)
         self._tracer.breakpoints.drop(site.addr)
+        self._tracer.optimizer.sites.pop(site.addr, None)
 
     def _original(self, addr: int, size: int) -> bytes:
         return self._tracer.breakpoints.original(self._memory(), addr, size)

@@ -40,10 +40,11 @@ from kprobes.process import cleanup, jprobes
 from kprobes.process.detach import detach_all
 from kprobes.process.family import Family
 from kprobes.process.following import Following, LoaderWatch
+from kprobes.process.optimizer import Optimizing
 from kprobes.process.placing import Placing, ProbeLocation
 from kprobes.process.programcalls import ProgramCalls
 from kprobes.process.tracee import Tracee
-from kprobes.process.tracer import Prepared, Tracer
+from kprobes.process.tracer import Tracer
 from kprobes.process.trampoline import UNWIND_DONE, UNWIND_ENTRIES, UnwindGuard
 from kprobes.process.trapguard import TrapGuard
 from kprobes.symbols.maps import read_maps
@@ -73,7 +74,7 @@ def _says_when_gone(
     return registering
 
 
-class Process(Placing, ProgramCalls, Following, Family):
+class Process(Placing, ProgramCalls, Following, Family, Optimizing):
     """A traced program. Use ``spawn()`` or ``attach()`` to get one."""
 
     def __init__(self, pid: int, *, follow_forks: bool = False, pending: bool = False) -> None:
@@ -118,7 +119,12 @@ class Process(Placing, ProgramCalls, Following, Family):
         """Dispatch hits until the program exits (True) or ``timeout`` seconds pass (False)."""
         if not self._attached:
             raise TargetError(f"process {self.pid} is detached")
-        done = self._tracer.run(timeout)
+        try:
+            done = self._tracer.run(timeout)
+        finally:
+            self._collect_counts()
+        if not done:
+            self._retry_optimizing()
         if done:
             self._finish()
         return done
@@ -136,6 +142,7 @@ class Process(Placing, ProgramCalls, Following, Family):
             return
         try:
             self._detach_members()
+            self._collect_counts()
             if self._tracer.is_alive:
                 self._undo_colocation()
                 detach_all(self._tracer)
@@ -483,10 +490,11 @@ class Process(Placing, ProgramCalls, Following, Family):
         self._manager.set_enabled(value)
 
     def list(self) -> builtins.list[ProbeListing]:
+        self._collect_counts()
         out = []
         for site in self._manager.table:
-            x: Prepared | None = site.ainsn
             loc: ProbeLocation = site.location  # type: ignore[assignment]
+            plan, why = self._plan_of(site)
             for probe in site.probes:
                 if isinstance(probe.owner, (UnwindGuard, LoaderWatch)):
                     continue
@@ -498,7 +506,8 @@ class Process(Placing, ProgramCalls, Following, Family):
                         module=loc.module_name,
                         is_gone=probe.is_gone,
                         is_disabled=probe.is_disabled,
-                        plan=x.kind.value if x is not None else "",
+                        plan=plan,
+                        why_not_optimized=why,
                     )
                 )
         for probe in self.iter_pending():
@@ -572,8 +581,10 @@ class Process(Placing, ProgramCalls, Following, Family):
         if self._attached and tracer.main is not None:
             tracer.stop_world()
             try:
+                self._collect_counts()
                 self._watch_loader()
                 yield
+                self._optimize_sites()
             finally:
                 tracer.resume_world()
                 self._publish()

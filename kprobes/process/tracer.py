@@ -36,6 +36,7 @@ from kprobes.linux import ptrace
 from kprobes.process import events as ev
 from kprobes.process.breakpoints import Breakpoints
 from kprobes.process.lifecycle import Lifecycle
+from kprobes.process.optimizer import JumpState
 from kprobes.process.rescue import Rescue
 from kprobes.process.signals import SignalDelivery
 from kprobes.process.threads import Thread, ThreadState, siginfo_code
@@ -106,6 +107,7 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
         self.guarding = False  # the trap guard is armed: hits take the full path
         self.trampoline = Trampoline(self)
         self.rescue = Rescue()  # what the program needs to carry on if the tool dies
+        self.optimizer = JumpState()  # optimized probes (optimizer.py)
         self._stop_depth = 0
 
     # -- bookkeeping -----------------------------------------------------------------------
