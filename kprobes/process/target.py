@@ -43,13 +43,13 @@ from kprobes.process.following import Following, LoaderWatch
 from kprobes.process.optimizer import Optimizing
 from kprobes.process.placing import Placing, ProbeLocation
 from kprobes.process.programcalls import ProgramCalls
+from kprobes.process.stacks import Backtraces
 from kprobes.process.tracee import Tracee
 from kprobes.process.tracer import Tracer
 from kprobes.process.trampoline import UNWIND_DONE, UNWIND_ENTRIES, UnwindGuard
 from kprobes.process.trapguard import TrapGuard
 from kprobes.symbols.maps import read_maps
 from kprobes.symbols.resolve import SymbolResolver
-from kprobes.symbols.unwind import FoundBy, unwind
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -74,7 +74,7 @@ def _says_when_gone(
     return registering
 
 
-class Process(Placing, ProgramCalls, Following, Family, Optimizing):
+class Process(Placing, ProgramCalls, Following, Family, Optimizing, Backtraces):
     """A traced program. Use ``spawn()`` or ``attach()`` to get one."""
 
     def __init__(self, pid: int, *, follow_forks: bool = False, pending: bool = False) -> None:
@@ -224,72 +224,6 @@ class Process(Placing, ProgramCalls, Following, Family, Optimizing):
 
     def read_string(self, addr: int, max_len: int = 4096) -> bytes:
         return self._memory().read_string(addr, max_len)
-
-    # -- stack traces ----------------------------------------------------------------------
-
-    def backtrace(self, regs: Any, max_frames: int = 64) -> builtins.list[tuple[int, str]]:
-        """The call stack of the thread whose registers are ``regs``, innermost first.
-
-        Each frame is ``(address, "func+0xoff [module]")``: the thread's ``rip``, then return
-        addresses, found from each module's unwind tables (see ``symbols/unwind.py``). A frame
-        hooked by a kretprobe shows its real return address, never the trampoline. Call it
-        from a handler: the thread must be stopped where ``regs`` were taken.
-        """
-
-        resolver = self._symbols()
-        tramp = self._tracer.trampoline
-        thread = self._tracer.threads.get(regs.tid)
-        refreshed = False
-        files: dict[str, str] = {}
-
-        def module_at(addr: int) -> tuple[str, int] | None:
-            nonlocal refreshed
-            module = resolver.get_module_at(addr)
-            if module is None and not refreshed:  # perhaps mapped since the last look
-                refreshed = True
-                resolver.refresh()
-                module = resolver.get_module_at(addr)
-            if module is None:
-                return None
-            # The file as this process sees it (its mount namespace; the mapped inode if the
-            # file was deleted since), not the path of the shared ElfImage, which names
-            # whichever process opened it first.
-            path = files.get(module.path)
-            if path is None:
-                first = module.mappings[0]
-                path = f"/proc/{self.pid}/map_files/{first.start:x}-{first.end:x}"
-                if not first.is_deleted and os.path.exists(f"/proc/{self.pid}/root{first.path}"):
-                    path = f"/proc/{self.pid}/root{first.path}"
-                files[module.path] = path
-            return path, module.bias
-
-        def read_word(addr: int) -> int:
-            return int.from_bytes(self.read(addr, 8), "little")
-
-        def real_return(slot: int, value: int) -> int:
-            # The trampoline keys a hooked frame by the stack pointer after its return.
-            if value != tramp.addr or not tramp.addr or thread is None:
-                return value
-            real = tramp.home_of(thread, slot + 8)
-            return value if real is None else real
-
-        out: builtins.list[tuple[int, str]] = []
-        for frame in unwind(regs.as_dict(), read_word, module_at, real_return, max_frames):
-            # A return address may be the first byte after the function that made the call
-            # (a call to a function that never returns): name the call's function.
-            exact = frame.how in (FoundBy.FIRST, FoundBy.SIGNAL)
-            at = frame.addr if exact else frame.addr - 1
-            module = resolver.get_module_at(at)
-            found = None if module is None else module.image.function_at(at - module.bias)
-            if module is None:
-                text = f"{frame.addr:#x}"
-            elif found is None:
-                text = f"{frame.addr:#x} [{module.name}]"
-            else:
-                symbol, offset = found
-                text = f"{symbol.name}+{offset + frame.addr - at:#x} [{module.name}]"
-            out.append((frame.addr, text))
-        return out
 
     # -- the Kprobes API -------------------------------------------------------------------
 

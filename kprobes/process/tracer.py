@@ -173,36 +173,6 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
             raise InternalError("no held thread: the world is not stopped")
         return best
 
-    # -- waiting ---------------------------------------------------------------------------
-
-    def _wait(self, deadline: float | None) -> tuple[int, int]:
-        # The deadline first: a program whose threads stop as fast as we resume them would
-        # otherwise never let run(timeout) return.
-        if deadline is not None and time.monotonic() >= deadline:
-            return 0, 0
-        if self.inbox:
-            return self.inbox.pop(0)
-        if deadline is None:
-            try:
-                return ptrace.waitpid(-1, 0)
-            except ChildProcessError:
-                return 0, 0
-        ptrace.block_sigchld()
-        try:
-            while True:
-                try:
-                    tid, status = ptrace.waitpid(-1, ptrace.WNOHANG)
-                except ChildProcessError:
-                    return 0, 0
-                if tid:
-                    return tid, status
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return 0, 0
-                ptrace.sigchld_wait(remaining)
-        finally:
-            ptrace.unblock_sigchld()
-
     # -- run -------------------------------------------------------------------------------
 
     def run(self, timeout: float | None) -> bool:
@@ -370,14 +340,6 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
                 assert exc is not None
                 raise exc
         return True
-
-    def _drain_pending(self) -> None:
-        self.has_pending = False
-        for thread in list(self.threads.values()):
-            if thread.pending is not None and not thread.busy:
-                status, thread.pending = thread.pending, None
-                thread.state = thread.pending_from
-                self.dispatch(thread, status)
 
     def _unowned(self, tid: int, status: int) -> None:
         owner = _OWNERS.get(tid)

@@ -44,16 +44,56 @@ class WorldStop:
     xol: XolArea | None
     hold_all: bool
     has_pending: bool
+    inbox: list[tuple[int, int]]
     _stop_depth: int
 
     if TYPE_CHECKING:
 
-        def _wait(self, deadline: float | None) -> tuple[int, int]: ...
         def _unowned(self, tid: int, status: int) -> None: ...
         def dispatch(self, t: Thread, status: int) -> None: ...
         def drop_thread(self, thread: Thread) -> None: ...
         def add_thread(self, tracee: Tracee, tid: int, state: ThreadState) -> Thread: ...
         def _release(self, tracee: Tracee, *, clean: bool) -> None: ...
+
+    # -- waiting for a stop, and the stops held back -------------------------------------
+
+    def _wait(self, deadline: float | None) -> tuple[int, int]:
+        # The deadline first: a program whose threads stop as fast as we resume them would
+        # otherwise never let run(timeout) return.
+        if deadline is not None and time.monotonic() >= deadline:
+            return 0, 0
+        if self.inbox:
+            return self.inbox.pop(0)
+        if deadline is None:
+            try:
+                return ptrace.waitpid(-1, 0)
+            except ChildProcessError:
+                return 0, 0
+        ptrace.block_sigchld()
+        try:
+            while True:
+                try:
+                    tid, status = ptrace.waitpid(-1, ptrace.WNOHANG)
+                except ChildProcessError:
+                    return 0, 0
+                if tid:
+                    return tid, status
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return 0, 0
+                ptrace.sigchld_wait(remaining)
+        finally:
+            ptrace.unblock_sigchld()
+
+    def _drain_pending(self) -> None:
+        self.has_pending = False
+        for thread in list(self.threads.values()):
+            if thread.pending is not None and not thread.busy:
+                status, thread.pending = thread.pending, None
+                thread.state = thread.pending_from
+                self.dispatch(thread, status)
+
+    # -- stopping the world ------------------------------------------------------------------
 
     def stop_world(self) -> None:
         """Hold every thread of every tracee; nested calls only count."""
