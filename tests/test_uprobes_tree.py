@@ -26,6 +26,8 @@ import support
 from kernel_reference import TRACEFS, KernelReference, ReferenceRun, RefProbe
 from test_cli_trace import KPROBES
 
+from kprobes.process.cleanup import read_state
+
 pytestmark = pytest.mark.ptrace
 
 PROGRAMS = Path(__file__).resolve().parent / "programs"
@@ -207,8 +209,19 @@ def _armed(cli_pid: int, events: int) -> bool:
         return False
 
 
+def _placed(cli_pid: int, pid: int, probes: int, backend: str) -> bool:
+    """Whether the session of the kprobes process ``cli_pid`` has placed its probes."""
+    if backend == "uprobes":
+        return _armed(cli_pid, probes)
+    state = read_state(pid)  # our backend publishes what it placed (kprobes list -p)
+    return state is not None and len(state[1]) == probes
+
+
+@BACKENDS
 @pytest.mark.parametrize("follow", [False, True], ids=["process", "follow-forks"])
-def test_attach_with_and_without_the_children(tree, follow, clean_tracefs):
+def test_attach_with_and_without_the_children(tree, follow, clean_tracefs, backend):
+    """-p, and --follow-forks; on our backend the children that exec have images of their own,
+    placed as they come (family.py)."""
     probes = [RefProbe("work", tree, "work"), RefProbe("leaf", tree, "leaf")]
     proc = _waiting_tree(tree)
     try:
@@ -223,14 +236,14 @@ def test_attach_with_and_without_the_children(tree, follow, clean_tracefs):
     proc = _waiting_tree(tree)
     try:
         cli = subprocess.Popen(
-            [str(KPROBES), "count", "--json", "--backend", "uprobes", "-p", str(proc.pid)]
+            [str(KPROBES), "count", "--json", "--backend", backend, "-p", str(proc.pid)]
             + (["--follow-forks"] if follow else [])
             + ["work", "leaf"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        support.wait_until(lambda: _armed(cli.pid, 2), 10, "the probes are enabled")
+        support.wait_until(lambda: _placed(cli.pid, proc.pid, 2, backend), 10, "the probes")
         _go(proc)()
         out, err = cli.communicate(timeout=20)
     finally:
@@ -279,51 +292,6 @@ def test_lost_events_are_counted_not_hidden(tmp_path, clean_tracefs):
         support.wait_child(u.pid, 10)
     assert lost > 0
     assert delivered + lost == expected
-
-
-@pytest.mark.parametrize("follow", [False, True], ids=["process", "follow-forks"])
-def test_our_backend_attached_with_and_without_the_children(tree, follow, clean_tracefs):
-    """The same on our ptrace backend: -p, and --follow-forks (children that exec have images
-    of their own, placed as they come, family.py)."""
-    from kprobes.process.cleanup import read_state
-
-    probes = [RefProbe("work", tree, "work"), RefProbe("leaf", tree, "leaf")]
-    proc = _waiting_tree(tree)
-    try:
-        with KernelReference(probes) as ref:
-            run = ref.attach(proc.pid, _go(proc), lambda: proc.poll() is not None)
-    finally:
-        proc.kill()
-        proc.wait()
-    expected = run.counts if follow else run.counts_of(proc.pid)
-
-    proc = _waiting_tree(tree)
-    try:
-        cli = subprocess.Popen(
-            [str(KPROBES), "count", "--json", "-p", str(proc.pid)]
-            + (["--follow-forks"] if follow else [])
-            + ["work", "leaf"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-
-        def placed() -> bool:
-            state = read_state(proc.pid)
-            return state is not None and len(state[1]) == 2
-
-        support.wait_until(placed, 10, "the probes are placed")
-        _go(proc)()
-        out, err = cli.communicate(timeout=30)
-    finally:
-        proc.kill()
-        proc.wait()
-        if cli.poll() is None:
-            cli.kill()
-            cli.wait()
-    assert cli.returncode == 0, err
-    rows = {r["probe"]: r["hits"] for r in map(json.loads, out.splitlines()) if r}
-    assert rows == {"work": expected["work"], "leaf": expected["leaf"]}
 
 
 @BACKENDS
