@@ -37,9 +37,10 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "stop_signals.h"
+
 #define MAX_THREADS 64
 
-static volatile sig_atomic_t stop;
 volatile sig_atomic_t usr2_seen;
 static long calls, depth;
 static pthread_barrier_t started;
@@ -95,12 +96,6 @@ static void *work(void *arg)
 	return NULL;
 }
 
-static void on_signal(int sig)
-{
-	(void)sig;
-	stop = 1;
-}
-
 __attribute__((noinline)) void on_usr2(int sig)
 {
 	(void)sig;
@@ -120,14 +115,11 @@ int main(int argc, char **argv)
 		fprintf(stderr, "busy: THREADS in 1..%d, CALLS >= -1, DEPTH >= 0\n", MAX_THREADS);
 		return 2;
 	}
+	stop_on_signals();
 	struct sigaction sa;
 	memset(&sa, 0, sizeof sa);
-	sa.sa_handler = on_signal;
-	sigemptyset(&sa.sa_mask);
-	sigaction(SIGTERM, &sa, NULL);
-	sigaction(SIGINT, &sa, NULL);
-	sigaction(SIGUSR1, &sa, NULL);
 	sa.sa_handler = on_usr2;
+	sigemptyset(&sa.sa_mask);
 	sa.sa_flags = SA_RESTART;
 	sigaction(SIGUSR2, &sa, NULL);
 

@@ -26,9 +26,10 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "stop_signals.h"
+
 #define MAX_THREADS 64
 
-static volatile sig_atomic_t stop;
 static long calls;
 volatile long sink;
 
@@ -54,12 +55,6 @@ static void *work(void *arg)
 	return (void *)sum;
 }
 
-static void on_signal(int sig)
-{
-	(void)sig;
-	stop = 1;
-}
-
 int main(int argc, char **argv)
 {
 	if (argc != 4) {
@@ -72,13 +67,7 @@ int main(int argc, char **argv)
 		fprintf(stderr, "churn: ROUNDS >= -1, THREADS in 1..%d, CALLS >= 0\n", MAX_THREADS);
 		return 2;
 	}
-	struct sigaction sa;
-	memset(&sa, 0, sizeof sa);
-	sa.sa_handler = on_signal;
-	sigemptyset(&sa.sa_mask);
-	sigaction(SIGTERM, &sa, NULL);
-	sigaction(SIGINT, &sa, NULL);
-	sigaction(SIGUSR1, &sa, NULL);
+	stop_on_signals();
 
 	pthread_t tids[MAX_THREADS];
 	long done = 0, total = 0;

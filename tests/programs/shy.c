@@ -15,7 +15,8 @@
 #include <string.h>
 #include <unistd.h>
 
-static volatile sig_atomic_t stop;
+#include "stop_signals.h"
+
 volatile long sink;
 
 __attribute__((noinline)) long hot(long i)
@@ -42,21 +43,9 @@ static int is_traced(void)
 	return traced;
 }
 
-static void on_signal(int sig)
-{
-	(void)sig;
-	stop = 1;
-}
-
 int main(void)
 {
-	struct sigaction sa;
-	memset(&sa, 0, sizeof sa);
-	sa.sa_handler = on_signal;
-	sigemptyset(&sa.sa_mask);
-	sigaction(SIGTERM, &sa, NULL);
-	sigaction(SIGINT, &sa, NULL);
-	sigaction(SIGUSR1, &sa, NULL);
+	stop_on_signals();
 
 	fprintf(stderr, "shy %d ready\n", (int)getpid());
 	fflush(stderr);
