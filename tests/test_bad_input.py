@@ -381,23 +381,28 @@ def test_a_thread_traced_by_strace(program, tracers, busy):
     assert prog.finish() == expected
 
 
+def gdb_holding(pid: int) -> list[object]:
+    """GDB attached to ``pid``, saying so, then holding it until its stdin gives a line."""
+    return [
+        "gdb",
+        "-nx",
+        "-q",
+        "-batch",
+        "-p",
+        pid,
+        "-ex",
+        "echo kprobes-test: attached\\n",
+        "-ex",
+        "shell read line",
+    ]
+
+
 @needs_gdb
 def test_a_program_in_gdb(program, tracers, busy):
     expected = reference([busy, 4, -1, 3], program)
     prog = program([busy, 4, -1, 3])
     gdb = tracers(
-        [
-            "gdb",
-            "-nx",
-            "-q",
-            "-batch",
-            "-p",
-            prog.pid,
-            "-ex",
-            "echo kprobes-test: attached\\n",
-            "-ex",
-            "shell read line",
-        ],
+        gdb_holding(prog.pid),
         b"kprobes-test: attached",
         stream="stdout",
     )
@@ -450,18 +455,7 @@ def test_cli_on_a_traced_program(program, tracers, busy):
             )
         else:
             tracer = tracers(
-                [
-                    "gdb",
-                    "-nx",
-                    "-q",
-                    "-batch",
-                    "-p",
-                    prog.pid,
-                    "-ex",
-                    "echo kprobes-test: attached\\n",
-                    "-ex",
-                    "shell read line",
-                ],
+                gdb_holding(prog.pid),
                 b"kprobes-test: attached",
                 stream="stdout",
             )
