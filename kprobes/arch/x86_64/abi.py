@@ -37,6 +37,7 @@ from typing import Final
 INT_REGS: Final = ("rdi", "rsi", "rdx", "rcx", "r8", "r9")
 SSE_REGS: Final = tuple(f"xmm{i}" for i in range(8))
 RETURN_ADDRESS_SIZE: Final = 8  # [rsp] at entry; the first stack argument is at rsp + 8
+RED_ZONE: Final = 128  # below rsp: the function's own, which signal frames and detours skip
 EIGHTBYTE: Final = 8
 _MAX_REGISTER_AGGREGATE: Final = 16
 

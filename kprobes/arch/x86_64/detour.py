@@ -58,11 +58,11 @@ from iced_x86 import (
 )
 
 from kprobes.arch.x86_64 import shared_area as area
+from kprobes.arch.x86_64.abi import RED_ZONE
 from kprobes.arch.x86_64.encode import jmp_rel32
 from kprobes.arch.x86_64.jumpopt import Region, relocate_region
 from kprobes.errors import InternalError, NotRelocatable
 
-RED_ZONE: Final = 128
 DETOUR_MAX: Final = 512  # bytes a caller reserves per detour (a record detour is about 300)
 
 _LABEL_BASE: Final = 0x7FF0_0000_0000_0000  # fake ips naming instructions inside a block

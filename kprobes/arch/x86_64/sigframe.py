@@ -42,11 +42,10 @@ from typing import Final
 
 from iced_x86 import Code, Code_, Mnemonic, OpKind, Register
 
+from kprobes.arch.x86_64.abi import RED_ZONE
 from kprobes.arch.x86_64.decode import MAX_INSN_LEN, decode_raw
 from kprobes.arch.x86_64.regs import REG_INDEX, REGS_SIZE
 from kprobes.errors import NotABoundary
-
-RED_ZONE: Final = 128  # System V x86-64: below rsp, the function's own
 
 # struct rt_sigframe: char *pretcode; struct ucontext uc; struct siginfo info;
 FRAME_SIZE: Final = 8 + 304 + 128
