@@ -40,6 +40,7 @@ from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe, KretprobeInstance
 from kprobes.errors import ProbeRejected, TargetError
 from kprobes.linux import procfs
+from kprobes.linux.syscalls import NR_MMAP
 from kprobes.process.trampoline import UnwindGuard
 
 if TYPE_CHECKING:
@@ -52,7 +53,6 @@ if TYPE_CHECKING:
 AT_BASE = 7  # auxv: where the program interpreter (the dynamic loader) is loaded
 RT_CONSISTENT = 0  # r_debug.r_state: the link map is complete and stable
 _R_STATE = 24  # offsetof(struct r_debug, r_state): int r_version, r_map, r_brk, then r_state
-_NR_MMAP = 9
 _PROT_EXEC = 0x4
 _MAP_ANONYMOUS = 0x20
 _MAX_ERRNO = 4095
@@ -208,7 +208,7 @@ class Following:
         regs = t.regs  # loaded by the tracer at the stop
         result = regs.rax
         if (
-            regs.orig_rax == _NR_MMAP
+            regs.orig_rax == NR_MMAP
             and regs.rdx & _PROT_EXEC
             and not regs.r10 & _MAP_ANONYMOUS  # code from a file, not a JIT's page
             and result < (1 << 64) - _MAX_ERRNO  # not an error; at the entry rax is -ENOSYS

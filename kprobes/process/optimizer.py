@@ -52,6 +52,7 @@ from kprobes.arch.x86_64.detour import DETOUR_MAX, CountAction, build_detour
 from kprobes.arch.x86_64.jumpopt import Refusal, find_region
 from kprobes.arch.x86_64.plan import SLOT_SIZE
 from kprobes.errors import InternalError, NotRelocatable, TargetError
+from kprobes.linux.syscalls import NR_CLOSE, NR_FTRUNCATE, NR_MEMFD_CREATE, NR_MMAP
 from kprobes.process import inject
 from kprobes.process.threads import ThreadState
 from kprobes.process.xol import REACH, candidate_addresses
@@ -72,10 +73,6 @@ NCOUNTERS: Final = 1024
 PAGES_SIZE: Final = 0x10000  # detour pages are mapped 64 KiB at a time
 STACK_SCAN: Final = 0x10000  # bytes above each thread's rsp searched for a saved rip
 AREA_NAME: Final = b"kprobes-area\0"
-_NR_CLOSE: Final = 3
-_NR_MMAP: Final = 9
-_NR_FTRUNCATE: Final = 77
-_NR_MEMFD_CREATE: Final = 319
 _MFD_CLOEXEC: Final = 1
 _MAP_FIXED_NOREPLACE: Final = 0x100000
 _NO_FD: Final = (1 << 64) - 1
@@ -412,11 +409,11 @@ class Optimizing:
                 return inject.run_syscall(thread, insn, nr, *args, rescue=rescue)
 
             # Step 1: the program makes the memfd and sizes it.
-            fd = call(_NR_MEMFD_CREATE, name, _MFD_CLOEXEC)
+            fd = call(NR_MEMFD_CREATE, name, _MFD_CLOEXEC)
             if fd < 0:
                 raise TargetError(f"memfd_create in the program failed: {os.strerror(-fd)}")
             try:
-                result = call(_NR_FTRUNCATE, fd, layout.size)
+                result = call(NR_FTRUNCATE, fd, layout.size)
                 if result < 0:
                     raise TargetError(f"ftruncate failed: {os.strerror(-result)}")
                 # Step 2: the program maps it within reach of the probe.
@@ -424,7 +421,7 @@ class Optimizing:
                 for cand in candidate_addresses(maps, near, layout.size):
                     prot = mmap.PROT_READ | mmap.PROT_WRITE
                     flags = mmap.MAP_SHARED | _MAP_FIXED_NOREPLACE
-                    result = call(_NR_MMAP, cand, layout.size, prot, flags, fd, 0)
+                    result = call(NR_MMAP, cand, layout.size, prot, flags, fd, 0)
                     if result == cand:
                         addr = cand
                         break
@@ -440,7 +437,7 @@ class Optimizing:
                     os.close(tool_fd)
             finally:
                 # Step 4: nothing of ours stays in the program's fd table.
-                call(_NR_CLOSE, fd)
+                call(NR_CLOSE, fd)
         sa.init_area(memoryview(mapping), layout)
         return SharedArea(addr, layout, mapping)
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from kprobes.errors import InternalError, NotRelocatable, TargetError
 from kprobes.linux import ptrace
+from kprobes.linux.syscalls import NR_MMAP, NR_MUNMAP
 from kprobes.process import inject, selfrestore
 from kprobes.process.threads import Thread, ThreadState
 from kprobes.process.xol import FLAGS, PROT, XolArea, candidate_addresses
@@ -28,8 +29,6 @@ if TYPE_CHECKING:
     from kprobes.process.tracee import Tracee
     from kprobes.process.tracer import Tracer
 
-_NR_MMAP = 9
-_NR_MUNMAP = 11
 _MAP_FIXED_NOREPLACE = 0x100000
 _SCRATCH_GAP = 4096  # below a borrowed thread's stack pointer and red zone
 
@@ -58,7 +57,7 @@ class ProgramCalls:
                 result = inject.run_syscall(
                     thread,
                     insn,
-                    _NR_MMAP,
+                    NR_MMAP,
                     cand,
                     size,
                     PROT,
@@ -72,7 +71,7 @@ class ProgramCalls:
                     rescue.note_page(self._tracer.own_memories(), cand, cand + size)
                     return cand
                 if result >= 0:  # munmap: wrong place
-                    inject.run_syscall(thread, insn, _NR_MUNMAP, result, size, rescue=rescue)
+                    inject.run_syscall(thread, insn, NR_MUNMAP, result, size, rescue=rescue)
                     continue
                 if result == -errno.EEXIST:
                     continue
@@ -208,7 +207,7 @@ class ProgramCalls:
             result = inject.run_syscall(
                 thread,
                 0,
-                _NR_MMAP,
+                NR_MMAP,
                 0,
                 size,
                 PROT,
@@ -228,10 +227,10 @@ class ProgramCalls:
         args = (0, size, PROT, FLAGS & ~_MAP_FIXED_NOREPLACE, (1 << 64) - 1, 0)
         way = selfrestore.find_way_home(thread)
         if way is not None:
-            result = selfrestore.run_syscall(thread, way, _NR_MMAP, *args)
+            result = selfrestore.run_syscall(thread, way, NR_MMAP, *args)
         else:
             insn = self._find_syscall(read_maps(self.pid))
-            result = inject.run_syscall(thread, insn, _NR_MMAP, *args)
+            result = inject.run_syscall(thread, insn, NR_MMAP, *args)
         if result < 0:
             raise TargetError(f"mmap of the rescue area failed: {os.strerror(-result)}")
         return result

@@ -31,9 +31,9 @@ from collections.abc import Callable, Iterable
 
 from kprobes.arch.x86_64 import rescue as layout
 from kprobes.errors import TargetError
+from kprobes.linux.syscalls import NR_RT_SIGACTION
 from kprobes.process.tracee import Tracee
 
-_NR_RT_SIGACTION = 13
 _SIGSET_SIZE = 8
 
 # run_syscall(nr, *args) -> raw result: an injected syscall in a held thread
@@ -88,7 +88,7 @@ class Rescue:
         on) and ``deactivate`` finds it.
         """
         new_at = self.area + layout.HEADER + layout.H_NEW_ACTION
-        result = syscall(_NR_RT_SIGACTION, signal.SIGTRAP, new_at, scratch, _SIGSET_SIZE)
+        result = syscall(NR_RT_SIGACTION, signal.SIGTRAP, new_at, scratch, _SIGSET_SIZE)
         if result < 0:
             raise TargetError(f"rt_sigaction(SIGTRAP) failed in the program: errno {-result}")
         old = mem.read(scratch, layout.SIGACTION_SIZE)
@@ -99,7 +99,7 @@ class Rescue:
         if not self.area:
             return
         old_at = self.area + layout.HEADER + layout.H_OLD
-        syscall(_NR_RT_SIGACTION, signal.SIGTRAP, old_at, 0, _SIGSET_SIZE)
+        syscall(NR_RT_SIGACTION, signal.SIGTRAP, old_at, 0, _SIGSET_SIZE)
 
     def forget(self) -> None:
         """The address space was replaced (exec): the area and the handler went with it."""

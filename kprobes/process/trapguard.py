@@ -19,11 +19,11 @@ from collections.abc import Callable
 
 from kprobes.errors import TargetError
 from kprobes.linux import procfs
+from kprobes.linux.syscalls import NR_RT_SIGACTION
 from kprobes.process import inject
 from kprobes.process.rescue import Rescue
 from kprobes.process.threads import Thread
 
-_NR_RT_SIGACTION = 13
 _SIGACTION_SIZE = 32  # handler, flags, restorer, mask (the kernel's struct)
 _SIGSET_SIZE = 8
 _SCRATCH_GAP = 4096  # below the thread's stack pointer and red zone
@@ -71,7 +71,7 @@ class TrapGuard:
         result = inject.run_syscall(
             thread,
             self._syscall_insn(),
-            _NR_RT_SIGACTION,
+            NR_RT_SIGACTION,
             signal.SIGTRAP,
             new_at,
             old_at,
