@@ -38,6 +38,11 @@ INT_REGS: Final = ("rdi", "rsi", "rdx", "rcx", "r8", "r9")
 SSE_REGS: Final = tuple(f"xmm{i}" for i in range(8))
 RETURN_ADDRESS_SIZE: Final = 8  # [rsp] at entry; the first stack argument is at rsp + 8
 RED_ZONE: Final = 128  # below rsp: the function's own, which signal frames and detours skip
+# The fetch fixup convention of detour code (capture.py): a load that may fault runs with
+# r11 = FETCH_FAULT_MAGIC and r10 = where to continue if it faults. A SIGSEGV or SIGBUS whose
+# rip is in one of our detour pages and whose r11 holds the magic is ours: rip = r10, and the
+# signal is discarded (the kernel's exception tables for copy_from_user_nofault, in our words).
+FETCH_FAULT_MAGIC: Final = int.from_bytes(b"KPFETCH!", "little")
 EIGHTBYTE: Final = 8
 _MAX_REGISTER_AGGREGATE: Final = 16
 
