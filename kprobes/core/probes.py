@@ -9,7 +9,7 @@ kernel's ``KPROBE_FLAG_*`` are read through ``kprobe_gone()`` and ``kprobe_disab
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 PreHandler = Callable[["Kprobe", Any], "bool | int | None"]
 PostHandler = Callable[["Kprobe", Any, int], None]
 FaultHandler = Callable[["Kprobe", Any, int], "bool | int | None"]
+
+AsyncHandler = Callable[["Kprobe", Any], None]  # (probe, hit): after the fact, read-only
 
 # trapnr passed to fault handlers when a Python handler raised rather than the CPU faulting.
 TRAP_HANDLER_EXCEPTION = -1
@@ -54,8 +56,14 @@ class Kprobe:
 
     ``optimize=True`` asks for a jump instead of a breakpoint where the site allows it (the
     kernel's optimized probes). A probe with no handler is then a *count*: its hits are
-    counted in the program, with no trap, and ``nhit`` shows them. A site that cannot be
-    optimized, or a probe with a handler, keeps the breakpoint and ``list()`` says why.
+    counted in the program, with no trap, and ``nhit`` shows them. A probe with an
+    ``async_handler`` is a *record*: each hit writes a record (registers, and the fetch-args
+    ``args`` in the probe language, e.g. ``"size=%di name=+0(%si):string"``, evaluated at the
+    hit) that the target reads later and hands to ``async_handler(probe, hit)`` with a
+    read-only snapshot: the handler cannot change the program, so no trap is needed. Where the
+    site cannot be optimized, the same handler runs at a trap with the same snapshot. A
+    probe with a pre, post or fault handler (which may change registers) keeps the breakpoint;
+    ``list()`` says why a probe is not optimized.
     """
 
     kind = "k"
@@ -70,6 +78,8 @@ class Kprobe:
         fault_handler: FaultHandler | None = None,
         disabled: bool = False,
         optimize: bool = False,
+        async_handler: AsyncHandler | None = None,
+        args: str | Sequence[str] = (),
     ) -> None:
         self.symbol = symbol
         self.offset = offset
@@ -78,12 +88,17 @@ class Kprobe:
         self.post_handler = post_handler
         self.fault_handler = fault_handler
         self.optimize = optimize
+        self.async_handler = async_handler
+        self.args: tuple[str, ...] = (args,) if isinstance(args, str) else tuple(args)
         self.flags = ProbeFlags.DISABLED if disabled else ProbeFlags.NONE
         self.nmissed = 0
         self.nhit = 0
         self.location: Location | None = None
         self.site: ProbeSite | None = None  # set while registered; core-private
         self.owner: Any = None  # the Kretprobe or Jprobe this entry probe belongs to
+        self.fast: Any = None  # the target's state for async_handler; core never reads it
+        # What runs at a trap for async_handler (the target builds it; no redirection).
+        self.async_trap: Callable[[Kprobe, Any], None] | None = None
 
     @property
     def is_registered(self) -> bool:

@@ -53,7 +53,7 @@ class ProbeSite:
         redirected = False
         for p in self.active:
             p.nhit += 1
-            handler = p.pre_handler
+            handler = p.pre_handler or p.async_trap
             if handler is not None:
                 try:
                     if handler(p, regs):

@@ -23,7 +23,7 @@ from typing import Any
 
 from kprobes.arch.x86_64.abi import INT_REGS
 from kprobes.arch.x86_64.regs import canonical_name
-from kprobes.errors import SpecError, TargetError
+from kprobes.errors import SpecError, SymbolNotFound, TargetError
 from kprobes.model import ArgValue, EventArg
 from kprobes.spec import (
     Comm,
@@ -310,6 +310,31 @@ def _type_text(t: TypeSpec) -> str:
     if t.bitfield is not None:
         return f"b{t.bitfield.width}@{t.bitfield.offset}/{t.name[1:]}"
     return t.name if t.count is None else f"{t.name}[{t.count}]"
+
+
+class Symbolizer:
+    """``func+0xoff/0xsize`` as the kernel's %pS prints it, else the hex address; cached."""
+
+    def __init__(self, locate: Callable[[int], Any]) -> None:
+        self._locate = locate  # SymbolResolver.locate_address
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, addr: int) -> str:
+        text = self._cache.get(addr)
+        if text is None:
+            try:
+                loc = self._locate(addr)
+            except SymbolNotFound:
+                loc = None
+            if loc is None or loc.symbol is None:
+                text = f"0x{addr:x}"
+            else:
+                text = f"{loc.symbol.name}+{loc.offset:#x}/{max(loc.symbol.size, 1):#x}"
+            self._cache[addr] = text
+        return text
+
+    def forget(self) -> None:
+        self._cache.clear()
 
 
 class CommCache:

@@ -10,17 +10,9 @@ it (``run()`` returns, ``list()``, each ``batch()``). This is the kernel's optim
 without its delayed work: our "synchronize" is the stopped world, in which we see every
 thread's ``rip`` and can simply wait for the next stop when one is in the way.
 
-**Shared area.** One memfd per program, created *by the program* (an injected
-``memfd_create``, ``ftruncate``, ``mmap(MAP_SHARED)``, then ``close``: no fd of ours is left
-in it), mapped by the tool through ``/proc/PID/fd/N`` before the close. The program keeps its
-mapping when the tool dies, so a SIGKILLed tool leaves jumps that go on counting into memory
-nobody reads: harmless. Rejected: an anonymous mapping read through ``/proc/PID/mem`` (a
-syscall per read, and the ring of record probes needs a real shared mapping).
-
-**Detours** are cut from pages the program maps for us (``_map_xol_page``, the out-of-line
-pages' mapper), bump-allocated and never freed or reused: a thread may be inside one long
-after its probe went back to an int3. The area and the detours must lie within ±2 GiB of the
-probe; a probe out of the area's reach stays on traps and says so.
+A probe with an ``async_handler`` is a *record*: its detour also writes a record of the hit
+in the shared ring (recording.py, records.py). The shared areas and detour pages are
+optmemory.py's; the state machine of each site is core/optimizer.py's.
 
 **Safety** (the kernel's rules, DESIGN.md §3): patched only while every thread is held, none
 with ``rip`` strictly inside ``(A, A+len)``, none in the site's out-of-line slot (its jump back
@@ -40,42 +32,31 @@ probe stays a trap probe); a thread still in the detour finishes it and jumps ba
 from __future__ import annotations
 
 import bisect
-import enum
-import errno
-import mmap
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
 from kprobes.arch.x86_64 import shared_area as sa
-from kprobes.arch.x86_64.detour import DETOUR_MAX, CountAction, build_detour
+from kprobes.arch.x86_64.detour import build_detour
 from kprobes.arch.x86_64.jumpopt import Refusal, find_region
 from kprobes.arch.x86_64.plan import SLOT_SIZE
-from kprobes.errors import InternalError, NotRelocatable, TargetError
-from kprobes.linux.syscalls import NR_CLOSE, NR_FTRUNCATE, NR_MEMFD_CREATE, NR_MMAP
-from kprobes.process import inject
+from kprobes.core.optimizer import OptState, SiteOpt, why_no_jump
+from kprobes.errors import NotRelocatable, TargetError
+from kprobes.process.optmemory import RING_BYTES, DetourPage, SharedArea
+from kprobes.process.records import RingReader
 from kprobes.process.threads import ThreadState
-from kprobes.process.xol import REACH, candidate_addresses
-from kprobes.symbols.maps import read_maps
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
+    from kprobes.arch.x86_64.detour import Action
     from kprobes.core.manager import ProbeManager
     from kprobes.core.table import ProbeSite
     from kprobes.process.placing import ProbeLocation
-    from kprobes.process.threads import Thread
     from kprobes.process.tracer import Prepared, Tracer
-    from kprobes.symbols.maps import Mapping
     from kprobes.symbols.resolve import SymbolResolver
 
-NCOUNTERS: Final = 1024
-PAGES_SIZE: Final = 0x10000  # detour pages are mapped 64 KiB at a time
 STACK_SCAN: Final = 0x10000  # bytes above each thread's rsp searched for a saved rip
-AREA_NAME: Final = b"kprobes-area\0"
-_MFD_CLOEXEC: Final = 1
-_MAP_FIXED_NOREPLACE: Final = 0x100000
-_NO_FD: Final = (1 << 64) - 1
+_DETOUR_ALIGN: Final = 16
 
 
 class _Threads:
@@ -98,74 +79,22 @@ class _Threads:
         return self._seen
 
 
-class OptState(enum.Enum):
-    """Where a site stands with jump optimization (changed only by ``SiteOpt.to``)."""
-
-    TRAP = "trap"  # an int3 probe: not asked for, or asked and not possible now
-    OPTIMIZED = "optimized"  # a jmp to a detour
-    REFUSED = "refused"  # the site can never be optimized (the reason says why)
-
-
-_ALLOWED: Final[dict[OptState, frozenset[OptState]]] = {
-    OptState.TRAP: frozenset({OptState.TRAP, OptState.OPTIMIZED, OptState.REFUSED}),
-    OptState.OPTIMIZED: frozenset({OptState.TRAP}),
-    OptState.REFUSED: frozenset({OptState.REFUSED}),
-}
-
-
-@dataclass(slots=True)
-class SiteOpt:
-    """One site's optimization: its state, why it is not optimized, its counter."""
-
-    state: OptState = OptState.TRAP
-    reason: str = ""
-    area: int = 0  # which shared area (JumpState.areas) holds its counter
-    counter: int = -1  # index in that area, kept across unoptimize/optimize
-    seen: int = 0  # the counter's value already added to the probes' nhit
-    detour: int = 0  # where the current detour is (0 when not optimized)
-    region_len: int = 0
-
-    def to(self, state: OptState, reason: str = "") -> None:
-        if state not in _ALLOWED[self.state]:
-            raise InternalError(f"optimization: {self.state.value} -> {state.value}")
-        self.state = state
-        self.reason = reason
-
-
-@dataclass(slots=True)
-class SharedArea:
-    """The program's memfd as the tool maps it, and where the program mapped it."""
-
-    addr: int
-    layout: sa.AreaLayout
-    mapping: mmap.mmap
-    next_counter: int = 0
-
-    @property
-    def view(self) -> memoryview:
-        return memoryview(self.mapping)
-
-    def counter_addr(self, index: int) -> int:
-        return self.addr + self.layout.counter_offset(index)
-
-
-@dataclass(slots=True)
-class DetourPage:
-    start: int
-    used: int
-
-
 @dataclass(slots=True)
 class JumpState:
     """What the optimizer keeps for one address space (forgotten at exec)."""
 
     is_enabled: bool = True  # proc.optimization
+    ring_bytes: int = RING_BYTES
     sites: dict[int, SiteOpt] = field(default_factory=dict)
     areas: list[SharedArea] = field(default_factory=list)  # one per ±2 GiB neighbourhood
     pages: list[DetourPage] = field(default_factory=list)
+    reader: RingReader | None = None  # the records of record probes (records.py)
 
     def forget(self) -> None:
         """The address space was replaced (exec): nothing of ours is in it any more."""
+        if self.reader is not None:
+            self.reader.drain()
+            self.reader.forget()
         self.sites.clear()
         self.areas.clear()
         self.pages.clear()
@@ -181,23 +110,6 @@ class JumpState:
                 yield addr, delta
 
 
-def why_no_jump(site: ProbeSite, is_enabled: bool) -> str | None:
-    """Why ``site`` keeps its int3 whatever its code ("" when no probe asked); None when it
-    should be optimized."""
-    if not any(p.optimize for p in site.probes):
-        return ""
-    for p in site.probes:
-        if not p.optimize:
-            return "another probe here did not ask for a jump"
-        if p.owner is not None or p.pre_handler or p.post_handler or p.fault_handler:
-            return "a probe here has a handler, which runs at a trap"
-    if not site.is_armed:
-        return "disabled"
-    if not is_enabled:
-        return "optimization is off (proc.optimization)"
-    return None
-
-
 class Optimizing:
     """The optimizer, for ``Process``: optimize, unoptimize, and the counts."""
 
@@ -210,10 +122,11 @@ class Optimizing:
 
         def _original(self, addr: int, size: int) -> bytes: ...
         def _symbols(self) -> SymbolResolver: ...
-        def _map_xol_page(self, near: int, size: int) -> int: ...
-        def _find_syscall(self, maps: list[Mapping]) -> int: ...
-        def _injection_thread(self) -> AbstractContextManager[Thread]: ...
         def batch(self) -> AbstractContextManager[None]: ...
+        def _drain_rings(self) -> None: ...
+        def _area(self, near: int) -> int: ...
+        def _detour_page(self, near: int) -> DetourPage: ...
+        def _action(self, site: ProbeSite, area: SharedArea, so: SiteOpt) -> Action | str: ...
 
     @property
     def optimization(self) -> bool:
@@ -229,7 +142,9 @@ class Optimizing:
     # -- counts ----------------------------------------------------------------------------
 
     def _collect_counts(self) -> None:
-        """Add the hits counted in the program to the probes' ``nhit``."""
+        """Hand the records read so far to their handlers, and add the hits counted in the
+        program to the probes' ``nhit``."""
+        self._drain_rings()
         table = self._manager.table
         for addr, delta in self._tracer.optimizer.counts():
             site = table.get(addr)
@@ -289,7 +204,7 @@ class Optimizing:
         if why is not None:
             so.reason = why  # tried again at the next stop of the world
             return
-        # Step 3: the counter, then the detour, written before the jump that leads to it.
+        # Step 3: the counter, the action, then the detour, written before the jump to it.
         try:
             if so.counter < 0:
                 so.area = self._area(addr)
@@ -297,8 +212,14 @@ class Optimizing:
                 so.counter, area.next_counter = area.next_counter, area.next_counter + 1
                 so.seen = sa.read_counter(area.view, so.counter)
             area = self._tracer.optimizer.areas[so.area]
-            at = self._alloc_detour(addr)
-            detour = build_detour(at, region, CountAction(area.counter_addr(so.counter)))
+            action = self._action(site, area, so)
+            if isinstance(action, str):
+                so.to(OptState.REFUSED, action)
+                return
+            page = self._detour_page(addr)
+            at = page.start + page.used
+            detour = build_detour(at, region, action)
+            page.used += -(-len(detour.code) // _DETOUR_ALIGN) * _DETOUR_ALIGN
         except NotRelocatable as exc:
             so.to(OptState.REFUSED, f"out of reach: {exc}")
             return
@@ -370,76 +291,6 @@ class Optimizing:
                     "frame's rip?); tried again at the next stop"
                 )
         return None
-
-    # -- memory in the program -------------------------------------------------------------
-
-    def _alloc_detour(self, near: int, size: int = DETOUR_MAX) -> int:
-        """A never-reused piece of an executable page of ours within reach of ``near``."""
-        pages = self._tracer.optimizer.pages
-        for page in pages:
-            if abs(page.start - near) <= REACH and page.used + size <= PAGES_SIZE:
-                at = page.start + page.used
-                page.used += size
-                return at
-        start = self._map_xol_page(near, PAGES_SIZE)
-        pages.append(DetourPage(start, size))
-        return start
-
-    def _area(self, near: int) -> int:
-        """A shared area with a free counter within reach of ``near`` (its index), made by
-        the program when there is none."""
-        areas = self._tracer.optimizer.areas
-        for i, area in enumerate(areas):
-            if abs(area.addr - near) <= REACH and area.next_counter < area.layout.ncounters:
-                return i
-        areas.append(self._make_area(near))
-        return len(areas) - 1
-
-    def _make_area(self, near: int) -> SharedArea:
-        layout = sa.AreaLayout(NCOUNTERS, capacity=1)
-        name = self._alloc_detour(near, 64)
-        for space in self._tracer.own_memories():
-            space.write(name, AREA_NAME)
-        rescue = self._tracer.rescue
-        with self._injection_thread() as thread:
-            maps = read_maps(self.pid)
-            insn = self._find_syscall(maps)
-
-            def call(nr: int, *args: int) -> int:
-                return inject.run_syscall(thread, insn, nr, *args, rescue=rescue)
-
-            # Step 1: the program makes the memfd and sizes it.
-            fd = call(NR_MEMFD_CREATE, name, _MFD_CLOEXEC)
-            if fd < 0:
-                raise TargetError(f"memfd_create in the program failed: {os.strerror(-fd)}")
-            try:
-                result = call(NR_FTRUNCATE, fd, layout.size)
-                if result < 0:
-                    raise TargetError(f"ftruncate failed: {os.strerror(-result)}")
-                # Step 2: the program maps it within reach of the probe.
-                addr = 0
-                for cand in candidate_addresses(maps, near, layout.size):
-                    prot = mmap.PROT_READ | mmap.PROT_WRITE
-                    flags = mmap.MAP_SHARED | _MAP_FIXED_NOREPLACE
-                    result = call(NR_MMAP, cand, layout.size, prot, flags, fd, 0)
-                    if result == cand:
-                        addr = cand
-                        break
-                    if result != -errno.EEXIST:  # taken meanwhile: try the next gap
-                        raise TargetError(f"mmap of the shared area gave {result:#x}")
-                if not addr:
-                    raise NotRelocatable(f"no free address within ±2 GiB of {near:#x}")
-                # Step 3: the tool maps the same file, through the program's fd.
-                tool_fd = os.open(f"/proc/{self.pid}/fd/{fd}", os.O_RDWR)
-                try:
-                    mapping = mmap.mmap(tool_fd, layout.size, mmap.MAP_SHARED)
-                finally:
-                    os.close(tool_fd)
-            finally:
-                # Step 4: nothing of ours stays in the program's fd table.
-                call(NR_CLOSE, fd)
-        sa.init_area(memoryview(mapping), layout)
-        return SharedArea(addr, layout, mapping)
 
     # -- listing ---------------------------------------------------------------------------
 

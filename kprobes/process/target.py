@@ -41,8 +41,10 @@ from kprobes.process.detach import detach_all
 from kprobes.process.family import Family
 from kprobes.process.following import Following, LoaderWatch
 from kprobes.process.optimizer import Optimizing
+from kprobes.process.optmemory import ProgramMemory
 from kprobes.process.placing import Placing, ProbeLocation
 from kprobes.process.programcalls import ProgramCalls
+from kprobes.process.recording import Recording
 from kprobes.process.stacks import Backtraces
 from kprobes.process.tracee import Tracee
 from kprobes.process.tracer import Tracer
@@ -74,7 +76,9 @@ def _says_when_gone(
     return registering
 
 
-class Process(Placing, ProgramCalls, Following, Family, Optimizing, Backtraces):
+class Process(
+    Placing, ProgramCalls, Following, Family, Optimizing, Recording, ProgramMemory, Backtraces
+):
     """A traced program. Use ``spawn()`` or ``attach()`` to get one."""
 
     def __init__(self, pid: int, *, follow_forks: bool = False, pending: bool = False) -> None:
@@ -230,11 +234,13 @@ class Process(Placing, ProgramCalls, Following, Family, Optimizing, Backtraces):
     @_says_when_gone
     def register_kprobe(self, kp: Kprobe) -> None:
         self._require_attached()
+        self._equip_async([kp])
         self._manager.register(kp)
 
     @_says_when_gone
     def register_kprobes(self, kps: Sequence[Kprobe]) -> None:
         self._require_attached()
+        self._equip_async(kps)
         self._manager.register_many(kps)
 
     def unregister_kprobe(self, kp: Kprobe) -> None:

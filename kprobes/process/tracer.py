@@ -108,6 +108,10 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
         self.trampoline = Trampoline(self)
         self.rescue = Rescue()  # what the program needs to carry on if the tool dies
         self.optimizer = JumpState()  # optimized probes (optimizer.py)
+        # Record probes (records.py): their rings are read every POLL seconds while run()
+        # waits, and a new thread's first stop tells which thread pointer it has.
+        self.ring_poll: Callable[[], None] | None = None
+        self.on_thread_start: Callable[[Thread], None] | None = None
         self._stop_depth = 0
 
     # -- bookkeeping -----------------------------------------------------------------------
@@ -213,7 +217,10 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
                 break
             if self.has_pending:
                 self._drain_pending()
-            if deadline is None and not self.inbox:
+            poll = self.ring_poll
+            if poll is not None:
+                tid, status = self._wait_polling(deadline, poll)
+            elif deadline is None and not self.inbox:
                 try:
                     tid, status = waitpid(-1, wall)
                 except ChildProcessError:
@@ -417,6 +424,8 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
                 t.resume_stepping = t.state is S.STEPPING
                 t.to(S.STOPPED)
                 t.event_stopped = True
+                if was_new and self.on_thread_start is not None:
+                    self.on_thread_start(t)
                 if was_new and t.tracee.kind is not TraceeKind.MAIN:
                     self._first_stop_of_child(t)
                 else:

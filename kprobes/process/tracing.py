@@ -17,9 +17,10 @@ from typing import Any
 
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe, KretprobeInstance
-from kprobes.errors import ProbeRejected, SymbolNotFound
+from kprobes.errors import ProbeRejected
 from kprobes.model import ArgValue, Event
-from kprobes.process.fetch import ArgFetcher, CommCache, CpuReader, Memory
+from kprobes.process.fastfetch import data_resolver, file_resolver
+from kprobes.process.fetch import ArgFetcher, CommCache, CpuReader, Memory, Symbolizer
 from kprobes.process.target import Process
 from kprobes.spec import AddressLocation, FileOffsetLocation, ProbeSpec, SymbolLocation
 
@@ -61,46 +62,19 @@ class SpecTracer:
         self.comm = CommCache(proc.pid)
         self.cpu = CpuReader(proc.pid)
         self.memory = Memory(proc.read, proc.read_string, self.symbolize, self.comm)
-        self._symbols: dict[int, str] = {}
+        self._symbolizer = Symbolizer(lambda addr: proc._symbols().locate_address(addr))
 
     # -- symbols -----------------------------------------------------------------------
 
     def symbolize(self, addr: int) -> str:
         """``func+0xoff/0xsize`` as the kernel's %pS prints it, else the hex address."""
-        text = self._symbols.get(addr)
-        if text is None:
-            try:
-                loc = self.proc._symbols().locate_address(addr)
-            except SymbolNotFound:
-                text = f"0x{addr:x}"
-            else:
-                if loc.symbol is None:
-                    text = f"0x{addr:x}"
-                else:
-                    text = f"{loc.symbol.name}+{loc.offset:#x}/{max(loc.symbol.size, 1):#x}"
-            self._symbols[addr] = text
-        return text
+        return self._symbolizer(addr)
 
     def _resolve_data(self, name: str) -> int:
-        resolver = self.proc._symbols()
-        module_name, sep, sym = name.rpartition(":")
-        module = resolver.find_module(module_name) if sep else resolver.main_module()
-        found = module.image.lookup(sym)
-        if found is None:
-            raise SymbolNotFound(f"no symbol {sym!r} in {module.path}")
-        return module.bias + found.value
+        return data_resolver(self.proc._symbols)(name)
 
     def _file_address(self, path: str) -> Callable[[int], int]:
-        def address(offset: int) -> int:
-            module = self.proc._symbols().find_module(path)
-            for m in module.mappings:
-                if m.offset <= offset < m.offset + (m.end - m.start):
-                    return m.start + offset - m.offset
-            raise ProbeRejected(
-                f"file offset {offset:#x} of {module.path} is not mapped", errno=errno.EINVAL
-            )
-
-        return address
+        return file_resolver(self.proc._symbols, path)
 
     # -- placing -----------------------------------------------------------------------
 

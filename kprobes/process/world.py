@@ -22,10 +22,14 @@ from kprobes.arch.x86_64.regs import REG_INDEX
 from kprobes.errors import TargetError
 from kprobes.linux import procfs, ptrace
 from kprobes.process import events as ev
+from kprobes.process.records import POLL
 from kprobes.process.threads import RUNNING_STATES, Thread, ThreadState, siginfo_code
 from kprobes.process.tracee import Tracee, TraceeKind
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from kprobes.core.manager import ProbeManager
     from kprobes.process.breakpoints import Breakpoints
     from kprobes.process.trampoline import Trampoline
     from kprobes.process.xol import XolArea
@@ -45,6 +49,7 @@ class WorldStop:
     hold_all: bool
     has_pending: bool
     inbox: list[tuple[int, int]]
+    manager: ProbeManager
     _stop_depth: int
 
     if TYPE_CHECKING:
@@ -84,6 +89,37 @@ class WorldStop:
                 ptrace.sigchld_wait(remaining)
         finally:
             ptrace.unblock_sigchld()
+
+    def _wait_polling(self, deadline: float | None, poll: Callable[[], None]) -> tuple[int, int]:
+        """``_wait``, calling ``poll`` every ``POLL`` seconds while no thread stops (the
+        rings of record probes, records.py); (0, 0) at the deadline or with no child left.
+        An exception a handler raised in ``poll`` is raised here, between stops."""
+        while True:
+            if self.inbox:
+                return self.inbox.pop(0)
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return 0, 0
+            until = now + POLL if deadline is None else min(now + POLL, deadline)
+            ptrace.block_sigchld()
+            try:
+                while True:
+                    try:
+                        tid, status = ptrace.waitpid(-1, ptrace.WNOHANG)
+                    except ChildProcessError:
+                        return 0, 0
+                    if tid:
+                        return tid, status
+                    remaining = until - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    ptrace.sigchld_wait(remaining)
+            finally:
+                ptrace.unblock_sigchld()
+            poll()
+            exc = self.manager.table.take_error()
+            if exc is not None:
+                raise exc
 
     def _drain_pending(self) -> None:
         self.has_pending = False

@@ -22,16 +22,7 @@ are ``Frame`` (what the entry pushed, where the action finds the program's value
 back landed.
 
 *count* is ``lock inc qword [rip+counter]``; the unlocked form is for a counter that only one
-thread updates. *record* reserves a record in the shared ring and fills it (shared_area.py
-has the protocol); when the ring is full it counts a drop and writes nothing. The thread is
-identified by its fs base, the thread pointer that glibc and musl point at their thread
-control block and that the tracer reads in every thread's registers (``fs_base``): with
-FSGSBASE (Linux 5.9+, AT_HWCAP2 bit 1) ``rdfsbase`` reads it without touching memory; else
-``mov rcx, fs:[0]`` loads the TCB's self pointer, the same value under glibc, but a fault in
-a thread without a TLS block. Rejected: ``syscall(gettid)`` (about 90 ns on these machines,
-three times the whole record). The timestamp is ``rdtsc``: the machines have an invariant TSC
-(``constant_tsc nonstop_tsc``) and the tool converts ticks to time; ``rdtscp`` would add the
-CPU number at the price of waiting for older instructions to retire, rejected for now.
+thread updates. *record* (record.py) reserves a record in the shared ring and fills it.
 
 Every function here is pure: bytes out, no process. Anything out of rel32 reach raises
 NotRelocatable (ERANGE), as the kernel's optimizer returns -ERANGE. iced's BlockEncoder
@@ -57,7 +48,6 @@ from iced_x86 import (
     Register_,
 )
 
-from kprobes.arch.x86_64 import shared_area as area
 from kprobes.arch.x86_64.abi import RED_ZONE
 from kprobes.arch.x86_64.encode import jmp_rel32
 from kprobes.arch.x86_64.jumpopt import Region, relocate_region
@@ -100,6 +90,7 @@ class Block:
         self._instrs: list[Instruction] = []
         self._labels: dict[str, int] = {}
         self._branches: list[tuple[Instruction, str]] = []
+        self._label_refs: list[tuple[Instruction, str]] = []
 
     def add(self, instr: Instruction, *, lock: bool = False) -> None:
         instr.ip = _LABEL_BASE + 16 * len(self._instrs)
@@ -117,16 +108,28 @@ class Block:
         self._branches.append((instr, name))
         self.add(instr)
 
+    def lea_label(self, reg: Register_, name: str) -> None:
+        """``lea reg, [rip + label]``: the address of a labelled instruction."""
+        instr = Instruction.create_reg_mem(Code.LEA_R64_M, reg, _rip(_LABEL_BASE))
+        self._label_refs.append((instr, name))
+        self.add(instr)
+
+    def _label_ip(self, name: str) -> int:
+        index = self._labels.get(name)
+        if index is None or index >= len(self._instrs):
+            raise InternalError(f"label {name} names no instruction")
+        return _LABEL_BASE + 16 * index
+
     def encode(self, base: int) -> bytes:
         for instr, name in self._branches:
-            index = self._labels.get(name)
-            if index is None or index >= len(self._instrs):
-                raise InternalError(f"branch to label {name}, which names no instruction")
-            instr.near_branch64 = _LABEL_BASE + 16 * index
+            instr.near_branch64 = self._label_ip(name)
+        for instr, name in self._label_refs:
+            instr.memory_displacement = self._label_ip(name)
+        inside = {id(i) for i, _ in self._label_refs}
         # The block is small (DETOUR_MAX): a target this far from its start is out of reach of
         # every instruction in it, and BlockEncoder would refuse or mis-encode it.
         for instr in self._instrs:
-            if instr.is_ip_rel_memory_operand:
+            if instr.is_ip_rel_memory_operand and id(instr) not in inside:
                 target = instr.memory_displacement
                 if not _REL32_MIN + DETOUR_MAX <= target - base <= _REL32_MAX - DETOUR_MAX:
                     raise _out_of_reach(target, base)
@@ -146,6 +149,11 @@ class Block:
         for want, got in zip(self._instrs, out, strict=True):
             if not want.is_ip_rel_memory_operand:
                 continue
+            if want.memory_displacement >= _LABEL_BASE:  # a label inside the block
+                index = (want.memory_displacement - _LABEL_BASE) // 16
+                if not got.is_ip_rel_memory_operand or got.ip_rel_memory_address != out[index].ip:
+                    raise InternalError(f"`{got}` at {got.ip:#x} misses its label")
+                continue
             # Reach was checked before encoding: a mismatch here is a bug of ours or iced's.
             target = want.memory_displacement
             if (
@@ -161,6 +169,26 @@ def _out_of_reach(target: int, at: int) -> NotRelocatable:
         f"{target:#x} is out of rel32 reach (±2 GiB) of the detour code at {at:#x}",
         errno=errno.ERANGE,
     )
+
+
+def rip_operand(target: int) -> MemoryOperand:
+    """``[rip + target - next ip]``: an absolute address, reached rip-relative."""
+    return _rip(target)
+
+
+def at(base: Register_, disp: int) -> MemoryOperand:
+    """``[base + disp]``."""
+    return _at(base, disp)
+
+
+def mov_store(base: Register_, disp: int, reg: Register_) -> Instruction:
+    """``mov [base + disp], reg``."""
+    return _mov_store(base, disp, reg)
+
+
+def mov_load(reg: Register_, base: Register_, disp: int) -> Instruction:
+    """``mov reg, [base + disp]``."""
+    return _mov_load(reg, base, disp)
 
 
 def _rip(target: int) -> MemoryOperand:
@@ -260,94 +288,6 @@ class CountAction:
 
     def emit(self, block: Block, frame: Frame, probe_addr: int) -> None:
         block.add(Instruction.create_mem(Code.INC_RM64, _rip(self.counter)), lock=self.locked)
-
-
-class ThreadId(Enum):
-    """How a record names its thread (both give the thread pointer, fs base)."""
-
-    FSBASE = "rdfsbase"
-    FS0 = "fs:0"
-
-
-@dataclass(frozen=True, slots=True)
-class RecordAction:
-    """Write a record of the hit (probe id, thread, TSC, registers) into the shared ring."""
-
-    probe_id: int
-    ring: area.RingAddrs
-    thread_id: ThreadId = ThreadId.FSBASE
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.probe_id < 1 << 31:
-            raise InternalError(f"probe id {self.probe_id} does not fit an imm32")
-
-    @property
-    def clobbers(self) -> tuple[str, ...]:
-        # rax/rdx: cmpxchg and rdtsc; rcx: scratch; rbx: the record; rsi: the ticket.
-        return ("rax", "rcx", "rdx", "rbx", "rsi")
-
-    @property
-    def reads_flags(self) -> bool:
-        return True
-
-    def emit(self, block: Block, frame: Frame, probe_addr: int) -> None:
-        ring = self.ring
-        rax, rcx, rdx, rbx, rsi = (_GPRS[r] for r in ("rax", "rcx", "rdx", "rbx", "rsi"))
-        # Step 1: reserve ticket rax = head if the ring has room (see shared_area.py).
-        block.add(Instruction.create_reg_mem(Code.MOV_R64_RM64, rax, _rip(ring.head)))
-        block.label("retry")
-        block.add(Instruction.create_reg_reg(Code.MOV_R64_RM64, rcx, rax))
-        block.add(Instruction.create_reg_mem(Code.SUB_R64_RM64, rcx, _rip(ring.tail)))
-        block.add(Instruction.create_reg_i32(Code.CMP_RM64_IMM32, rcx, ring.capacity))
-        block.branch(Code.JAE_REL32_64, "full")
-        block.add(Instruction.create_reg_mem(Code.LEA_R64_M, rcx, _at(rax, 1)))
-        block.add(
-            Instruction.create_mem_reg(Code.CMPXCHG_RM64_R64, _rip(ring.head), rcx), lock=True
-        )
-        block.branch(Code.JNE_REL8_64, "retry")
-        # Step 2: rbx = the record of ticket rax; keep the ticket in rsi for the commit.
-        block.add(Instruction.create_reg_reg(Code.MOV_R64_RM64, rsi, rax))
-        block.add(Instruction.create_reg_u32(Code.AND_RM32_IMM32, Register.EAX, ring.capacity - 1))
-        block.add(
-            Instruction.create_reg_reg_i32(Code.IMUL_R64_RM64_IMM32, rax, rax, ring.record_size)
-        )
-        block.add(Instruction.create_reg_mem(Code.LEA_R64_M, rbx, _rip(ring.ring)))
-        block.add(Instruction.create_reg_reg(Code.ADD_R64_RM64, rbx, rax))
-        # Step 3: the fields, commit word last.
-        block.add(
-            Instruction.create_mem_i32(Code.MOV_RM64_IMM32, _at(rbx, area.REC_PROBE), self.probe_id)
-        )
-        if self.thread_id is ThreadId.FSBASE:
-            block.add(Instruction.create_reg(Code.RDFSBASE_R64, rcx))
-        else:
-            fs0 = MemoryOperand(displ=0, displ_size=8, seg=Register.FS)
-            block.add(Instruction.create_reg_mem(Code.MOV_R64_RM64, rcx, fs0))
-        block.add(_mov_store(rbx, area.REC_THREAD, rcx))
-        block.add(Instruction.create(Code.RDTSC))
-        block.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, rdx, 32))
-        block.add(Instruction.create_reg_reg(Code.OR_R64_RM64, rax, rdx))
-        block.add(_mov_store(rbx, area.REC_TSC, rax))
-        block.add(Instruction.create_reg_mem(Code.LEA_R64_M, rcx, _rip(probe_addr)))
-        block.add(_mov_store(rbx, area.REC_RIP, rcx))
-        block.add(_mov_load(rcx, Register.RSP, frame.offset(EFLAGS)))
-        block.add(_mov_store(rbx, area.REC_EFLAGS, rcx))
-        block.add(
-            Instruction.create_reg_mem(Code.LEA_R64_M, rcx, _at(Register.RSP, frame.probe_rsp))
-        )
-        block.add(_mov_store(rbx, area.REC_RSP, rcx))
-        for name in area.GPR_ORDER:
-            if name in frame.words:
-                block.add(_mov_load(rcx, Register.RSP, frame.offset(name)))
-                block.add(_mov_store(rbx, area.rec_gpr(name), rcx))
-            else:
-                block.add(_mov_store(rbx, area.rec_gpr(name), _GPRS[name]))
-        block.add(Instruction.create_reg_mem(Code.LEA_R64_M, rcx, _at(rsi, 1)))
-        block.add(_mov_store(rbx, area.REC_COMMIT, rcx))
-        block.branch(Code.JMP_REL8_64, "done")
-        # Step 4: the ring is full: count the drop, write nothing.
-        block.label("full")
-        block.add(Instruction.create_mem(Code.INC_RM64, _rip(ring.drops)), lock=True)
-        block.label("done")
 
 
 @dataclass(frozen=True, slots=True)

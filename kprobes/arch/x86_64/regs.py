@@ -156,6 +156,13 @@ class Regs:
         clone = Regs(self.tid, bytearray(self._buf))
         return clone
 
+    def frozen(self) -> Regs:
+        """A read-only snapshot: every write raises TypeError (asynchronous handlers get
+        these: what they would change has already run)."""
+        clone = Regs(self.tid, bytearray(self._buf))
+        clone._words = memoryview(bytes(self._buf)).cast("Q")
+        return clone
+
     def as_dict(self) -> dict[str, int]:
         return {name: int(self._words[i]) for name, i in REG_INDEX.items()}
 

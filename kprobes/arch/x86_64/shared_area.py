@@ -1,31 +1,39 @@
 """The shared area: what optimized probes write in the program and the tool reads, and its reader.
 
-One mapping (a memfd mapped in both the program and the tool) holds three parts::
+One memfd, mapped in both the program and the tool, holds three parts::
 
     0       header      one page: layout words, then the ring's counters, each on its own
                         cache line so that producers, the reader and drops do not share one
     4096    counters    one 8-byte counter per probe, 64 bytes apart (no false sharing
                         between probes hit on different CPUs)
-    ring    records     ``capacity`` (a power of two) fixed-size records
+    ring    slots       ``capacity`` (a power of two) 64-byte slots
 
-**Reservation (multi-producer).** A producer takes ticket ``t = head`` only if the ring has
-room (``head - tail < capacity``) with ``lock cmpxchg head, t+1``, retried when another
-producer won; the record for ticket ``t`` lives at index ``t % capacity``. When the ring is
-full it increments ``drops`` and writes nothing. This is perf's reservation
-(``perf_output_begin()``: a cmpxchg loop on ``head`` against the reader's ``data_tail``, a
-``lost`` count on failure). Rejected: ``lock xadd head`` (a blind increment). A ticket taken
-on a full ring cannot be given back, and its slot is still the reader's, so nothing can be
-written for it: the reader, arriving at that ticket, cannot tell a dropped ticket from one
-whose record is still being written, and waits forever. Fixing that needs a second locked
-instruction per hit (a per-slot compare-and-swap that the reader may win to skip the ticket);
-the cmpxchg loop costs one locked instruction, like xadd, when uncontended.
+**Records take as many slots as they need.** A count-and-argument record (the common trace)
+is one slot; a record with the registers for a Python handler, or a string, takes more. The
+program maps the first ``MIRROR`` bytes of the ring a second time right after its end, so a
+record that starts near the end is written as one run of bytes with no wrap in the detour's
+code; the tool reads the two pieces. Rejected: one fixed record size (every trace record
+pays for the largest: 512 bytes for a string, eight times the memory and the reader's
+copying), and a padding record at the end of the ring (a second reservation in the detour).
 
-**Commit (publication).** Each record's first word is its commit word: the producer writes
-every other field first and ``t + 1`` there last, with plain stores. x86 is TSO: stores
-become visible in program order, and loads are not reordered with older loads, so a reader
-that loads the commit word, sees ``t + 1`` and then loads the fields sees them complete. The
-word carries the ticket, not a flag, so a record of the previous lap (``t + 1 - capacity``)
-or a fresh zeroed slot never reads as committed, and no one has to clear it.
+**Reservation (multi-producer).** A record of ``k`` slots takes tickets ``t .. t+k-1`` with
+``lock cmpxchg head, t+k`` when the ring has room (``t + k - tail <= capacity``), retried
+when another producer won; it starts in slot ``t % capacity``. When the ring is full it
+increments ``drops`` and writes nothing. This is perf's reservation (``perf_output_begin()``:
+a cmpxchg loop on ``head`` against the reader's ``data_tail``, a ``lost`` count on failure).
+Rejected: ``lock xadd head`` (a blind increment). A ticket taken on a full ring cannot be
+given back, and its slot is still the reader's, so nothing can be written for it: the reader,
+arriving at that ticket, cannot tell a dropped ticket from one whose record is still being
+written, and waits forever.
+
+**Commit (publication).** A record's first word is its commit word: the producer writes every
+other field first and ``COMMIT_TAG | t + 1`` there last, with plain stores. x86 is TSO:
+stores become visible in program order, and loads are not reordered with older loads, so a
+reader that loads the commit word, sees the value it expects and then loads the fields sees
+them complete. The word carries the ticket, so a record of an earlier lap or a fresh zeroed
+slot never reads as committed, and no one has to clear it; the tag in its top bits keeps a
+word in the middle of an older, longer record (an argument that happens to equal ``t + 1``)
+from reading as a commit.
 
 **Release.** The reader copies the records it returns and only then stores the new ``tail``
 (one aligned 8-byte store, through a ``memoryview`` of words: ``struct.pack_into`` writes
@@ -41,20 +49,22 @@ waits, and the tool, at a full stop with no thread inside a detour, can tell it 
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
 from kprobes.errors import InternalError
 
 MAGIC: Final = int.from_bytes(b"KPRBAREA", "little")
-VERSION: Final = 1
+VERSION: Final = 2
 PAGE: Final = 4096
 CACHE_LINE: Final = 64
+SLOT: Final = 64  # bytes per ring slot
+MIRROR: Final = 2 * PAGE  # ring bytes mapped again after its end: the largest record
+MAX_SLOTS: Final = MIRROR // SLOT
 
 # Header words (byte offsets). The first line is written once, by the tool, before use.
 OFF_MAGIC: Final = 0
-OFF_VERSION: Final = 8  # u32; the record size is the u32 at 12
+OFF_VERSION: Final = 8  # u32; the slot size is the u32 at 12
 OFF_CAPACITY: Final = 16
 OFF_NCOUNTERS: Final = 24
 OFF_COUNTERS: Final = 32
@@ -67,46 +77,58 @@ OFF_DROPS_READ: Final = 256  # the reader: drops already reported
 COUNTER_STRIDE: Final = CACHE_LINE
 
 # Record fields (byte offsets into a record).
-REC_COMMIT: Final = 0
-REC_PROBE: Final = 8
-REC_THREAD: Final = 16
+REC_COMMIT: Final = 0  # COMMIT_TAG | ticket + 1, written last
+REC_META: Final = 8  # probe id (bits 0-31) | slots (32-47) | cpu (48-62) | registers (63)
+REC_THREAD: Final = 16  # the thread pointer (fs base)
 REC_TSC: Final = 24
-REC_RIP: Final = 32
-REC_EFLAGS: Final = 40
-REC_RSP: Final = 48
-REC_GPRS: Final = 56
-# The general registers in struct user_regs_struct order (r15 first), rsp apart.
+REC_HEADER: Final = 32  # then the registers if the record has them, then the captures
+COMMIT_TAG: Final = 0x4B50 << 48
+META_SLOTS_SHIFT: Final = 32
+META_CPU_SHIFT: Final = 48
+META_CPU_MASK: Final = 0x7FFF
+META_REGS: Final = 1 << 63
+# The registers block: rip, eflags, rsp, then the general registers in struct
+# user_regs_struct order (r15 first).
 GPR_ORDER: Final = (
     "r15", "r14", "r13", "r12", "rbp", "rbx", "r11", "r10",
     "r9", "r8", "rax", "rcx", "rdx", "rsi", "rdi",
 )  # fmt: skip
-RECORD_FIXED: Final = REC_GPRS + 8 * len(GPR_ORDER)  # 176: the rest is left for fetch-args
-RECORD_SIZE: Final = 192
+REG_ORDER: Final = ("rip", "eflags", "rsp", *GPR_ORDER)
+REGS_BLOCK: Final = 8 * len(REG_ORDER)  # 144
 
-_FIXED: Final = struct.Struct(f"<{RECORD_FIXED // 8}Q")
 _HEADER: Final = struct.Struct("<QIIQQQQ")
+_REC_HEADER: Final = struct.Struct("<4Q")
+_REGS: Final = struct.Struct(f"<{len(REG_ORDER)}Q")
 
 
-def rec_gpr(name: str) -> int:
-    """The offset of general register ``name`` ("rax", ...; not "rsp") in a record."""
-    return REC_GPRS + 8 * GPR_ORDER.index(name)
+def rec_reg(name: str) -> int:
+    """The offset of register ``name`` ("rip", "eflags", "rsp", "rax", ...) in a record that
+    has the registers block."""
+    return REC_HEADER + 8 * REG_ORDER.index(name)
+
+
+def slots_for(nbytes: int) -> int:
+    """Slots a record of ``nbytes`` takes; InternalError past the largest record."""
+    k = max(1, (nbytes + SLOT - 1) // SLOT)
+    if k > MAX_SLOTS:
+        raise InternalError(f"a record of {nbytes} bytes exceeds {MAX_SLOTS * SLOT}")
+    return k
 
 
 @dataclass(frozen=True, slots=True)
 class AreaLayout:
-    """Where everything is in a shared area of ``ncounters`` counters and a ring of records."""
+    """Where everything is in a shared area of ``ncounters`` counters and a ring of
+    ``capacity`` slots (0: no ring, counters only)."""
 
     ncounters: int
     capacity: int
-    record_size: int = RECORD_SIZE
 
     def __post_init__(self) -> None:
         cap = self.capacity
-        if cap <= 0 or cap & (cap - 1) or cap >= 1 << 31:
-            raise InternalError(f"ring capacity {cap} is not a power of two below 2**31")
-        size = self.record_size
-        if size < RECORD_FIXED or size % CACHE_LINE or size >= 1 << 31:
-            raise InternalError(f"record size {size} is not a multiple of 64 of at least 192")
+        if cap and (cap & (cap - 1) or cap * SLOT < MIRROR or cap >= 1 << 31):
+            raise InternalError(
+                f"ring capacity {cap} is not 0 or a power of two of at least {MIRROR // SLOT}"
+            )
         if self.ncounters < 0:
             raise InternalError(f"{self.ncounters} counters")
 
@@ -120,10 +142,18 @@ class AreaLayout:
         return (counters_end + PAGE - 1) & ~(PAGE - 1)
 
     @property
+    def ring_bytes(self) -> int:
+        return self.capacity * SLOT
+
+    @property
     def size(self) -> int:
-        """Bytes to map (a whole number of pages)."""
-        ring_end = self.ring_offset + self.capacity * self.record_size
-        return (ring_end + PAGE - 1) & ~(PAGE - 1)
+        """Bytes of the file (a whole number of pages); the tool maps this much."""
+        return self.ring_offset + self.ring_bytes
+
+    @property
+    def map_size(self) -> int:
+        """Bytes the program maps: the file, then the ring's first ``MIRROR`` bytes again."""
+        return self.size + (MIRROR if self.capacity else 0)
 
     def counter_offset(self, index: int) -> int:
         if not 0 <= index < self.ncounters:
@@ -131,17 +161,18 @@ class AreaLayout:
         return PAGE + index * COUNTER_STRIDE
 
     def record_offset(self, ticket: int) -> int:
-        return self.ring_offset + (ticket & (self.capacity - 1)) * self.record_size
+        return self.ring_offset + (ticket & (self.capacity - 1)) * SLOT
 
     def ring_at(self, base: int) -> RingAddrs:
         """The absolute addresses a record action needs, for the area mapped at ``base``."""
+        if not self.capacity:
+            raise InternalError("this area has no ring")
         return RingAddrs(
             head=base + OFF_HEAD,
             tail=base + OFF_TAIL,
             drops=base + OFF_DROPS,
             ring=base + self.ring_offset,
             capacity=self.capacity,
-            record_size=self.record_size,
         )
 
 
@@ -153,42 +184,28 @@ class RingAddrs:
     tail: int
     drops: int
     ring: int
-    capacity: int
-    record_size: int
+    capacity: int  # slots
 
 
 @dataclass(frozen=True, slots=True)
 class Record:
     """One hit, as its detour wrote it. ``thread`` is the thread's fs base (its thread
-    pointer); ``tsc`` is the time stamp counter; registers are those at the probe point."""
+    pointer); ``tsc`` the time stamp counter and ``cpu`` the CPU (``rdtscp``); ``regs`` the
+    registers at the probe point in ``REG_ORDER``, if the probe asked for them; ``data`` the
+    captured fetch-args (capture.py reads them)."""
 
     ticket: int
     probe: int
+    cpu: int
     thread: int
     tsc: int
-    rip: int
-    eflags: int
-    rsp: int
-    r15: int
-    r14: int
-    r13: int
-    r12: int
-    rbp: int
-    rbx: int
-    r11: int
-    r10: int
-    r9: int
-    r8: int
-    rax: int
-    rcx: int
-    rdx: int
-    rsi: int
-    rdi: int
-    extra: bytes  # the record's bytes after the fixed fields (fetch-args, later)
+    regs: tuple[int, ...] | None
+    data: bytes
 
-
-# Built from the unpacked words in field order (mypy cannot count a starred tuple).
-_make_record: Final[Callable[..., Record]] = Record
+    def reg(self, name: str) -> int:
+        if self.regs is None:
+            raise InternalError("this record has no registers")
+        return self.regs[REG_ORDER.index(name)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +228,7 @@ def init_area(buffer: memoryview | bytearray, layout: AreaLayout) -> None:
         OFF_MAGIC,
         MAGIC,
         VERSION,
-        layout.record_size,
+        SLOT,
         layout.capacity,
         layout.ncounters,
         layout.counters_offset,
@@ -221,10 +238,10 @@ def init_area(buffer: memoryview | bytearray, layout: AreaLayout) -> None:
 
 def layout_of(buffer: memoryview | bytearray) -> AreaLayout:
     """The layout an area's header describes; InternalError if it is not one of ours."""
-    magic, version, record_size, capacity, ncounters, _, ring = _HEADER.unpack_from(buffer, 0)
-    if magic != MAGIC or version != VERSION:
+    magic, version, slot, capacity, ncounters, _, ring = _HEADER.unpack_from(buffer, 0)
+    if magic != MAGIC or version != VERSION or slot != SLOT:
         raise InternalError(f"not a kprobes shared area (magic {magic:#x}, version {version})")
-    layout = AreaLayout(ncounters, capacity, record_size)
+    layout = AreaLayout(ncounters, capacity)
     if ring != layout.ring_offset or len(buffer) < layout.size:
         raise InternalError("the shared area's header does not match its size")
     return layout
@@ -236,30 +253,49 @@ def read_counter(buffer: memoryview | bytearray, index: int) -> int:
     return int(memoryview(buffer).cast("B").cast("Q")[offset // 8])
 
 
+def decode_record(ticket: int, raw: bytes) -> Record:
+    """A record's fields from its bytes (all its slots, the commit word first)."""
+    _, meta, thread, tsc = _REC_HEADER.unpack_from(raw, 0)
+    cpu = (meta >> META_CPU_SHIFT) & META_CPU_MASK
+    if meta & META_REGS:
+        regs: tuple[int, ...] | None = _REGS.unpack_from(raw, REC_HEADER)
+        data = raw[REC_HEADER + REGS_BLOCK :]
+    else:
+        regs, data = None, raw[REC_HEADER:]
+    return Record(ticket, meta & 0xFFFF_FFFF, cpu, thread, tsc, regs, data)
+
+
 def read_records(buffer: memoryview | bytearray, *, limit: int | None = None) -> Batch:
     """The complete records written since the last read, and the drops, and release them.
 
     ``buffer`` is the whole area (writable: the reader's ``tail`` and ``drops_read`` live in
-    its header, so this function keeps no state of its own). At most ``limit`` records, and
-    never more than the ring holds. Never returns a record that is not fully written.
+    its header, so this function keeps no state of its own). At most ``limit`` records.
+    Never returns a record that is not fully written.
     """
     layout = layout_of(buffer)
     mv = memoryview(buffer).cast("B")
     words = mv.cast("Q")
-    size = layout.record_size
+    cap = layout.capacity
+    ring, ring_end = layout.ring_offset, layout.size
     tail = int(words[OFF_TAIL // 8])
-    most = layout.capacity if limit is None else min(limit, layout.capacity)
+    most = cap if limit is None else min(limit, cap)
     records: list[Record] = []
     # Step 1: copy committed records in ticket order; stop at the first one not committed.
     ticket = tail
     while len(records) < most:
-        offset = layout.record_offset(ticket)
-        if words[(offset + REC_COMMIT) // 8] != ticket + 1:
+        offset = ring + (ticket & (cap - 1)) * SLOT
+        if words[offset // 8] != COMMIT_TAG | (ticket + 1):
             break
-        record = bytes(mv[offset : offset + size])  # after the commit word's load
-        fields = _FIXED.unpack_from(record, 0)
-        records.append(_make_record(ticket, *fields[1:], record[RECORD_FIXED:]))
-        ticket += 1
+        k = (int(words[offset // 8 + 1]) >> META_SLOTS_SHIFT) & 0xFFFF
+        if not 0 < k <= MAX_SLOTS:
+            raise InternalError(f"record {ticket} says it takes {k} slots")
+        end = offset + k * SLOT
+        if end <= ring_end:  # after the commit word's load
+            raw = bytes(mv[offset:end])
+        else:
+            raw = bytes(mv[offset:ring_end]) + bytes(mv[ring : ring + end - ring_end])
+        records.append(decode_record(ticket, raw))
+        ticket += k
     pending = words[OFF_HEAD // 8] > ticket
     # Step 2: release the slots (after the copies) and account the drops.
     words[OFF_TAIL // 8] = ticket

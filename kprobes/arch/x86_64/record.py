@@ -1,0 +1,194 @@
+"""The *record* action of a detour: one record per hit in the shared ring, fetch-args included.
+
+The action reserves ``slots`` slots (shared_area.py has the protocol), writes the header, the
+registers if the probe's handler wants them, the captures of its fetch-args (capture.py), and
+the commit word last; when the ring is full it counts a drop and writes nothing, and fetches
+nothing. Reserving first is what makes a record probe cheap to leave behind: after the tool's
+death nobody reads the ring, it fills, and from then on a hit costs the reservation's check.
+
+The thread is identified by its fs base, the thread pointer that glibc and musl point at
+their thread control block and that the tracer reads in every thread's registers
+(``fs_base``): with FSGSBASE (Linux 5.9+, AT_HWCAP2 bit 1) ``rdfsbase`` reads it without
+touching memory; else ``mov rcx, fs:[0]`` loads the TCB's self pointer, the same value under
+glibc, but a fault in a thread without a TLS block. Rejected: ``syscall(gettid)`` (about
+90 ns on these machines, three times the whole record). The timestamp is ``rdtsc``: the
+machines have an invariant TSC (``constant_tsc nonstop_tsc``) and the tool converts ticks to
+time. The CPU, which the kernel's trace prints, comes from ``rdpid`` (the kernel keeps the CPU
+number in TSC_AUX), else from ``rdtscp``, which also waits for older instructions to retire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Final
+
+from iced_x86 import Code, Instruction, MemoryOperand, Register, Register_
+
+from kprobes.arch.x86_64 import shared_area as area
+from kprobes.arch.x86_64.capture import CapturePlan, emit_captures
+from kprobes.arch.x86_64.detour import (
+    EFLAGS,
+    Block,
+    Frame,
+    at,
+    mov_load,
+    mov_store,
+    rip_operand,
+)
+from kprobes.errors import InternalError
+
+_GPRS: Final[dict[str, Register_]] = {
+    "rax": Register.RAX, "rcx": Register.RCX, "rdx": Register.RDX, "rbx": Register.RBX,
+    "rsp": Register.RSP, "rbp": Register.RBP, "rsi": Register.RSI, "rdi": Register.RDI,
+    "r8": Register.R8, "r9": Register.R9, "r10": Register.R10, "r11": Register.R11,
+    "r12": Register.R12, "r13": Register.R13, "r14": Register.R14, "r15": Register.R15,
+}  # fmt: skip
+
+
+class ThreadId(Enum):
+    """How a record names its thread (both give the thread pointer, fs base)."""
+
+    FSBASE = "rdfsbase"
+    FS0 = "fs:0"
+
+
+class CpuId(Enum):
+    """How a record learns its CPU (TSC_AUX, which Linux sets to the CPU number)."""
+
+    RDPID = "rdpid"
+    RDTSCP = "rdtscp"
+    NONE = "none"  # the cpu field reads META_CPU_MASK
+
+
+@dataclass(frozen=True, slots=True)
+class RecordAction:
+    """Write a record of the hit (probe id, thread, CPU, TSC, the registers if
+    ``with_regs``, the captures of ``plan``) into the shared ring."""
+
+    probe_id: int
+    ring: area.RingAddrs
+    thread_id: ThreadId = ThreadId.FSBASE
+    with_regs: bool = True
+    plan: CapturePlan = field(default_factory=CapturePlan)
+    cpu_id: CpuId = CpuId.RDPID
+    counter: int | None = None  # also count every hit there, recorded or dropped
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.probe_id < 1 << 31:
+            raise InternalError(f"probe id {self.probe_id} does not fit an imm32")
+        area.slots_for(self.size)  # raises past the largest record
+
+    @property
+    def data_offset(self) -> int:
+        return area.REC_HEADER + (area.REGS_BLOCK if self.with_regs else 0)
+
+    @property
+    def size(self) -> int:
+        return self.data_offset + self.plan.size
+
+    @property
+    def slots(self) -> int:
+        return area.slots_for(self.size)
+
+    @property
+    def clobbers(self) -> tuple[str, ...]:
+        # rax/rdx: cmpxchg and rdtsc; rcx: scratch; rbx: the record; rsi: the ticket;
+        # rdi, r10, r11: the captures' address and their fault fixup.
+        regs = ["rax", "rcx", "rdx", "rbx", "rsi"]
+        if self.plan.captures:
+            regs += ["rdi", "r10", "r11"]
+        return tuple(regs)
+
+    @property
+    def reads_flags(self) -> bool:
+        return True
+
+    def emit(self, block: Block, frame: Frame, probe_addr: int) -> None:
+        ring = self.ring
+        rax, rcx, rdx, rbx, rsi = (_GPRS[r] for r in ("rax", "rcx", "rdx", "rbx", "rsi"))
+        k = self.slots
+        if self.counter is not None:
+            block.add(Instruction.create_mem(Code.INC_RM64, rip_operand(self.counter)), lock=True)
+        # Step 1: reserve tickets rax .. rax+k-1 if the ring has room (see shared_area.py).
+        block.add(Instruction.create_reg_mem(Code.MOV_R64_RM64, rax, rip_operand(ring.head)))
+        block.label("retry")
+        block.add(Instruction.create_reg_mem(Code.LEA_R64_M, rcx, at(rax, k)))
+        block.add(Instruction.create_reg_reg(Code.MOV_R64_RM64, rdx, rcx))
+        block.add(Instruction.create_reg_mem(Code.SUB_R64_RM64, rdx, rip_operand(ring.tail)))
+        block.add(Instruction.create_reg_i32(Code.CMP_RM64_IMM32, rdx, ring.capacity))
+        block.branch(Code.JA_REL32_64, "full")
+        block.add(
+            Instruction.create_mem_reg(Code.CMPXCHG_RM64_R64, rip_operand(ring.head), rcx),
+            lock=True,
+        )
+        block.branch(Code.JNE_REL32_64, "retry")
+        # Step 2: rbx = the record of ticket rax; keep the ticket in rsi for the commit.
+        block.add(Instruction.create_reg_reg(Code.MOV_R64_RM64, rsi, rax))
+        block.add(Instruction.create_reg_u32(Code.AND_RM32_IMM32, Register.EAX, ring.capacity - 1))
+        block.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, rax, 6))  # * SLOT
+        block.add(Instruction.create_reg_mem(Code.LEA_R64_M, rbx, rip_operand(ring.ring)))
+        block.add(Instruction.create_reg_reg(Code.ADD_R64_RM64, rbx, rax))
+        # Step 3: the header: thread, time, then meta (probe id, slots, cpu, registers).
+        if self.thread_id is ThreadId.FSBASE:
+            block.add(Instruction.create_reg(Code.RDFSBASE_R64, rcx))
+        else:
+            fs0 = MemoryOperand(displ=0, displ_size=8, seg=Register.FS)
+            block.add(Instruction.create_reg_mem(Code.MOV_R64_RM64, rcx, fs0))
+        block.add(mov_store(rbx, area.REC_THREAD, rcx))
+        if self.cpu_id is CpuId.RDTSCP:
+            block.add(Instruction.create(Code.RDTSCP))  # ecx = TSC_AUX
+        else:
+            block.add(Instruction.create(Code.RDTSC))
+            if self.cpu_id is CpuId.RDPID:
+                block.add(Instruction.create_reg(Code.RDPID_R64, rcx))
+            else:
+                block.add(Instruction.create_reg_u32(Code.MOV_R32_IMM32, Register.ECX, 0xFFFF))
+        block.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, rdx, 32))
+        block.add(Instruction.create_reg_reg(Code.OR_R64_RM64, rax, rdx))
+        block.add(mov_store(rbx, area.REC_TSC, rax))
+        block.add(Instruction.create_reg_u32(Code.AND_RM32_IMM32, Register.ECX, 0xFFF))
+        block.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, rcx, area.META_CPU_SHIFT))
+        meta = self.probe_id | k << area.META_SLOTS_SHIFT
+        if self.with_regs:
+            meta |= area.META_REGS
+        block.add(Instruction.create_reg_u64(Code.MOV_R64_IMM64, rax, meta))
+        block.add(Instruction.create_reg_reg(Code.OR_R64_RM64, rcx, rax))
+        block.add(mov_store(rbx, area.REC_META, rcx))
+
+        def load_reg(b: Block, name: str, into: Register_) -> None:
+            """The program's value of ``name`` at the probe, into ``into``."""
+            if name == "rsp":
+                b.add(
+                    Instruction.create_reg_mem(
+                        Code.LEA_R64_M, into, at(Register.RSP, frame.probe_rsp)
+                    )
+                )
+            elif name == "rip":
+                b.add(Instruction.create_reg_mem(Code.LEA_R64_M, into, rip_operand(probe_addr)))
+            elif name == "eflags":
+                b.add(mov_load(into, Register.RSP, frame.offset(EFLAGS)))
+            elif name in frame.words:
+                b.add(mov_load(into, Register.RSP, frame.offset(name)))
+            elif _GPRS[name] != into:
+                b.add(Instruction.create_reg_reg(Code.MOV_R64_RM64, into, _GPRS[name]))
+
+        # Step 4: the registers block.
+        if self.with_regs:
+            for name in area.REG_ORDER:
+                if name in frame.words or name in ("rip", "eflags", "rsp"):
+                    load_reg(block, name, rcx)
+                    block.add(mov_store(rbx, area.rec_reg(name), rcx))
+                else:
+                    block.add(mov_store(rbx, area.rec_reg(name), _GPRS[name]))
+        # Step 5: the fetch-args' captures.
+        emit_captures(block, self.plan, rbx, self.data_offset, load_reg)
+        # Step 6: the commit word, last.
+        block.add(Instruction.create_reg_u64(Code.MOV_R64_IMM64, rcx, area.COMMIT_TAG + 1))
+        block.add(Instruction.create_reg_reg(Code.ADD_R64_RM64, rcx, rsi))
+        block.add(mov_store(rbx, area.REC_COMMIT, rcx))
+        block.branch(Code.JMP_REL32_64, "done")
+        # Step 7: the ring is full: count the drop, write nothing.
+        block.label("full")
+        block.add(Instruction.create_mem(Code.INC_RM64, rip_operand(ring.drops)), lock=True)
+        block.label("done")

@@ -1,0 +1,75 @@
+"""The optimizer's state machine: where each probe site stands with jump optimization.
+
+The kernel keeps this in kernel/kprobes.c (``optimize_kprobe``, ``unoptimize_kprobe``, the
+``KPROBE_FLAG_OPTIMIZED`` bit and the optimizing and unoptimizing lists); the machine work of
+building detours and writing jumps is the target's (process/optimizer.py, as the kernel's
+arch/x86/kernel/kprobes/opt.c). A site is optimized when every probe on it asked for it, none
+has a handler that may change the program, the site is armed and optimization is on; the
+target then decides whether the code allows it, and a refusal is final for that code.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+from kprobes.errors import InternalError
+
+if TYPE_CHECKING:
+    from kprobes.core.table import ProbeSite
+
+
+class OptState(enum.Enum):
+    """Where a site stands with jump optimization (changed only by ``SiteOpt.to``)."""
+
+    TRAP = "trap"  # an int3 probe: not asked for, or asked and not possible now
+    OPTIMIZED = "optimized"  # a jmp to a detour
+    REFUSED = "refused"  # the site can never be optimized (the reason says why)
+
+
+_ALLOWED: Final[dict[OptState, frozenset[OptState]]] = {
+    OptState.TRAP: frozenset({OptState.TRAP, OptState.OPTIMIZED, OptState.REFUSED}),
+    OptState.OPTIMIZED: frozenset({OptState.TRAP}),
+    OptState.REFUSED: frozenset({OptState.REFUSED}),
+}
+
+
+@dataclass(slots=True)
+class SiteOpt:
+    """One site's optimization: its state, why it is not optimized, its counter."""
+
+    state: OptState = OptState.TRAP
+    reason: str = ""
+    area: int = 0  # which shared area (JumpState.areas) holds its counter
+    counter: int = -1  # index in that area, kept across unoptimize/optimize
+    seen: int = 0  # the counter's value already added to the probes' nhit
+    detour: int = 0  # where the current detour is (0 when not optimized)
+    region_len: int = 0
+    record_id: int = 0  # a record site's id in its records (records.py), 0 for a count
+    plan: Any = None  # the captures that id's records hold (the target's)
+
+    def to(self, state: OptState, reason: str = "") -> None:
+        if state not in _ALLOWED[self.state]:
+            raise InternalError(f"optimization: {self.state.value} -> {state.value}")
+        self.state = state
+        self.reason = reason
+
+
+def why_no_jump(site: ProbeSite, is_enabled: bool) -> str | None:
+    """Why ``site`` keeps its int3 whatever its code ("" when no probe asked); None when it
+    should be optimized."""
+    if not any(p.optimize for p in site.probes):
+        return ""
+    for p in site.probes:
+        if not p.optimize:
+            return "another probe here did not ask for a jump"
+        if p.owner is not None or p.pre_handler or p.post_handler or p.fault_handler:
+            return "a probe here has a handler that may change the program, which runs at a trap"
+        if p.async_handler is not None and p.fast is None:
+            return "its asynchronous handler was not prepared"
+    if not site.is_armed:
+        return "disabled"
+    if not is_enabled:
+        return "optimization is off (proc.optimization)"
+    return None

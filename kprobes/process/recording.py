@@ -1,0 +1,160 @@
+"""Record probes on a process: the action of a site whose probes have asynchronous handlers,
+the threads the records name, and the reading of the rings (records.py has the reader).
+
+A probe with an ``async_handler`` is prepared at registration (``records.equip``: its
+``args`` parsed, its trap-tier handler built), so that it works on traps from the start; the
+optimizer then gives its site a record action where the code allows it: the captures of
+every such probe's fetch-args (fastfetch.py), the registers if one of them wants them, and
+the counter that ``nhit`` reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kprobes.arch.x86_64 import shared_area as sa
+from kprobes.arch.x86_64.detour import Action, CountAction
+from kprobes.arch.x86_64.record import CpuId, RecordAction
+from kprobes.errors import InternalError, TargetError
+from kprobes.process import records
+from kprobes.process.fastfetch import NotCapturable, plan_captures
+from kprobes.process.fetch import CommCache, CpuReader, Memory, Symbolizer
+from kprobes.process.records import RingReader
+from kprobes.process.threads import ThreadState
+
+if TYPE_CHECKING:
+    from kprobes.core.manager import ProbeManager
+    from kprobes.core.optimizer import SiteOpt
+    from kprobes.core.probes import Kprobe
+    from kprobes.core.table import ProbeSite
+    from kprobes.process.optmemory import SharedArea
+    from kprobes.process.threads import Thread
+    from kprobes.process.tracer import Tracer
+    from kprobes.symbols.resolve import SymbolResolver
+
+
+def _cpu_id() -> CpuId:
+    """rdpid where the CPU has it, else rdtscp (both read the CPU number Linux keeps in
+    TSC_AUX)."""
+    global _CPU_ID
+    if _CPU_ID is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((line for line in f if line.startswith("flags")), "").split()
+        except OSError:
+            flags = []
+        _CPU_ID = (
+            CpuId.RDPID if "rdpid" in flags else CpuId.RDTSCP if "rdtscp" in flags else CpuId.NONE
+        )
+    return _CPU_ID
+
+
+_CPU_ID: CpuId | None = None
+
+
+class Recording:
+    """Record probes, for ``Process``."""
+
+    pid: int
+    _tracer: Tracer
+    _manager: ProbeManager
+
+    if TYPE_CHECKING:
+
+        def _symbols(self) -> SymbolResolver: ...
+        def read(self, addr: int, size: int) -> bytes: ...
+        def read_string(self, addr: int, max_len: int = 4096) -> bytes: ...
+
+    def _equip_async(self, kps: Sequence[Kprobe]) -> None:
+        """Prepare the probes with an asynchronous handler (before anything is placed: a
+        wrong fetch-arg raises SpecError here)."""
+        for kp in kps:
+            if kp.async_handler is None or kp.fast is not None:
+                continue
+            reader = self._ring_reader()
+            memory = Memory(self.read, self.read_string, reader.symbolize, reader.comm)
+            records.equip(kp, self._symbols, memory, CpuReader(self.pid))
+
+    @property
+    def dropped(self) -> int:
+        """Records of optimized probes lost to a full ring (perf's lost events): their hits
+        are in ``nhit``, their handlers did not run."""
+        reader = self._tracer.optimizer.reader
+        if reader is None:
+            return 0
+        reader.drain()
+        return reader.dropped
+
+    @property
+    def ring_size(self) -> int:
+        """Bytes of each shared ring of records (set before the first record probe is
+        optimized; a power of two, at least 8 KiB)."""
+        return self._tracer.optimizer.ring_bytes
+
+    @ring_size.setter
+    def ring_size(self, value: int) -> None:
+        if self._tracer.optimizer.areas:
+            raise TargetError("the ring is in use: set ring_size before optimizing")
+        sa.AreaLayout(0, value // sa.SLOT)  # raises for a size that is not one
+        self._tracer.optimizer.ring_bytes = value
+
+    def _ring_reader(self) -> RingReader:
+        state = self._tracer.optimizer
+        if state.reader is None:
+            state.reader = RingReader(
+                self._manager.table,
+                lambda: [area.view for area in state.areas],
+                Symbolizer(lambda addr: self._symbols().locate_address(addr)),
+                CommCache(self.pid),
+            )
+        return state.reader
+
+    def _drain_rings(self) -> None:
+        reader = self._tracer.optimizer.reader
+        if reader is not None:
+            reader.drain()
+
+    def _learn_thread(self, t: Thread) -> None:
+        """A new thread's first stop: its thread pointer names it in records from now on
+        (records of an exited thread that had the same one are read first)."""
+        reader = self._tracer.optimizer.reader
+        if reader is not None and reader.is_active:
+            reader.drain()
+            reader.note_thread(t.load_regs().fs_base, t.tid)
+
+    def _action(self, site: ProbeSite, area: SharedArea, so: SiteOpt) -> Action | str:
+        """The site's action: a count, or a record if a probe has an asynchronous handler
+        (then also the count); a str says why the site cannot be optimized."""
+        counter = area.counter_addr(so.counter)
+        fast = [p.fast for p in site.probes if p.async_handler is not None]
+        if not fast:
+            return CountAction(counter)
+        try:
+            plan = plan_captures([(fp.spec, fp.resolvers) for fp in fast])
+        except NotCapturable as exc:
+            return str(exc)
+        with_regs = any(fp.with_regs for fp in fast)
+        reader = self._ring_reader()
+        if not reader.is_active:
+            self._learn_all_threads(reader)
+        if so.record_id == 0 or so.plan != plan:
+            so.record_id, so.plan = reader.add_site(site, plan, with_regs), plan
+        try:
+            return RecordAction(
+                so.record_id,
+                area.layout.ring_at(area.addr),
+                with_regs=with_regs,
+                plan=plan,
+                cpu_id=_cpu_id(),
+                counter=counter,
+            )
+        except InternalError as exc:  # a record larger than the ring's mirror
+            return f"its fetch-args need too large a record: {exc}"
+
+    def _learn_all_threads(self, reader: RingReader) -> None:
+        for t in self._tracer.threads.values():
+            if t.state in (ThreadState.STOPPED, ThreadState.GROUP_STOPPED) and not t.busy:
+                reader.note_thread(t.load_regs().fs_base, t.tid)
+        self._tracer.on_thread_start = self._learn_thread
+        self._tracer.ring_poll = self._drain_rings
