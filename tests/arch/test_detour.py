@@ -129,7 +129,7 @@ RECORD_LAHF = [
     ("48 8b d1", "mov rdx, rcx"),
     ("48 2b 15 5b e0 1f 00", "sub rdx, [0x600080]"),
     ("48 81 fa 00 04 00 00", "cmp rdx, 0x400"),  # used slots past the capacity: full
-    ("0f 87 ef 00 00 00", "ja 0x402121"),
+    ("0f 8f ef 00 00 00", "jg 0x402121"),  # signed: a stale head gives rdx < 0
     ("f0 48 0f b1 0d 05 e0 1f 00", "lock cmpxchg [0x600040], rcx"),
     ("75 da", "jne 0x402017"),  # rax is the head another producer set: retry
     # rbx = ring + (ticket % 1024) * 64; the ticket stays in rsi
@@ -298,6 +298,14 @@ def test_record_writes_each_field_once_commit_last(
     assert stack_delta(d.code, d.copy_addr) == 0
     assert (Mnemonic.POPFQ in mnemonics) is (flags is FlagsSave.PUSHF)
     assert (Mnemonic.SAHF in mnemonics) is (flags is FlagsSave.LAHF)
+
+
+def test_record_without_a_cpu_id_says_so() -> None:
+    """CpuId.NONE: the cpu field reads META_CPU_MASK (records.py gives cpu -1), not a CPU."""
+    action = RecordAction(1, LAYOUT.ring_at(AREA), with_regs=False, cpu_id=CpuId.NONE)
+    text = [t for _, t in listing(build_detour(D, region_of(FP_PROLOGUE), action).code, D)]
+    assert f"mov ecx, {sa.META_CPU_MASK:#x}" in text
+    assert not any(t.startswith("and ecx") for t in text)
 
 
 def test_record_counts_every_hit_first() -> None:

@@ -117,7 +117,10 @@ class RecordAction:
         block.add(Instruction.create_reg_reg(Code.MOV_R64_RM64, rdx, rcx))
         block.add(Instruction.create_reg_mem(Code.SUB_R64_RM64, rdx, rip_operand(ring.tail)))
         block.add(Instruction.create_reg_i32(Code.CMP_RM64_IMM32, rdx, ring.capacity))
-        block.branch(Code.JA_REL32_64, "full")
+        # Signed: rax may be a head older than the tail just loaded (others reserved and
+        # committed, the reader read them meanwhile), and then rdx is negative: not a full
+        # ring, and the cmpxchg fails and retries with the new head. Unsigned, that was a drop.
+        block.branch(Code.JG_REL32_64, "full")
         block.add(
             Instruction.create_mem_reg(Code.CMPXCHG_RM64_R64, rip_operand(ring.head), rcx),
             lock=True,
@@ -143,11 +146,13 @@ class RecordAction:
             if self.cpu_id is CpuId.RDPID:
                 block.add(Instruction.create_reg(Code.RDPID_R64, rcx))
             else:
-                block.add(Instruction.create_reg_u32(Code.MOV_R32_IMM32, Register.ECX, 0xFFFF))
+                no_cpu = area.META_CPU_MASK
+                block.add(Instruction.create_reg_u32(Code.MOV_R32_IMM32, Register.ECX, no_cpu))
         block.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, rdx, 32))
         block.add(Instruction.create_reg_reg(Code.OR_R64_RM64, rax, rdx))
         block.add(mov_store(rbx, area.REC_TSC, rax))
-        block.add(Instruction.create_reg_u32(Code.AND_RM32_IMM32, Register.ECX, 0xFFF))
+        if self.cpu_id is not CpuId.NONE:  # TSC_AUX: the node above the CPU's 12 bits
+            block.add(Instruction.create_reg_u32(Code.AND_RM32_IMM32, Register.ECX, 0xFFF))
         block.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, rcx, area.META_CPU_SHIFT))
         meta = self.probe_id | k << area.META_SLOTS_SHIFT
         if self.with_regs:
