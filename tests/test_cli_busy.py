@@ -178,7 +178,7 @@ def test_sigint_ends_a_command_started_in_the_background_of_a_script(
 
     def placed() -> bool:
         assert shell.poll() is None, f"{command} ended: {err.read_text()}"
-        return support.raw_read(prog.pid, addr, 1) == b"\xcc"
+        return support.raw_read(prog.pid, addr, 1) in (b"\xcc", b"\xe9")  # int3, or a jump
 
     support.wait_until(placed, 20, f"a probe on {func}")
     time.sleep(0.3)  # hits under way
@@ -197,7 +197,9 @@ def test_sigint_ends_a_command_started_in_the_background_of_a_script(
         assert re.fullmatch(r"module saw [1-9]\d* hits\n", out.read_text())
     else:
         events, hits, _, dropped = summary(err.read_text())
-        assert events > 0 and hits > 0 and dropped == 0
+        # An optimized probe on a program this busy fills its ring faster than events are
+        # printed: the rest are counted as dropped, as perf counts lost events.
+        assert events > 0 and hits > 0 and events + dropped <= hits
     assert_unharmed(prog, 1)
 
 

@@ -88,6 +88,12 @@ def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
         help="probe kernel functions with the kernel's kprobes (= --backend kernel)",
     )
     parser.add_argument(
+        "--no-optimize",
+        action="store_true",
+        help="ptrace backend: keep every probe on a breakpoint (by default an entry probe "
+        "whose site allows it is a jump to code in the program: no trap per hit)",
+    )
+    parser.add_argument(
         "--follow-forks",
         action="store_true",
         help="with -p: also the processes it starts from now on (-c always follows them)",
@@ -145,6 +151,13 @@ class Backend(abc.ABC):
     def dropped(self) -> int:
         """Events lost before they could be read (a full ring buffer)."""
         return 0
+
+    def placement_notes(self) -> list[str]:
+        """What the user should know about how the probes were placed (one line each)."""
+        return []
+
+    def discard_backlog(self) -> None:  # noqa: B027 - most have none
+        """The run ended early (SIGINT, ``-n``): events not read yet are not wanted."""
 
     def end_run(self, exc: BaseException) -> None:  # noqa: B027 - most need nothing
         """Make ``run()`` raise ``exc`` at its next safe point (``sigint.py``); the kernel's
@@ -221,12 +234,17 @@ class PtraceBackend(Backend):
         self.sink = sink
         self.specs: list[ProbeSpec] = []
         self.members: list[SpecTracer] = []
+        self.optimize = not getattr(args, "no_optimize", False)
+        self.count_only = getattr(args, "count_only", False)
         try:
-            self.tracer = SpecTracer(self.proc, sink)
+            self.tracer = self._spec_tracer(self.proc)
         except BaseException:
             self.proc.detach()
             raise
         self.proc.on_new_process = self._follow
+
+    def _spec_tracer(self, proc: Process) -> SpecTracer:
+        return SpecTracer(proc, self.sink, optimize=self.optimize, count_only=self.count_only)
 
     def place(self, specs: Sequence[ProbeSpec]) -> list[Placed]:
         placed = self._place(self.proc, self.tracer, specs)
@@ -247,7 +265,7 @@ class PtraceBackend(Backend):
     def _follow(self, member: Process) -> None:
         """A followed child exec'd (family.py): the same specs in its new image, its events
         read from its own memory and carrying its own pid."""
-        tracer = SpecTracer(member, self.sink)
+        tracer = self._spec_tracer(member)
         self.members.append(tracer)
         self._place(member, tracer, self.specs)
 
@@ -259,6 +277,29 @@ class PtraceBackend(Backend):
 
     def run(self, timeout: float | None) -> bool:
         return self.proc.run(timeout=timeout)
+
+    @property
+    def dropped(self) -> int:
+        procs = [self.proc, *(m.proc for m in self.members)]
+        return sum(p.dropped for p in procs)
+
+    def discard_backlog(self) -> None:
+        for proc in [self.proc, *(m.proc for m in self.members)]:
+            proc.discard_records()
+
+    def placement_notes(self) -> list[str]:
+        """One line per entry probe that asked for a jump and keeps its breakpoint."""
+        if not self.optimize:
+            return []
+        listed = {entry.addr: entry for entry in self.proc.list()}
+        notes = []
+        for p in self.placed:
+            probe = getattr(p, "probe", None)
+            if isinstance(probe, Kprobe) and probe.optimize and probe.addr in listed:
+                entry = listed[probe.addr]
+                if not entry.is_optimized:
+                    notes.append(f"{p.name} uses a breakpoint: {entry.why_not_optimized}")
+        return notes
 
     def end_run(self, exc: BaseException) -> None:
         self.proc.end_run(exc)

@@ -40,6 +40,9 @@ def _is_pattern(text: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Counting needs no event when nothing filters or stops on them: our own probes then
+    # count in place (an optimized probe counts in the program, with no record at all).
+    args.count_only = args.filter is None and args.max_events is None
     patterns = [t for t in args.targets if _is_pattern(t)]
     specs = [parse_spec(t) for t in args.targets if not _is_pattern(t)]
     session = Session(args, specs)
@@ -68,12 +71,24 @@ def run(args: argparse.Namespace) -> int:
     def handle(ev: Event) -> None:
         counts[label.get(ev.event, ev.event)] += 1
 
+    shown: Counter[str] = Counter()  # hits of in-place counters already counted, by probe
+
+    def take_hits() -> None:
+        """Probes that make no events (count_only): add their hits since the last call."""
+        for p in session.placed:
+            if getattr(p, "counts_in_place", False):
+                new, shown[p.name] = p.hits - shown[p.name], p.hits
+                event = p.name.rpartition("/")[2]
+                counts[label.get(event, event)] += new
+                session.events += new  # each hit is an event counted
+
     def table(when: datetime | None = None) -> str:
         if args.json:
             return format_counts_json(counts, when=when)
         return format_counts(counts)
 
     def tick() -> None:
+        take_hits()
         now = datetime.now()
         if not args.json:
             sys.stdout.write("\n" + format_interval_header(now) + "\n")
@@ -88,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
         session.interval = args.interval
         session.on_interval = tick
     session.run()
+    if not args.interval:
+        take_hits()
     for line in skipped:
         sys.stderr.write(f"skipped {line}\n")
     for p in session.placed:  # every placed probe appears, with 0 if it never hit

@@ -136,11 +136,15 @@ class Session:
                                 for p in placed
                             ),
                         )
+                        for note in backend.placement_notes():
+                            sys.stderr.write(f"kprobes: {note}\n")
                     interrupt.is_placing = False
                     if not interrupt.interrupted:
                         self._loop(backend)
                 except (EnoughEvents, KeyboardInterrupt, RunInterrupted):
-                    pass  # -n, or SIGINT (sigint.py): the run ends with its summary
+                    # -n, or SIGINT (sigint.py): the run ends with its summary, without the
+                    # events still waiting to be read
+                    backend.discard_backlog()
             finally:
                 interrupt.quiet()
                 try:
@@ -177,7 +181,7 @@ class Session:
                 if not periodic and timeout is None:
                     return
         except (EnoughEvents, KeyboardInterrupt, RunInterrupted):
-            return
+            backend.discard_backlog()  # what is still to be read is not wanted
 
     def _print_status(self, now: float) -> None:
         elapsed = max(now - self.started, 1e-9)

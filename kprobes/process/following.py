@@ -193,6 +193,17 @@ class Following:
             self._noticed.add(key)
             self.on_notice(message)
 
+    def _wants_thread_pointer(self, t: Thread) -> bool:
+        """Record probes name threads by their thread pointer, which the loader sets only
+        after the exec (``arch_prctl``): note it at the first syscall stop that has it."""
+        reader = self._tracer.optimizer.reader
+        if reader is None or not reader.is_active:
+            return False
+        fs_base = t.regs.fs_base
+        if fs_base:
+            reader.note_thread(fs_base, t.tid)
+        return not fs_base
+
     def _on_syscall_stop(self, t: Thread) -> None:
         """A syscall stop: the exit of ``execve`` (a new image), or of an ``mmap`` of code
         while the loader starts the program; the others pass."""
@@ -200,10 +211,12 @@ class Following:
             t.exec_landing = False
             self._new_image(t)
             return
+        wants_tls = self._wants_thread_pointer(t)
         if not self._is_waiting():
             # Nothing waits for a library: the syscall stops of the startup are of no use
             # (a probe registered later still gets its library at the rendezvous).
-            t.trace_syscalls(False)
+            if not wants_tls:
+                t.trace_syscalls(False)
             return
         regs = t.regs  # loaded by the tracer at the stop
         result = regs.rax

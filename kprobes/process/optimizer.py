@@ -142,9 +142,8 @@ class Optimizing:
     # -- counts ----------------------------------------------------------------------------
 
     def _collect_counts(self) -> None:
-        """Hand the records read so far to their handlers, and add the hits counted in the
-        program to the probes' ``nhit``."""
-        self._drain_rings()
+        """Add the hits counted in the program to the probes' ``nhit`` (the records of
+        record probes are read apart: recording.py)."""
         table = self._manager.table
         for addr, delta in self._tracer.optimizer.counts():
             site = table.get(addr)

@@ -111,9 +111,24 @@ class Recording:
         return state.reader
 
     def _drain_rings(self) -> None:
+        """Every record written so far to its handlers (before a trap's event, at the end
+        of ``run()``, before the counts are read)."""
         reader = self._tracer.optimizer.reader
         if reader is not None:
             reader.drain()
+
+    def discard_records(self) -> None:
+        """Drop the records of optimized probes not read yet (their handlers will not see
+        them): what a run that was interrupted, or had enough, leaves behind."""
+        reader = self._tracer.optimizer.reader
+        if reader is not None:
+            reader.discard()
+
+    def _poll_rings(self) -> None:
+        """One batch of records, while ``run()`` waits for stops."""
+        reader = self._tracer.optimizer.reader
+        if reader is not None:
+            reader.drain(everything=False)
 
     def _learn_thread(self, t: Thread) -> None:
         """A new thread's first stop: its thread pointer names it in records from now on
@@ -153,8 +168,26 @@ class Recording:
             return f"its fetch-args need too large a record: {exc}"
 
     def _learn_all_threads(self, reader: RingReader) -> None:
+        self._note_threads(reader)
+        reader.relearn = self._relearn_threads
+        self._tracer.on_thread_start = self._learn_thread
+        self._tracer.ring_poll = self._poll_rings
+
+    def _note_threads(self, reader: RingReader) -> None:
+        """Every held thread's thread pointer (the world is stopped)."""
         for t in self._tracer.threads.values():
             if t.state in (ThreadState.STOPPED, ThreadState.GROUP_STOPPED) and not t.busy:
                 reader.note_thread(t.load_regs().fs_base, t.tid)
-        self._tracer.on_thread_start = self._learn_thread
-        self._tracer.ring_poll = self._drain_rings
+
+    def _relearn_threads(self) -> None:
+        reader = self._tracer.optimizer.reader
+        if reader is None or not self._tracer.is_alive:
+            return
+        if self._tracer._stop_depth:
+            self._note_threads(reader)
+            return
+        self._tracer.stop_world()
+        try:
+            self._note_threads(reader)
+        finally:
+            self._tracer.resume_world()

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from kprobes.symbols.resolve import SymbolResolver
 
 POLL: Final = 0.002  # seconds between reads of the ring while run() waits for stops
+BATCH: Final = 16384  # records read at a time: run(timeout) returns between batches
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,7 @@ class Hit:
     """One hit of a probe, after the fact: what an asynchronous handler receives."""
 
     tid: int
+    comm: str  # the thread's name
     cpu: int
     time: float  # time.monotonic() seconds
     ip: int
@@ -82,6 +84,7 @@ def trap_delivery(fp: FastProbe, cpu: CpuReader) -> Callable[[Kprobe, Any], None
         tid = regs.tid
         hit = Hit(
             tid,
+            fp.memory.comm(tid),
             cpu(tid),
             time.monotonic(),
             regs.ip,
@@ -141,6 +144,10 @@ class RingReader:
         self.threads: dict[int, int] = {}  # fs base → tid
         self.dropped = 0
         self.delivered = 0
+        # Called with an unknown thread pointer (a thread set its TLS after we last looked,
+        # as the loader does at startup): look at every thread again.
+        self.relearn: Callable[[], None] = lambda: None
+        self._draining = False
         self._clock: TscClock | None = None
 
     @property
@@ -157,6 +164,7 @@ class RingReader:
 
     def note_thread(self, fs_base: int, tid: int) -> None:
         self.threads[fs_base] = tid
+        self.comm(tid)  # read now: the thread may be gone when its records are read
 
     def forget(self) -> None:
         """The address space was replaced (exec): its rings were read for the last time."""
@@ -165,22 +173,49 @@ class RingReader:
 
     # -- reading --------------------------------------------------------------------------
 
-    def drain(self) -> None:
-        """Read every ring to its end and hand each record to its probes' handlers."""
-        if self._clock is None:
+    def drain(self, *, everything: bool = True) -> None:
+        """Read the rings and hand each record to its probes' handlers: a batch, or
+        ``everything`` written so far (at most one ring's worth more, were the program to
+        keep writing as fast as we read)."""
+        if self._clock is None or self._draining:
             return
+        self._draining = True
+        try:
+            rounds = 1 + (max(self._capacities(), default=0) // BATCH if everything else 0)
+            for _ in range(rounds):
+                if self._drain() < BATCH:
+                    break
+        finally:
+            self._draining = False
+
+    def discard(self) -> None:
+        """Leave the records not read yet unread: nobody wants them any more (the run was
+        interrupted, or had its fill of events)."""
+        for view in self._areas():
+            sa.skip_records(view)
+
+    def _capacities(self) -> Iterable[int]:
+        return (sa.layout_of(view).capacity for view in self._areas())
+
+    def _drain(self) -> int:
+        assert self._clock is not None
         self._clock.sample()
         batches = []
+        most = 0
         for view in self._areas():
-            batch = sa.read_records(view)
+            batch = sa.read_records(view, limit=BATCH)
             self.dropped += batch.dropped
+            most = max(most, len(batch.records))
             if batch.records:
                 batches.append(batch.records)
         records: Iterable[sa.Record] = (
             batches[0] if len(batches) == 1 else heapq.merge(*batches, key=lambda r: r.tsc)
         )
         for record in records:
+            if self.table.pending_error is not None:
+                break  # a handler ended the run: the rest is not wanted
             self._deliver(record)
+        return most
 
     def _deliver(self, record: sa.Record) -> None:
         rs = self.sites.get(record.probe)
@@ -188,7 +223,10 @@ class RingReader:
             return
         assert self._clock is not None
         captured = Captured(rs.plan, record.data)
-        tid = self.threads.get(record.thread, 0)
+        tid = self.threads.get(record.thread)
+        if tid is None:
+            self.relearn()
+            tid = self.threads.setdefault(record.thread, 0)
         regs = Regs(tid)
         words = regs.words
         if record.regs is not None:
@@ -202,12 +240,14 @@ class RingReader:
         cpu = -1 if record.cpu == sa.META_CPU_MASK else record.cpu
         when = self._clock.seconds(record.tsc)
         snapshot = regs.frozen() if rs.with_regs else None
+        name = self.comm(tid)
         for probe in rs.site.active:
             handler = probe.async_handler
             fp = probe.fast
             if handler is None or fp is None:
                 continue
-            hit = Hit(tid, cpu, when, rs.site.addr, snapshot, fp.fetcher.fetch(regs, memory))
+            args = fp.fetcher.fetch(regs, memory)
+            hit = Hit(tid, name, cpu, when, rs.site.addr, snapshot, args)
             self.delivered += 1
             try:
                 handler(probe, hit)

@@ -125,6 +125,10 @@ class Process(
             raise TargetError(f"process {self.pid} is detached")
         try:
             done = self._tracer.run(timeout)
+            self._drain_rings()  # the handlers have seen every hit before run() returns
+            exc = self._manager.table.take_error()  # one an asynchronous handler raised
+            if exc is not None:
+                raise exc
         finally:
             self._collect_counts()
         if not done:
@@ -146,6 +150,7 @@ class Process(
             return
         try:
             self._detach_members()
+            self._drain_rings()
             self._collect_counts()
             if self._tracer.is_alive:
                 self._undo_colocation()

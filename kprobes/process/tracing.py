@@ -21,6 +21,7 @@ from kprobes.errors import ProbeRejected
 from kprobes.model import ArgValue, Event
 from kprobes.process.fastfetch import data_resolver, file_resolver
 from kprobes.process.fetch import ArgFetcher, CommCache, CpuReader, Memory, Symbolizer
+from kprobes.process.records import FastProbe, Hit, trap_delivery
 from kprobes.process.target import Process
 from kprobes.spec import AddressLocation, FileOffsetLocation, ProbeSpec, SymbolLocation
 
@@ -35,6 +36,7 @@ class PlacedSpec:
     spec: ProbeSpec
     probe: Kprobe | Kretprobe
     entry_time: dict[int, tuple[float, tuple[ArgValue, ...]]] = field(default_factory=dict)
+    counts_in_place: bool = False  # makes no events: its hits are the count
 
     @property
     def name(self) -> str:
@@ -55,9 +57,13 @@ class PlacedSpec:
 class SpecTracer:
     """Places specs on one process and turns their hits into events for ``sink``."""
 
-    def __init__(self, proc: Process, sink: Sink) -> None:
+    def __init__(
+        self, proc: Process, sink: Sink, *, optimize: bool = False, count_only: bool = False
+    ) -> None:
         self.proc = proc
         self.sink = sink
+        self.optimize = optimize  # entry specs as optimized record probes where possible
+        self.count_only = count_only  # entry specs only count their hits: no events
         self.placed: list[PlacedSpec] = []
         self.comm = CommCache(proc.pid)
         self.cpu = CpuReader(proc.pid)
@@ -105,9 +111,34 @@ class SpecTracer:
         comm = self.comm
         cpu = self.cpu
         symbolize = self.symbolize
-        if not spec.is_return:
+        # Events of optimized probes wait in their ring; one made at a trap comes after them.
+        drain = self.proc._drain_rings
+        if not spec.is_return and self.count_only:
+            kp = Kprobe(symbol=symbol, offset=offset, addr=addr, optimize=self.optimize)
+            placed = PlacedSpec(spec, kp, counts_in_place=True)
+        elif not spec.is_return and self.optimize:
+
+            def on_hit(kp: Kprobe, hit: Hit) -> None:
+                drain()  # at a trap: the records written before it go first
+                tid = hit.tid
+                ip = hit.ip
+                sink(
+                    Event(
+                        group, event, pid, tid, hit.comm, hit.cpu, hit.time, ip, symbolize(ip),
+                        hit.args,
+                    )
+                )  # fmt: skip
+
+            kp = Kprobe(symbol=symbol, offset=offset, addr=addr, optimize=True)
+            kp.async_handler = on_hit
+            resolvers = (self._resolve_data, self._file_address(path or "/proc/self"))
+            fast = FastProbe(spec, fetcher, False, memory, resolvers)
+            kp.fast, kp.async_trap = fast, trap_delivery(fast, cpu)
+            placed = PlacedSpec(spec, kp)
+        elif not spec.is_return:
 
             def pre_handler(kp: Kprobe, regs: Any) -> None:
+                drain()
                 tid = regs.tid
                 ip = regs.ip
                 sink(
@@ -135,6 +166,7 @@ class SpecTracer:
                 placed_ref[0].entry_time[id(ri)] = (_now(), at_entry)
 
             def handler(ri: KretprobeInstance, regs: Any) -> None:
+                drain()
                 start, at_entry = placed_ref[0].entry_time.pop(id(ri), (0.0, ()))
                 tid = regs.tid
                 ret = ri.ret_addr

@@ -234,7 +234,7 @@ static void setup(struct worker *w, long i, const char **s, const struct outer *
 		*o = (struct outer *)NONCANONICAL;
 		break;
 	case BUS:
-		*s = bus + PAGE - 5, *o = (struct outer *)(bus + PAGE - 16);
+		*s = bus - 5, *o = (struct outer *)(bus - 16);
 		break;
 	}
 }

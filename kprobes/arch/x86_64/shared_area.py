@@ -303,3 +303,13 @@ def read_records(buffer: memoryview | bytearray, *, limit: int | None = None) ->
     dropped = drops - int(words[OFF_DROPS_READ // 8])
     words[OFF_DROPS_READ // 8] = drops
     return Batch(tuple(records), dropped, pending)
+
+
+def skip_records(buffer: memoryview | bytearray) -> int:
+    """Release every record reserved so far unread (the reader no longer wants them); how
+    many tickets. A producer still writing one commits it behind the tail, where no reader
+    looks."""
+    words = memoryview(buffer).cast("B").cast("Q")
+    head, tail = int(words[OFF_HEAD // 8]), int(words[OFF_TAIL // 8])
+    words[OFF_TAIL // 8] = head
+    return head - tail
