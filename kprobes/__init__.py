@@ -7,6 +7,12 @@ handler with the saved registers, and carry on as if nothing happened.
         proc.register_kprobe(kp)
         proc.run()
 
+A probe whose handler only looks (``async_handler``, with fetch-args in the probe language)
+is jump-optimized where its site allows it: no trap per hit, the handler runs after the fact:
+
+    kp = kprobes.Kprobe(symbol="libc:malloc", optimize=True, args="size=%di",
+                        async_handler=lambda p, hit: print(hit.tid, hit.arg("size")))
+
 The kernel's own kprobes and uprobes, through tracefs, take the same probes and spec lines:
 
     with kprobes.Kernel() as k:
@@ -21,6 +27,7 @@ from kprobes.core.retprobes import Jprobe, Kretprobe, KretprobeInstance, Task
 from kprobes.model import BlacklistEntry, Event, EventArg, ProbeListing
 from kprobes.process.following import ProbeNotice
 from kprobes.process.launch import attach, spawn
+from kprobes.process.records import Hit
 from kprobes.process.target import Process
 from kprobes.tracefs.kernel import Kernel
 from kprobes.tracefs.uprobes import Uprobes
@@ -32,6 +39,7 @@ __all__ = [
     "BlacklistEntry",
     "Event",
     "EventArg",
+    "Hit",
     "Jprobe",
     "Kernel",
     "Kprobe",

@@ -14,6 +14,7 @@ import re
 import select
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -480,6 +481,16 @@ def file_bytes(path: Path | str, vaddr: int, n: int) -> bytes:
     with open(path, "rb") as f:
         f.seek(file_offset(path, vaddr))
         return f.read(n)
+
+
+KPROBES = Path(sys.executable).parent / "kprobes"  # the console script of the install
+
+
+def cli(*args: object, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``kprobes ARGS...`` to its end, its output captured as text."""
+    return subprocess.run(
+        [str(KPROBES), *map(str, args)], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def reference_output(

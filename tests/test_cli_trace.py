@@ -13,7 +13,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,14 +20,11 @@ import support
 
 pytestmark = pytest.mark.ptrace
 
-KPROBES = Path(sys.executable).parent / "kprobes"
+KPROBES = support.KPROBES
 CONTEXT = re.compile(r"^ *(?P<comm>\S+)-(?P<pid>\d+) +\[(?P<cpu>\d{3})\] +(?P<ts>\d+\.\d{6}): ")
 
 
-def cli(*args: object, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(KPROBES), *map(str, args)], capture_output=True, text=True, timeout=timeout
-    )
+cli = support.cli
 
 
 def bodies(stdout: str) -> list[str]:

@@ -6,6 +6,7 @@ EXPECTED = {
     "TRAP_HANDLER_EXCEPTION",
     "BlacklistEntry",
     "Event",
+    "Hit",
     "EventArg",
     "Jprobe",
     "Kernel",

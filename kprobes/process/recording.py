@@ -10,13 +10,14 @@ the counter that ``nhit`` reads.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64.detour import Action, CountAction
 from kprobes.arch.x86_64.record import CpuId, RecordAction
-from kprobes.errors import InternalError, TargetError
+from kprobes.errors import InternalError, ProbeRejected, TargetError
 from kprobes.process import records
 from kprobes.process.fastfetch import NotCapturable, plan_captures
 from kprobes.process.fetch import CommCache, CpuReader, Memory, Symbolizer
@@ -72,6 +73,12 @@ class Recording:
         for kp in kps:
             if kp.async_handler is None or kp.fast is not None:
                 continue
+            if kp.pre_handler or kp.post_handler or kp.fault_handler:
+                raise ProbeRejected(
+                    "an async_handler sees hits after the fact: it does not go with a pre, "
+                    "post or fault handler (register two probes)",
+                    errno=errno.EINVAL,
+                )
             reader = self._ring_reader()
             memory = Memory(self.read, self.read_string, reader.symbolize, reader.comm)
             records.equip(kp, self._symbols, memory, CpuReader(self.pid))

@@ -43,6 +43,7 @@ from kprobes.arch.x86_64.abi import FETCH_FAULT_MAGIC
 from kprobes.arch.x86_64.detour import Block, at, mov_load, mov_store
 from kprobes.errors import InternalError, TargetError
 
+MASK64: Final = (1 << 64) - 1
 FAULTED: Final = 1 << 32
 TRUNCATED: Final = 1 << 33
 COUNT_MASK: Final = 0xFFFF_FFFF
@@ -104,6 +105,10 @@ class String:
     offset: int
     limit: int
 
+    def __post_init__(self) -> None:
+        if self.limit <= 0:  # the copy takes a byte before it compares with the limit
+            raise InternalError(f"a string of at most {self.limit} bytes")
+
 
 Capture = Value | Bytes | String
 
@@ -124,6 +129,8 @@ class CapturePlan:
 
     def add(self, c: Capture) -> int:
         if isinstance(c, Bytes | String) and isinstance(c.base, Word):
+            if not 0 <= c.base.capture < len(self.captures):
+                raise InternalError(f"{c.base} names no earlier capture")
             base = self.captures[c.base.capture]
             if not isinstance(base, Bytes) or 8 * (c.base.index + 1) > base.size:
                 raise InternalError(f"{c.base} names no word that was read")
@@ -234,7 +241,7 @@ def emit_captures(
         if isinstance(base, Reg):
             load_reg(block, base.name, rdi)
         elif isinstance(base, Const):
-            block.add(Instruction.create_reg_u64(Code.MOV_R64_IMM64, rdi, base.value))
+            block.add(Instruction.create_reg_u64(Code.MOV_R64_IMM64, rdi, base.value & MASK64))
         else:
             src_off = offsets[base.capture]
             status = at(rec, src_off + 8)
@@ -247,7 +254,8 @@ def emit_captures(
             if -(1 << 31) <= c.offset < 1 << 31:
                 block.add(Instruction.create_reg_mem(Code.LEA_R64_M, rdi, at(rdi, c.offset)))
             else:
-                block.add(Instruction.create_reg_u64(Code.MOV_R64_IMM64, rax, c.offset))
+                offset = c.offset & MASK64  # the address wraps, as the evaluator's does
+                block.add(Instruction.create_reg_u64(Code.MOV_R64_IMM64, rax, offset))
                 block.add(Instruction.create_reg_reg(Code.ADD_R64_RM64, rdi, rax))
         block.add(mov_store(rec, off, rdi))
         # Step 3: copy, with r10 at this capture's fault label; rcx counts the bytes copied.

@@ -53,7 +53,7 @@ from kprobes.arch.x86_64.encode import jmp_rel32
 from kprobes.arch.x86_64.jumpopt import Region, relocate_region
 from kprobes.errors import InternalError, NotRelocatable
 
-DETOUR_MAX: Final = 512  # bytes a caller reserves per detour (a record detour is about 300)
+DETOUR_MAX: Final = 4096  # the largest detour (a record with 16 fetch-args and registers)
 
 _LABEL_BASE: Final = 0x7FF0_0000_0000_0000  # fake ips naming instructions inside a block
 _REL32_MIN: Final = -(1 << 31)
