@@ -44,6 +44,8 @@ from kprobes.errors import NotRelocatable, TargetError
 from kprobes.process.optmemory import RING_BYTES, DetourPage, SharedArea
 from kprobes.process.records import RingReader
 from kprobes.process.threads import ThreadState
+from kprobes.symbols.cfi import find_fde
+from kprobes.symbols.lsda import LsdaError, landing_pads
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -55,6 +57,7 @@ if TYPE_CHECKING:
     from kprobes.process.tracer import Prepared, Tracer
     from kprobes.symbols.resolve import SymbolResolver
 
+_COLD_PARTS: Final = 8  # foo.cold.0 .. foo.cold.7: older gcc's names of a function's parts
 STACK_SCAN: Final = 0x10000  # bytes above each thread's rsp searched for a saved rip
 _DETOUR_ALIGN: Final = 16
 
@@ -193,8 +196,14 @@ class Optimizing:
         # Step 1: the region the jump displaces, from the original code only.
         loc: ProbeLocation = site.location  # type: ignore[assignment]
         code = self._original(loc.func_start, loc.func_size) if loc.func_size > 0 else b""
-        fragments = self._fragments(loc)
-        region = find_region(code, loc.func_start, addr, loc.func_size, fragments=fragments)
+        parts = self._other_parts(loc)
+        if isinstance(parts, str):
+            so.to(OptState.REFUSED, parts)
+            return
+        fragments, pads = parts
+        region = find_region(
+            code, loc.func_start, addr, loc.func_size, fragments=fragments, entries=pads
+        )
         if isinstance(region, Refusal):
             so.to(OptState.REFUSED, region.reason)
             return
@@ -233,21 +242,35 @@ class Optimizing:
         so.detour, so.region_len = at, region.length
         so.to(OptState.OPTIMIZED)
 
-    def _fragments(self, loc: ProbeLocation) -> list[tuple[int, bytes]]:
-        """The other parts of the probed function (gcc's ``foo.cold``; for a probe in a
-        ``foo.cold``, ``foo``), whose jumps may enter the region from outside it."""
+    def _other_parts(self, loc: ProbeLocation) -> tuple[list[tuple[int, bytes]], list[int]] | str:
+        """The other parts of the probed function (gcc's ``foo.cold`` and ``foo.cold.N``; for
+        a probe in one of them, ``foo`` and the rest), whose jumps may enter the region, and
+        the landing pads of every part (the C++ unwinder enters there). A str says why they
+        cannot be known (an exception table this reader does not understand)."""
         module = self._symbols().get_module_at(loc.addr)
         found = None if module is None else module.image.function_at(loc.addr - module.bias)
         if module is None or found is None:
-            return []
-        name = found[0].name
-        other = name.removesuffix(".cold") if name.endswith(".cold") else f"{name}.cold"
-        out = []
-        for sym in module.image.lookup_all(other):
-            if sym.kind.is_function and sym.size > 0:
+            return [], []
+        base = found[0].name.partition(".cold")[0]
+        names = [base, f"{base}.cold", *(f"{base}.cold.{n}" for n in range(_COLD_PARTS))]
+        fragments, pads = [], []
+        for name in names:
+            for sym in module.image.lookup_all(name):
+                if not sym.kind.is_function or sym.size <= 0:
+                    continue
                 start = module.bias + sym.value
-                out.append((start, self._original(start, sym.size)))
-        return out
+                if start != loc.func_start:
+                    fragments.append((start, self._original(start, sym.size)))
+                fde = find_fde(module.path, sym.value)
+                if fde is None or fde.lsda is None:
+                    continue
+                try:
+                    pads += [
+                        module.bias + pad for pad in landing_pads(module.path, fde.lsda, fde.start)
+                    ]
+                except LsdaError as exc:
+                    return f"its exception table cannot be read ({exc})"
+        return fragments, pads
 
     def _unoptimize(self, site: ProbeSite, *, rearm: bool) -> None:
         """Put the original bytes back, then the int3 if ``rearm``. The world is held."""

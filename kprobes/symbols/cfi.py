@@ -67,6 +67,7 @@ class Fde:
     ra_column: int
     pcs: tuple[int, ...]
     rows: tuple[Row, ...]
+    lsda: int | None = None  # link-time address of its exception table (lsda.py), if any
 
     def row_at(self, vaddr: int) -> Row | None:
         index = bisect.bisect_right(self.pcs, vaddr) - 1
@@ -145,6 +146,7 @@ def _decode(fde: Any) -> Fde:
         ra_column=cie["return_address_register"],
         pcs=tuple(row.pc for row in rows),
         rows=rows,
+        lsda=getattr(fde, "lsda_pointer", None),
     )
 
 

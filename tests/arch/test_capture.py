@@ -15,6 +15,7 @@ with the values the program passed: the optimized probe's event.
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -549,8 +550,6 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Harness:
 
 @pytest.fixture
 def new_area() -> Iterator[Callable[[sa.AreaLayout], Area]]:
-    import os
-
     made: list[Area] = []
 
     def make(layout: sa.AreaLayout) -> Area:
@@ -581,9 +580,11 @@ def run_inspect(
     make_plan: Callable[[dict[str, int]], CapturePlan],
     threads: int,
     limit: int,
+    *,
+    with_regs: bool = False,
 ) -> Hits:
-    """inspect() probed with a lean record of the plan (made once the harness's addresses
-    are known), CALLS calls on each thread; every record matched with its call (rdx and the
+    """inspect() probed with a record of the plan (made once the harness's addresses are
+    known), CALLS calls on each thread; every record matched with its call (rdx and the
     thread's fs base name it) and its raw captures checked against the model."""
     layout = sa.AreaLayout(ncounters=0, capacity=1 << 15)  # room for every call
     area = new_area(layout)
@@ -591,7 +592,9 @@ def run_inspect(
     plan = CapturePlan(list(make_plan(run.addrs).captures))
     i_at = plan.add(Value(RDX))  # last if it is new: the others keep their offsets
     ring = layout.ring_at(run.area)
-    action = RecordAction(7, ring, THREAD_IDS[-1], with_regs=False, plan=plan, cpu_id=BEST_CPU_ID)
+    action = RecordAction(
+        7, ring, THREAD_IDS[-1], with_regs=with_regs, plan=plan, cpu_id=BEST_CPU_ID
+    )
     install(run, action)
     records, dropped = drain(run, area)
     done = finish(run)  # every result of inspect() was right
@@ -606,6 +609,9 @@ def run_inspect(
         assert isinstance(i, int)
         seen[t].append(i)
         call = model(i, t, done.workers[t], run.addrs, limit)
+        if with_regs:
+            assert r.regs is not None
+            assert {reg: r.reg(reg) for reg in call.regs} == call.regs
         want = expect(plan, call)
         for c, g, w in zip(plan.captures, got, want, strict=True):
             assert g == w, (CASE_NAMES[call.case], i, t, c)
@@ -629,7 +635,6 @@ def bias_plan(addrs: dict[str, int]) -> CapturePlan:
     )
 
 
-# Each plan fits one detour (DETOUR_MAX): three reads of memory, no more.
 PLANS: dict[str, Callable[[dict[str, int]], CapturePlan]] = {
     "strings": lambda _: CapturePlan(
         [Value(RDI), String(RDI, 0, LIMIT), Bytes(RSI, 24, 8, 8), String(Word(2), 0, LIMIT)]
@@ -765,7 +770,8 @@ def test_events_of_an_optimized_probe(
         resolvers["data"] = lambda sym: addrs[sym]
         return plan_captures([(spec, (resolvers["data"], no_file))])
 
-    hits = run_inspect(harness, new_area, make_plan, threads, STRING_LIMIT)
+    # With the registers, as records.equip() has every asynchronous handler's probe.
+    hits = run_inspect(harness, new_area, make_plan, threads, STRING_LIMIT, with_regs=True)
     spec_plan = make_plan(hits.run.addrs)  # what records.py reads the record with
     fetcher = ArgFetcher(spec, resolvers["data"], no_file)
     tids = {w.fsbase: 1000 + t for t, w in hits.done.workers.items()}
@@ -773,6 +779,9 @@ def test_events_of_an_optimized_probe(
         # As RingReader._deliver: the registers the record has, the captured ones over them.
         captures = Captured(spec_plan, r.data)
         regs = Regs(tids[r.thread])
+        assert r.regs is not None
+        for reg, value in zip(sa.REG_ORDER, r.regs, strict=True):
+            regs.words[REG_INDEX[reg]] = value
         for reg, value in captures.regs.items():
             regs.words[REG_INDEX[reg]] = value
         regs.words[REG_INDEX["rip"]] = hits.run.probe

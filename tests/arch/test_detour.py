@@ -240,8 +240,7 @@ def stack_delta(code: bytes, end: int) -> int:
     return delta
 
 
-# One memory capture: with the registers block, a record detour has room for no more (see
-# test_a_record_detour_with_the_fetch_args_of_a_common_probe_fits).
+# One read of memory: the stores of a copy loop, and the address and status around it.
 SMALL_PLAN = CapturePlan([Value(Reg("rdx")), Bytes(Reg("rsi"), 16, 8, 8)])
 
 
@@ -336,11 +335,6 @@ def test_record_sizes() -> None:
         RecordAction(1, ring, with_regs=False, plan=too_big)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=InternalError,
-    reason="DETOUR_MAX (512) predates the captures: this probe's detour is 653 bytes",
-)
 def test_a_record_detour_with_the_fetch_args_of_a_common_probe_fits() -> None:
     # What recording.py builds for an async handler (with the registers) on a probe with
     # `a=+0(%di):string b=+8(+16(%si)):u32`: 5 captures, 3 of them memory.
@@ -355,7 +349,7 @@ def test_a_record_detour_with_the_fetch_args_of_a_common_probe_fits() -> None:
     )
     action = RecordAction(1, LAYOUT.ring_at(AREA), plan=plan)
     d = build_detour(D, region_of(ENDBR_RIP), action)
-    assert len(d.code) <= DETOUR_MAX
+    assert 512 < len(d.code) <= DETOUR_MAX  # 653 bytes: past the 512 DETOUR_MAX once was
 
 
 def test_frame_words() -> None:
