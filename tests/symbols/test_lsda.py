@@ -25,7 +25,11 @@ __attribute__((noinline)) int catcher(int i) {
   return r;
 }
 __attribute__((noinline)) int plain(int i) { return i + 1; }
-int main() { int s = 0; for (int i = 0; i < 10; i++) s += catcher(i) + plain(i); printf("%d\n", s); }
+int main() {
+  int s = 0;
+  for (int i = 0; i < 10; i++) s += catcher(i) + plain(i);
+  printf("%d\n", s);
+}
 """
 
 
