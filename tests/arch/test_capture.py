@@ -409,18 +409,10 @@ def inner_bytes(i: int, t: int) -> bytes:
 
 def the_string(case: int, i: int, t: int, limit: int) -> bytes | None:
     """What s points to in the harness's string buffer (None: s points elsewhere)."""
-    match case:
-        case 0:  # GOOD
-            return f"call {i} of {t}".encode()
-        case 4:  # EDGE
-            return letter(i).encode() * (limit - 1)
-        case 5:  # AT_LIMIT
-            return letter(i).encode() * limit
-        case 6:  # LONGER
-            return letter(i).encode() * (limit + 50)
-        case 7:  # EMPTY
-            return b""
-    return None
+    if case == GOOD:
+        return f"call {i} of {t}".encode()
+    lengths = {EDGE: limit - 1, AT_LIMIT: limit, LONGER: limit + 50, EMPTY: 0}
+    return letter(i).encode() * lengths[case] if case in lengths else None
 
 
 @dataclass
@@ -440,8 +432,13 @@ class Call:
         return None
 
     def read(self, addr: int, size: int) -> bytes | None:
-        out = [self.byte((addr + k) & MASK) for k in range(size)]
-        return None if None in out else bytes(out)  # type: ignore[arg-type]
+        out = bytearray()
+        for k in range(size):
+            b = self.byte((addr + k) & MASK)
+            if b is None:
+                return None
+            out.append(b)
+        return bytes(out)
 
 
 def model(i: int, t: int, w: Worker, addrs: dict[str, int], limit: int) -> Call:
@@ -468,17 +465,16 @@ def model(i: int, t: int, w: Worker, addrs: dict[str, int], limit: int) -> Call:
     text = the_string(case, i, t, limit)
     if text is not None:
         regions.append((s, text + b"\0"))  # what lies past the NUL is not known
-    match case:
-        case 1:  # NUL_PTRS
-            s = o = 0
-        case 2:  # GAP
-            s, o = gap, gap - 16
-        case 3:  # INTO_GAP
-            s = gap - 10
-        case 7:  # EMPTY
-            o = NONCANONICAL
-        case 8:  # BUS
-            s, o = bus - 5, bus - 16
+    if case == NUL_PTRS:
+        s = o = 0
+    elif case == GAP:
+        s, o = gap, gap - 16
+    elif case == INTO_GAP:
+        s = gap - 10
+    elif case == EMPTY:
+        o = NONCANONICAL
+    elif case == BUS:
+        s, o = bus - 5, bus - 16
     return Call(i, t, case, {"rdi": s, "rsi": o, "rdx": i, "rcx": t}, regions)
 
 
