@@ -228,8 +228,8 @@ class Optimizing:
             at = page.start + page.used
             detour = build_detour(at, region, action)
             page.used += -(-len(detour.code) // _DETOUR_ALIGN) * _DETOUR_ALIGN
-        except NotRelocatable as exc:
-            so.to(OptState.REFUSED, f"out of reach: {exc}")
+        except NotRelocatable as exc:  # out of reach (ERANGE), too large a detour (E2BIG)
+            so.to(OptState.REFUSED, str(exc))
             return
         except TargetError as exc:
             so.reason = f"the program could not map the detour or the area: {exc}"

@@ -462,3 +462,26 @@ def test_a_real_mirror_mapping() -> None:
             libc.munmap(base, layout.map_size)
     finally:
         os.close(fd)
+
+
+def test_skip_releases_committed_records_and_stops_at_one_being_written() -> None:
+    layout = sa.AreaLayout(ncounters=0, capacity=sa.MAX_SLOTS * 2)
+    buf = bytearray(layout.size)
+    sa.init_area(buf, layout)
+    words = memoryview(buf).cast("Q")
+
+    def commit(ticket: int, k: int) -> None:
+        at = (layout.record_offset(ticket)) // 8
+        words[at + 1] = 7 | k << sa.META_SLOTS_SHIFT
+        words[at] = sa.COMMIT_TAG | (ticket + 1)
+
+    commit(0, 1)
+    commit(1, 3)
+    words[sa.OFF_HEAD // 8] = 4 + 2 + 1  # ticket 4 (2 slots) reserved, not committed; 6 too
+    commit(6, 1)
+    assert sa.skip_records(buf) == 2
+    assert words[sa.OFF_TAIL // 8] == 4  # stopped at the record being written
+    assert sa.read_records(buf).pending
+    commit(4, 2)
+    assert sa.skip_records(buf) == 2 and words[sa.OFF_TAIL // 8] == 7
+    assert sa.read_records(buf).records == ()

@@ -99,9 +99,9 @@ def test_a_region_over_a_pad_is_refused(program: Path) -> None:
 def test_bytes_in_pads_out() -> None:
     # lpstart omitted, ttype pcrel sdata4 at uleb 0x11, uleb128 call sites, 8 bytes of table:
     # (start 4, len 5, pad 0x13, action 1), (start 0x1c, len 5, pad 0, action 0)
-    lsda = bytes.fromhex("ff9b11010804051301" "1c050000")
+    lsda = bytes.fromhex("ff9b110108040513011c050000")
     assert parse_landing_pads(lsda, 0x1000) == (0x1013,)
     with pytest.raises(LsdaError):
         parse_landing_pads(bytes.fromhex("ff9b1101"), 0x1000)
     with pytest.raises(LsdaError):
-        parse_landing_pads(bytes.fromhex("ffff0c04" "00000000"), 0x1000)  # sleb call sites
+        parse_landing_pads(bytes.fromhex("ffff0c0400000000"), 0x1000)  # sleb call sites

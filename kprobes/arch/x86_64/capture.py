@@ -7,7 +7,8 @@ fetch would read, and the tool evaluates the very same fetch (process/fetch.py, 
 tier's code) against the capture instead of the live program: ``Captured.regs`` and
 ``Captured.read``/``read_string`` serve the registers and the bytes that were there at the
 hit. One evaluator for both tiers: an event from an optimized probe is the event the trap
-would have given. Rejected: a second evaluator in machine code that produces the typed value
+would have given, but for strings longer than a ``String`` capture's limit, which are cut
+there. Rejected: a second evaluator in machine code that produces the typed value
 (every type, bitfield and array rule written twice, and the two drifting apart).
 
 A ``CapturePlan`` is a list of captures, each at a fixed offset of the record's data:

@@ -346,7 +346,9 @@ def build_detour(
     back = jmp_rel32(copy_at + len(copy), region.end)
     code = head + copy + back
     if len(code) > DETOUR_MAX:
-        raise InternalError(f"a detour of {len(code)} bytes exceeds {DETOUR_MAX}")
+        raise NotRelocatable(
+            f"its detour would be {len(code)} bytes, more than {DETOUR_MAX}", errno=errno.E2BIG
+        )
     return Detour(addr, code, len(head), region)
 
 

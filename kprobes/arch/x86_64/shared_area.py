@@ -306,10 +306,25 @@ def read_records(buffer: memoryview | bytearray, *, limit: int | None = None) ->
 
 
 def skip_records(buffer: memoryview | bytearray) -> int:
-    """Release every record reserved so far unread (the reader no longer wants them); how
-    many tickets. A producer still writing one commits it behind the tail, where no reader
-    looks."""
+    """Release the committed records unread (the reader no longer wants them), as
+    ``read_records`` would, without copying them; how many. It stops, as the reader does, at
+    a record still being written: moving the tail past it would let the ring lap under its
+    producer, whose late commit would then stop the reader for good."""
+    layout = layout_of(buffer)
     words = memoryview(buffer).cast("B").cast("Q")
-    head, tail = int(words[OFF_HEAD // 8]), int(words[OFF_TAIL // 8])
-    words[OFF_TAIL // 8] = head
-    return head - tail
+    cap, ring = layout.capacity, layout.ring_offset
+    ticket = tail = int(words[OFF_TAIL // 8])
+    head = int(words[OFF_HEAD // 8])
+    skipped = 0
+    while ticket < head:
+        index = (ring + (ticket & (cap - 1)) * SLOT) // 8
+        if words[index] != COMMIT_TAG | (ticket + 1):
+            break
+        k = (int(words[index + 1]) >> META_SLOTS_SHIFT) & 0xFFFF
+        if not 0 < k <= MAX_SLOTS:
+            raise InternalError(f"record {ticket} says it takes {k} slots")
+        ticket += k
+        skipped += 1
+    if ticket != tail:
+        words[OFF_TAIL // 8] = ticket
+    return skipped
