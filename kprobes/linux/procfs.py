@@ -27,6 +27,15 @@ def read_status(pid: int) -> dict[str, str]:
     return fields
 
 
+def caught_signals(pid: int) -> int:
+    """SigCgt: the signals the process has a handler for (bit n-1 = signal n); 0 if it is
+    gone."""
+    try:
+        return int(read_status(pid).get("SigCgt", "0"), 16)
+    except (OSError, ValueError):
+        return 0
+
+
 def task_state(pid: int, tid: int) -> str:
     """The one-letter state of a task ('t' is a tracing stop), '' if it is gone."""
     try:

@@ -34,6 +34,14 @@ if TYPE_CHECKING:
     from kprobes.process.rescue import Rescue
 
 _SAFE_STACK_GAP = 512  # beyond the 128-byte red zone, kept clear of the thread's frame
+_SCRATCH_GAP = 4096  # scratch memory lies this far below the stack pointer, and more
+
+
+def scratch_below(sp: int, size: int) -> int:
+    """Room for ``size`` bytes an injected syscall reads or writes (a ``struct sigaction``)
+    in the free stack of a held thread whose stack pointer is ``sp``: a page below it, clear
+    of the red zone and of what an injected call pushes, 16-byte aligned."""
+    return ((sp - _SCRATCH_GAP) & ~0xF) - size
 
 
 def run_syscall(

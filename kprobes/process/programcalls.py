@@ -26,11 +26,12 @@ from kprobes.process.xol import FLAGS, PROT, XolArea, candidate_addresses
 from kprobes.symbols.maps import Mapping, read_maps
 
 if TYPE_CHECKING:
+    from kprobes.process.rescue import Syscall
     from kprobes.process.tracee import Tracee
     from kprobes.process.tracer import Tracer
 
 _MAP_FIXED_NOREPLACE = 0x100000
-_SCRATCH_GAP = 4096  # below a borrowed thread's stack pointer and red zone
+_SIGACTION_ROOM = 64  # scratch for the struct sigaction an injected rt_sigaction reads
 
 
 class ProgramCalls:
@@ -192,14 +193,21 @@ class ProgramCalls:
                     list(self._tracer.own_memories()),
                     lambda size: self._map_rescue(thread, size),
                 )
-                sp = thread.regs.rsp if thread.busy else thread.load_regs().rsp
-                rescue.activate(
-                    thread.tracee,
-                    lambda nr, *args: inject.run_syscall(thread, 0, nr, *args, rescue=rescue),
-                    scratch=((sp - _SCRATCH_GAP) & ~0xF) - 64,
-                )
+                rescue.activate(*self._rescue_calls(thread))
             except TargetError as exc:
                 rescue.unavailable = str(exc)
+
+    def _rescue_calls(self, thread: Thread) -> tuple[Tracee, Syscall, int]:
+        """What the rescue needs to change the program's signal actions through ``thread``
+        (held): its memory, an injected syscall on the rescue's stub, and scratch memory
+        below its stack for the kernel's ``struct sigaction``."""
+        rescue = self._tracer.rescue
+        sp = thread.regs.rsp if thread.busy else thread.load_regs().rsp
+        return (
+            thread.tracee,
+            lambda nr, *args: inject.run_syscall(thread, 0, nr, *args, rescue=rescue),
+            inject.scratch_below(sp, _SIGACTION_ROOM),
+        )
 
     def _map_records(self, size: int) -> int:
         """More room for the rescue's return records (many large kretprobe pools)."""

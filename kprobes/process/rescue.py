@@ -83,9 +83,9 @@ class Rescue:
         """Make the rescue the SIGTRAP handler; the program's own action goes in the header.
 
         The kernel cannot write the old action into the area (it is not writable by the
-        program): it goes to ``scratch``, free stack below the borrowed thread's, and from
-        there into the header, where the rescue reads it (to hand the program's own traps
-        on) and ``deactivate`` finds it.
+        program): it goes to ``scratch``, free stack below the borrowed thread's
+        (``inject.scratch_below``), and from there into the header, where the rescue reads
+        it (to hand the program's own traps on) and ``deactivate`` finds it.
         """
         new_at = self.area + layout.HEADER + layout.H_NEW_ACTION
         result = syscall(NR_RT_SIGACTION, signal.SIGTRAP, new_at, scratch, _SIGSET_SIZE)

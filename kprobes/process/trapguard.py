@@ -26,15 +26,10 @@ from kprobes.process.threads import Thread
 
 _SIGACTION_SIZE = 32  # handler, flags, restorer, mask (the kernel's struct)
 _SIGSET_SIZE = 8
-_SCRATCH_GAP = 4096  # below the thread's stack pointer and red zone
 
 
 def catches_sigtrap(pid: int) -> bool:
-    try:
-        caught = int(procfs.read_status(pid).get("SigCgt", "0"), 16)
-    except (OSError, ValueError):
-        return False
-    return bool(caught & (1 << (signal.SIGTRAP - 1)))
+    return bool(procfs.caught_signals(pid) & (1 << (signal.SIGTRAP - 1)))
 
 
 class TrapGuard:
@@ -62,7 +57,7 @@ class TrapGuard:
         # The thread's loaded view, not a reload: a pre handler's unsaved register writes are
         # in it, and run_syscall puts the view back as it found it.
         mem = thread.tracee
-        scratch = ((thread.regs.rsp - _SCRATCH_GAP) & ~0xF) - 2 * _SIGACTION_SIZE
+        scratch = inject.scratch_below(thread.regs.rsp, 2 * _SIGACTION_SIZE)
         old_at = scratch + _SIGACTION_SIZE
         new_at = 0
         if new is not None:
