@@ -252,6 +252,7 @@ def unblock_sigchld() -> None:
 
 PTRACE_GETREGSET: Final = 0x4204
 PTRACE_GETSIGMASK: Final = 0x420A
+PTRACE_SETSIGMASK: Final = 0x420B
 PTRACE_GET_SYSCALL_INFO: Final = 0x420E
 NT_X86_XSTATE: Final = 0x202
 PTRACE_SYSCALL_INFO_NONE: Final = 0
@@ -279,6 +280,12 @@ def getsigmask(tid: int) -> int:
     mask = ctypes.c_uint64(0)
     _check(_ptrace(PTRACE_GETSIGMASK, tid, _word(8), ctypes.byref(mask)))
     return int(mask.value)
+
+
+def setsigmask(tid: int, mask: int) -> None:
+    """PTRACE_SETSIGMASK: the signals the thread blocks from now on (bit n-1 = signal n)."""
+    value = ctypes.c_uint64(mask)
+    _check(_ptrace(PTRACE_SETSIGMASK, tid, _word(8), ctypes.byref(value)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,12 +6,15 @@ reads the truth from the threads themselves rather than trusting our bookkeeping
 
 Step 1: hold every thread (PTRACE_INTERRUPT, wait, trust /proc for stragglers).
 Step 2: write back every byte we ever patched, in every address space with its own copy;
-        real return addresses back in hooked frames; the program's own SIGTRAP action back.
+        real return addresses back in hooked frames; the program's own SIGTRAP action back
+        (and its SIGSEGV and SIGBUS actions, unless a thread is left in detour code that may
+        still fault on a fetch: then the rescue stays their handler, see fetchfaults.py).
 Step 3: turn the int3 that ends each stepping slot into a ``jmp`` back to the original code,
         so a thread that is inside a slot, or returns into one from a signal handler, later,
         finds its way home without us. Slots are never unmapped.
 Step 4: put each thread's rip back on original code: a thread stopped on one of our int3s
-        re-executes the (restored) instruction; one inside a slot continues where the copy was.
+        re-executes the (restored) instruction; one inside a slot continues where the copy was;
+        one stopped by a fault of a fetch of ours goes on past it, without the signal.
 Step 5: release each thread, delivering a signal it was stopped for (or that we held).
 """
 
@@ -32,6 +35,7 @@ from kprobes.process.tracee import TraceeKind
 from kprobes.process.tracer import Tracer
 
 SLOT_SIZE = 32
+_STACK_SCAN = 0x10000  # bytes above a thread's stack pointer searched for a saved rip
 _STOPPED = ThreadState.STOPPED
 
 
@@ -59,6 +63,7 @@ def detach_all(tracer: Tracer) -> None:
         # own SIGTRAP action back in place of the rescue (rescue.py) once every other thread
         # is gone, and nothing of ours is left to trap on.
         last: Thread | None = None
+        inside = False  # a thread was let go in detour code that may still fault on a fetch
         while tracer.threads:
             for thread in list(tracer.threads.values()):
                 if thread is last:
@@ -71,10 +76,11 @@ def detach_all(tracer: Tracer) -> None:
                 ):
                     last = thread
                     continue
-                _release(tracer, thread)
+                inside = _release(tracer, thread) or inside
                 tracer.drop_thread(thread)
             if last is not None and len(tracer.threads) == 1:
-                _deactivate_rescue(tracer, last)
+                inside = inside or _may_fetch(tracer, last)
+                _deactivate_rescue(tracer, last, keep_fetch_faults=inside)
                 _let_go(last, 0)
                 tracer.drop_thread(last)
     finally:
@@ -82,17 +88,43 @@ def detach_all(tracer: Tracer) -> None:
             tracer.drop_tracee(tracee)
 
 
-def _deactivate_rescue(tracer: Tracer, thread: Thread) -> None:
-    """Put the program's own SIGTRAP action back, through ``thread`` (held, sent home).
+def _deactivate_rescue(tracer: Tracer, thread: Thread, *, keep_fetch_faults: bool) -> None:
+    """Put the program's own signal actions back, through ``thread`` (held, sent home).
 
     Without such a thread the rescue stays installed, which is harmless: it hands every trap
-    that is not ours to the program's own action, and no trap of ours is left.
+    and fault that is not ours to the program's own action, and no trap of ours is left.
     """
     rescue = tracer.rescue
     if not rescue.is_installed:
         return
     with contextlib.suppress(TargetError, InternalError, ProcessLookupError):
-        rescue.deactivate(lambda nr, *args: inject.run_syscall(thread, 0, nr, *args, rescue=rescue))
+        rescue.deactivate(
+            lambda nr, *args: inject.run_syscall(thread, 0, nr, *args, rescue=rescue),
+            keep_fetch_faults=keep_fetch_faults,
+        )
+
+
+def _may_fetch(tracer: Tracer, t: Thread) -> bool:
+    """Is ``t`` (sent home, its registers in the view) in detour code of ours, or will it
+    return into some from a signal handler? Then a fetch of ours may still fault in it.
+
+    The signal frame is found as the optimizer finds one: a word in the 64 KiB above the
+    stack pointer inside our pages. The out-of-line area's pages hold no fetch and are left
+    out (the trampoline's address may linger in the stack).
+    """
+    faults = tracer.fetch_faults
+    if not tracer.rescue.is_fetch_faults_active:
+        return False
+    xol = tracer.xol
+
+    def fetches_there(addr: int) -> bool:
+        return faults.is_ours(addr) and not (xol is not None and xol.contains(addr))
+
+    regs = t.regs
+    if fetches_there(regs.rip):
+        return True
+    stack = t.tracee.read_some(regs.rsp & ~7, _STACK_SCAN)
+    return any(fetches_there(word) for word in memoryview(stack[: len(stack) & ~7]).cast("Q"))
 
 
 def _home(tracer: Tracer, rip: int) -> int:
@@ -114,10 +146,14 @@ def _home(tracer: Tracer, rip: int) -> int:
     return rip
 
 
-def _release(tracer: Tracer, t: Thread) -> None:
+def _release(tracer: Tracer, t: Thread) -> bool:
+    """Steps 4 and 5 for ``t``; True if it was let go where a fetch of ours may still fault."""
     sig = _send_home(tracer, t)
-    if sig is not None:
-        _let_go(t, sig)
+    if sig is None:
+        return False
+    inside = _may_fetch(tracer, t)
+    _let_go(t, sig)
+    return inside
 
 
 def _send_home(tracer: Tracer, t: Thread) -> int | None:
@@ -153,6 +189,9 @@ def _send_home(tracer: Tracer, t: Thread) -> int | None:
                 sig = signal.SIGTRAP  # the program's own
         elif event == 0 and os.WIFSTOPPED(status):
             sig = os.WSTOPSIG(status)
+            if tracer.fetch_faults.fix(t, sig, tracer.rescue):
+                sig = 0  # a fetch of ours hit a bad pointer: on past it
+                rip = regs.rip
         elif event in (
             ptrace.PTRACE_EVENT_CLONE,
             ptrace.PTRACE_EVENT_FORK,

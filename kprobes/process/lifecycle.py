@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from kprobes.core.manager import ProbeManager
     from kprobes.core.table import ProbeSite
     from kprobes.process.breakpoints import Breakpoints
+    from kprobes.process.fetchfaults import FetchFaults
     from kprobes.process.optimizer import JumpState
     from kprobes.process.rescue import Rescue
     from kprobes.process.tracer import Prepared, Tracer
@@ -43,6 +44,7 @@ class Lifecycle:
     xol: XolArea | None
     trampoline: Trampoline
     rescue: Rescue
+    fetch_faults: FetchFaults
     optimizer: JumpState
     slot_owner: dict[int, ProbeSite]
     slot_history: dict[int, Prepared]
@@ -90,6 +92,7 @@ class Lifecycle:
             self.trampoline.forget()
             self.trampoline.forget_thread(t)  # its hooked frames went with the old image
             self.rescue.forget()
+            self.fetch_faults.forget()
             self.optimizer.forget()
             self.slot_owner.clear()
             self.slot_history.clear()

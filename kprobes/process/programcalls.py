@@ -69,7 +69,7 @@ class ProgramCalls:
                 )
                 if result == cand:
                     self._memory().write(cand, b"\xcc" * size)
-                    rescue.note_page(self._tracer.own_memories(), cand, cand + size)
+                    self._note_own_code(cand, cand + size)
                     return cand
                 if result >= 0:  # munmap: wrong place
                     inject.run_syscall(thread, insn, NR_MUNMAP, result, size, rescue=rescue)
@@ -196,6 +196,39 @@ class ProgramCalls:
                 rescue.activate(*self._rescue_calls(thread))
             except TargetError as exc:
                 rescue.unavailable = str(exc)
+
+    def _note_own_code(self, start: int, end: int) -> None:
+        """Executable code of ours at [start, end) (an out-of-line or detour page): the rescue
+        knows it, and a fault of a fetch of ours in it gives ``(fault)`` (fetchfaults.py).
+
+        ``_map_xol_page`` notes each page it maps; tests note code of their own with it.
+        """
+        self._tracer.fetch_faults.note_code(start, end)
+        self._tracer.rescue.note_page(self._tracer.own_memories(), start, end)
+
+    def _activate_fetch_faults(self) -> bool:
+        """Before the first detour that may fault on a fetch goes in: make the rescue the
+        program's SIGSEGV and SIGBUS handler too, so that the program survives such a fault
+        when the tool is dead (while it lives, the tracer fixes it anyway). Once per address
+        space (exec forgets it); the world may be held or not.
+
+        False when the program has no rescue (``rescue.unavailable`` says why) or refused
+        the actions: its fetch faults are fixed while the tool lives, and would kill it once
+        the tool is dead.
+        """
+        rescue = self._tracer.rescue
+        if rescue.is_fetch_faults_active:
+            return True
+        with self._world_held():
+            self._ensure_rescue()
+            if not rescue.is_installed:
+                return False
+            with self._injection_thread() as thread:
+                try:
+                    rescue.activate_fetch_faults(*self._rescue_calls(thread))
+                except TargetError:
+                    return False
+        return True
 
     def _rescue_calls(self, thread: Thread) -> tuple[Tracee, Syscall, int]:
         """What the rescue needs to change the program's signal actions through ``thread``

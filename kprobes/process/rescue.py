@@ -11,6 +11,22 @@ injection. While the tool lives the handler never runs (ptrace takes every SIGTR
 its cost is one more pwrite per kretprobe entry (the record) and a few writes per
 registration. A clean detach puts the program's own SIGTRAP action back.
 
+Detour code that fetches through pointers (a record probe's ``+0(%di):string``) may fault;
+while the tool lives the tracer turns such a fault into ``(fault)`` (``fetchfaults.py``), and
+when it is dead the rescue must: ``activate_fetch_faults`` makes it the SIGSEGV and SIGBUS
+handler as well, lazily, when the first such detour is about to go in (a program that never
+gets one never sees its SIGSEGV action change), and a clean detach puts the program's own
+actions back. A fault that is not one of ours goes to the program's own action, as the kernel
+would have delivered it: its handler is entered, by a jump, in the frame the kernel built for
+the rescue with the program's own mask, SA_NODEFER, SA_ONSTACK and SA_RESTART
+(``fault_sigaction``), with its return address on the rescue's restorer (glibc's bytes, so
+that unwinders go through the signal frame); SA_RESETHAND is done by the rescue; SIG_DFL is
+put back and the fault happens again (a sent signal is sent again). What differs from the
+program's own delivery: the restorer's address is ours; a handler the program did not mark
+SA_SIGINFO finds the siginfo filled in (the kernel hands every handler its pointer on x86-64);
+``sigaction()`` in the program reads back the rescue's action, not its own; and a SIGSEGV
+or SIGBUS action the program sets after this replaces the rescue (decisions.md).
+
 The rescue itself is mapped by the one injection that cannot be undone by it (an ``mmap``
 through a ``syscall`` instruction borrowed from the program's code), which carries its own
 way home instead: a signal frame of the thread's state that ``rt_sigreturn`` loads if the
@@ -27,6 +43,7 @@ from __future__ import annotations
 
 import errno
 import signal
+import struct
 from collections.abc import Callable, Iterable
 
 from kprobes.arch.x86_64 import rescue as layout
@@ -59,6 +76,7 @@ class Rescue:
         self._blocks: dict[int, int] = {}  # start → size of the record blocks in use
         self._free_records: dict[int, list[int]] = {}  # block size → free block starts
         self.seq = 0  # the order of return records (the rescue takes a slot's newest)
+        self.is_fetch_faults_active = False  # the rescue is the SIGSEGV and SIGBUS handler
 
     @property
     def is_installed(self) -> bool:
@@ -73,10 +91,14 @@ class Rescue:
         handler is installed by an injection that runs on the rescue's own stub.
         """
         area = map_area(layout.AREA_SIZE)
+        spaces = list(spaces)
         for space in spaces:
             space.write(area, layout.code())
             space.write(area + layout.HEADER, layout.header(area))
         self.area = area
+        for index, (start, end) in enumerate(self._pages):
+            self._write_header(spaces, layout.H_PAGES + index * 16, layout.page_entry(start, end))
+        self._write_header(spaces, layout.H_NPAGE, layout.word(len(self._pages)))
         self._ranges = [(area + layout.RECORDS, layout.RECORD_MAX, 0)]
 
     def activate(self, mem: Tracee, syscall: Syscall, scratch: int) -> None:
@@ -84,22 +106,75 @@ class Rescue:
 
         The kernel cannot write the old action into the area (it is not writable by the
         program): it goes to ``scratch``, free stack below the borrowed thread's
-        (``inject.scratch_below``), and from there into the header, where the rescue reads
-        it (to hand the program's own traps on) and ``deactivate`` finds it.
+        (``inject.scratch_below``), and from there into the header, where the rescue reads it
+        (to hand the program's own traps on) and ``deactivate`` finds it.
         """
         new_at = self.area + layout.HEADER + layout.H_NEW_ACTION
-        result = syscall(NR_RT_SIGACTION, signal.SIGTRAP, new_at, scratch, _SIGSET_SIZE)
-        if result < 0:
-            raise TargetError(f"rt_sigaction(SIGTRAP) failed in the program: errno {-result}")
-        old = mem.read(scratch, layout.SIGACTION_SIZE)
+        old = _sigaction(mem, syscall, scratch, signal.SIGTRAP, new_at)
         mem.write(self.area + layout.HEADER + layout.H_OLD, old)
 
-    def deactivate(self, syscall: Syscall) -> None:
-        """Put the program's own SIGTRAP action back (a clean detach)."""
+    def activate_fetch_faults(self, mem: Tracee, syscall: Syscall, scratch: int) -> None:
+        """Make the rescue the SIGSEGV and SIGBUS handler too (see the module docstring).
+
+        Each signal in two steps, the world held: read the program's own action (the
+        rescue's is made from it, ``fault_sigaction``), then set the rescue's. Both or
+        neither: if the second fails, the first is put back.
+        """
+        if not self.area or self.is_fetch_faults_active:
+            return
+        base = self.area + layout.HEADER
+        taken: list[int] = []
+        try:
+            for index, sig in enumerate(layout.FAULT_SIGNALS):
+                own = _sigaction(mem, syscall, scratch, sig, 0)
+                mem.write(base + layout.H_OLD_FAULT + index * layout.SIGACTION_SIZE, own)
+                new_at = base + layout.H_NEW_FAULT + index * layout.SIGACTION_SIZE
+                mem.write(new_at, layout.fault_sigaction(self.area, own))
+                _sigaction(mem, syscall, scratch, sig, new_at)
+                taken.append(index)
+        except TargetError:
+            for index in reversed(taken):
+                own_at = base + layout.H_OLD_FAULT + index * layout.SIGACTION_SIZE
+                syscall(NR_RT_SIGACTION, layout.FAULT_SIGNALS[index], own_at, 0, _SIGSET_SIZE)
+            raise
+        self.is_fetch_faults_active = True
+
+    def retake_fetch_fault(self, mem: Tracee, syscall: Syscall, scratch: int, sig: int) -> bool:
+        """After a fetch fault of ours in a thread that blocked ``sig``: was the rescue's
+        action reset to SIG_DFL by the kernel? Then it is set again (True).
+
+        A fault cannot be blocked: the kernel delivers it anyway, with the action made
+        SIG_DFL and the signal unblocked (``force_sig_info_to_task``). It changes the
+        handler only: an action whose restorer is still the rescue's is ours, reset; one
+        the program set itself has its own.
+        """
+        if not self.is_fetch_faults_active:
+            return False
+        handler, _, restorer, _ = struct.unpack("<QQQQ", _sigaction(mem, syscall, scratch, sig, 0))
+        if handler != 0 or restorer != layout.restorer(self.area):
+            return False
+        index = layout.FAULT_SIGNALS.index(sig)
+        new_at = self.area + layout.HEADER + layout.H_NEW_FAULT + index * layout.SIGACTION_SIZE
+        _sigaction(mem, syscall, scratch, sig, new_at)
+        return True
+
+    def deactivate(self, syscall: Syscall, *, keep_fetch_faults: bool = False) -> None:
+        """Put the program's own actions back (a clean detach), in the reverse order.
+
+        With ``keep_fetch_faults`` (a thread left inside detour code that may still fault)
+        the rescue stays the SIGSEGV and SIGBUS handler, set again in case the kernel reset
+        it; it hands every other fault to the program's own action.
+        """
         if not self.area:
             return
-        old_at = self.area + layout.HEADER + layout.H_OLD
-        syscall(NR_RT_SIGACTION, signal.SIGTRAP, old_at, 0, _SIGSET_SIZE)
+        base = self.area + layout.HEADER
+        if self.is_fetch_faults_active:
+            at = layout.H_NEW_FAULT if keep_fetch_faults else layout.H_OLD_FAULT
+            for index, sig in reversed(list(enumerate(layout.FAULT_SIGNALS))):
+                action_at = base + at + index * layout.SIGACTION_SIZE
+                syscall(NR_RT_SIGACTION, sig, action_at, 0, _SIGSET_SIZE)
+            self.is_fetch_faults_active = keep_fetch_faults
+        syscall(NR_RT_SIGACTION, signal.SIGTRAP, base + layout.H_OLD, 0, _SIGSET_SIZE)
 
     def forget(self) -> None:
         """The address space was replaced (exec): the area and the handler went with it."""
@@ -146,10 +221,21 @@ class Rescue:
         self._write_header(spaces, layout.H_TRAMP, layout.word(addr))
 
     def note_page(self, spaces: Iterable[Tracee], start: int, end: int) -> None:
-        """An out-of-line page: a thread the tool sent into it is on its way home."""
-        if not self.area or len(self._pages) >= layout.MAX_PAGES:
-            return
+        """An executable page of ours (out-of-line slots, detours): a trap in it was sent
+        there by the tool, on its way home; a fetch fault in it is ours.
+
+        A page that adjoins one already noted extends that entry (the table holds 64). One
+        noted before the rescue is installed is written by ``install``.
+        """
         spaces = list(spaces)
+        for index, (lo, hi) in enumerate(self._pages):
+            if hi == start or end == lo:
+                lo, hi = min(lo, start), max(hi, end)
+                self._pages[index] = (lo, hi)
+                self._write_header(spaces, layout.H_PAGES + index * 16, layout.page_entry(lo, hi))
+                return
+        if len(self._pages) >= layout.MAX_PAGES:
+            return
         index = len(self._pages)
         self._pages.append((start, end))
         self._write_header(spaces, layout.H_PAGES + index * 16, layout.page_entry(start, end))
@@ -217,3 +303,13 @@ class Rescue:
 
     def end_injection(self, mem: Tracee) -> None:
         mem.write(self.area + layout.HEADER + layout.H_INJECT_TRAP, layout.word(0))
+
+
+def _sigaction(mem: Tracee, syscall: Syscall, scratch: int, sig: int, new_at: int) -> bytes:
+    """``rt_sigaction(sig, new_at, scratch)`` in the program: its action before (``new_at``
+    0: only read it)."""
+    result = syscall(NR_RT_SIGACTION, sig, new_at, scratch, _SIGSET_SIZE)
+    if result < 0:
+        name = signal.Signals(sig).name
+        raise TargetError(f"rt_sigaction({name}) failed in the program: errno {-result}")
+    return mem.read(scratch, layout.SIGACTION_SIZE)

@@ -7,6 +7,9 @@ instruction at the probed address and is delivered there). The exception is the 
 single-step of a ``syscall``: a signal that interrupts a blocking syscall must be delivered at
 once, so its rip is mapped back to the original code first.
 
+A SIGSEGV or SIGBUS of a fetch of ours (detour code that read through a bad pointer) is not
+delivered: the thread goes on where the fetch says (``fetchfaults.py``).
+
 ``SignalDelivery`` is a part of ``Tracer`` (tracer.py), kept apart as a mechanism of its own.
 """
 
@@ -22,6 +25,8 @@ from kprobes.process.tracee import TraceeKind
 
 if TYPE_CHECKING:
     from kprobes.core.table import ProbeSite
+    from kprobes.process.fetchfaults import FetchFaults
+    from kprobes.process.rescue import Rescue
     from kprobes.process.xol import XolArea
 
 S = ThreadState
@@ -38,6 +43,8 @@ class SignalDelivery:
 
     xol: XolArea | None
     slot_owner: dict[int, ProbeSite]
+    fetch_faults: FetchFaults
+    rescue: Rescue
 
     def _on_signal(self, t: Thread, sig: int) -> None:
         was = t.state
@@ -50,6 +57,8 @@ class SignalDelivery:
         regs = t.load_regs()
         if was is S.STEPPING:
             self._signal_while_stepping(t, sig)
+        elif self.fetch_faults.fix(t, sig, self.rescue):
+            t.resume()  # without the signal: the fetch gives (fault)
         elif self.xol is not None and self.xol.contains(regs.rip):
             self._signal_in_slot(t, sig)
         else:

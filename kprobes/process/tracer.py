@@ -35,6 +35,7 @@ from kprobes.errors import InternalError, TargetError
 from kprobes.linux import ptrace
 from kprobes.process import events as ev
 from kprobes.process.breakpoints import Breakpoints
+from kprobes.process.fetchfaults import FetchFaults
 from kprobes.process.lifecycle import Lifecycle
 from kprobes.process.optimizer import JumpState
 from kprobes.process.rescue import Rescue
@@ -107,6 +108,7 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
         self.guarding = False  # the trap guard is armed: hits take the full path
         self.trampoline = Trampoline(self)
         self.rescue = Rescue()  # what the program needs to carry on if the tool dies
+        self.fetch_faults = FetchFaults()  # our code's pages, where a fault may be a fetch's
         self.optimizer = JumpState()  # optimized probes (optimizer.py)
         # Record probes (records.py): their rings are read every POLL seconds while run()
         # waits, and a new thread's first stop tells which thread pointer it has.

@@ -9,12 +9,15 @@ harness for each rule, bytes in, behaviour out.
 from __future__ import annotations
 
 import re
+import signal
+import struct
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from kprobes.arch.x86_64 import rescue, rescue_code
+from kprobes.arch.x86_64.abi import FETCH_FAULT_MAGIC
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = REPO / "kprobes" / "arch" / "x86_64" / "rescue.c"
@@ -37,6 +40,10 @@ def test_generated_bytes_match_the_source(tmp_path):
 def test_code_fits_before_the_header():
     assert len(rescue_code.CODE) <= rescue.HEADER
     assert rescue_code.CODE[rescue_code.STUB : rescue_code.STUB + 4] == b"\x0f\x05\xcc\xcc"
+    # glibc's __restore_rt, byte for byte: libgcc's unwinder and gdb know it for a signal
+    # frame, and unwind through it into the code that was interrupted
+    restorer = rescue_code.CODE[rescue_code.RESTORER : rescue_code.RESTORER + 9]
+    assert restorer == bytes.fromhex("48c7c00f0000000f05")
     assert rescue.stub_trap(0x1000) == 0x1000 + rescue_code.STUB + 2
 
 
@@ -53,6 +60,7 @@ FIELDS = {
     "pages": rescue.H_PAGES,
     "old": rescue.H_OLD,
     "saved": rescue.H_SAVED,
+    "old_fault": rescue.H_OLD_FAULT,
 }
 
 
@@ -77,7 +85,34 @@ def test_header_layout_matches_the_c_structure(tmp_path):
         assert int(got[name]) == offset, name
     assert int(got["size"]) == rescue.H_SIZE
     assert rescue.H_SIZE <= rescue.H_NEW_ACTION
-    assert rescue.H_NEW_ACTION + rescue.SIGACTION_SIZE <= rescue.BP_TABLE - rescue.HEADER
+    assert rescue.H_NEW_ACTION + rescue.SIGACTION_SIZE <= rescue.H_NEW_FAULT
+    assert rescue.H_NEW_FAULT + 2 * rescue.SIGACTION_SIZE <= rescue.BP_TABLE - rescue.HEADER
+
+
+def test_the_magic_is_the_abis():
+    m = re.search(r"#define FETCH_FAULT_MAGIC (0x[0-9a-f]+)UL", SOURCE.read_text())
+    assert m is not None
+    assert int(m.group(1), 16) == FETCH_FAULT_MAGIC
+
+
+def test_fault_action_takes_the_programs_mask_and_stack():
+    """The rescue's SIGSEGV/SIGBUS action, bytes in, bytes out: the program's mask,
+    SA_NODEFER, SA_ONSTACK and SA_RESTART when it has a handler (SA_RESETHAND is the
+    rescue's to do), nothing of SIG_DFL's or SIG_IGN's."""
+    area = 0x7F0000000000
+    ours = area + rescue_code.FAULT_HANDLER, rescue.restorer(area)
+    sa_resethand = 0x80000000
+    kept = rescue.SA_ONSTACK | rescue.SA_NODEFER | rescue.SA_RESTART
+    flags = rescue.SA_SIGINFO | kept | sa_resethand
+    own = struct.pack("<QQQQ", 0x401000, flags | rescue.SA_RESTORER, 0x402000, 0b1010)
+    handler, got, restorer, mask = struct.unpack("<QQQQ", rescue.fault_sigaction(area, own))
+    assert (handler, restorer) == ours and mask == 0b1010
+    assert got == rescue.SA_SIGINFO | rescue.SA_RESTORER | kept
+    for disposition in (0, 1):  # SIG_DFL, SIG_IGN
+        own = struct.pack("<QQQQ", disposition, flags, 0, 0b1010)
+        handler, got, restorer, mask = struct.unpack("<QQQQ", rescue.fault_sigaction(area, own))
+        assert (handler, restorer) == ours and mask == 0
+        assert got == rescue.SA_SIGINFO | rescue.SA_RESTORER
 
 
 def test_header_and_tables_pack():
@@ -136,3 +171,41 @@ def test_rescue_rule(harness, case):
     else:
         assert result.returncode == 0, result
         assert result.stdout.strip().endswith("ok"), result
+
+
+# Fault cases: the rescue as SIGSEGV and SIGBUS handler. A fetch of ours goes on at r10; any
+# other fault or SIGSEGV goes to the program's own action, and those that killed the program
+# before must still kill it, with the same signal.
+FAULT_CASES = {
+    "fetch": 0,  # NULL, a non-canonical address (SI_KERNEL) and past a file's end (SIGBUS)
+    "fetch-outside": -signal.SIGSEGV,  # marked, but not in a page of ours
+    "fetch-nomagic": -signal.SIGSEGV,  # in a page of ours, not marked
+    "fetch-sent-handler": 0,  # a timer's SIGSEGV in a marked load: the program's handler
+    "own-segv-default": -signal.SIGSEGV,
+    "own-segv-ignored": -signal.SIGSEGV,  # a fault cannot be ignored
+    "own-segv-handler": 0,  # SA_SIGINFO: si_code, si_addr and the context's rip checked
+    "own-segv-plain": 0,
+    "own-segv-resethand": 0,  # SA_RESETHAND: SIG_DFL once the handler runs
+    "own-bus-default": -signal.SIGBUS,
+    "own-bus-handler": 0,
+    "sent-default": -signal.SIGSEGV,
+    "sent-ignored": 0,
+    "sent-handler": 0,  # SI_USER reaches the handler
+}
+
+
+@pytest.mark.parametrize("case", list(FAULT_CASES))
+def test_rescue_fault_rule(harness, case):
+    exe, blob = harness
+    handler, restorer = hex(rescue_code.FAULT_HANDLER), hex(rescue_code.RESTORER)
+    result = subprocess.run(
+        [exe, blob, hex(rescue_code.HANDLER), restorer, case, handler],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == FAULT_CASES[case], result
+    if FAULT_CASES[case] == 0:
+        assert result.stdout.strip().endswith("ok"), result
+    else:
+        assert result.stdout == "", result

@@ -2,24 +2,77 @@
  * Runs the rescue (kprobes/arch/x86_64/rescue.c, as the bytes the package ships) in this
  * process, one rule at a time, as a tool that died would leave it:
  *
- *   rescue_harness BLOB HANDLER RESTORER CASE
+ *   rescue_harness BLOB HANDLER RESTORER CASE [FAULT_HANDLER]
  *
- * BLOB holds the code; HANDLER and RESTORER are its entry offsets. The area and its header are
+ * BLOB holds the code; HANDLER, RESTORER and FAULT_HANDLER are its entry offsets. The area and its header are
  * laid out as kprobes/arch/x86_64/rescue.py says (header words: see H below). Prints "ok" when
- * the case behaves; the case own-trap-default must die of SIGTRAP instead.
+ * the case behaves; the case own-trap-default must die of SIGTRAP instead, and the cases
+ * test_rescue_code.py lists as deaths must die of their signal.
+ *
+ * The fault cases (fetch-*, own-*, sent-*) make the rescue the SIGSEGV and SIGBUS handler
+ * too, after the case set the program's own action, with fetch_start..fetch_end (code below,
+ * following the fetch fault convention of kprobes/arch/x86_64/abi.py) as the one page of ours.
  */
 #define _GNU_SOURCE
+#include <setjmp.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <time.h>
+#include <ucontext.h>
 #include <unistd.h>
 
 typedef unsigned long u64;
 enum { H_TRAMP = 1, H_INJECT = 2, H_NBP = 3, H_BPS = 4, H_NREDIRECT = 5, H_REDIRECTS = 6,
-       H_NRANGE = 7, H_RANGES = 8, H_OLD = 265, H_SAVED = 269 };
+       H_NRANGE = 7, H_RANGES = 8, H_NPAGE = 136, H_PAGES = 137, H_OLD = 265, H_SAVED = 269,
+       H_OLD_FAULT = 296 };
+
+#define FAULTED 0xfa17fa17fa17fa17UL
+
+/* Code of "ours": loads marked as fetches (r11 = the magic, r10 = where to go on). */
+__asm__(".text\n"
+	".globl fetch_start, fetch_end, fetch_load, nomagic_load, spin, spin_out, own_load\n"
+	".hidden fetch_start, fetch_end, fetch_load, nomagic_load, spin, spin_out, own_load\n"
+	"fetch_start:\n"
+	"fetch_load:\n" /* u64 fetch_load(const u64 *p): *p, or FAULTED if p is bad */
+	"	movabs $0x214843544546504b, %r11\n"
+	"	lea 1f(%rip), %r10\n"
+	"	mov (%rdi), %rax\n"
+	"	xor %r11d, %r11d\n"
+	"	ret\n"
+	"1:	movabs $0xfa17fa17fa17fa17, %rax\n"
+	"	xor %r11d, %r11d\n"
+	"	ret\n"
+	"nomagic_load:\n" /* the same load in our page, not marked: a fault is the program's */
+	"	xor %r11d, %r11d\n"
+	"	mov (%rdi), %rax\n"
+	"	ret\n"
+	"spin:\n" /* marked, and spinning: only a signal handler moving rip ends it */
+	"	movabs $0x214843544546504b, %r11\n"
+	"	lea 2f(%rip), %r10\n"
+	"1:	jmp 1b\n"
+	"2:	movabs $0xfa17fa17fa17fa17, %rax\n"
+	"	xor %r11d, %r11d\n"
+	"	ret\n"
+	"spin_out:\n"
+	"	xor %r11d, %r11d\n"
+	"	mov $1, %eax\n"
+	"	ret\n"
+	"fetch_end:\n"
+	"own_load:\n" /* marked, but outside our pages: the program's own */
+	"	movabs $0x214843544546504b, %r11\n"
+	"	lea 1f(%rip), %r10\n"
+	"	mov (%rdi), %rax\n"
+	"1:	xor %r11d, %r11d\n"
+	"	ret\n");
+extern char fetch_start[], fetch_end[], spin_out[];
+u64 fetch_load(const void *p);
+u64 nomagic_load(const void *p);
+u64 spin(void);
+u64 own_load(const void *p);
 
 static char *area, *code;
 static u64 *h;
@@ -40,9 +93,146 @@ static void install(u64 handler, u64 restorer, u64 old_handler)
 
 typedef long (*fn)(void);
 
+static sigjmp_buf back;
+static volatile int seen_sig, seen_code;
+static void *volatile seen_addr;
+static volatile u64 seen_rip;
+
+static void own_info(int sig, siginfo_t *si, void *ucv)
+{
+	ucontext_t *uc = ucv;
+	seen_sig = sig;
+	seen_code = si->si_code;
+	seen_addr = si->si_addr;
+	seen_rip = uc->uc_mcontext.gregs[REG_RIP];
+	if (si->si_code == SI_TIMER) {
+		uc->uc_mcontext.gregs[REG_RIP] = (greg_t)spin_out;
+		return;
+	}
+	siglongjmp(back, 1);
+}
+
+static void own_plain(int sig)
+{
+	seen_sig = sig;
+	siglongjmp(back, 1);
+}
+
+/* As Rescue.activate_fetch_faults does (without taking the program's mask and flags): the
+   program's own action into the header, the rescue's in its place. */
+static void install_fault(u64 handler, u64 restorer, int sig, int index)
+{
+	u64 act[4] = { (u64)area + handler, 4 | 0x04000000, (u64)area + restorer, 0 };
+	if (syscall(SYS_rt_sigaction, sig, act, h + H_OLD_FAULT + 4 * index, 8) != 0) {
+		perror("rt_sigaction");
+		exit(2);
+	}
+}
+
+static void own_action(int sig, void *handler, int flags)
+{
+	struct sigaction sa;
+	memset(&sa, 0, sizeof sa);
+	sa.sa_handler = (void (*)(int))handler;
+	sa.sa_flags = flags;
+	sigaction(sig, &sa, NULL);
+}
+
+/* A page of a file past its end: a load from it raises SIGBUS. */
+static void *bus_page(void)
+{
+	int fd = memfd_create("bus", 0);
+	char *p = mmap(NULL, 0x2000, PROT_READ, MAP_SHARED, fd, 0);
+	if (fd < 0 || p == MAP_FAILED || ftruncate(fd, 0x1000) != 0)
+		exit(2);
+	return p + 0x1000;
+}
+
+static int fault_case(const char *c, u64 handler, u64 restorer)
+{
+	void *noncanonical = (void *)0xdead000000000000UL, *bad = (void *)0x18;
+	void *bus = bus_page();
+	int plain = strcmp(c, "own-segv-plain") == 0;
+	if (strcmp(c, "own-bus-handler") == 0)
+		own_action(SIGBUS, own_info, SA_SIGINFO);
+	else if (strcmp(c, "own-segv-handler") == 0 || strcmp(c, "fetch-sent-handler") == 0 ||
+		 strcmp(c, "sent-handler") == 0)
+		own_action(SIGSEGV, own_info, SA_SIGINFO);
+	else if (strcmp(c, "own-segv-plain") == 0)
+		own_action(SIGSEGV, own_plain, 0);
+	else if (strcmp(c, "own-segv-resethand") == 0)
+		own_action(SIGSEGV, own_info, SA_SIGINFO | SA_RESETHAND);
+	else if (strcmp(c, "own-segv-ignored") == 0 || strcmp(c, "sent-ignored") == 0)
+		own_action(SIGSEGV, SIG_IGN, 0);
+	install_fault(handler, restorer, SIGSEGV, 0);
+	install_fault(handler, restorer, SIGBUS, 1);
+	if (strcmp(c, "fetch-outside") != 0) {
+		h[H_PAGES] = (u64)fetch_start;
+		h[H_PAGES + 1] = fetch_end - fetch_start;
+		h[H_NPAGE] = 1;
+	}
+	u64 good = 42;
+
+	if (strcmp(c, "fetch") == 0) {
+		u64 a = fetch_load(&good), b = fetch_load(NULL), g = fetch_load(noncanonical);
+		u64 d = fetch_load(bus);
+		int ok = a == 42 && b == FAULTED && g == FAULTED && d == FAULTED;
+		printf("%lx %lx %lx %lx %s\n", a, b, g, d, ok ? "ok" : "bad");
+	} else if (strcmp(c, "fetch-outside") == 0) {
+		fetch_load(NULL); /* not in a page of ours: the program's own, SIG_DFL */
+		printf("survived\n");
+	} else if (strcmp(c, "fetch-nomagic") == 0) {
+		nomagic_load(NULL);
+		printf("survived\n");
+	} else if (strcmp(c, "fetch-sent-handler") == 0) {
+		/* a SIGSEGV from a timer while the thread sits in a marked load: not a fault */
+		timer_t t;
+		struct sigevent sev = { .sigev_notify = SIGEV_SIGNAL, .sigev_signo = SIGSEGV };
+		struct itimerspec when = { .it_value = { 0, 20 * 1000 * 1000 } };
+		if (timer_create(CLOCK_MONOTONIC, &sev, &t) != 0 || timer_settime(t, 0, &when, 0))
+			return 2;
+		u64 r = spin();
+		printf("%lx %d %d %s\n", r, seen_sig, seen_code,
+		       r == 1 && seen_sig == SIGSEGV && seen_code == SI_TIMER ? "ok" : "bad");
+	} else if (strncmp(c, "own-", 4) == 0) {
+		int sig = strncmp(c, "own-bus", 7) == 0 ? SIGBUS : SIGSEGV;
+		void *at = sig == SIGBUS ? bus : bad;
+		if (sigsetjmp(back, 1) == 0) {
+			own_load(at);
+			printf("not faulted\n");
+			return 0;
+		}
+		int want = sig == SIGBUS ? BUS_ADRERR : SEGV_MAPERR;
+		int ok = seen_sig == sig;
+		if (!plain) /* SA_SIGINFO: the fault's own siginfo and context */
+			ok = ok && seen_code == want && seen_addr == at && seen_rip > (u64)own_load &&
+			     seen_rip < (u64)own_load + 24;
+		if (strcmp(c, "own-segv-resethand") == 0) {
+			struct sigaction now;
+			sigaction(SIGSEGV, NULL, &now);
+			ok = ok && now.sa_handler == SIG_DFL;
+		}
+		printf("%d %d %p %s\n", seen_sig, seen_code, seen_addr, ok ? "ok" : "bad");
+	} else if (strcmp(c, "sent-default") == 0 || strcmp(c, "sent-ignored") == 0) {
+		kill(getpid(), SIGSEGV);
+		printf("ok\n");
+	} else if (strcmp(c, "sent-handler") == 0) {
+		if (sigsetjmp(back, 1) == 0) {
+			kill(getpid(), SIGSEGV);
+			printf("not delivered\n");
+			return 0;
+		}
+		printf("%d %d %s\n", seen_sig, seen_code,
+		       seen_sig == SIGSEGV && seen_code == SI_USER ? "ok" : "bad");
+	} else {
+		return 2;
+	}
+	return 0;
+}
+
 int main(int argc, char **argv)
 {
-	if (argc != 5)
+	if (argc != 5 && argc != 6)
 		return 2;
 	area = mmap(NULL, 0x400000, PROT_READ | PROT_WRITE | PROT_EXEC,
 		    MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -64,6 +254,9 @@ int main(int argc, char **argv)
 	const char *c = argv[4];
 	install(strtoul(argv[2], 0, 16), strtoul(argv[3], 0, 16),
 		strcmp(c, "own-trap-handler") == 0 ? (u64)own : 0);
+	if (strncmp(c, "fetch", 5) == 0 || strncmp(c, "own-segv", 8) == 0 ||
+	    strncmp(c, "own-bus", 7) == 0 || strncmp(c, "sent-", 5) == 0)
+		return argc == 6 ? fault_case(c, strtoul(argv[5], 0, 16), strtoul(argv[3], 0, 16)) : 2;
 
 	/* code+0: mov $42, %eax; ret (a probed function) */
 	static const unsigned char forty_two[] = { 0xb8, 0x2a, 0, 0, 0, 0xc3 };

@@ -18,6 +18,15 @@
  *   - a trap the tool had already handled (rip moved, int3 gone): resume as it is;
  *   - anything else is the program's own trap: handed to its own disposition.
  *
+ * Once detour code that fetches through pointers is in the program, it is the SIGSEGV and
+ * SIGBUS handler too (installed then, not before: Rescue.activate_fetch_faults). A fault the
+ * kernel raised in one of our pages with r11 = FETCH_FAULT_MAGIC is a fetch of ours that hit
+ * a bad pointer: it goes on at r10 (arch/x86_64/abi.py). Any other is the program's own and
+ * is handed to its own disposition as the kernel would have delivered it: its handler, entered
+ * in our frame (whose mask and stack are the program's action's) as if the kernel had entered
+ * it, or, for SIG_DFL, the default action put back and the faulting instruction run again, to
+ * die of it.
+ *
  * It is compiled once into position-independent bytes (scripts/build-rescue writes
  * rescue_code.py) and copied into an executable mapping of the program. No libc, no
  * relocations, no writable memory of its own: the header and tables sit at fixed offsets
@@ -48,6 +57,7 @@ struct header {
 	struct range pages[MAX_PAGES];
 	struct action old;      /* the program's own SIGTRAP disposition */
 	u64 saved[27];          /* struct user_regs_struct of the thread an injection borrowed */
+	struct action old_fault[2];  /* the program's own SIGSEGV and SIGBUS dispositions */
 };
 
 /* The entry points, first in the blob: the injection stub and the signal restorer. */
@@ -58,8 +68,8 @@ __asm__(".text\n"
 	"	int3\n"
 	"	int3\n"   /* where a thread resumes if the tool dies after the first one trapped */
 	"	.p2align 4\n"
-	"rescue_restorer:\n"
-	"	mov $15, %eax\n"
+	"rescue_restorer:\n"  /* glibc's bytes: unwinders (libgcc, gdb) know it for a signal frame */
+	"	mov $15, %rax\n"
 	"	syscall\n"
 	"	ud2\n");
 
@@ -90,8 +100,13 @@ static inline s64 sys4(s64 nr, s64 a, s64 b, s64 c, s64 d)
 #define NR_GETPID 39
 #define NR_GETTID 186
 #define NR_TGKILL 234
+#define NR_RT_TGSIGQUEUEINFO 297
 #define SI_KERNEL 0x80
 #define TF 0x100UL
+#define SIGBUS 7
+#define SA_RESETHAND 0x80000000UL
+#define BUS_MCEERR_AO 5
+#define FETCH_FAULT_MAGIC 0x214843544546504bUL  /* "KPFETCH!": abi.py's FETCH_FAULT_MAGIC */
 
 /* mcontext gregs (REG_R8 = 0, ...) and their places in struct user_regs_struct */
 enum { G_R8, G_R9, G_R10, G_R11, G_R12, G_R13, G_R14, G_R15, G_RDI, G_RSI, G_RBP, G_RBX,
@@ -147,6 +162,78 @@ static void chain(const struct header *h, int sig, void *info, void *uc)
 	else
 		((void (*)(int))handler)(sig);
 }
+
+/* Raised by the kernel for the instruction that faulted (not sent by a process, not an
+   asynchronous machine-check report): it comes back if the instruction runs again. */
+static int is_fault(int sig, int code)
+{
+	return code > 0 && !(sig == SIGBUS && code == BUS_MCEERR_AO);
+}
+
+/* The program's own SIGSEGV or SIGBUS, handed to its own disposition: its handler, to be
+   entered in our frame (returned, see rescue_fault_entry), or 0 once the default action or
+   the ignoring is done. */
+static u64 chain_fault(const struct action *old, int sig, void *info)
+{
+	struct action dfl = { 0, 0, 0, 0 };
+	int code = ((int *)info)[2];
+	u64 handler = old->handler;
+	if (handler > 1) {
+		if (old->flags & SA_RESETHAND)
+			sys4(NR_RT_SIGACTION, sig, (s64)&dfl, 0, 8);
+		return handler;
+	}
+	if (handler == 1 && !is_fault(sig, code)) /* SIG_IGN, of a signal that may be ignored */
+		return 0;
+	/* SIG_DFL (or SIG_IGN of a fault, which the kernel does not let a program ignore): the
+	   default action back, and the signal again, to die of it as the program would have:
+	   a fault by running its instruction again, a sent signal by sending it again. */
+	sys4(NR_RT_SIGACTION, sig, (s64)&dfl, 0, 8);
+	if (is_fault(sig, code))
+		return 0;
+	s64 pid = sys3(NR_GETPID, 0, 0, 0), tid = sys3(NR_GETTID, 0, 0, 0);
+	/* its own siginfo where the kernel allows it (a thread other than the main one may not
+	   queue SI_USER or SI_TKILL), else as tgkill sends it */
+	if (sys4(NR_RT_TGSIGQUEUEINFO, pid, tid, sig, (s64)info) != 0)
+		sys3(NR_TGKILL, pid, tid, sig);
+	return 0;
+}
+
+/* SIGSEGV or SIGBUS: a fetch of ours that hit a bad pointer goes on at r10 (0: return from
+   the signal); any other fault is the program's (its handler, or 0). */
+__attribute__((used, visibility("hidden"))) u64 rescue_fault(int sig, void *info,
+							     struct ucontext_min *uc)
+{
+	const struct header *h = (const struct header *)(rescue_start + AREA_HEADER);
+	u64 *g = uc->gregs;
+	if (is_fault(sig, ((int *)info)[2]) && g[G_R11] == FETCH_FAULT_MAGIC &&
+	    in_ranges(h->pages, h->npage, g[G_RIP])) {
+		g[G_RIP] = g[G_R10];
+		return 0;
+	}
+	return chain_fault(&h->old_fault[sig == SIGBUS], sig, info);
+}
+
+/* The SIGSEGV and SIGBUS handler. The program's own handler is entered by a jump, in the
+   frame the kernel built for us, as the kernel would have entered it: sig, siginfo and
+   context in rdi, rsi, rdx (for every handler, SA_SIGINFO or not, as on x86-64), rax 0, and
+   the restorer as its return address, so that it returns through rt_sigreturn and unwinds
+   through the signal frame into the code that faulted, with no frame of ours in between. */
+__asm__(".text\n"
+	"rescue_fault_entry:\n"
+	"	push %rdi\n"
+	"	push %rsi\n"
+	"	push %rdx\n"      /* the kernel entered with rsp = 8 mod 16: now 0, for the call */
+	"	call rescue_fault\n"
+	"	pop %rdx\n"
+	"	pop %rsi\n"
+	"	pop %rdi\n"
+	"	test %rax, %rax\n"
+	"	jz 1f\n"
+	"	mov %rax, %r11\n"
+	"	xor %eax, %eax\n"
+	"	jmp *%r11\n"
+	"1:	ret\n");
 
 __attribute__((used)) void rescue_handler(int sig, void *info, void *ctx)
 {

@@ -1,12 +1,15 @@
 """The rescue area's layout: where the tool writes what the program needs to carry on alone.
 
 The rescue (``rescue.c``, compiled into ``rescue_code.py``) is a SIGTRAP handler the probed
-program runs only when the tool died without detaching. It reads everything from one
-anonymous executable mapping, laid out here, which the tool fills through /proc/PID/mem:
+program runs only when the tool died without detaching (and, once detour code may fault on a
+fetch, its SIGSEGV and SIGBUS handler). It reads everything from one anonymous executable
+mapping, laid out here, which the tool fills through /proc/PID/mem:
 
-    +0x000000  code: the injection stub (``syscall; int3``), the signal restorer, the handler
+    +0x000000  code: the injection stub (``syscall; int3``), the signal restorer, the
+               handlers (SIGTRAP; SIGSEGV and SIGBUS)
     +0x001000  header: the trampoline, the injection in flight, table sizes, our pages,
-               the program's own SIGTRAP action, the registers an injection borrowed
+               the program's own SIGTRAP action, the registers an injection borrowed, the
+               program's own SIGSEGV and SIGBUS actions; past it, the rescue's own actions
     +0x002000  breakpoints: (address, original byte), one per address ever patched
     +0x042000  stepped copies: (slot, length, probed address)
     +0x062000  return records: (stack slot, real return address, sequence), one per
@@ -17,6 +20,7 @@ Every function here is pure: offsets in, bytes out.
 
 from __future__ import annotations
 
+import signal
 import struct
 from typing import Final
 
@@ -52,11 +56,19 @@ H_NPAGE: Final = 1088
 H_PAGES: Final = 1096
 H_OLD: Final = 2120
 H_SAVED: Final = 2152
-H_SIZE: Final = 2368
+H_OLD_FAULT: Final = 2368  # the program's own SIGSEGV, then SIGBUS action
+H_SIZE: Final = 2432
 H_NEW_ACTION: Final = 0xF00  # past the struct: the rescue's own action, for rt_sigaction
+H_NEW_FAULT: Final = 0xF20  # the rescue's own SIGSEGV, then SIGBUS action
+
+# The signals of a fetch that hit a bad pointer, in the order of the header's actions.
+FAULT_SIGNALS: Final = (signal.SIGSEGV, signal.SIGBUS)
 
 SIGACTION_SIZE: Final = 32
 SA_SIGINFO: Final = 0x4
+SA_ONSTACK: Final = 0x08000000
+SA_NODEFER: Final = 0x40000000
+SA_RESTART: Final = 0x10000000
 SA_RESTORER: Final = 0x04000000
 
 _Q: Final = struct.Struct("<Q")
@@ -78,6 +90,12 @@ def stub_trap(area: int) -> int:
     return area + rescue_code.STUB + 2
 
 
+def restorer(area: int) -> int:
+    """The rescue's ``rt_sigreturn``: the restorer of every action of ours (how one is known
+    after the kernel reset its handler to SIG_DFL)."""
+    return area + rescue_code.RESTORER
+
+
 def header(area: int) -> bytes:
     """A fresh header: tables empty, one range covering every return record."""
     out = bytearray(H_SIZE)
@@ -95,9 +113,28 @@ def sigaction(area: int) -> bytes:
         "<QQQQ",
         area + rescue_code.HANDLER,
         SA_SIGINFO | SA_RESTORER,
-        area + rescue_code.RESTORER,
+        restorer(area),
         0,
     )
+
+
+def fault_sigaction(area: int, own: bytes) -> bytes:
+    """The action that makes the rescue the SIGSEGV or SIGBUS handler, given the program's
+    own (``own``, the kernel's ``struct sigaction``).
+
+    When the program has a handler of its own, the rescue's action takes its mask and its
+    SA_NODEFER, SA_ONSTACK and SA_RESTART: the kernel then builds the frame the rescue hands
+    on to that handler as it would have built the handler's own (on its alternate stack, a
+    stack overflow included, with its signals blocked), and restarts the syscall a sent
+    SIGSEGV interrupted as it would have. SA_RESETHAND is done by the rescue itself.
+    """
+    handler, flags, _, mask = struct.unpack("<QQQQ", own)
+    ours = SA_SIGINFO | SA_RESTORER
+    if handler > 1:  # neither SIG_DFL nor SIG_IGN
+        ours |= flags & (SA_NODEFER | SA_ONSTACK | SA_RESTART)
+    else:
+        mask = 0
+    return struct.pack("<QQQQ", area + rescue_code.FAULT_HANDLER, ours, restorer(area), mask)
 
 
 def word(value: int) -> bytes:
