@@ -22,6 +22,7 @@ import pytest
 import support
 
 import kprobes
+from kprobes.arch.x86_64 import shared_area as sa
 
 pytestmark = pytest.mark.ptrace
 
@@ -88,8 +89,13 @@ def test_shared_area_is_one_memfd_seen_from_both_sides(spawn, optimized, tmp_pat
     # No fd of ours is left in the program; its mapping of the memfd is.
     for fd in os.listdir(f"/proc/{proc.pid}/fd"):
         assert "kprobes" not in os.readlink(f"/proc/{proc.pid}/fd/{fd}")
-    (mapped,) = [m for m in support.maps(proc.pid) if "kprobes-area" in m.path]
-    assert mapped.start == area.addr
+    # The area, then its ring's first pages again right after it (the mirror).
+    mapped, mirror = [m for m in support.maps(proc.pid) if "kprobes-area" in m.path]
+    assert mapped.start == area.addr and mirror.start == mapped.end == area.addr + area.layout.size
+    assert mirror.offset == area.layout.ring_offset and mirror.end - mirror.start == sa.MIRROR
+    area.mapping[area.layout.ring_offset : area.layout.ring_offset + 8] = b"mirrored"
+    assert support.raw_read(proc.pid, mirror.start, 8) == b"mirrored"
+    area.mapping[area.layout.ring_offset : area.layout.ring_offset + 8] = bytes(8)
     # A value written on one side is read on the other.
     area.mapping[5000:5008] = b"fromtool"
     assert support.raw_read(proc.pid, area.addr + 5000, 8) == b"fromtool"

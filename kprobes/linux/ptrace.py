@@ -274,6 +274,22 @@ def getregset(tid: int, note: int, size: int) -> bytes:
     return buf.raw[: iov.len]
 
 
+_process_vm_readv = _libc.process_vm_readv
+_process_vm_readv.restype = ctypes.c_ssize_t
+
+
+def process_vm_readv(pid: int, addr: int, size: int) -> bytes:
+    """Up to ``size`` bytes at ``addr`` in ``pid``, read as the process itself could read
+    them: a page it may not read (PROT_NONE) ends the read, where /proc/PID/mem, which
+    ptrace's FOLL_FORCE lets through, would not. Fewer bytes where readable memory ends;
+    OSError (EFAULT) when none can be read."""
+    buf = ctypes.create_string_buffer(size)
+    local = _Iovec(ctypes.addressof(buf), size)
+    remote = _Iovec(addr, size)
+    n = _check(_process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0))
+    return buf.raw[:n]
+
+
 def getsigmask(tid: int) -> int:
     """PTRACE_GETSIGMASK: the signals the thread blocks (bit n-1 = signal n), as it will
     block them back in user space (the saved mask while a ``ppoll`` or the like has its own)."""

@@ -4,9 +4,7 @@ Records of optimized probes carry ``rdtsc`` ticks (arch/x86_64/record.py): the d
 clock of its own that costs less. The tool places them on the clock its trap events use,
 ``time.monotonic()``, from pairs of (monotonic, tsc) it takes itself, with ``rdtsc`` run from
 a page of four instructions mapped executable in the tool (Python has no other way to run
-it). The rate is the slope between the first pair and the newest one once they are 20 ms
-apart, and until then the nominal frequency of ``/proc/cpuinfo``; every record's time is
-taken from the newest pair, so an error in the rate only scales the distance to it. The
+it). The mapping never goes back (``TscClock``), so records keep their order. The
 machines this runs on have an invariant TSC (``constant_tsc nonstop_tsc``), synchronised
 across CPUs by the kernel. Rejected: the perf mmap page's ``time_mult``/``time_shift``
 (perf's clock is ``sched_clock``, not ``CLOCK_MONOTONIC``, and it needs a perf event open).
@@ -14,6 +12,7 @@ across CPUs by the kernel. Rejected: the perf mmap page's ``time_mult``/``time_s
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import mmap
 import time
@@ -21,7 +20,7 @@ from typing import Final
 
 # rdtsc; shl rdx, 32; or rax, rdx; ret
 _CODE: Final = bytes.fromhex("0f3148c1e2204809d0c3")
-_SETTLE_NS: Final = 20_000_000
+_SEGMENT_NS: Final = 200_000_000  # a new segment at most every 0.2 s
 
 
 class _Rdtsc:
@@ -57,12 +56,20 @@ def _nominal_hz() -> float:
 
 
 class TscClock:
-    """Ticks to ``time.monotonic()`` seconds; call ``sample()`` now and then (each read)."""
+    """Ticks to ``time.monotonic()`` seconds; ``sample()`` now and then (each read).
+
+    The mapping is a chain of line segments, each continuous with the one before, so that it
+    never goes back: the records of one thread keep their order however late they are read.
+    A segment starts at a sample at least ``SEGMENT`` apart from the last, with the rate
+    measured over the segment before it (the first uses the nominal frequency); each new
+    segment also takes up a tenth of the distance to the real clock, so an early error does
+    not stay."""
 
     def __init__(self) -> None:
-        self._first = self._pair()
-        self._last = self._first
-        self._hz = _nominal_hz()
+        ns, tsc = self._pair()
+        self._starts: list[int] = [tsc]  # tsc where each segment starts
+        self._segments: list[tuple[int, float, float]] = [(tsc, ns, _nominal_hz() / 1e9)]
+        self._last_pair = (ns, tsc)
 
     @staticmethod
     def _pair() -> tuple[int, int]:
@@ -71,13 +78,24 @@ class TscClock:
         b = time.monotonic_ns()
         return (a + b) // 2, tsc
 
+    def _ns(self, tsc: int) -> float:
+        i = max(bisect.bisect_right(self._starts, tsc) - 1, 0)
+        start, ns, per_ns = self._segments[i]
+        return ns + (tsc - start) / per_ns
+
     def sample(self) -> None:
-        self._last = self._pair()
-        ns0, t0 = self._first
-        ns1, t1 = self._last
-        if ns1 - ns0 >= _SETTLE_NS and t1 > t0:
-            self._hz = (t1 - t0) * 1e9 / (ns1 - ns0)
+        ns1, t1 = self._pair()
+        ns0, t0 = self._last_pair
+        if ns1 - ns0 < _SEGMENT_NS or t1 <= t0 or t1 <= self._starts[-1]:
+            return
+        per_ns = (t1 - t0) / (ns1 - ns0)  # ticks per ns, measured
+        here = self._ns(t1)  # where the chain is now: the new segment starts there
+        # Aim to meet the real clock over the next segment, a tenth of the way at a time.
+        ahead = (here - ns1) / 10
+        per_ns *= _SEGMENT_NS / max(_SEGMENT_NS - ahead, _SEGMENT_NS / 2)
+        self._starts.append(t1)
+        self._segments.append((t1, here, per_ns))
+        self._last_pair = (ns1, t1)
 
     def seconds(self, tsc: int) -> float:
-        ns, ref = self._last
-        return (ns + (tsc - ref) * 1e9 / self._hz) / 1e9
+        return self._ns(tsc) / 1e9

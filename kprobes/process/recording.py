@@ -64,8 +64,9 @@ class Recording:
     if TYPE_CHECKING:
 
         def _symbols(self) -> SymbolResolver: ...
-        def read(self, addr: int, size: int) -> bytes: ...
-        def read_string(self, addr: int, max_len: int = 4096) -> bytes: ...
+        def _activate_fetch_faults(self) -> bool: ...
+        def fetch(self, addr: int, size: int) -> bytes: ...
+        def fetch_string(self, addr: int, max_len: int = 4096) -> bytes: ...
 
     def _equip_async(self, kps: Sequence[Kprobe]) -> None:
         """Prepare the probes with an asynchronous handler (before anything is placed: a
@@ -80,7 +81,7 @@ class Recording:
                     errno=errno.EINVAL,
                 )
             reader = self._ring_reader()
-            memory = Memory(self.read, self.read_string, reader.symbolize, reader.comm)
+            memory = Memory(self.fetch, self.fetch_string, reader.symbolize, reader.comm)
             records.equip(kp, self._symbols, memory, CpuReader(self.pid))
 
     @property
@@ -156,6 +157,11 @@ class Recording:
             plan = plan_captures([(fp.spec, fp.resolvers) for fp in fast])
         except NotCapturable as exc:
             return str(exc)
+        if plan.reads_memory:
+            # A bad pointer must give (fault): the tracer fixes such faults, and the rescue
+            # once the tool is gone (fetchfaults.py). Without a rescue (seccomp) the program
+            # is no worse off than with our int3s, which need it as much.
+            self._activate_fetch_faults()
         with_regs = any(fp.with_regs for fp in fast)
         reader = self._ring_reader()
         if not reader.is_active:

@@ -234,6 +234,14 @@ class Process(
     def read_string(self, addr: int, max_len: int = 4096) -> bytes:
         return self._memory().read_string(addr, max_len)
 
+    def fetch(self, addr: int, size: int) -> bytes:
+        """``read`` as the program itself could read: a page it may not read (PROT_NONE)
+        is a fault here, as in the kernel's fetch-args (``read`` sees through it)."""
+        return self._memory().read_as_program(addr, size)
+
+    def fetch_string(self, addr: int, max_len: int = 4096) -> bytes:
+        return self._memory().read_string(addr, max_len, as_program=True)
+
     # -- the Kprobes API -------------------------------------------------------------------
 
     @_says_when_gone

@@ -14,7 +14,7 @@ import os
 import struct
 
 from kprobes.errors import TargetError
-from kprobes.linux import procfs
+from kprobes.linux import procfs, ptrace
 from kprobes.process.threads import Thread, ThreadState
 
 _WORD = struct.Struct("<Q")
@@ -124,11 +124,23 @@ class Tracee:
         if written != len(data):
             raise self._failure("write", len(data), addr, None)
 
-    def read_string(self, addr: int, max_len: int = 4096) -> bytes:
+    def read_as_program(self, addr: int, size: int) -> bytes:
+        """``size`` bytes at ``addr`` as the program itself could read them (protections
+        obeyed: what the kernel's fetch-args read); TargetError where it could not."""
+        try:
+            data = ptrace.process_vm_readv(self.pid, addr, size)
+        except OSError as exc:
+            raise self._failure("read", size, addr, exc) from exc
+        if len(data) != size:
+            raise self._failure("read", size, addr, None)
+        return data
+
+    def read_string(self, addr: int, max_len: int = 4096, *, as_program: bool = False) -> bytes:
+        read = self.read_as_program if as_program else self.read
         out = bytearray()
         while len(out) < max_len:
             want = min(256, max_len - len(out), 4096 - ((addr + len(out)) & 0xFFF))
-            chunk = self.read(addr + len(out), want)
+            chunk = read(addr + len(out), want)
             nul = chunk.find(b"\0")
             if nul >= 0:
                 out += chunk[:nul]

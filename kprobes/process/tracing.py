@@ -67,7 +67,7 @@ class SpecTracer:
         self.placed: list[PlacedSpec] = []
         self.comm = CommCache(proc.pid)
         self.cpu = CpuReader(proc.pid)
-        self.memory = Memory(proc.read, proc.read_string, self.symbolize, self.comm)
+        self.memory = Memory(proc.fetch, proc.fetch_string, self.symbolize, self.comm)
         self._symbolizer = Symbolizer(lambda addr: proc._symbols().locate_address(addr))
 
     # -- symbols -----------------------------------------------------------------------
