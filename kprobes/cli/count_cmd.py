@@ -71,13 +71,15 @@ def run(args: argparse.Namespace) -> int:
     def handle(ev: Event) -> None:
         counts[label.get(ev.event, ev.event)] += 1
 
-    shown: Counter[str] = Counter()  # hits of in-place counters already counted, by probe
+    # Hits of in-place counters already counted, by placed probe (a followed child's copy of
+    # a spec has the same name as the root's).
+    shown: Counter[int] = Counter()
 
     def take_hits() -> None:
         """Probes that make no events (count_only): add their hits since the last call."""
         for p in session.placed:
             if getattr(p, "counts_in_place", False):
-                new, shown[p.name] = p.hits - shown[p.name], p.hits
+                new, shown[id(p)] = p.hits - shown[id(p)], p.hits
                 event = p.name.rpartition("/")[2]
                 counts[label.get(event, event)] += new
                 session.events += new  # each hit is an event counted

@@ -202,6 +202,10 @@ class Process(
             os.sched_setaffinity(0, self._saved_affinity[0])
             self._saved_affinity = None
         if self._attached:
+            # What the program counted and recorded by itself, to the probes first (a
+            # member of a family ends here without a run() of its own).
+            self._drain_rings()
+            self._collect_counts()
             self._attached = False
             self._manager.mark_gone()
             cleanup.forget(self)
