@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import itertools
 import os
 import re
@@ -69,7 +70,16 @@ _REFUSED = {524, errno.EOPNOTSUPP, errno.EINVAL, errno.EILSEQ}  # 524 = the kern
 
 
 def file_offset(path: Path | str, symbol: str) -> int:
-    """The offset in ``path`` of ``symbol``'s first byte (what ``uprobe_events`` wants)."""
+    """The offset in ``path`` of ``symbol``'s first byte (what ``uprobe_events`` wants).
+
+    Cached per file version: parsing libc's symbol tables takes a tenth of a second, and a
+    test asks for the same few symbols hundreds of times."""
+    st = os.stat(path)
+    return _file_offset(os.path.realpath(path), symbol, st.st_ino, st.st_mtime_ns)
+
+
+@functools.cache
+def _file_offset(path: str, symbol: str, _ino: int, _mtime_ns: int) -> int:
     with open(path, "rb") as f:
         elf = ELFFile(f)
         value = None
