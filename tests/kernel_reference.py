@@ -13,16 +13,26 @@ How, step by step (each undone on every way out, in reverse):
             ``options/record-tgid`` (each trace line says its thread's process) and
             ``options/event-fork`` (a task created by a recorded task is recorded too)
     Step 2  one uprobe event per probe: ``p:GROUP/NAME PATH:0xOFFSET``, the file offset of the
-            symbol computed here with pyelftools (symbol value → the PT_LOAD that holds it)
+            symbol computed here with pyelftools (symbol value → the PT_LOAD that holds it);
+            ``grouped=True``: the probes are locations of a few events instead (Step 4)
     Step 3  the process: a command forked and held before its exec (``run``), or a running
             process (``attach``); its threads go in ``set_event_pid``
-    Step 4  the events, and ``sched/sched_process_exec``, enabled in the instance only
+    Step 4  the events, and ``sched/sched_process_exec``, enabled in the instance only, with
+            every probed file mapped here meanwhile: the kernel analyses an instruction when
+            it inserts the breakpoint in a mapping, so a file that no process maps at enable
+            time (a private copy, a program not yet executed) would have the instructions the
+            kernel will not probe skipped silently later instead of refused now
     Step 5  release the command; wait for it to exit (``run``) or for ``until`` (``attach``)
     Step 6  tracing off; every per-CPU ``stats`` must say 0 overrun and 0 dropped events
     Step 7  read the instance's ``trace`` (the kernel's text, CPUs merged in time order) and
             count lines per event name and per process; a ``run``'s held child executes a little
             Python between its release and its exec, so its lines before its first
             ``sched_process_exec`` line are not the command's and are left out.
+
+Creating or removing an event costs tens of milliseconds here (hundreds of probes: half a
+minute), adding a location to an event a few. ``grouped=True`` puts every probe in one event as
+a location whose records carry the probe's index (an immediate argument, ``id=\\N``); an event
+the kernel refuses to enable is split in halves until the refused probes are isolated.
 """
 
 from __future__ import annotations
@@ -31,13 +41,14 @@ import contextlib
 import errno
 import functools
 import itertools
+import mmap
 import os
 import re
 import shutil
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -53,6 +64,7 @@ _LINE = re.compile(
     r"^\s*(?P<comm>.*?)-(?P<tid>\d+)\s+\(\s*(?P<tgid>[-\d]+)\)\s+\[\d+\]\s+\S+\s+"
     r"(?P<ts>[\d.]+):\s+(?P<event>\w+):"
 )
+_ID = re.compile(r" id=(\d+)$")  # a grouped location's index
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,8 +146,11 @@ class ReferenceRun:
 class KernelReference:
     """The kernel's uprobes on ``probes``, in a private instance; one ``run`` or ``attach``."""
 
-    def __init__(self, probes: Sequence[RefProbe], *, buffer_kb: int = BUFFER_KB) -> None:
+    def __init__(
+        self, probes: Sequence[RefProbe], *, buffer_kb: int = BUFFER_KB, grouped: bool = False
+    ) -> None:
         self.probes = list(probes)
+        self.grouped = grouped
         tag = f"{os.getpid()}_{next(_counter)}"
         self.group = f"kpref_{tag}"
         self.instance = TRACEFS / "instances" / f"kpref_{tag}"
@@ -147,11 +162,9 @@ class KernelReference:
             _write(self.instance / "buffer_size_kb", str(buffer_kb), append=False)
             _write(self.instance / "options" / "record-tgid", "1", append=False)
             _write(self.instance / "options" / "event-fork", "1", append=False)
-            # Step 2: the events, defined (not enabled).
-            for probe in self.probes:
-                offset = file_offset(probe.path, probe.symbol) + probe.offset
-                line = f"p:{self.group}/{probe.name} {os.path.realpath(probe.path)}:{offset:#x}"
-                _write(TRACEFS / "uprobe_events", line + "\n")
+            # Step 2: the events, defined (not enabled); grouped ones in Step 4.
+            for probe in [] if grouped else self.probes:
+                _write(TRACEFS / "uprobe_events", f"p:{self.group}/{probe.name} {_where(probe)}\n")
                 self.defined.append(probe.name)
         except BaseException:
             self.close()
@@ -182,13 +195,36 @@ class KernelReference:
     def _follow(self, tids: Sequence[int]) -> None:
         _write(self.instance / "set_event_pid", " ".join(map(str, tids)), append=False)
         _write(self.instance / "events" / "sched" / "sched_process_exec" / "enable", "1")
-        for name in self.defined:
-            try:
-                _write(self.instance / "events" / self.group / name / "enable", "1")
-            except OSError as exc:  # an instruction the kernel will not probe
-                if exc.errno not in _REFUSED:
-                    raise
-                self.refused.add(name)
+        with _mapped({os.path.realpath(p.path) for p in self.probes}):
+            if self.grouped:
+                self._enable_group(list(range(len(self.probes))))
+            for name in [] if self.grouped else self.defined:
+                try:
+                    _write(self.instance / "events" / self.group / name / "enable", "1")
+                except OSError as exc:  # an instruction the kernel will not probe
+                    if exc.errno not in _REFUSED:
+                        raise
+                    self.refused.add(name)
+
+    def _enable_group(self, indices: list[int]) -> None:
+        """One event holding the probes ``indices``, enabled, or split until it can be."""
+        name = f"all{len(self.defined)}"
+        for i in indices:
+            line = f"p:{self.group}/{name} {_where(self.probes[i])} id=\\{i}:u32"
+            _write(TRACEFS / "uprobe_events", line + "\n")
+        self.defined.append(name)
+        try:
+            _write(self.instance / "events" / self.group / name / "enable", "1")
+        except OSError as exc:
+            if exc.errno not in _REFUSED:
+                raise
+            _write(TRACEFS / "uprobe_events", f"-:{self.group}/{name}\n")
+            self.defined.remove(name)
+            if len(indices) == 1:
+                self.refused.add(self.probes[indices[0]].name)
+                return
+            self._enable_group(indices[: len(indices) // 2])
+            self._enable_group(indices[len(indices) // 2 :])
 
     def run(
         self,
@@ -277,10 +313,40 @@ class KernelReference:
                 continue
             if event not in names or (tid == root and not started):
                 continue
+            if self.grouped:
+                found = _ID.search(line)
+                if found is None:
+                    raise AssertionError(f"a grouped record without its id: {line}")
+                event = self.probes[int(found[1])].name
             if not m["tgid"].isdigit():
                 raise AssertionError(f"the kernel did not record the process of: {line}")
             result.by_process.setdefault(int(m["tgid"]), Counter())[event] += 1
         return result
+
+
+def _where(probe: RefProbe) -> str:
+    """``PATH:0xOFFSET`` of a probe, as ``uprobe_events`` wants it."""
+    offset = file_offset(probe.path, probe.symbol) + probe.offset
+    return f"{os.path.realpath(probe.path)}:{offset:#x}"
+
+
+@contextlib.contextmanager
+def _mapped(paths: set[str]) -> Iterator[None]:
+    """The files mapped in this process, private and read-only: executable to the kernel's
+    uprobes (VM_MAYEXEC), which insert their breakpoints in this copy too, and analyse the
+    instruction as they do."""
+    maps = []
+    try:
+        for path in sorted(paths):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                maps.append(mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ))
+            finally:
+                os.close(fd)
+        yield
+    finally:
+        for m in maps:
+            m.close()
 
 
 def _wait(pid: int, timeout: float) -> int | None:
