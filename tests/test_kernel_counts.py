@@ -24,11 +24,13 @@ pytestmark = pytest.mark.ptrace
 ZSTD = shutil.which("zstd")
 
 
-def reference(probes: list[RefProbe], argv: list[str]) -> tuple[ReferenceRun, set[str]]:
+def reference(
+    probes: list[RefProbe], argv: list[str], *, grouped: bool = False
+) -> tuple[ReferenceRun, set[str]]:
     null_in = os.open(os.devnull, os.O_RDONLY)
     null_out = os.open(os.devnull, os.O_WRONLY)
     try:
-        with KernelReference(probes) as ref:
+        with KernelReference(probes, grouped=grouped) as ref:
             run = ref.run(argv, stdin=null_in, stdout=null_out, stderr=null_out)
             refused = set(ref.refused)
     finally:
@@ -65,7 +67,9 @@ def test_every_instruction_of_malloc_and_free_in_a_multithreaded_zstd(zstd_job):
         for offset, _text in support.function_insns(libc, fn, dynamic=True)
     ]
     names = {site: f"{site[0]}_{site[1]:x}" for site in sites}
-    ref, refused = reference([RefProbe(names[s], libc, s[0], s[1]) for s in sites], zstd_job)
+    ref, refused = reference(
+        [RefProbe(names[s], libc, s[0], s[1]) for s in sites], zstd_job, grouped=True
+    )
 
     proc = spawn_quietly(zstd_job)
     notices: list[str] = []
