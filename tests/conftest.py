@@ -48,6 +48,7 @@ BUILDS: dict[str, Build] = {
     "optimized": Build("optimized.c", flags=("-O1", *DEBUG, "-pthread")),
     "records": Build("records.c", flags=("-O1", *DEBUG, "-pthread")),
     "fetchfault": Build("fetchfault.c", flags=("-O1", *DEBUG, "-pthread")),
+    "hammer": Build("hammer.c", flags=("-O1", *DEBUG, "-pthread")),
     # -O2 for the jump table; no red zone because hand() pushes in inline asm.
     "fidelity": Build("fidelity.c", flags=("-O2", *DEBUG, "-mno-red-zone")),
     "signals": Build("signals.c"),
