@@ -51,6 +51,10 @@ BUILDS: dict[str, Build] = {
     "hammer": Build("hammer.c", flags=("-O1", *DEBUG, "-pthread")),
     # -O2 for the jump table; no red zone because hand() pushes in inline asm.
     "fidelity": Build("fidelity.c", flags=("-O2", *DEBUG, "-mno-red-zone")),
+    # The same without the jump table, whose indirect jump refuses every jump in hand().
+    "fidelity-nojt": Build(
+        "fidelity.c", flags=("-O2", *DEBUG, "-mno-red-zone", "-fno-jump-tables")
+    ),
     "signals": Build("signals.c"),
     "procs": Build("procs.c"),
     "ifunc": Build("ifunc.c", libs=("-ldl",)),

@@ -157,18 +157,22 @@ def probed(request: Any, exe: Path, sites: list[Site], tmp_path_factory: Any) ->
 
 @pytest.fixture(scope="module")
 def kernel(exe: Path, sites: list[Site], tmp_path_factory: Any) -> support.UprobeRun:
-    """The kernel's uprobes on the same places.
+    if support.tracefs_root() is None:
+        pytest.skip("tracefs with uprobe_events is not available (needs root)")
+    return kernel_counts(exe, sites, tmp_path_factory.mktemp("fidelity-kernel"))
 
-    They run on private copies of the program and of libc (loaded through LD_LIBRARY_PATH):
-    a uprobe patches every process that maps its file, and these copies are mapped by the
-    reference run alone, not by the rest of the system nor by a concurrent probed run.
+
+def kernel_counts(exe: Path, sites: list[Site], private: Path) -> support.UprobeRun:
+    """The kernel's uprobes on the same places (``None``: refused, or a pushf).
+
+    They run on private copies of the program and of libc (loaded through LD_LIBRARY_PATH),
+    made in the directory ``private``: a uprobe patches every process that maps its file, and
+    these copies are mapped by the reference run alone, not by the rest of the system nor by
+    a concurrent probed run.
 
     Not on pushf: the kernel's uprobes single-step it with TF set and the copy pushes TF, so
     the popf after it traps and the program dies of SIGTRAP (seen on 6.x); a pushf's count is
     checked against the instruction after it instead."""
-    if support.tracefs_root() is None:
-        pytest.skip("tracefs with uprobe_events is not available (needs root)")
-    private = tmp_path_factory.mktemp("fidelity-kernel")
     libc = support.libc_path(exe)
     copies = {exe: private / exe.name, libc: private / "libc.so.6"}
     for original, copy in copies.items():
