@@ -130,6 +130,7 @@ class ReferenceRun:
     root: int  # the command's pid, or the attached process's
     returncode: int | None  # a run's exit status (negative: killed by that signal)
     by_process: dict[int, Counter[str]] = field(default_factory=dict)
+    threads: dict[str, set[int]] = field(default_factory=dict)  # event name → tids that hit it
 
     @property
     def counts(self) -> Counter[str]:
@@ -321,6 +322,7 @@ class KernelReference:
             if not m["tgid"].isdigit():
                 raise AssertionError(f"the kernel did not record the process of: {line}")
             result.by_process.setdefault(int(m["tgid"]), Counter())[event] += 1
+            result.threads.setdefault(event, set()).add(tid)
         return result
 
 

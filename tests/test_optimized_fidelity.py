@@ -16,11 +16,16 @@ probed in exactly one pass, and each accepted one is optimized there.
    built as test_fidelity.py builds it (the switch's jump table refuses every site of hand())
    and without jump tables (``fidelity-nojt``: hand()'s pushf/popf, rip-relative stores and
    loop in detours).
+2. libc's malloc and free in a zstd that compresses in a worker thread, on a private copy of
+   libc that the kernel's run and ours load (one job, as in test_kernel_counts.py, so that
+   the calls do not depend on the threads' timing).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,12 +34,15 @@ from typing import Any
 
 import pytest
 import support
+from kernel_reference import KernelReference, RefProbe
 from test_fidelity import ARGS, EXE_FUNCTIONS, LIBC_FUNCTIONS, STDIN, Site, kernel_counts, sites_of
 
 import kprobes
 from kprobes.arch.x86_64.jumpopt import Refusal, find_region
 
 pytestmark = pytest.mark.ptrace
+
+ZSTD = shutil.which("zstd")
 
 
 # -- placement ------------------------------------------------------------------------------
@@ -242,3 +250,102 @@ def test_fidelity_counts_equal_the_kernels(fidelity: Fidelity) -> None:
     assert pushfs
     for i in pushfs:
         assert nhit[i] == kernel.counts[i + 1] and nhit[i] > 0
+
+
+# -- 2. malloc and free in a multi-threaded zstd ----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Zstd:
+    libc: Path  # the private copy both runs load
+    env: dict[str, str]
+    data: Path
+    tmp: Path
+
+    def argv(self, out: str) -> list[str]:
+        assert ZSTD is not None
+        return [ZSTD, "-q", "-f", "-T2", "-1", str(self.data), "-o", str(self.tmp / out)]
+
+
+@pytest.fixture(scope="module")
+def zstd(tmp_path_factory: Any) -> Zstd:
+    if ZSTD is None:
+        pytest.fail("zstd is part of the test machine's set-up (scripts/ensure-system-deps)")
+    tmp = tmp_path_factory.mktemp("opt-zstd")
+    (tmp / "lib").mkdir()
+    libc = tmp / "lib" / "libc.so.6"
+    shutil.copy2(support.libc_path(ZSTD), libc)
+    data = tmp / "input"
+    # One job for the pool of two workers (test_kernel_counts.py says why).
+    data.write_bytes(b"".join(b"line %d of the zstd test input\n" % i for i in range(20_000)))
+    return Zstd(libc, dict(os.environ, LD_LIBRARY_PATH=str(libc.parent)), data, tmp)
+
+
+def run_zstd_pass(zstd: Zstd, sites: Sequence[Site], indices: list[int], out: str) -> PassRun:
+    """zstd with the probes of one pass; their states as ``list()`` gives them at its exit
+    (there is no pause to look at them earlier: zstd may end within one ``run(timeout)``)."""
+    kps = probes_for(sites, indices)
+    with open(os.devnull, "rb") as fin, open(os.devnull, "wb") as fout:
+        proc = kprobes.spawn(zstd.argv(out), stdin=fin, stdout=fout, stderr=fout, env=zstd.env)
+    notices: list[str] = []
+    proc.on_notice = notices.append
+    try:
+        proc.register_kprobes(kps)  # pending: placed when the loader maps the private libc
+        assert proc.run(timeout=60), "zstd did not finish within 60 s"
+        assert not any(kp.is_pending for kp in kps), notices
+        by_addr = {entry.addr: entry for entry in proc.list()}
+    finally:
+        support.cleanup_proc(proc)
+    entries = [by_addr[kp.addr] for kp in kps if kp.addr is not None]
+    assert len(entries) == len(kps)
+    return PassRun(
+        indices,
+        (zstd.tmp / out).read_bytes(),
+        proc.exit_code,
+        [kp.nhit for kp in kps],
+        [e.is_optimized for e in entries],
+        [e.why_not_optimized for e in entries],
+    )
+
+
+@pytest.mark.tracefs
+def test_malloc_and_free_in_a_multithreaded_zstd(zstd: Zstd) -> None:
+    sites = sites_of(zstd.libc, ("malloc", "free"), libc=True)
+    names = [f"{s.function}_{s.offset:x}" for s in sites]
+    ends = region_ends(sites)
+    null_in = os.open(os.devnull, os.O_RDONLY)
+    null_out = os.open(os.devnull, os.O_WRONLY)
+    try:
+        probes = [
+            RefProbe(n, zstd.libc, s.function, s.offset) for n, s in zip(names, sites, strict=True)
+        ]
+        with KernelReference(probes, grouped=True) as ref:
+            kernel = ref.run(
+                zstd.argv("kernel.zst"), env=zstd.env, stdin=null_in, stdout=null_out,
+                stderr=null_out,
+            )  # fmt: skip
+            refused = ref.refused
+    finally:
+        os.close(null_in)
+        os.close(null_out)
+    assert kernel.returncode == 0 and len(kernel.by_process) == 1
+    subprocess.run(zstd.argv("plain.zst"), env=zstd.env, check=True, timeout=60)
+    plain = (zstd.tmp / "plain.zst").read_bytes()
+    assert (zstd.tmp / "kernel.zst").read_bytes() == plain
+
+    passes = split_in_passes(sites, ends)
+    runs = [run_zstd_pass(zstd, sites, p, f"pass{k}.zst") for k, p in enumerate(passes)]
+    for run in runs:
+        assert run.exit_code == 0
+        assert run.stdout == plain  # the compressed file, byte for byte
+    assert_placement(sites, ends, runs)
+    nhit, optimized, _ = by_site(runs, len(sites))
+    assert len(refused) < len(sites) // 10, sorted(refused)
+    compared = [i for i, n in enumerate(names) if n not in refused]
+    got = {names[i]: nhit[i] for i in compared}
+    assert got == {names[i]: kernel.counts[names[i]] for i in compared}
+    # Not vacuous: many jumps, much of the work through them, and two threads at work.
+    assert sum(optimized) >= 100
+    assert sum(nhit[i] for i in compared if optimized[i]) >= 2_000
+    assert kernel.counts["malloc_0"] > 50 and kernel.counts["free_0"] > 50
+    assert len(kernel.threads["malloc_0"]) >= 2
