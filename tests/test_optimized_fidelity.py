@@ -19,12 +19,18 @@ probed in exactly one pass, and each accepted one is optimized there.
 2. libc's malloc and free in a zstd that compresses in a worker thread, on a private copy of
    libc that the kernel's run and ours load (one job, as in test_kernel_counts.py, so that
    the calls do not depend on the threads' timing).
+3. hammer.c's mix() (flags live across regions, the red zone, rip-relative operands, a loop)
+   hammered by 8 threads while the optimization is switched off and on, probes are disabled
+   and enabled, and a probe inside an optimized region is registered and unregistered.
 """
 
 from __future__ import annotations
 
 import os
+import random
+import re
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Sequence
@@ -349,3 +355,127 @@ def test_malloc_and_free_in_a_multithreaded_zstd(zstd: Zstd) -> None:
     assert sum(nhit[i] for i in compared if optimized[i]) >= 2_000
     assert kernel.counts["malloc_0"] > 50 and kernel.counts["free_0"] > 50
     assert len(kernel.threads["malloc_0"]) >= 2
+
+
+# -- 3. switching while 8 threads hammer -----------------------------------------------------
+
+THREADS = 8
+ACTIONS = 90
+
+
+@pytest.fixture(scope="module")
+def hammer(build: Any) -> Path:
+    path: Path = build("hammer")
+    return path
+
+
+def hammer_output(threads: int) -> bytes:
+    """What ``hammer THREADS -1`` prints when every call was right."""
+    lines = [f"thread {t}: every call checked\n" for t in range(threads)]
+    return "".join([*lines, f"total: {threads} threads stopped\n"]).encode()
+
+
+def hammer_calls(stderr: str, threads: int) -> int:
+    """How many calls of mix() the workers made, as ``hammer`` reports them on stderr."""
+    made = re.findall(r"^hammer: thread \d+ made (\d+) calls$", stderr, re.MULTILINE)
+    assert len(made) == threads, stderr[-2000:]
+    return sum(map(int, made))
+
+
+def mix_sites(exe: Path) -> tuple[list[Site], list[int | None], list[int]]:
+    """mix()'s and mix_model()'s boundaries, their regions, and how often each runs per call
+    (the loop's instructions 3 times)."""
+    sites = sites_of(exe, ("mix", "mix_model"), libc=False)
+    (jnz,) = [s for s in sites if s.function == "mix" and s.text.startswith(("jne", "jnz"))]
+    head = int(jnz.text.split()[1], 16)
+    times = [3 if s.function == "mix" and head <= s.vaddr <= jnz.vaddr else 1 for s in sites]
+    assert times.count(3) == 4  # rol, xor, dec, jnz
+    return sites, region_ends(sites), times
+
+
+@pytest.mark.deadline(60)
+def test_switching_while_eight_threads_hammer(spawn, hammer, tmp_path):
+    """90 changes, at random, while 8 threads call mix() without a pause: the optimization
+    off or on; a probe of mix_model() (called once per call of mix) disabled or enabled; a
+    probe registered inside the region of the jump at mix+0 (which goes back to its int3) or
+    unregistered (the jump comes back). Every call is checked by the program, and the probes
+    that stay enabled count every call exactly."""
+    sites, ends, times = mix_sites(hammer)
+    first = split_in_passes(sites, ends)[0]
+    steady = [i for i in first if sites[i].function == "mix" and ends[i] is not None]
+    toggled = [i for i in first if sites[i].function == "mix_model" and ends[i] is not None]
+    entry = steady[0]
+    assert sites[entry].offset == 0 and len(steady) >= 12 and len(toggled) >= 12
+    inside = next(s for s in sites if sites[entry].vaddr < s.vaddr < (ends[entry] or 0))
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "wb") as fout, open(err, "wb") as ferr:
+        proc = spawn([hammer, THREADS, -1], stdout=fout.fileno(), stderr=ferr.fileno())
+    kps = probes_for(sites, steady)
+    switched = probes_for(sites, toggled)
+    proc.register_kprobes(kps + switched)
+    assert all(e.is_optimized for e in proc.list()), proc.list()
+    rng = random.Random(int(os.environ.get("KPROBES_TEST_SEED", "12")))
+    guests: list[kprobes.Kprobe] = []  # every probe registered inside the region
+    done: dict[str, int] = {"optimization": 0, "toggle": 0, "inside": 0}
+    states: set[str] = set()  # what the probe at mix+0 was after each change
+    for _ in range(ACTIONS):
+        assert not proc.run(timeout=0.01), "the program ended early"
+        action = rng.choice(list(done))
+        done[action] += 1
+        if action == "optimization":
+            proc.optimization = not proc.optimization
+        elif action == "toggle":
+            kp = rng.choice(switched)
+            (proc.enable_kprobe if kp.is_disabled else proc.disable_kprobe)(kp)
+        elif guests and guests[-1].is_registered:
+            proc.unregister_kprobe(guests[-1])
+        else:
+            guests.append(kprobes.Kprobe(symbol="mix", offset=inside.offset, optimize=True))
+            proc.register_kprobe(guests[-1])
+        (now,) = [e for e in proc.list() if e.where == "mix+0x0"]
+        states.add("OPTIMIZED" if now.is_optimized else now.why_not_optimized.split(" (")[0])
+    os.kill(proc.pid, signal.SIGUSR1)
+    assert proc.run(timeout=30)
+    assert proc.exit_code == 0
+    assert out.read_bytes() == hammer_output(THREADS)
+    calls = hammer_calls(err.read_text(), THREADS)
+    # Every kind of change happened, and the jump at mix+0 came and went for each reason.
+    assert min(done.values()) >= 15, done
+    assert "OPTIMIZED" in states and "optimization is off" in states
+    where = (kps[0].addr or 0) + inside.offset
+    assert f"another probe at {where:#x} is inside the region" in states, states
+    assert [kp.nhit for kp in kps] == [calls * times[i] for i in steady]
+    assert all(0 < kp.nhit <= calls for kp in switched)
+    assert 0 < sum(kp.nhit for kp in guests) <= calls
+    assert calls > 100_000
+
+
+@pytest.mark.parametrize(
+    "optimize",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="optimizer._collect_counts adds a site's counter to every probe of the "
+                "site (site.probes), disabled ones too; a trap counts only site.active",
+            ),
+        ),
+    ],
+    ids=["trap", "optimized"],
+)
+def test_a_disabled_probe_beside_an_enabled_one_counts_nothing(spawn, hammer, optimize):
+    """Two count probes on one address, one of them disabled: the site stays armed for the
+    other (optimized or not), and the disabled one counts nothing, as on the trap tier (the
+    kernel's aggregate probe skips a disabled one)."""
+    with open(os.devnull, "wb") as null:
+        proc = spawn([hammer, 2, 5_000], stdout=null.fileno(), stderr=null.fileno())
+    quiet, counting = (kprobes.Kprobe(symbol="mix", optimize=True) for _ in range(2))
+    proc.optimization = optimize
+    proc.register_kprobes([quiet, counting])
+    proc.disable_kprobe(quiet)
+    assert [e.is_optimized for e in proc.list()] == [optimize, optimize]
+    assert proc.run(timeout=60) and proc.exit_code == 0
+    assert counting.nhit == 2 * 5_000
+    assert quiet.nhit == 0
