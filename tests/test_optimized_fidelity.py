@@ -22,6 +22,7 @@ probed in exactly one pass, and each accepted one is optimized there.
 3. hammer.c's mix() (flags live across regions, the red zone, rip-relative operands, a loop)
    hammered by 8 threads while the optimization is switched off and on, probes are disabled
    and enabled, and a probe inside an optimized region is registered and unregistered.
+4. The tool SIGKILLed while the jumps fire (tests/drivers/optimize_until_killed.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +50,8 @@ from kprobes.arch.x86_64.jumpopt import Refusal, find_region
 
 pytestmark = pytest.mark.ptrace
 
+DRIVERS = Path(__file__).resolve().parent / "drivers"
+REPO = DRIVERS.parent.parent
 ZSTD = shutil.which("zstd")
 
 
@@ -479,3 +483,87 @@ def test_a_disabled_probe_beside_an_enabled_one_counts_nothing(spawn, hammer, op
     assert proc.run(timeout=60) and proc.exit_code == 0
     assert counting.nhit == 2 * 5_000
     assert quiet.nhit == 0
+
+
+# -- 4. the tool killed while the jumps fire --------------------------------------------------
+
+
+def what_is_left(pid: int, exe: Path, sites: Sequence[Site]) -> list[str]:
+    """What each of ``sites`` (in mix, in address order) holds in the running program: its
+    own byte, our int3 (which the rescue handler serves, and puts the byte back), a jump into
+    an anonymous executable page (a detour), or nothing of its own (inside another site's
+    jump). Every other byte of mix must be the file's: anything else is a torn patch."""
+    sym = support.symbol(exe, "mix")
+    bias = support.runtime_address(pid, exe, "mix") - sym.value
+    live = support.raw_read(pid, bias + sym.value, sym.size)
+    code = support.file_bytes(exe, sym.value, sym.size)
+    detours = support.anonymous_exec_mappings(pid)
+    left, expected, covered = [], bytearray(code), 0
+    for s in sorted(sites, key=lambda s: s.offset):
+        at = s.offset
+        if at < covered:
+            left.append("inside a jump")
+        elif live[at] == 0xCC:
+            left.append("int3")
+            expected[at] = 0xCC
+        elif live[at] == 0xE9 and code[at] != 0xE9:
+            to = bias + s.vaddr + 5 + int.from_bytes(live[at + 1 : at + 5], "little", signed=True)
+            assert any(m.start <= to < m.end for m in detours), (hex(at), hex(to))
+            left.append("jump")
+            expected[at : at + 5] = live[at : at + 5]
+            covered = at + 5
+        else:
+            left.append("original")
+    assert live == bytes(expected), (live.hex(), code.hex())
+    return left
+
+
+@pytest.mark.parametrize("mode", ["steady", "switch", "toggle"])
+def test_the_program_carries_on_when_the_tool_is_killed(popen, hammer, mode):
+    """SIGKILL of a tool whose optimized probes fire in 8 threads, and which may be switching
+    them off and on, or disabling them, at that moment: the program finishes on its own, every
+    call right, with its whole output and exit status 0."""
+    sites, ends, _ = mix_sites(hammer)
+    first = split_in_passes(sites, ends)[0]
+    probed = [sites[i] for i in first if sites[i].function == "mix" and ends[i] is not None]
+    inside = next(
+        s for s in sites if probed[0].vaddr < s.vaddr < (ends[sites.index(probed[0])] or 0)
+    )
+    # Niced: its 8 spinning threads would starve the tool's start on two cores.
+    argv = ["nice", "-n", "10", hammer, THREADS, -1]
+    prog = popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert prog.stdout is not None and prog.stderr is not None
+    assert support.read_line(prog.stderr.fileno(), 20) == f"hammer {prog.pid} ready\n".encode()
+    driver = popen(
+        [
+            sys.executable,
+            DRIVERS / "optimize_until_killed.py",
+            prog.pid,
+            mode,
+            "--inside",
+            hex(inside.offset),
+            *(hex(s.offset) for s in probed),
+        ],
+        stdout=subprocess.PIPE,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    assert driver.stdout is not None
+    assert support.read_line(driver.stdout.fileno(), 30) == b"ready\n"
+    rng = random.Random(f"{os.environ.get('KPROBES_TEST_SEED', '13')}-{mode}")
+    time.sleep(rng.uniform(0.1, 0.4))
+    driver.kill()
+    assert driver.wait(10) == -signal.SIGKILL
+    support.wait_until(
+        lambda: not any(support.tracer_of(prog.pid, t) for t in support.thread_ids(prog.pid)),
+        10,
+        "the program's threads to be released",
+    )
+    left = what_is_left(prog.pid, hammer, [*probed, inside])
+    if mode == "steady":
+        assert sorted(left) == ["inside a jump"] + ["jump"] * len(probed)
+    time.sleep(0.3)  # the program runs on alone, through whatever was left
+    prog.send_signal(signal.SIGUSR1)
+    out, err = prog.communicate(timeout=30)
+    assert prog.returncode == 0, err.decode()[-2000:]
+    assert out == hammer_output(THREADS)
+    assert hammer_calls(err.decode(), THREADS) > 0

@@ -1,0 +1,67 @@
+"""A kprobes user holding optimized count probes, which the tests kill with SIGKILL.
+
+    optimize_until_killed.py PID MODE [--inside OFFSET] OFFSET...
+
+Attaches to PID (tests/programs/hammer.c), registers an ``optimize=True`` count probe at each
+``mix+OFFSET``, waits until ``list()`` shows every one ``[OPTIMIZED]`` (a site waits while a
+thread is inside its region), prints ``ready`` and then, until it is killed:
+
+    steady  dispatches: nothing traps, the program counts through the jumps
+    switch  switches the optimization off and on every few milliseconds: the jumps go back to
+            their int3s and come again
+    toggle  disables and enables the probes in turn, and registers and unregisters one more at
+            ``mix+INSIDE`` (inside the region of the first jump, which goes back to its int3
+            meanwhile)
+
+Nothing here restores anything: SIGKILL gives it no chance. The program must carry on alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+
+import kprobes
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("pid", type=int)
+    parser.add_argument("mode", choices=("steady", "switch", "toggle"))
+    parser.add_argument("--inside", type=lambda s: int(s, 0), default=None)
+    parser.add_argument("offsets", type=lambda s: int(s, 0), nargs="+")
+    opts = parser.parse_args()
+
+    with kprobes.attach(opts.pid) as proc:
+        kps = [kprobes.Kprobe(symbol="mix", offset=off, optimize=True) for off in opts.offsets]
+        proc.register_kprobes(kps)
+        deadline = time.monotonic() + 20
+        while not all(entry.is_optimized for entry in proc.list()):
+            if time.monotonic() > deadline:  # a thread kept being in a region's way
+                print(*proc.list(), sep="\n", file=sys.stderr)
+                return 1
+            proc.run(timeout=0.01)  # it retries when it returns
+        print("ready", flush=True)
+        if opts.mode == "steady":
+            proc.run()
+            return 0
+        guest: kprobes.Kprobe | None = None
+        for kp in itertools.cycle(kps):
+            proc.run(timeout=0.003)
+            if opts.mode == "switch":
+                proc.optimization = not proc.optimization
+                continue
+            (proc.enable_kprobe if kp.is_disabled else proc.disable_kprobe)(kp)
+            if guest is not None:
+                proc.unregister_kprobe(guest)
+                guest = None
+            elif opts.inside is not None:
+                guest = kprobes.Kprobe(symbol="mix", offset=opts.inside, optimize=True)
+                proc.register_kprobe(guest)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
