@@ -65,6 +65,7 @@ BUILDS: dict[str, Build] = {
     "churn": Build("churn.c", flags=("-O1", *DEBUG, "-pthread")),
     "shy": Build("shy.c"),
     "rets_cxx": Build("rets_cxx.cpp", compiler="g++"),
+    "coldpad": Build("coldpad.cpp", flags=("-O2", *DEBUG), compiler="g++"),
     "backtrace": Build("backtrace.c"),
     "jprobe": Build("jprobe.c"),
     "jprobe-nodebug": Build("jprobe.c", flags=("-O1", "-fno-inline")),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,8 +163,15 @@ def kernel(exe: Path, sites: list[Site], tmp_path_factory: Any) -> support.Uprob
     return kernel_counts(exe, sites, tmp_path_factory.mktemp("fidelity-kernel"))
 
 
-def kernel_counts(exe: Path, sites: list[Site], private: Path) -> support.UprobeRun:
-    """The kernel's uprobes on the same places (``None``: refused, or a pushf).
+def kernel_counts(
+    exe: Path,
+    sites: list[Site],
+    private: Path,
+    args: Sequence[str] = ARGS,
+    stdin: bytes = STDIN,
+) -> support.UprobeRun:
+    """The kernel's uprobes on the same places (``None``: refused, or a pushf), in a run of
+    ``exe`` with ``args`` (a program that says "ready" on stderr, then reads ``stdin``).
 
     They run on private copies of the program and of libc (loaded through LD_LIBRARY_PATH),
     made in the directory ``private``: a uprobe patches every process that maps its file, and
@@ -179,9 +187,9 @@ def kernel_counts(exe: Path, sites: list[Site], private: Path) -> support.Uprobe
         shutil.copy2(original, copy)
     kept = [s for s in sites if not s.text.startswith("pushf")]
     run = support.kernel_uprobe_counts(
-        [copies[exe], *ARGS],
+        [copies[exe], *args],
         [(copies[s.path], s.vaddr) for s in kept],
-        stdin=STDIN,
+        stdin=stdin,
         env=dict(os.environ, LD_LIBRARY_PATH=str(private)),
     )
     counts: dict[Site, int | None] = {s: None for s in sites}

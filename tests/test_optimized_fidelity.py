@@ -23,6 +23,9 @@ probed in exactly one pass, and each accepted one is optimized there.
    hammered by 8 threads while the optimization is switched off and on, probes are disabled
    and enabled, and a probe inside an optimized region is registered and unregistered.
 4. The tool SIGKILLed while the jumps fire (tests/drivers/optimize_until_killed.py).
+5. C++ (coldpad.cpp, g++ -O2): a function with catch clauses and a cleanup, whose landing
+   pads are entered by the unwinder and whose cold part jumps back into it; and a
+   hand-written landing pad inside a region, which must keep the jump out.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from typing import Any
 
 import pytest
 import support
+from elftools.elf.elffile import ELFFile
 from kernel_reference import KernelReference, RefProbe
 from test_fidelity import ARGS, EXE_FUNCTIONS, LIBC_FUNCTIONS, STDIN, Site, kernel_counts, sites_of
 
@@ -59,28 +63,88 @@ ZSTD = shutil.which("zstd")
 
 
 def region_ends(sites: Sequence[Site]) -> list[int | None]:
-    """The link-time end of the region ``find_region`` gives each site from the file's bytes
-    (with the function's other part, ``foo.cold``, as the optimizer passes it), or None where
-    it refuses the site."""
+    """The link-time end of the region ``find_region`` gives each site from the file's bytes,
+    with what the optimizer passes it (the function's other parts, ``foo.cold`` and
+    ``foo.cold.N``, and the file's landing pads), or None where it refuses the site."""
     functions: dict[tuple[Path, str], list[tuple[int, bytes]]] = {}
+    pads: dict[Path, set[int]] = {}
     out: list[int | None] = []
     for s in sites:
         key = (s.path, s.function)
         if key not in functions:
             functions[key] = function_parts(s.path, s.function, s.spec.startswith("libc:"))
+            pads.setdefault(s.path, landing_pads(s.path))
         (start, body), *fragments = functions[key]
-        region = find_region(body, start, s.vaddr, len(body), fragments=fragments)
+        region = find_region(
+            body, start, s.vaddr, len(body), fragments=fragments, entries=pads[s.path]
+        )
         out.append(None if isinstance(region, Refusal) else region.end)
     return out
 
 
 def function_parts(path: Path, name: str, dynamic: bool) -> list[tuple[int, bytes]]:
-    """(link-time address, bytes) of function ``name``, then of its other part if it has one
-    (gcc's ``name.cold``; for a ``.cold`` part, the function)."""
+    """(link-time address, bytes) of function ``name``, then of its other parts (gcc's
+    ``foo.cold`` and ``foo.cold.N``; for such a part, ``foo`` and the others)."""
     table = support.nm_symbols(path, dynamic=dynamic)
-    other = name.removesuffix(".cold") if name.endswith(".cold") else f"{name}.cold"
-    parts = [table[name], *([table[other]] if other in table and table[other].size else [])]
-    return [(sym.value, support.file_bytes(path, sym.value, sym.size)) for sym in parts]
+    base = name.partition(".cold")[0]
+    others = [
+        sym
+        for other, sym in table.items()
+        if other != name and (other == base or other.startswith(f"{base}.cold")) and sym.size
+    ]
+    return [
+        (sym.value, support.file_bytes(path, sym.value, sym.size)) for sym in [table[name], *others]
+    ]
+
+
+def landing_pads(path: Path) -> set[int]:
+    """The link-time address of every landing pad in ``path``: where the unwinder enters a
+    function from outside, read from the LSDA of each FDE that has one."""
+    pads: set[int] = set()
+    with open(path, "rb") as f:
+        elf = ELFFile(f)
+        table = elf.get_section_by_name(".gcc_except_table")
+        if table is None:
+            return pads
+        data, base = table.data(), table["sh_addr"]
+        for entry in elf.get_dwarf_info().EH_CFI_entries():
+            lsda = getattr(entry, "lsda_pointer", None)
+            if lsda is not None:
+                start = entry.header["initial_location"]
+                pads.update(start + pad for pad in call_site_pads(data, lsda - base) if pad)
+    return pads
+
+
+def call_site_pads(data: bytes, at: int) -> list[int]:
+    """The landing pad of each entry of the call-site table of the LSDA at ``data[at:]``, as
+    an offset from the function's start (0: none), in the form gcc writes: no LPStart of its
+    own, call sites in uleb128."""
+
+    def uleb() -> int:
+        nonlocal at
+        value = shift = 0
+        while True:
+            byte = data[at]
+            at += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if byte < 0x80:
+                return value
+
+    assert data[at] == 0xFF, "an LPStart of its own"
+    has_types = data[at + 1] != 0xFF
+    at += 2
+    if has_types:
+        uleb()  # where the type table is
+    assert data[at] == 0x01, "call sites not in uleb128"
+    at += 1
+    length = uleb()
+    end = at + length
+    pads = []
+    while at < end:
+        _start, _length, pad, _action = uleb(), uleb(), uleb(), uleb()
+        pads.append(pad)
+    return pads
 
 
 def split_in_passes(sites: Sequence[Site], ends: Sequence[int | None]) -> list[list[int]]:
@@ -462,8 +526,9 @@ def test_switching_while_eight_threads_hammer(spawn, hammer, tmp_path):
             True,
             marks=pytest.mark.xfail(
                 strict=True,
-                reason="optimizer._collect_counts adds a site's counter to every probe of the "
-                "site (site.probes), disabled ones too; a trap counts only site.active",
+                reason="process/optimizer.py _collect_counts adds a site's counter to every "
+                "probe of the site (site.probes), disabled ones too; a trap counts only "
+                "site.active",
             ),
         ),
     ],
@@ -567,3 +632,82 @@ def test_the_program_carries_on_when_the_tool_is_killed(popen, hammer, mode):
     assert prog.returncode == 0, err.decode()[-2000:]
     assert out == hammer_output(THREADS)
     assert hammer_calls(err.decode(), THREADS) > 0
+
+
+# -- 5. C++: landing pads and cold parts -----------------------------------------------------
+
+CXX_ARGS = ["300"]
+CXX_FUNCTIONS = ("catcher", "catcher.cold", "may_throw", "may_throw.cold")
+
+
+@pytest.fixture(scope="module")
+def coldpad(build: Any) -> Path:
+    path: Path = build("coldpad")
+    return path
+
+
+@pytest.mark.tracefs
+def test_cxx_landing_pads_and_cold_parts(coldpad: Path, tmp_path_factory: Any) -> None:
+    """Every boundary of a C++ function with a try block, two catch clauses and a cleanup, of
+    its cold part (which jumps back into it), and of the function that throws: each site is
+    optimized where find_region (given the other part) accepts it, else an int3 that says
+    why; the landing pads and the sites after them included. Output and counts as the
+    kernel's."""
+    sites = sites_of(coldpad, CXX_FUNCTIONS, libc=False)
+    ends = region_ends(sites)
+    runs = []
+    for k, indices in enumerate(split_in_passes(sites, ends)):
+        tmp = tmp_path_factory.mktemp(f"coldpad-pass{k}")
+        runs.append(run_gated_pass(coldpad, CXX_ARGS, b"go\n", sites, indices, tmp))
+    unprobed = support.reference_output([coldpad, *CXX_ARGS], stdin=b"go\n")
+    for run in runs:
+        assert run.exit_code == 0
+        assert run.stdout == unprobed
+    assert_placement(sites, ends, runs)
+    private = tmp_path_factory.mktemp("coldpad-kernel")
+    kernel = kernel_counts(coldpad, sites, private, CXX_ARGS, b"go\n")
+    assert kernel.returncode == 0 and kernel.stdout == unprobed
+    nhit, optimized, _ = by_site(runs, len(sites))
+    assert all(c is not None for c in kernel.counts)
+    assert nhit == kernel.counts
+    # What the test is about: landing pads entered through a jump (the sites right after
+    # them, which that jump covers, keep their int3s); cold parts that run through jumps and
+    # jump back to sites of catcher that are jumps themselves.
+    pads = [i for i, s in enumerate(sites) if s.vaddr in landing_pads(coldpad)]
+    assert len([i for i in pads if optimized[i] and nhit[i] > 0]) >= 2
+    cold = [i for i, s in enumerate(sites) if s.function.endswith(".cold")]
+    assert len([i for i in cold if optimized[i] and nhit[i] > 0]) >= 5
+    back = {
+        int(sites[i].text.split()[1], 16)
+        for i in cold
+        if sites[i].text.startswith("jmp") and "<catcher+" in sites[i].text
+    }
+    targets = [i for i, s in enumerate(sites) if s.vaddr in back]
+    assert len(targets) == len(back) >= 2
+    assert all(optimized[i] and nhit[i] > 0 for i in targets)
+    assert sum(optimized) >= 50
+
+
+def test_a_landing_pad_inside_the_region_refuses_the_jump(spawn, coldpad, tmp_path):
+    """pad_inside's landing pad is 2 bytes after `xor %edx, %edx`: a jump there would cover
+    it. The site must stay an int3 and say why, and the program run as without the probe."""
+    (xor,) = [s for s in sites_of(coldpad, ("pad_inside",), libc=False) if s.text.startswith("xor")]
+    assert xor.vaddr + 2 in landing_pads(coldpad)
+    (start, body), *_ = function_parts(coldpad, "pad_inside", False)
+    alone = find_region(body, start, xor.vaddr, len(body))  # the code alone allows a jump
+    assert not isinstance(alone, Refusal) and alone.end == xor.vaddr + 5
+    assert region_ends([xor]) == [None]  # the landing pad does not
+    out = tmp_path / "out"
+    stdin = tmp_path / "stdin"
+    stdin.write_bytes(b"go\n")
+    with open(stdin, "rb") as fin, open(out, "wb") as fout, open(os.devnull, "wb") as null:
+        proc = spawn([coldpad, *CXX_ARGS], stdin=fin, stdout=fout, stderr=null)
+    kp = kprobes.Kprobe(symbol="pad_inside", offset=xor.offset, optimize=True)
+    proc.register_kprobe(kp)
+    (entry,) = proc.list()
+    assert proc.run(timeout=30)
+    assert proc.exit_code == 0
+    assert out.read_bytes() == support.reference_output([coldpad, *CXX_ARGS], stdin=b"go\n")
+    assert not entry.is_optimized and "entered from elsewhere" in entry.why_not_optimized
+    # The xor runs on the normal path only: when may_throw(i) did not throw.
+    assert kp.nhit == sum(i % 7 != 3 and i % 11 != 5 for i in range(int(CXX_ARGS[0])))
