@@ -22,7 +22,8 @@ probed in exactly one pass, and each accepted one is optimized there.
 3. hammer.c's mix() (flags live across regions, the red zone, rip-relative operands, a loop)
    hammered by 8 threads while the optimization is switched off and on, probes are disabled
    and enabled, and a probe inside an optimized region is registered and unregistered.
-4. The tool SIGKILLed while the jumps fire (tests/drivers/optimize_until_killed.py).
+4. The tool SIGKILLed while the jumps fire, or held in the middle of a stop of the world
+   that writes or removes jumps (tests/drivers/optimize_until_killed.py).
 5. C++ (coldpad.cpp, g++ -O2): a function with catch clauses and a cleanup, whose landing
    pads are entered by the unwinder and whose cold part jumps back into it; and a
    hand-written landing pad inside a region, which must keep the jump out.
@@ -584,39 +585,32 @@ def what_is_left(pid: int, exe: Path, sites: Sequence[Site]) -> list[str]:
     return left
 
 
-@pytest.mark.parametrize("mode", ["steady", "switch", "toggle"])
-def test_the_program_carries_on_when_the_tool_is_killed(popen, hammer, mode):
-    """SIGKILL of a tool whose optimized probes fire in 8 threads, and which may be switching
-    them off and on, or disabling them, at that moment: the program finishes on its own, every
-    call right, with its whole output and exit status 0."""
-    sites, ends, _ = mix_sites(hammer)
-    first = split_in_passes(sites, ends)[0]
-    probed = [sites[i] for i in first if sites[i].function == "mix" and ends[i] is not None]
-    inside = next(
-        s for s in sites if probed[0].vaddr < s.vaddr < (ends[sites.index(probed[0])] or 0)
-    )
-    # Niced: its 8 spinning threads would starve the tool's start on two cores.
+def start_hammer(popen: Any, hammer: Path) -> subprocess.Popen[bytes]:
+    """``hammer 8 -1``, niced (its 8 spinning threads would starve the tool on two cores),
+    returned once every thread runs."""
     argv = ["nice", "-n", "10", hammer, THREADS, -1]
-    prog = popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    prog: subprocess.Popen[bytes] = popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert prog.stdout is not None and prog.stderr is not None
     assert support.read_line(prog.stderr.fileno(), 20) == f"hammer {prog.pid} ready\n".encode()
+    return prog
+
+
+def kill_driver(popen: Any, prog: subprocess.Popen[bytes], *args: Any, stall: bool) -> None:
+    """Start the driver on ``prog``; SIGKILL it when it says ``stalled`` (``stall``), else at a
+    random moment after ``ready``; return once every thread of ``prog`` is released."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
     driver = popen(
-        [
-            sys.executable,
-            DRIVERS / "optimize_until_killed.py",
-            prog.pid,
-            mode,
-            "--inside",
-            hex(inside.offset),
-            *(hex(s.offset) for s in probed),
-        ],
+        [sys.executable, DRIVERS / "optimize_until_killed.py", prog.pid, *args],
         stdout=subprocess.PIPE,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        env=env,
     )
     assert driver.stdout is not None
     assert support.read_line(driver.stdout.fileno(), 30) == b"ready\n"
-    rng = random.Random(f"{os.environ.get('KPROBES_TEST_SEED', '13')}-{mode}")
-    time.sleep(rng.uniform(0.1, 0.4))
+    if stall:
+        assert support.read_line(driver.stdout.fileno(), 30) == b"stalled\n"
+    else:
+        rng = random.Random(int(os.environ.get("KPROBES_TEST_SEED", "13")))
+        time.sleep(rng.uniform(0.1, 0.4))
     driver.kill()
     assert driver.wait(10) == -signal.SIGKILL
     support.wait_until(
@@ -624,15 +618,49 @@ def test_the_program_carries_on_when_the_tool_is_killed(popen, hammer, mode):
         10,
         "the program's threads to be released",
     )
-    left = what_is_left(prog.pid, hammer, [*probed, inside])
-    if mode == "steady":
-        assert sorted(left) == ["inside a jump"] + ["jump"] * len(probed)
-    time.sleep(0.3)  # the program runs on alone, through whatever was left
+
+
+def finish_hammer(prog: subprocess.Popen[bytes]) -> None:
+    """The program runs on alone a while, then must end by itself, every call right."""
+    time.sleep(0.3)
     prog.send_signal(signal.SIGUSR1)
     out, err = prog.communicate(timeout=30)
     assert prog.returncode == 0, err.decode()[-2000:]
     assert out == hammer_output(THREADS)
     assert hammer_calls(err.decode(), THREADS) > 0
+
+
+@pytest.mark.parametrize(
+    ("mode", "stall", "after"),
+    [
+        ("steady", "none", 0),
+        ("switch", "patch", 19),
+        ("switch", "unpatch", 19),
+        ("toggle", "patch", 6),
+        ("toggle", "unpatch", 6),
+    ],
+    ids=["firing", "switching-on", "switching-off", "enabling", "disabling"],
+)
+def test_the_program_carries_on_when_the_tool_is_killed(popen, hammer, mode, stall, after):
+    """SIGKILL of a tool whose optimized probes fire in 8 threads: at a random moment while
+    they all fire, or held in the middle of a stop of the world that writes jumps (the
+    optimization switched on, a probe enabled or a probe inside a region unregistered) or
+    removes them (off, disabled, registered inside): some sites have their jumps, others
+    their int3s or their own bytes. Every byte of mix is one of these, whole, and the
+    program finishes by itself, every call right, with its output and status 0."""
+    sites, ends, _ = mix_sites(hammer)
+    first = split_in_passes(sites, ends)[0]
+    probed = [sites[i] for i in first if sites[i].function == "mix" and ends[i] is not None]
+    inside = next(s for s in sites if probed[0].vaddr < s.vaddr < (ends[first[0]] or 0))
+    prog = start_hammer(popen, hammer)
+    args = [mode, "--inside", hex(inside.offset), "--stall", stall, "--after", after]
+    kill_driver(popen, prog, *args, *(hex(s.offset) for s in probed), stall=stall != "none")
+    left = what_is_left(prog.pid, hammer, [*probed, inside])
+    if stall == "none":
+        assert sorted(left) == ["inside a jump"] + ["jump"] * len(probed)
+    else:
+        assert 0 < left.count("jump") < len(probed), left
+    finish_hammer(prog)
 
 
 # -- 5. C++: landing pads and cold parts -----------------------------------------------------

@@ -1,6 +1,6 @@
 """A kprobes user holding optimized count probes, which the tests kill with SIGKILL.
 
-    optimize_until_killed.py PID MODE [--inside OFFSET] OFFSET...
+    optimize_until_killed.py PID MODE [--inside OFFSET] [--stall WHERE --after K] OFFSET...
 
 Attaches to PID (tests/programs/hammer.c), registers an ``optimize=True`` count probe at each
 ``mix+OFFSET``, waits until ``list()`` shows every one ``[OPTIMIZED]`` (a site waits while a
@@ -13,6 +13,13 @@ thread is inside its region), prints ``ready`` and then, until it is killed:
             ``mix+INSIDE`` (inside the region of the first jump, which goes back to its int3
             meanwhile)
 
+With ``--stall WHERE`` it prints ``stalled`` and sleeps, holding what it holds, at the K-th
+time after ``ready`` that it is:
+
+    patch    just past writing a jump over an int3 (the world is held; the other sites of
+             the same stop may not have theirs yet)
+    unpatch  just past writing a site's original bytes back over its jump (likewise)
+
 Nothing here restores anything: SIGKILL gives it no chance. The program must carry on alone.
 """
 
@@ -22,8 +29,10 @@ import argparse
 import itertools
 import sys
 import time
+from typing import Any
 
 import kprobes
+from kprobes.process.breakpoints import Breakpoints
 
 
 def main() -> int:
@@ -31,8 +40,34 @@ def main() -> int:
     parser.add_argument("pid", type=int)
     parser.add_argument("mode", choices=("steady", "switch", "toggle"))
     parser.add_argument("--inside", type=lambda s: int(s, 0), default=None)
+    parser.add_argument("--stall", choices=("none", "patch", "unpatch"), default="none")
+    parser.add_argument("--after", type=int, default=1)
     parser.add_argument("offsets", type=lambda s: int(s, 0), nargs="+")
     opts = parser.parse_args()
+    seen = 0
+    is_ready = False
+
+    def point(where: str) -> None:
+        nonlocal seen
+        if not is_ready or opts.stall != where:
+            return
+        seen += 1
+        if seen >= opts.after:
+            print("stalled", flush=True)
+            time.sleep(3600)
+
+    patch_jump, unpatch_jump = Breakpoints.patch_jump, Breakpoints.unpatch_jump
+
+    def patching(self: Breakpoints, *args: Any, **kwargs: Any) -> None:
+        patch_jump(self, *args, **kwargs)
+        point("patch")
+
+    def unpatching(self: Breakpoints, *args: Any, **kwargs: Any) -> None:
+        unpatch_jump(self, *args, **kwargs)
+        point("unpatch")
+
+    Breakpoints.patch_jump = patching  # type: ignore[method-assign]
+    Breakpoints.unpatch_jump = unpatching  # type: ignore[method-assign]
 
     with kprobes.attach(opts.pid) as proc:
         kps = [kprobes.Kprobe(symbol="mix", offset=off, optimize=True) for off in opts.offsets]
@@ -44,6 +79,7 @@ def main() -> int:
                 return 1
             proc.run(timeout=0.01)  # it retries when it returns
         print("ready", flush=True)
+        is_ready = True
         if opts.mode == "steady":
             proc.run()
             return 0
