@@ -12,6 +12,7 @@ thread is inside its region), prints ``ready`` and then, until it is killed:
     toggle  disables and enables the probes in turn, and registers and unregisters one more at
             ``mix+INSIDE`` (inside the region of the first jump, which goes back to its int3
             meanwhile)
+    traps   switches the optimization off and dispatches the hits of the int3s
 
 With ``--stall WHERE`` it prints ``stalled`` and sleeps, holding what it holds, at the K-th
 time after ``ready`` that it is:
@@ -19,6 +20,7 @@ time after ``ready`` that it is:
     patch    just past writing a jump over an int3 (the world is held; the other sites of
              the same stop may not have theirs yet)
     unpatch  just past writing a site's original bytes back over its jump (likewise)
+    reaped   just past reaping a thread's SIGTRAP stop (waitpid), before anything else
 
 Nothing here restores anything: SIGKILL gives it no chance. The program must carry on alone.
 """
@@ -27,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import signal
 import sys
 import time
 from typing import Any
@@ -38,9 +42,9 @@ from kprobes.process.breakpoints import Breakpoints
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("pid", type=int)
-    parser.add_argument("mode", choices=("steady", "switch", "toggle"))
+    parser.add_argument("mode", choices=("steady", "switch", "toggle", "traps"))
     parser.add_argument("--inside", type=lambda s: int(s, 0), default=None)
-    parser.add_argument("--stall", choices=("none", "patch", "unpatch"), default="none")
+    parser.add_argument("--stall", choices=("none", "patch", "unpatch", "reaped"), default="none")
     parser.add_argument("--after", type=int, default=1)
     parser.add_argument("offsets", type=lambda s: int(s, 0), nargs="+")
     opts = parser.parse_args()
@@ -56,7 +60,7 @@ def main() -> int:
             print("stalled", flush=True)
             time.sleep(3600)
 
-    patch_jump, unpatch_jump = Breakpoints.patch_jump, Breakpoints.unpatch_jump
+    patch_jump, unpatch_jump, waitpid = Breakpoints.patch_jump, Breakpoints.unpatch_jump, os.waitpid
 
     def patching(self: Breakpoints, *args: Any, **kwargs: Any) -> None:
         patch_jump(self, *args, **kwargs)
@@ -66,8 +70,15 @@ def main() -> int:
         unpatch_jump(self, *args, **kwargs)
         point("unpatch")
 
+    def reaping(pid: int, options: int) -> tuple[int, int]:
+        tid, status = waitpid(pid, options)
+        if tid and os.WIFSTOPPED(status) and status >> 8 == signal.SIGTRAP:
+            point("reaped")
+        return tid, status
+
     Breakpoints.patch_jump = patching  # type: ignore[method-assign]
     Breakpoints.unpatch_jump = unpatching  # type: ignore[method-assign]
+    os.waitpid = reaping
 
     with kprobes.attach(opts.pid) as proc:
         kps = [kprobes.Kprobe(symbol="mix", offset=off, optimize=True) for off in opts.offsets]
@@ -80,7 +91,8 @@ def main() -> int:
             proc.run(timeout=0.01)  # it retries when it returns
         print("ready", flush=True)
         is_ready = True
-        if opts.mode == "steady":
+        if opts.mode in ("steady", "traps"):
+            proc.optimization = opts.mode == "steady"
             proc.run()
             return 0
         guest: kprobes.Kprobe | None = None
