@@ -520,22 +520,7 @@ def test_switching_while_eight_threads_hammer(spawn, hammer, tmp_path):
     assert calls > 100_000
 
 
-@pytest.mark.parametrize(
-    "optimize",
-    [
-        False,
-        pytest.param(
-            True,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="process/optimizer.py _collect_counts adds a site's counter to every "
-                "probe of the site (site.probes), disabled ones too; a trap counts only "
-                "site.active",
-            ),
-        ),
-    ],
-    ids=["trap", "optimized"],
-)
+@pytest.mark.parametrize("optimize", [False, True], ids=["trap", "optimized"])
 def test_a_disabled_probe_beside_an_enabled_one_counts_nothing(spawn, hammer, optimize):
     """Two count probes on one address, one of them disabled: the site stays armed for the
     other (optimized or not), and the disabled one counts nothing, as on the trap tier (the

@@ -150,7 +150,7 @@ class Optimizing:
         table = self._manager.table
         for addr, delta in self._tracer.optimizer.counts():
             site = table.get(addr)
-            for probe in site.probes if site is not None else ():
+            for probe in site.active if site is not None else ():  # as a trap counts
                 probe.nhit += delta
 
     # -- the sweep, at the end of every stop of the world --------------------------------
