@@ -148,6 +148,7 @@ class RingReader:
         # as the loader does at startup): look at every thread again.
         self.relearn: Callable[[], None] = lambda: None
         self._draining = False
+        self.is_muted = False  # discard(): records are released unread from then on
         self._clock: TscClock | None = None
 
     @property
@@ -179,6 +180,9 @@ class RingReader:
         keep writing as fast as we read)."""
         if self._clock is None or self._draining:
             return
+        if self.is_muted:
+            self.discard()
+            return
         self._draining = True
         try:
             rounds = 1 + (max(self._capacities(), default=0) // BATCH if everything else 0)
@@ -189,8 +193,9 @@ class RingReader:
             self._draining = False
 
     def discard(self) -> None:
-        """Leave the records not read yet unread: nobody wants them any more (the run was
-        interrupted, or had its fill of events)."""
+        """Nobody wants the records any more (the run was interrupted, or had its fill of
+        events): those not read yet, and all that come, are released unread."""
+        self.is_muted = True
         for view in self._areas():
             sa.skip_records(view)
 
