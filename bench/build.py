@@ -12,7 +12,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BIN = HERE / "bin"
-CFLAGS = ("-O2", "-Wall", "-Wextra", "-Werror")
+CFLAGS = ("-O2", "-Wall", "-Wextra", "-Werror", "-pthread")
 
 
 class BuildError(Exception):

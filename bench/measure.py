@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from bench.peer import Peer, Row, RunError
+from bench.peer import Peer, Row, RunError, target_argv
 
 PLACEMENTS = ("pinned", "unpinned")
 PIN = ("taskset", "-c", "0")
@@ -129,18 +129,20 @@ def timeout_for(calls: int) -> float:
 
 
 class Baselines:
-    """ns per call of each function with no probe, per placement; measured once, on demand."""
+    """ns per call of each function with no probe, per placement and number of threads (a
+    threaded run is timed in CPU time: bench/target.c); measured once, on demand."""
 
     def __init__(self, target: str, runs: int, calls: int) -> None:
         self.target = target
         self.runs = runs
         self.calls = calls
-        self.samples: dict[tuple[str, str], list[float]] = {}
+        self.samples: dict[tuple[str, str, int], list[float]] = {}
 
-    def get(self, func: str, placement: str) -> float:
-        key = (func, placement)
+    def get(self, func: str, placement: str, threads: int = 1) -> float:
+        key = (func, placement, threads)
         if key not in self.samples:
-            argv = [*placement_prefix(placement), self.target, func, str(self.calls)]
+            command = target_argv(self.target, func, self.calls, threads)
+            argv = [*placement_prefix(placement), *command]
             self.samples[key] = [
                 parse_timing(run_command(argv, timeout_for(self.calls)), self.calls)
                 for _ in range(self.runs)
@@ -161,7 +163,7 @@ def measure_row(
     result = RowResult(row=row, runs=runs, calls=calls, cells=cells)
     try:
         for placement, cell in cells.items():
-            cell.baseline_ns = baselines.get(row.func, placement)
+            cell.baseline_ns = baselines.get(row.func, placement, row.threads)
         with peer.session(row) as runner:
             for i in range(runs):
                 for placement, cell in cells.items():

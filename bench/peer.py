@@ -40,6 +40,7 @@ class Row:
     max_runs: int | None = None  # slow peers run fewer times than --runs
     variant: str = ""  # peer-specific: the floor's mode, our post handler, ...
     ours: bool = False
+    threads: int = 1  # >1: the target's threads=T mode (per call of a thread's CPU time)
 
     @property
     def site(self) -> str:
@@ -83,6 +84,13 @@ class Peer(ABC):
 
     def version(self) -> str:
         return ""
+
+
+def target_argv(target: str, func: str, calls: int, threads: int = 1) -> list[str]:
+    """The bench target's command line: ``calls`` calls of ``func``, from ``threads`` threads
+    (then timed per call of a thread's CPU time, not of the wall clock: bench/target.c)."""
+    argv = [target, func, str(calls)]
+    return argv if threads == 1 else [*argv, f"threads={threads}"]
 
 
 def parse_fields(stdout: str) -> dict[str, str]:

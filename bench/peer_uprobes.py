@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.elf import find_site
-from bench.peer import Outcome, Peer, Row, RunError
+from bench.peer import Outcome, Peer, Row, RunError, target_argv
 
 TRACEFS = Path("/sys/kernel/tracing")
 GROUP = "kpbench"
@@ -119,13 +119,14 @@ class UprobeRunner:
     target: str
     func: str
     events: tuple[Event, ...]
+    threads: int = 1
     calls: int = field(default=0)
     last: dict[str, int] = field(default_factory=dict)
 
     def argv(self, calls: int) -> list[str]:
         self.calls = calls
         self.last = {e.name: e.count(self.target) for e in self.events}
-        return [self.target, self.func, str(calls)]
+        return target_argv(self.target, self.func, calls, self.threads)
 
     def outcome(self, stdout: str) -> Outcome:
         """Each event must count every call: the hits are the first count that is not N (or N)."""
@@ -149,6 +150,16 @@ class UprobesPeer(Peer):
                 calls=2_000_000,
                 quick_calls=20_000,
                 variant="p",
+            ),
+            Row(
+                peer=self.name,
+                key="uprobes-push-4t",
+                label="kernel uprobe via tracefs, push site, 4 threads (CPU time)",
+                func="work_push",
+                calls=2_000_000,
+                quick_calls=20_000,
+                variant="p",
+                threads=4,
             ),
             Row(
                 peer=self.name,
@@ -208,7 +219,7 @@ class UprobesPeer(Peer):
                 enable = event.instance / "events" / GROUP / event.name / "enable"
                 _write(enable, "1")
                 undo.callback(_write, enable, "0")
-            yield UprobeRunner(target, row.func, events)
+            yield UprobeRunner(target, row.func, events, row.threads)
 
 
 def _remove_instance(instance: Path) -> None:

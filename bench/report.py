@@ -2,10 +2,10 @@
 
 The first table has one line per peer or tier: the overhead per hit, median (min-max) over the
 runs, pinned and unpinned, the no-probe baseline, and probed calls per second. The second divides
-each of our tiers' overhead by each reference peer's: below 1 means ours costs less per hit. The
-third restates k, j, r, kr and jr in the Kprobes document's §6 notation, ours beside the kernel's
-uprobes of the same run and the document's own 2005 figures, and checks that a return-probe hit
-costs at most one stop more than an entry hit.
+each of our tiers' overhead by each reference peer's with as many threads: below 1 means ours
+costs less per hit. The third restates k, j, r, kr and jr in the Kprobes document's §6
+notation, ours beside the kernel's uprobes of the same run and the document's own 2005 figures,
+and checks that a return-probe hit costs at most one stop more than an entry hit.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ REFERENCES: tuple[tuple[str, str], ...] = (
     ("ptrace", "python-ptrace"),
     ("gdb", "GDB"),
     ("uprobes-push", "uprobes, push"),
+    ("uprobes-push-4t", "uprobes, push, 4 threads"),
     ("uprobes-lea", "uprobes, lea"),
 )
 
@@ -192,8 +193,8 @@ def ratios(results: list[RowResult]) -> dict[str, dict[str, dict[str, float | No
         table[ours.row.key] = {}
         for ref_key, _ in REFERENCES:
             ref = by_key.get(ref_key)
-            if ref is None:
-                continue
+            if ref is None or ref.row.threads != ours.row.threads:
+                continue  # like with like: one thread's cost against one thread's
             cells: dict[str, float | None] = {}
             for p in PLACEMENTS:
                 a, b = _median_overhead(ours, p), _median_overhead(ref, p)
@@ -217,7 +218,11 @@ def ratio_table(results: list[RowResult]) -> str | None:
     for ours_key, refs in table.items():
         line = [labels[ours_key]]
         for ref_key, _ in columns:
-            values = [refs[ref_key][p] for p in PLACEMENTS]
+            cells = refs.get(ref_key)
+            if cells is None:  # a reference with another number of threads
+                line.append("")
+                continue
+            values = [cells[p] for p in PLACEMENTS]
             line.append(" / ".join("—" if v is None else _ratio(v) for v in values))
         lines.append(line)
     return _table(["ours ÷ peer (pinned / unpinned)", *[name for _, name in columns]], lines)
@@ -372,7 +377,10 @@ def render(results: list[RowResult], runs: int, versions: list[str]) -> str:
     parts = [head, overhead_table(results)]
     ratio = ratio_table(results)
     if ratio is not None:
-        parts.append("Ours relative to each peer (overhead per hit; below 1 = ours costs less):")
+        parts.append(
+            "Ours relative to each peer (overhead per hit; below 1 = ours costs less; a row "
+            "of 4 threads against a peer's row of 4 threads only):"
+        )
         parts.append(ratio)
     notation = notation_table(results)
     if notation is not None:
@@ -414,8 +422,8 @@ def to_json(
         "versions": versions,
         "options": options,
         "baselines": {
-            f"{func}/{placement}": samples
-            for (func, placement), samples in sorted(baselines.samples.items())
+            f"{func}/{placement}{'' if threads == 1 else f'/{threads}t'}": samples
+            for (func, placement, threads), samples in sorted(baselines.samples.items())
         },
         "rows": [
             {

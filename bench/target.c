@@ -3,10 +3,17 @@
  * `ns_per_call=<float> calls=<N>`. The loop is timed from inside, with CLOCK_MONOTONIC, so the
  * figure excludes the tracer's start-up and leaves only the per-call cost (plus the probe's).
  *
+ * `target NAME N threads=T` makes the same N calls (arguments 0 .. N-1 again, split in T runs)
+ * from T threads, released together by a barrier, each timing its own loop with
+ * CLOCK_THREAD_CPUTIME_ID: the figure is then the CPU time of the threads (user and system: a
+ * kernel uprobe's handler counts) divided by N, the cost of one call to the thread that makes
+ * it. Wall time is not used: with more threads than CPUs it would count the waits for a CPU.
+ *
  * Each work_* function is written in assembly so that its FIRST instruction is exactly the one
  * a probe tier needs; the loop calls through a volatile function pointer so that nothing is
  * inlined or hoisted. All take the loop index in rdi and return a value in rax.
  */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -69,13 +76,69 @@ static const struct {
     {"work_rip", work_rip},   {"work_sys", work_sys},
 };
 
+static long (*volatile fn)(long);
+
+/* One thread's share of the calls: arguments first .. first+calls-1, and its CPU time. */
+struct share {
+    pthread_t thread;
+    long first, calls;
+    double cpu_ns;
+};
+
+static pthread_barrier_t release;
+
+static double elapsed_ns(const struct timespec *t0, const struct timespec *t1)
+{
+    return (double)(t1->tv_sec - t0->tv_sec) * 1e9 + (double)(t1->tv_nsec - t0->tv_nsec);
+}
+
+static void *run_share(void *arg)
+{
+    struct share *share = arg;
+    volatile long sink = 0;
+    struct timespec t0, t1;
+
+    pthread_barrier_wait(&release);
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t0);
+    for (long i = share->first; i < share->first + share->calls; i++)
+        sink += fn(i);
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t1);
+    share->cpu_ns = elapsed_ns(&t0, &t1);
+    return NULL;
+}
+
+/* The CPU time, summed over `nthreads` threads, of N calls split between them. */
+static double run_threads(long n, long nthreads)
+{
+    struct share shares[64];
+    double cpu_ns = 0;
+
+    pthread_barrier_init(&release, NULL, (unsigned)nthreads);
+    for (long t = 0, first = 0; t < nthreads; first += shares[t].calls, t++) {
+        shares[t].first = first;
+        shares[t].calls = n / nthreads + (t < n % nthreads ? 1 : 0);
+        if (pthread_create(&shares[t].thread, NULL, run_share, &shares[t]) != 0) {
+            perror("pthread_create");
+            exit(1);
+        }
+    }
+    for (long t = 0; t < nthreads; t++) {
+        pthread_join(shares[t].thread, NULL);
+        cpu_ns += shares[t].cpu_ns;
+    }
+    pthread_barrier_destroy(&release);
+    return cpu_ns;
+}
+
 int main(int argc, char **argv)
 {
-    if (argc != 3) {
-        fprintf(stderr, "usage: %s NAME N\n", argv[0]);
+    long nthreads = 0;
+    if (argc == 4 && strncmp(argv[3], "threads=", 8) == 0)
+        nthreads = strtol(argv[3] + 8, NULL, 10);
+    if ((argc != 3 && argc != 4) || (argc == 4 && (nthreads < 1 || nthreads > 64))) {
+        fprintf(stderr, "usage: %s NAME N [threads=1..64]\n", argv[0]);
         return 2;
     }
-    long (*volatile fn)(long) = NULL;
     for (size_t i = 0; i < sizeof functions / sizeof functions[0]; i++)
         if (strcmp(argv[1], functions[i].name) == 0)
             fn = functions[i].fn;
@@ -84,15 +147,20 @@ int main(int argc, char **argv)
         return 2;
     }
     long n = strtol(argv[2], NULL, 10);
-    volatile long sink = 0;
-    struct timespec t0, t1;
+    double ns;
 
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    for (long i = 0; i < n; i++)
-        sink += fn(i);
-    clock_gettime(CLOCK_MONOTONIC, &t1);
+    if (nthreads > 0) {
+        ns = run_threads(n, nthreads);
+    } else {
+        volatile long sink = 0;
+        struct timespec t0, t1;
 
-    double ns = (double)(t1.tv_sec - t0.tv_sec) * 1e9 + (double)(t1.tv_nsec - t0.tv_nsec);
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        for (long i = 0; i < n; i++)
+            sink += fn(i);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        ns = elapsed_ns(&t0, &t1);
+    }
     printf("ns_per_call=%.3f calls=%ld\n", n > 0 ? ns / (double)n : 0.0, n);
     return 0;
 }

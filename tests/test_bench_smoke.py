@@ -89,7 +89,8 @@ def test_uprobes_count_every_hit_and_clean_up(tmp_path: Path) -> None:
     # run) may add and remove theirs at the same time.
     document, _ = run_bench("uprobes", tmp_path)
     assert_every_hit_counted(
-        document, {"uprobes-push", "uprobes-lea", "uprobes-r-push", "uprobes-kr-push"}
+        document,
+        {"uprobes-push", "uprobes-push-4t", "uprobes-lea", "uprobes-r-push", "uprobes-kr-push"},
     )
     assert_no_uprobes_left()
 
