@@ -22,6 +22,7 @@ from bench.peer_floor import FloorPeer
 from bench.peer_frida import FridaPeer
 from bench.peer_gdb import GdbPeer
 from bench.peer_kprobes import KprobesPeer
+from bench.peer_optimized import DetourFloorPeer, OptimizedPeer
 from bench.peer_ptrace import PtracePeer
 from bench.peer_uprobes import UprobesPeer
 from bench.report import render, to_json, write_json
@@ -33,6 +34,8 @@ PEERS: tuple[type[Peer], ...] = (
     PtracePeer,
     GdbPeer,
     KprobesPeer,
+    DetourFloorPeer,
+    OptimizedPeer,
 )
 BASELINE_CALLS, QUICK_BASELINE_CALLS = 1_000_000, 100_000
 
@@ -54,7 +57,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--only",
         default="",
-        help="comma-separated peers (floor, uprobes, frida, ptrace, gdb, kprobes) or row keys",
+        help="comma-separated peers (floor, uprobes, frida, ptrace, gdb, kprobes, detour-floor, "
+        "optimized) or row keys",
     )
     parser.add_argument(
         "--quick",

@@ -25,13 +25,16 @@ class Programs:
 
     target: Path
     floor: Path
+    detour_floor: Path
 
 
-def compile_c(name: str) -> Path:
-    """Compile ``bench/NAME.c`` into ``bench/bin/NAME`` unless the binary is up to date."""
+def compile_c(name: str, includes: tuple[str, ...] = ()) -> Path:
+    """Compile ``bench/NAME.c`` into ``bench/bin/NAME`` unless the binary is up to date (newer
+    than it and than the ``bench/*.c`` files it ``includes``)."""
     source = HERE / f"{name}.c"
     output = BIN / name
-    if output.exists() and output.stat().st_mtime >= source.stat().st_mtime:
+    sources = [source, *(HERE / f"{c}.c" for c in includes)]
+    if output.exists() and all(output.stat().st_mtime >= s.stat().st_mtime for s in sources):
         return output
     BIN.mkdir(exist_ok=True)
     result = subprocess.run(
@@ -46,4 +49,8 @@ def compile_c(name: str) -> Path:
 
 
 def build_all() -> Programs:
-    return Programs(target=compile_c("target"), floor=compile_c("floor"))
+    return Programs(
+        target=compile_c("target"),
+        floor=compile_c("floor"),
+        detour_floor=compile_c("detour_floor", includes=("target",)),
+    )

@@ -5,7 +5,9 @@ runs, pinned and unpinned, the no-probe baseline, and probed calls per second. T
 each of our tiers' overhead by each reference peer's with as many threads: below 1 means ours
 costs less per hit. The third restates k, j, r, kr and jr in the Kprobes document's §6
 notation, ours beside the kernel's uprobes of the same run and the document's own 2005 figures,
-and checks that a return-probe hit costs at most one stop more than an entry hit.
+and checks that a return-probe hit costs at most one stop more than an entry hit. The last
+(report_optimized.py) sets our optimized probes against the kernel's uprobe, the C detour floor
+and the goals of issue 12.
 """
 
 from __future__ import annotations
@@ -132,6 +134,13 @@ def _notes(result: RowResult) -> str:
     shown = sorted({f"{s:.2f}" for s in stops if s is not None})
     if shown:
         notes.append(f"stops/hit: {' / '.join(shown)}")
+    drops = [
+        [int(s.info["dropped"]) for s in c.samples if "dropped" in s.info]
+        for c in result.cells.values()
+    ]
+    if any(drops):
+        most = " / ".join(f"{max(d):,}" if d else "—" for d in drops)
+        notes.append(f"records dropped, most in a run: {most}")
     return "; ".join(notes)
 
 
@@ -382,6 +391,9 @@ def render(results: list[RowResult], runs: int, versions: list[str]) -> str:
             "of 4 threads against a peer's row of 4 threads only):"
         )
         parts.append(ratio)
+    from bench.report_optimized import optimized_section  # it builds on this module
+
+    parts.extend(optimized_section(results))
     notation = notation_table(results)
     if notation is not None:
         parts.append(

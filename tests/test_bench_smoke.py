@@ -5,9 +5,10 @@ The cheap peers run in ``--quick`` mode on a small N and must report exactly N h
 placements; the kernel's uprobes must also leave ``uprobe_events`` and the tracefs instances as
 they found them. GDB, python-ptrace and most of our own tiers are left to ``make bench``: too
 slow here, and ours measures an engine the rest of the suite tests for correctness. The
-exception is the document's §6 rows (k, j, r, kr, jr), whose hit checking lives in the harness
-itself: two probes on one function must both count every call, and the handlers must see the
-arguments and return values the target computes.
+exceptions are the document's §6 rows (k, j, r, kr, jr) and the optimized probes' rows, whose
+hit checking lives in the harness itself: two probes on one function must both count every
+call, the handlers must see the arguments and return values the target computes, and every
+record must be delivered or counted as dropped.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from bench.build import compile_c
 from bench.elf import find_site
 from bench.measure import Cell, RowResult, Sample
 from bench.peer import Row
+from bench.peer_optimized import FLOORS, OURS
 from bench.report import NOTATION, notation_table, notation_words
+from bench.report_optimized import optimized_table
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACEFS = Path("/sys/kernel/tracing")
@@ -117,6 +120,35 @@ def test_section6_rows_count_every_hit_in_as_many_stops_as_designed(tmp_path: Pa
     assert "r - k =" in report
 
 
+@pytest.mark.ptrace
+@pytest.mark.tracefs
+@pytest.mark.deadline(300)
+def test_optimized_rows_count_every_hit_and_judge_the_goals(tmp_path: Path) -> None:
+    """Our optimized count, record and CLI trace rows and the C detour floors, one and four
+    threads, beside the kernel's uprobe: every hit counted, every record delivered (a quick
+    run fits the ring), and the report's section judges each goal."""
+    keys = {key for key, *_ in OURS} | {key for key, *_ in FLOORS}
+    uprobes = {"uprobes-push", "uprobes-push-4t"}
+    document, report = run_bench(",".join(sorted(keys | uprobes)), tmp_path)
+    rows = {row["key"]: row for row in document["rows"]}
+    assert set(rows) == keys | uprobes
+    assert_no_uprobes_left()
+    for key, row in rows.items():
+        for placement, cell in row["cells"].items():
+            where = f"{key} {placement}"
+            assert cell["error"] is None, f"{where}: {cell['error']}"
+            assert cell["hits"] == [CALLS], where
+            assert cell["count_ok"], where
+            assert cell["overhead_ns"] is not None, where  # a count may measure as 0 here
+            if "dropped" in cell["info"]:
+                assert cell["info"]["dropped"] == "0", where
+    assert {"work_push/pinned/4t", "work_push/unpinned/4t"} <= set(document["baselines"])
+    section = report.split("Optimized probes (issue 12)", 1)[1]
+    for key, label, *_ in OURS:
+        line = next(line for line in section.splitlines() if line.startswith(f"| {label} | "))
+        assert line.count("**met**") + line.count("**missed**") == 2, (key, line)
+
+
 @pytest.mark.tracefs
 def test_decode_bench_checks_its_events_and_cleans_up() -> None:
     """``python -m bench.decode --quick``: a few thousand uprobe events decoded both ways; the
@@ -167,3 +199,25 @@ def test_section6_table_shows_missing_and_miscounted_rows_as_such() -> None:
     assert "not run" in lines["j"] and "none (no jprobes since 4.15)" in lines["j"]
     assert "1.40 µs (2.46x k)" in lines["jr"]  # the document's i386 jr
     assert notation_words(results) is None  # no valid r: no verdict
+
+
+def test_optimized_goals_compare_like_with_like() -> None:
+    """A 4-thread row is judged against the 4-thread uprobe, and a missing peer judges nothing."""
+    results = [
+        fake_row("optimized-count", 1.0),
+        fake_row("optimized-record-4t", 200),
+        fake_row("uprobes-push", 1_000, ours=False),
+        fake_row("uprobes-push-4t", 700, ours=False),
+        fake_row("detour-floor-record-4t", 10, ours=False),
+    ]
+    lines = {
+        line.split(" | ")[0].strip("| "): line
+        for line in (optimized_table(results) or "").splitlines()[2:]
+    }
+    assert "0.001x / 0.001x" in lines["optimized-count"]
+    assert "| — / — |" in lines["optimized-count"]  # no count floor in this run
+    assert "**met** / **met**" in lines["optimized-count"]
+    assert "0.29x / 0.29x" in lines["optimized-record-4t"]  # 200 / 700, not 200 / 1000
+    assert "20x / 20x" in lines["optimized-record-4t"]
+    assert "**missed** / **missed**" in lines["optimized-record-4t"]
+    assert optimized_table([fake_row("uprobes-push", 1_000, ours=False)]) is None

@@ -1,0 +1,341 @@
+"""Optimized probes (issue 12): ours through the API and the CLI, and the C detour floor.
+
+A jump-optimized probe replaces the breakpoint by a ``jmp`` to a detour in the program, so a
+hit costs no trap and no tool: ours are measured against the kernel's uprobe on the same site
+(the ``uprobes`` peer, also with 4 threads) and against ``detour_floor.c``, the same detours
+written by hand. Every row runs single-threaded and with 4 threads (the target's
+``threads=4``: N calls split between 4 threads, timed in the threads' CPU time, the baseline
+likewise).
+
+What runs per hit, and what is checked after each run:
+
+- **count**: ``Kprobe(optimize=True)`` with no handler, a ``lock inc`` of the probe's counter;
+  ``nhit`` = N.
+- **record**: ``Kprobe(optimize=True, async_handler=h, args="i=%di")``, a record in the shared
+  ring that the tool hands to ``h`` later; records delivered + dropped = ``nhit`` = N, each
+  thread's ``i`` increasing and in range, and summing to 0 + ... + N-1 when none was dropped.
+- **trace CLI**: ``kprobes trace -c PROGRAM 'p work_push i=%di'``, the events written to
+  /dev/null; the summary's events + dropped = its hits = N.
+- **detour floor**: ``detour_floor count``, ``record`` or ``record-cold``, the hand-written
+  detours; the counter, or the records walked in the ring (each committed) and their
+  arguments' sum.
+
+Ours are optimized or the run fails (a trap would measure another tier). The API's record
+probes carry the registers (``records.equip``: a Python handler may read them), three ring
+slots a record; the CLI's carry only their fetch-args, one slot. Neither ring is read fast
+enough to keep up with a loop that does nothing else: the tool hands records to Python at
+some µs each while the program writes one every few ns, so the record rows' N is chosen to
+fit the default ring (32 MiB: 174,762 three-slot or 524,288 one-slot records) and the notes
+say how many were dropped. A run is therefore the ring's first lap, whose hits fault its pages
+in (the program's mapping is not populated: process/optmemory.py), at some µs a 4 KiB page; the
+floor's ``record-cold`` rows pay the same, its ``record`` rows do not. The harness runs this
+module as a separate process (so that it can be pinned)::
+
+    python -m bench.peer_optimized count|record|cli FUNC PROGRAM [ARGS...]
+
+which prints the program's output, then ``hits=`` and the other fields the runner checks; any
+failure is one ``error:`` line on stderr and exit status 3.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import shlex
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.peer import Outcome, Peer, Row, RunError, hits_from_fields, target_argv
+
+ARGS = "i=%di"  # work_push's one argument, fetched by every record row
+# key, label, variant, threads, N, quick N
+OURS: tuple[tuple[str, str, str, int, int, int], ...] = (
+    ("optimized-count", "kprobes, optimized count (jmp, lock inc)", "count", 1, 20_000_000, 20_000),
+    (
+        "optimized-count-4t",
+        "kprobes, optimized count, 4 threads (CPU time)",
+        "count",
+        4,
+        20_000_000,
+        20_000,
+    ),
+    (
+        "optimized-record",
+        "kprobes, optimized record (i=%di + registers: 3 slots), async_handler",
+        "record",
+        1,
+        150_000,
+        2_000,
+    ),
+    (
+        "optimized-record-4t",
+        "kprobes, optimized record (i=%di + registers), async_handler, 4 threads (CPU time)",
+        "record",
+        4,
+        150_000,
+        2_000,
+    ),
+    (
+        "optimized-trace",
+        "kprobes trace 'p work_push i=%di' > /dev/null (CLI: 1-slot record)",
+        "cli",
+        1,
+        500_000,
+        2_000,
+    ),
+    (
+        "optimized-trace-4t",
+        "kprobes trace 'p work_push i=%di' > /dev/null (CLI), 4 threads (CPU time)",
+        "cli",
+        4,
+        500_000,
+        2_000,
+    ),
+)
+FLOORS: tuple[tuple[str, str, str, int, int, int], ...] = (
+    ("detour-floor-count", "C detour floor, count (lock inc)", "count", 1, 20_000_000, 20_000),
+    (
+        "detour-floor-count-4t",
+        "C detour floor, count, 4 threads (CPU time)",
+        "count",
+        4,
+        20_000_000,
+        20_000,
+    ),
+    ("detour-floor-record", "C detour floor, 64-byte record (rdi)", "record", 1, 2_000_000, 20_000),
+    (
+        "detour-floor-record-4t",
+        "C detour floor, 64-byte record (rdi), 4 threads (CPU time)",
+        "record",
+        4,
+        2_000_000,
+        20_000,
+    ),
+    # The same, its ring's pages faulted in by the hits, as our ring's are on its first lap.
+    (
+        "detour-floor-record-cold",
+        "C detour floor, 64-byte record, ring not faulted in",
+        "record-cold",
+        1,
+        2_000_000,
+        20_000,
+    ),
+    (
+        "detour-floor-record-cold-4t",
+        "C detour floor, 64-byte record, ring not faulted in, 4 threads (CPU time)",
+        "record-cold",
+        4,
+        2_000_000,
+        20_000,
+    ),
+)
+_SUMMARY = re.compile(r"(\d+) events, (\d+) hits, (\d+) missed, (\d+) dropped")
+
+
+def arg_sum(calls: int) -> int:
+    """bench/target.c calls work_push(i) for i = 0 .. N-1, in any number of threads."""
+    return calls * (calls - 1) // 2
+
+
+def _int(info: dict[str, str], name: str) -> int:
+    try:
+        return int(info[name])
+    except (KeyError, ValueError) as e:
+        raise RunError(f"no valid {name}= line") from e
+
+
+def _rows(
+    peer: str, table: tuple[tuple[str, str, str, int, int, int], ...], ours: bool
+) -> list[Row]:
+    return [
+        Row(
+            peer=peer,
+            key=key,
+            label=label,
+            func="work_push",
+            calls=calls,
+            quick_calls=quick,
+            variant=variant,
+            ours=ours,
+            threads=threads,
+        )
+        for key, label, variant, threads, calls, quick in table
+    ]
+
+
+@dataclass(slots=True)
+class OptimizedRunner:
+    target: str
+    func: str
+    mode: str
+    threads: int
+    calls: int = field(default=0)
+
+    def argv(self, calls: int) -> list[str]:
+        self.calls = calls
+        program = target_argv(self.target, self.func, calls, self.threads)
+        return [sys.executable, "-m", "bench.peer_optimized", self.mode, self.func, *program]
+
+    def outcome(self, stdout: str) -> Outcome:
+        """The hits the tool saw, checked against the probe's own count and the values."""
+        outcome = hits_from_fields(stdout)
+        info = outcome.info
+        nhit = _int(info, "nhit")
+        if self.mode == "count":
+            if nhit != outcome.hits:
+                raise RunError(f"hits={outcome.hits} but nhit={nhit}")
+            return outcome
+        delivered, dropped = _int(info, "delivered"), _int(info, "dropped")
+        if delivered + dropped != outcome.hits or nhit != outcome.hits:
+            raise RunError(f"{delivered} delivered + {dropped} dropped, but {nhit} hits")
+        if self.mode == "record":
+            if int(info.get("bad_values", "0")):
+                raise RunError(f"{info['bad_values']} values out of range or out of order")
+            if dropped == 0 and _int(info, "arg_sum") != arg_sum(self.calls):
+                raise RunError(f"arguments summed to {info['arg_sum']}, not {arg_sum(self.calls)}")
+        return outcome
+
+
+class OptimizedPeer(Peer):
+    name = "optimized"
+
+    def rows(self) -> list[Row]:
+        return _rows(self.name, OURS, ours=True)
+
+    @contextmanager
+    def session(self, row: Row) -> Iterator[OptimizedRunner]:
+        yield OptimizedRunner(str(self.programs.target), row.func, row.variant, row.threads)
+
+
+@dataclass(frozen=True, slots=True)
+class DetourFloorRunner:
+    program: str
+    mode: str
+    func: str
+    threads: int
+
+    def argv(self, calls: int) -> list[str]:
+        program, *args = target_argv(self.program, self.func, calls, self.threads)
+        return [program, self.mode, *args]
+
+    def outcome(self, stdout: str) -> Outcome:
+        outcome = hits_from_fields(stdout)
+        info = outcome.info
+        if self.mode.startswith("record"):
+            calls = _int(info, "records") + _int(info, "dropped")
+            if calls != outcome.hits:
+                raise RunError(f"{info['records']} records + {info['dropped']} dropped")
+            if info["dropped"] == "0" and _int(info, "arg_sum") != arg_sum(calls):
+                raise RunError(f"arguments summed to {info['arg_sum']}, not {arg_sum(calls)}")
+        return outcome
+
+
+class DetourFloorPeer(Peer):
+    name = "detour-floor"
+
+    def rows(self) -> list[Row]:
+        return _rows(self.name, FLOORS, ours=False)
+
+    @contextmanager
+    def session(self, row: Row) -> Iterator[DetourFloorRunner]:
+        yield DetourFloorRunner(str(self.programs.detour_floor), row.variant, row.func, row.threads)
+
+
+# -- the tool's side: python -m bench.peer_optimized MODE FUNC PROGRAM [ARGS...] ------------
+
+
+def run_api(mode: str, func: str, argv: list[str]) -> list[str]:
+    """A count or record probe on ``func`` through the API while ``argv`` runs to its end."""
+    import kprobes
+
+    calls = int(argv[2])
+    delivered = total = bad = 0
+    last: dict[int, int] = {}  # tid -> the last argument its records carried
+
+    def on_hit(p: Any, hit: Any) -> None:
+        nonlocal delivered, total, bad
+        i = hit.arg("i")
+        delivered += 1
+        total += i
+        if not 0 <= i < calls or i <= last.get(hit.tid, -1):
+            bad += 1
+        last[hit.tid] = i
+
+    with tempfile.TemporaryFile() as out:
+        with kprobes.spawn(argv, stdout=out) as proc:
+            if mode == "count":
+                kp = kprobes.Kprobe(symbol=func, optimize=True)
+            else:
+                kp = kprobes.Kprobe(symbol=func, optimize=True, async_handler=on_hit, args=ARGS)
+            proc.register_kprobe(kp)
+            (entry,) = proc.list()
+            if not entry.is_optimized:
+                raise RuntimeError(f"not optimized: {entry.why_not_optimized}")
+            proc.run()
+            dropped = proc.dropped
+        if proc.exit_code:
+            raise RuntimeError(f"the program exited with status {proc.exit_code}")
+        out.seek(0)
+        sys.stdout.flush()
+        shutil.copyfileobj(out, sys.stdout.buffer)
+    sys.stdout.buffer.flush()
+    if mode == "count":
+        return [f"hits={kp.nhit}", f"nhit={kp.nhit}"]
+    return [
+        f"hits={delivered + dropped}",
+        f"nhit={kp.nhit}",
+        f"delivered={delivered}",
+        f"dropped={dropped}",
+        f"arg_sum={total}",
+        f"bad_values={bad}",
+    ]
+
+
+def run_cli(func: str, argv: list[str]) -> list[str]:
+    """``kprobes trace -c 'ARGV' 'p FUNC i=%di'`` as the ``kprobes`` script runs it, its
+    events written to /dev/null. The program's output goes to our file descriptor 1 (only
+    Python's ``sys.stdout`` is replaced), its summary is read from what it wrote to stderr."""
+    from kprobes.cli.main import main as kprobes_main
+
+    command = ["trace", "-c", shlex.join(argv), f"p {func} {ARGS}"]
+    err = io.StringIO()
+    with (
+        open(os.devnull, "w") as null,
+        contextlib.redirect_stdout(null),
+        contextlib.redirect_stderr(err),
+    ):
+        status = kprobes_main(command)
+    said = err.getvalue()
+    if status != 0:
+        raise RuntimeError(f"kprobes {shlex.join(command)}: status {status}: {said.strip()}")
+    if "uses a breakpoint" in said:
+        raise RuntimeError(f"not optimized: {said.strip()}")
+    m = _SUMMARY.search(said)
+    if m is None:
+        raise RuntimeError(f"no summary in {said!r}")
+    events, hits, missed, dropped = (int(g) for g in m.groups())
+    if missed:
+        raise RuntimeError(f"{missed} hits missed")
+    return [f"hits={events + dropped}", f"nhit={hits}", f"delivered={events}", f"dropped={dropped}"]
+
+
+def main(args: list[str]) -> int:
+    mode, func, argv = args[0], args[1], args[2:]
+    try:
+        lines = run_cli(func, argv) if mode == "cli" else run_api(mode, func, argv)
+    except Exception as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 3
+    print("\n".join(lines), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
