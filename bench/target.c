@@ -9,6 +9,12 @@
  * kernel uprobe's handler counts) divided by N, the cost of one call to the thread that makes
  * it. Wall time is not used: with more threads than CPUs it would count the waits for a CPU.
  *
+ * Two more options, after threads=T (bench/placement.py): `spin=S` follows each call with S
+ * rounds of an unprobed busy loop (work the program does between two hits), and `wall` makes
+ * the figure the wall time from the first thread's start to the last one's end, divided by N:
+ * a throughput, in which a program squeezed onto fewer CPUs shows (and which counts the waits
+ * for a CPU on purpose).
+ *
  * Each work_* function is written in assembly so that its FIRST instruction is exactly the one
  * a probe tier needs; the loop calls through a volatile function pointer so that nothing is
  * inlined or hoisted. All take the loop index in rdi and return a value in rax.
@@ -77,12 +83,15 @@ static const struct {
 };
 
 static long (*volatile fn)(long);
+static long spin_rounds; /* spin=S */
+static int wall;         /* wall: the figure is wall time, not CPU time */
 
 /* One thread's share of the calls: arguments first .. first+calls-1, and its CPU time. */
 struct share {
     pthread_t thread;
     long first, calls;
     double cpu_ns;
+    struct timespec start, end; /* CLOCK_MONOTONIC, for `wall` */
 };
 
 static pthread_barrier_t release;
@@ -99,19 +108,26 @@ static void *run_share(void *arg)
     struct timespec t0, t1;
 
     pthread_barrier_wait(&release);
+    clock_gettime(CLOCK_MONOTONIC, &share->start);
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t0);
-    for (long i = share->first; i < share->first + share->calls; i++)
+    for (long i = share->first; i < share->first + share->calls; i++) {
         sink += fn(i);
+        for (long r = 0; r < spin_rounds; r++)
+            sink += r;
+    }
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t1);
+    clock_gettime(CLOCK_MONOTONIC, &share->end);
     share->cpu_ns = elapsed_ns(&t0, &t1);
     return NULL;
 }
 
-/* The CPU time, summed over `nthreads` threads, of N calls split between them. */
+/* The CPU time, summed over `nthreads` threads, of N calls split between them (with `wall`,
+ * the wall time from the first thread's start to the last one's end). */
 static double run_threads(long n, long nthreads)
 {
     struct share shares[64];
     double cpu_ns = 0;
+    struct timespec *first_start = NULL, *last_end = NULL;
 
     pthread_barrier_init(&release, NULL, (unsigned)nthreads);
     for (long t = 0, first = 0; t < nthreads; first += shares[t].calls, t++) {
@@ -125,18 +141,31 @@ static double run_threads(long n, long nthreads)
     for (long t = 0; t < nthreads; t++) {
         pthread_join(shares[t].thread, NULL);
         cpu_ns += shares[t].cpu_ns;
+        if (first_start == NULL || elapsed_ns(&shares[t].start, first_start) > 0)
+            first_start = &shares[t].start;
+        if (last_end == NULL || elapsed_ns(last_end, &shares[t].end) > 0)
+            last_end = &shares[t].end;
     }
     pthread_barrier_destroy(&release);
-    return cpu_ns;
+    return wall ? elapsed_ns(first_start, last_end) : cpu_ns;
 }
 
 int main(int argc, char **argv)
 {
     long nthreads = 0;
-    if (argc == 4 && strncmp(argv[3], "threads=", 8) == 0)
-        nthreads = strtol(argv[3] + 8, NULL, 10);
-    if ((argc != 3 && argc != 4) || (argc == 4 && (nthreads < 1 || nthreads > 64))) {
-        fprintf(stderr, "usage: %s NAME N [threads=1..64]\n", argv[0]);
+    int bad = argc < 3;
+    for (int a = 3; a < argc && !bad; a++) {
+        if (strncmp(argv[a], "threads=", 8) == 0)
+            nthreads = strtol(argv[a] + 8, NULL, 10);
+        else if (strncmp(argv[a], "spin=", 5) == 0)
+            spin_rounds = strtol(argv[a] + 5, NULL, 10);
+        else if (strcmp(argv[a], "wall") == 0)
+            wall = 1;
+        else
+            bad = 1;
+    }
+    if (bad || (argc > 3 && (nthreads < 1 || nthreads > 64)) || spin_rounds < 0) {
+        fprintf(stderr, "usage: %s NAME N [threads=1..64 [spin=S] [wall]]\n", argv[0]);
         return 2;
     }
     for (size_t i = 0; i < sizeof functions / sizeof functions[0]; i++)
