@@ -45,6 +45,7 @@ BUILDS: dict[str, Build] = {
     "target-nopie": Build("target.c", flags=("-O1", *DEBUG, "-no-pie")),
     "ticker": Build("ticker.c"),
     "threads": Build("threads.c", flags=("-O1", *DEBUG, "-pthread")),
+    "placement": Build("placement.c", flags=("-O1", *DEBUG, "-pthread")),
     "optimized": Build("optimized.c", flags=("-O1", *DEBUG, "-pthread")),
     "records": Build("records.c", flags=("-O1", *DEBUG, "-pthread")),
     "fetchfault": Build("fetchfault.c", flags=("-O1", *DEBUG, "-pthread")),

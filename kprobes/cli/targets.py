@@ -24,6 +24,12 @@ def add_target_arguments(parser: argparse.ArgumentParser, *, required: bool = Tr
     group = parser.add_mutually_exclusive_group(required=required)
     group.add_argument("-p", "--pid", type=int, help="attach to this running process")
     group.add_argument("-c", "--command", metavar="CMD", help='spawn "CMD ARGS" traced')
+    parser.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="leave the program's threads where the scheduler puts them (by default a thread "
+        "the probes stop often runs on the tool's CPU while it does)",
+    )
 
 
 def command_argv(args: argparse.Namespace) -> list[str]:
@@ -41,10 +47,12 @@ def open_target(args: argparse.Namespace, *, follow_forks: bool = False) -> Proc
     """The process ``-p``/``-c`` names, traced by us (``-c``: stopped before its first
     instruction). Probes on libraries it has not loaded wait for them (pending), and what
     the program's loads say about them is said on stderr."""
+    pin = not getattr(args, "no_pin", False)
     if args.pid is not None:
-        proc = attach(args.pid, follow_forks=follow_forks, pending=True)
+        proc = attach(args.pid, follow_forks=follow_forks, pending=True, pin_hot_threads=pin)
     else:
-        proc = spawn(command_argv(args), follow_forks=follow_forks, pending=True)
+        argv = command_argv(args)
+        proc = spawn(argv, follow_forks=follow_forks, pending=True, pin_hot_threads=pin)
     proc.on_notice = _say
     return proc
 

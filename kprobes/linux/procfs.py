@@ -46,6 +46,17 @@ def task_state(pid: int, tid: int) -> str:
     return data[data.rindex(")") + 2]
 
 
+def task_cpu(pid: int, tid: int) -> int:
+    """The CPU the task last ran on (field 39 of its stat), -1 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return -1
+    fields = data[data.rindex(b")") + 2 :].split()
+    return int(fields[36]) if len(fields) > 36 else -1
+
+
 def deliverable_signals(pid: int, tid: int) -> int:
     """Signals queued for the thread itself and not blocked by it (a mask, bit n-1 = signal n).
 

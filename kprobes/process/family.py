@@ -92,6 +92,7 @@ class Family:
         member.on_new_process = root.on_new_process
         tracer = member._tracer
         tracer.on_gone = member._member_gone
+        tracer.placement = root._tracer.placement  # one tool, one CPU for the whole family
         main = tracer.add_tracee(pid, TraceeKind.MAIN)
         thread = tracer.add_thread(main, t.tid, ThreadState.STOPPED)
         thread.event_stopped = True

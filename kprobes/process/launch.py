@@ -56,12 +56,14 @@ def spawn(
     cwd: str | None = None,
     follow_forks: bool = False,
     pending: bool = True,
+    pin_hot_threads: bool = True,
 ) -> Process:
     """Start ``argv`` traced, stopped before its first instruction (at the exit of execve).
 
     Its executable and dynamic loader are mapped, its libraries are not yet: a probe on a
     library is pending (``pending=True``) and is placed the moment the loader maps it,
-    before any of its code runs (following.py).
+    before any of its code runs (following.py). ``pin_hot_threads``: see
+    ``Process.pin_hot_threads`` (placement.py).
     """
     if not argv:
         raise TargetError("nothing to run: empty argv", errno=errno.EINVAL)
@@ -89,6 +91,7 @@ def spawn(
     os.close(err_w)
     try:
         proc = _seize_spawned(pid, argv, err_r, follow_forks, pending)
+        proc.pin_hot_threads = pin_hot_threads
     finally:
         os.close(err_r)
     return proc
@@ -146,20 +149,24 @@ def _spawn_failure(argv: Sequence[str], err_r: int) -> TargetError:
     return TargetError(f"cannot run {argv[0]}: {message or 'it exited at once'}", errno=code)
 
 
-def attach(pid: int, *, follow_forks: bool = False, pending: bool = False) -> Process:
+def attach(
+    pid: int, *, follow_forks: bool = False, pending: bool = False, pin_hot_threads: bool = True
+) -> Process:
     """Seize every thread of the running process ``pid``; it keeps running between hits.
 
     Each way this can fail is one ``TargetError`` that says what happened (no such process,
     a thread id, a kernel thread, a zombie, already traced and by whom, gone meanwhile), and
     leaves the program as it was: every thread seized before the failure is let go again.
     A thread that exits while we seize it is no failure: it is simply not there any more.
+    ``pin_hot_threads``: see ``Process.pin_hot_threads``; the program gets every thread's
+    own CPU mask back at detach.
     """
     if pid <= 0 or not os.path.exists(f"/proc/{pid}"):
         raise TargetError(f"no process {pid}", errno=errno.ESRCH)
     if pid == os.getpid():
         raise TargetError("a process cannot trace itself", errno=errno.EINVAL)
     _check_attachable(pid)
-    proc = Process(pid, follow_forks=follow_forks, pending=pending)
+    proc = Process(pid, follow_forks=follow_forks, pending=pending, pin_hot_threads=pin_hot_threads)
     tracer = proc._tracer
     try:
         main = tracer.add_tracee(pid, TraceeKind.MAIN)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from kprobes.process.breakpoints import Breakpoints
     from kprobes.process.fetchfaults import FetchFaults
     from kprobes.process.optimizer import JumpState
+    from kprobes.process.placement import Placement
     from kprobes.process.rescue import Rescue
     from kprobes.process.tracer import Prepared, Tracer
     from kprobes.process.trampoline import Trampoline
@@ -46,6 +47,7 @@ class Lifecycle:
     rescue: Rescue
     fetch_faults: FetchFaults
     optimizer: JumpState
+    placement: Placement
     slot_owner: dict[int, ProbeSite]
     slot_history: dict[int, Prepared]
     tracees: dict[int, Tracee]
@@ -75,6 +77,7 @@ class Lifecycle:
     def _on_exec(self, t: Thread) -> None:
         tracee = t.tracee
         former = ptrace.geteventmsg(t.tid)
+        self.placement.on_renamed(former, t.tid)
         if former != t.tid and former in self.threads:
             self.drop_thread(self.threads[former])
         for other in list(tracee.threads.values()):

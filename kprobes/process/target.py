@@ -13,7 +13,6 @@ from __future__ import annotations
 import builtins
 import errno
 import functools
-import os
 import signal
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -81,11 +80,19 @@ class Process(
 ):
     """A traced program. Use ``spawn()`` or ``attach()`` to get one."""
 
-    def __init__(self, pid: int, *, follow_forks: bool = False, pending: bool = False) -> None:
+    def __init__(
+        self,
+        pid: int,
+        *,
+        follow_forks: bool = False,
+        pending: bool = False,
+        pin_hot_threads: bool = True,
+    ) -> None:
         self.pid = pid
         self.follow_forks = follow_forks
         self._manager = ProbeManager(self)
         self._tracer = Tracer(self._manager, follow_forks=follow_forks)
+        self._tracer.placement.is_on = pin_hot_threads
         self._tracer.on_gone = self._publish
         self._tracer.trap_guard = TrapGuard(
             pid, lambda: self._find_syscall(read_maps(pid)), self._tracer.rescue
@@ -98,7 +105,6 @@ class Process(
         self._unwind_guarded: set[int] = set()
         # id(kretprobe) → where each block of its instances' rescue records starts
         self._records: dict[int, list[int]] = {}
-        self._saved_affinity: dict[int, set[int]] | None = None
         self._attached = True
         self._init_following(pending=pending)
         self._init_family()
@@ -153,7 +159,7 @@ class Process(
             self._drain_rings()
             self._collect_counts()
             if self._tracer.is_alive:
-                self._undo_colocation()
+                self._tracer.placement.release(list(self._tracer.threads))
                 detach_all(self._tracer)
         finally:
             self._finish()
@@ -162,45 +168,31 @@ class Process(
         """Run this tool and every thread of the program on one CPU; returns that CPU.
 
         Every hit is two context switches between the program and the tracer. On one CPU they
-        are plain switches; on two CPUs each is a cross-CPU wake-up, which costs 10x more on
-        these machines (see docs/performance.md). The program's own affinity is restored by
-        ``detach()``. It does narrow a multi-threaded program to one CPU while traced.
+        are plain switches; on two CPUs each is a cross-CPU wake-up, which costs 4-10x more on
+        these machines (see docs/performance.md). By default only the threads that stop often
+        are moved to the tool's CPU (``pin_hot_threads``); this moves every thread, and the
+        threads created from now on, whatever their pace. The program's own affinity is
+        restored by ``detach()``. It does narrow a multi-threaded program to one CPU.
         """
-        if cpu is None:
-            cpu = min(os.sched_getaffinity(0))
-        if self._saved_affinity is None:
-            self._saved_affinity = {0: os.sched_getaffinity(0)}
-            for tid in self.threads:
-                try:
-                    self._saved_affinity[tid] = os.sched_getaffinity(tid)
-                except OSError:
-                    continue
-        os.sched_setaffinity(0, {cpu})
-        for tid in self.threads:
-            try:
-                os.sched_setaffinity(tid, {cpu})
-            except OSError:
-                continue
-        return cpu
+        return self._tracer.placement.colocate(self._tracer.threads, cpu)
 
-    def _undo_colocation(self) -> None:
-        saved, self._saved_affinity = self._saved_affinity, None
-        if saved is None:
-            return
-        program_mask = saved.get(self.pid)
-        for tid in self.threads:
-            mask = saved.get(tid, program_mask)
-            if mask:
-                try:
-                    os.sched_setaffinity(tid, mask)
-                except OSError:
-                    continue
-        os.sched_setaffinity(0, saved[0])
+    @property
+    def pin_hot_threads(self) -> bool:
+        """Move a thread whose stops come faster than one every 100 µs onto the tool's CPU,
+        and the tool onto one CPU (placement.py): on by default. Each thread gets its own CPU
+        mask back when its stops slow down, when this is turned off, and at detach."""
+        return self._tracer.placement.is_on
+
+    @pin_hot_threads.setter
+    def pin_hot_threads(self, value: bool) -> None:
+        placement = self._tracer.placement
+        placement.is_on = bool(value)
+        if not value and not placement.is_colocated:
+            placement.release(list(self._tracer.threads))
 
     def _finish(self) -> None:
-        if self._saved_affinity is not None:
-            os.sched_setaffinity(0, self._saved_affinity[0])
-            self._saved_affinity = None
+        if self._root is None:
+            self._tracer.placement.close()
         if self._attached:
             # What the program counted and recorded by itself, to the probes first (a
             # member of a family ends here without a run() of its own).

@@ -18,6 +18,7 @@ from kprobes.arch.x86_64.regs import REG_INDEX, Regs
 from kprobes.core.retprobes import KretprobeInstance, Task
 from kprobes.errors import InternalError
 from kprobes.linux import ptrace
+from kprobes.process.placement import WINDOW
 
 if TYPE_CHECKING:
     from kprobes.core.table import ProbeSite
@@ -70,6 +71,7 @@ class Thread:
         "state",
         "step_prep",
         "step_site",
+        "stops_to_check",
         "task",
         "tid",
         "tracee",
@@ -102,6 +104,7 @@ class Thread:
         self.event_stopped = False  # held in an event stop, where no signal can be injected
         self.reraised: list[bytes] = []  # siginfo of held signals sent again with tgkill
         self.exec_landing = False  # its next syscall stop is the exit of execve
+        self.stops_to_check = WINDOW  # traps until placement.py looks at its pace again
 
     def to(self, state: ThreadState) -> None:
         """The one place a thread changes state; impossible transitions are bugs."""

@@ -38,6 +38,7 @@ from kprobes.process.breakpoints import Breakpoints
 from kprobes.process.fetchfaults import FetchFaults
 from kprobes.process.lifecycle import Lifecycle
 from kprobes.process.optimizer import JumpState
+from kprobes.process.placement import Placement
 from kprobes.process.rescue import Rescue
 from kprobes.process.signals import SignalDelivery
 from kprobes.process.threads import Thread, ThreadState, siginfo_code
@@ -114,6 +115,7 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
         # waits, and a new thread's first stop tells which thread pointer it has.
         self.ring_poll: Callable[[], None] | None = None
         self.on_thread_start: Callable[[Thread], None] | None = None
+        self.placement = Placement()  # hot threads on the tool's CPU (placement.py)
         self._stop_depth = 0
 
     # -- bookkeeping -----------------------------------------------------------------------
@@ -140,6 +142,7 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
             self.trampoline.forget_thread(thread)
         self.threads.pop(thread.tid, None)
         thread.tracee.threads.pop(thread.tid, None)
+        self.placement.forget(thread.tid)
         if _OWNERS.get(thread.tid) is self:
             del _OWNERS[thread.tid]
 
@@ -247,6 +250,9 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
                 continue
             if status == TRAP and t.state is RUNNING:
                 t.state = STOPPED
+                t.stops_to_check -= 1
+                if not t.stops_to_check:
+                    self.placement.check(t)
                 req = t.req
                 request = req.getregs
                 if request() == -1:
@@ -366,6 +372,7 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
             case ev.Trap():
                 stepping = t.state is _STEPPING
                 t.to(_STOPPED)
+                self.placement.count(t)
                 regs = t.load_regs()
                 if stepping:
                     self._finish_step(t)
@@ -394,12 +401,14 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
             case ev.NewThread():
                 t.to(S.STOPPED)
                 new_tid = ptrace.geteventmsg(t.tid)
+                self.placement.on_new_task(t.tid, new_tid, is_thread=True)
                 if new_tid not in self.threads:
                     self.add_thread(t.tracee, new_tid, S.NEW)
                 self._resume_if_free(t)
             case ev.Forked(is_vfork=is_vfork):
                 t.to(S.STOPPED)
                 child = ptrace.geteventmsg(t.tid)
+                self.placement.on_new_task(t.tid, child, is_thread=False)
                 if is_vfork:
                     kind = TraceeKind.VFORK
                 else:
