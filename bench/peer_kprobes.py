@@ -5,6 +5,7 @@
 | emulate push | ``work_push`` | emulate ``push %rbp``: 1 stop |
 | emulate lea | ``work_lea`` | emulate ``lea``: 1 stop |
 | colocate | ``work_push`` | emulate push after ``proc.colocate()`` (one CPU for both) |
+| push, no pin | ``work_push`` | the push row, ``pin_hot_threads=False`` (as before it existed) |
 | boost | ``work_boost`` | run ``imul`` out of line, jmp back: 1 stop |
 | boost rip | ``work_rip`` | the same with the rip-relative displacement relocated |
 | step | ``work_boost`` + post handler | copy + int3: 2 stops, the second a cheap int3 |
@@ -23,9 +24,14 @@ and so is the number of stops the program made (its voluntary context switches, 
 to the whole run). The harness runs this module as a separate process (so that it can be
 pinned)::
 
-    python -m bench.peer_kprobes FUNC OFFSET pre|post|colocate|j|r|kr|jr PROGRAM [ARGS...]
+    python -m bench.peer_kprobes FUNC OFFSET VARIANT PROGRAM [ARGS...]
 
-which prints the program's output, then ``hits=``, ``nhit=``, ``stops=`` and ``plan=`` lines
+with VARIANT one of pre, post, colocate, nopin, split, split-busy, follow, spin, j, r, kr, jr
+
+(``nopin``: ``pre`` with ``pin_hot_threads=False``; ``split``: ``pre`` with the tool held on
+CPU 0 and the program on CPU 1, ``split-busy`` the same with no CPU idle; ``follow`` and
+``spin``: rejected ways of waiting; see ``bench/placement.py``), which prints the program's
+output, then ``hits=``, ``nhit=``, ``stops=`` and ``plan=`` lines
 (with a return probe also ``returns=``, ``rp_nhit=``, ``nmissed=``, ``nabandoned=`` and
 ``retval_sum=``; with a jprobe ``arg_sum=``). Any failure (the library not importable yet, a
 tier it refuses) is one ``error:`` line on stderr and exit status 3: the harness shows it in the
@@ -34,6 +40,7 @@ cell and goes on.
 
 from __future__ import annotations
 
+import os
 import resource
 import shutil
 import sys
@@ -50,6 +57,7 @@ TIERS: tuple[tuple[str, str, str, int, str], ...] = (
     ("kprobes-push", "kprobes, push site (boosted)", "work_push", 0, "pre"),
     ("kprobes-emulate-lea", "kprobes, emulate (lea)", "work_lea", 0, "pre"),
     ("kprobes-colocate", "kprobes, push site, proc.colocate()", "work_push", 0, "colocate"),
+    ("kprobes-push-nopin", "kprobes, push site, pin_hot_threads off", "work_push", 0, "nopin"),
     ("kprobes-boost", "kprobes, boost (imul)", "work_boost", 0, "pre"),
     ("kprobes-boost-rip", "kprobes, boost (rip-relative mov)", "work_rip", 0, "pre"),
     ("kprobes-step", "kprobes, step: copy + int3 (imul, post handler)", "work_boost", 0, "post"),
@@ -60,7 +68,7 @@ TIERS: tuple[tuple[str, str, str, int, str], ...] = (
     ("kprobes-kr-push", "kprobes, kprobe + kretprobe (kr), push site", "work_push", 0, "kr"),
     ("kprobes-jr-push", "kprobes, jprobe + kretprobe (jr), push site", "work_push", 0, "jr"),
 )
-ENTRY_KPROBE = ("pre", "post", "colocate", "kr")
+ENTRY_KPROBE = ("pre", "post", "colocate", "nopin", "split", "split-busy", "follow", "spin", "kr")
 ENTRY_JPROBE = ("j", "jr")
 RETURN_PROBE = ("r", "kr", "jr")
 
@@ -159,6 +167,7 @@ class KprobesPeer(Peer):
 def run(func: str, offset: int, handlers: str, argv: list[str]) -> int:
     """Probe ``func+offset`` with trivial counting handlers while ``argv`` runs to its end."""
     import kprobes
+    from bench.placement import busy_cpus, waiting_variant
 
     entries = returns = arg_sum = retval_sum = 0
 
@@ -182,7 +191,8 @@ def run(func: str, offset: int, handlers: str, argv: list[str]) -> int:
     first: Any = None  # the entry probe if there is one, else the return probe
     rp: Any = None
     with tempfile.TemporaryFile() as out:
-        with kprobes.spawn(argv, stdout=out) as proc:
+        pin = handlers not in ("nopin", "follow", "spin", "colocate", "split-busy")
+        with kprobes.spawn(argv, stdout=out, pin_hot_threads=pin) as proc:
             if handlers in ENTRY_KPROBE:
                 first = kprobes.Kprobe(
                     symbol=func,
@@ -200,9 +210,16 @@ def run(func: str, offset: int, handlers: str, argv: list[str]) -> int:
             if first is None and rp is None:
                 raise ValueError(f"unknown handlers {handlers!r}")
             if handlers == "colocate":
-                proc.colocate()  # the tool's own answer to CPU placement
+                proc.colocate()  # everything on one CPU, asked for
+            elif handlers.startswith("split"):  # apart: the cost the default avoids
+                os.sched_setaffinity(0, {0})
+                os.sched_setaffinity(proc.pid, {1})
             plan = proc.list()[0].plan
-            proc.run()
+            waiting = waiting_variant(handlers)  # follow, spin: rejected, measured
+            if waiting is not None:
+                os.waitpid = waiting  # type: ignore[assignment]
+            with busy_cpus([0, 1] if handlers == "split-busy" else []):
+                proc.run()
         exit_code = proc.exit_code
         out.seek(0)
         sys.stdout.flush()

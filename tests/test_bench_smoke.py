@@ -86,6 +86,27 @@ def test_floor_counts_every_hit(tmp_path: Path) -> None:
     assert_every_hit_counted(document, {"floor-one", "floor-two"})
 
 
+@pytest.mark.ptrace
+def test_push_rows_with_and_without_pinning_count_every_hit(tmp_path: Path) -> None:
+    document, _ = run_bench("kprobes-push,kprobes-push-nopin", tmp_path)
+    assert_every_hit_counted(document, {"kprobes-push", "kprobes-push-nopin"})
+
+
+@pytest.mark.ptrace
+def test_placement_bench_checks_its_hits() -> None:
+    """``python -m bench.placement``: every setup of the one-thread and the four-thread
+    programs, one run each; the run itself fails if a hit count is wrong."""
+    argv = [sys.executable, "-m", "bench.placement", "--runs", "1", "--only", "one,four"]
+    setups = "pinned,split,unpinned-off,unpinned,colocate,follow,spin"
+    result = subprocess.run(
+        [*argv, "--setups", setups], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert len(rows) == 3 and rows[1].startswith("| 1 thread") and rows[2].startswith("| 4 ")
+    assert all(row.count(" µs (") + row.count(" ns (") == 8 for row in rows[1:])
+
+
 @pytest.mark.tracefs
 def test_uprobes_count_every_hit_and_clean_up(tmp_path: Path) -> None:
     # Only the benchmark's own events and instances are checked: other tools (or another test
