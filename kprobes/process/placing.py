@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from kprobes.arch.x86_64.decode import check_boundary, iter_insns
 from kprobes.arch.x86_64.emulate import changes_rip_only, emulator_for
+from kprobes.arch.x86_64.leftover import original_under_jump
 from kprobes.arch.x86_64.plan import SLOT_SIZE, PlanKind, build_slot, plan_instruction
 from kprobes.arch.x86_64.rescue import AREA_SIZE as RESCUE_SIZE
 from kprobes.core.probes import Kprobe
@@ -133,6 +134,7 @@ class Placing:
             raise ProbeRejected(
                 f"{loc.addr:#x} ({loc.display}) is not in executable code", errno=errno.EINVAL
             )
+        self._take_back_leftover_jump(loc.addr)
         for entry in self.blacklist():
             if loc.addr in entry:
                 raise Blacklisted(f"{loc.addr:#x} ({loc.display}) is blacklisted: {entry.reason}")
@@ -161,6 +163,17 @@ class Placing:
             code = self._original(loc.func_start, loc.addr - loc.func_start + 16)
             check_boundary(code, loc.func_start, loc.addr)
             raise NotABoundary(f"{loc.addr:#x} ({loc.display}) is not an instruction boundary")
+
+    def _take_back_leftover_jump(self, addr: int) -> None:
+        """A jump a dead kprobes left here (leftover.py) gives the site its original bytes
+        back before anything decodes it. The world is held (registration is a batch)."""
+        if addr in self._tracer.breakpoints.jumps or addr in self._tracer.breakpoints.armed:
+            return  # ours
+        memory = self._memory()
+        original = original_under_jump(addr, memory.read(addr, 5), memory.read_some)
+        if original is not None:
+            for space in self._tracer.own_memories():
+                space.write(addr, original)
 
     def prepare(self, site: ProbeSite) -> None:
         self._ensure_rescue()
