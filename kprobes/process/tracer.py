@@ -31,7 +31,7 @@ from kprobes.arch.x86_64.plan import Plan, PlanKind, step_fixup
 from kprobes.arch.x86_64.regs import REG_INDEX
 from kprobes.core.manager import ProbeManager
 from kprobes.core.table import ProbeSite
-from kprobes.errors import InternalError, TargetError
+from kprobes.errors import InternalError
 from kprobes.linux import ptrace
 from kprobes.process import events as ev
 from kprobes.process.breakpoints import Breakpoints
@@ -167,20 +167,6 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
     @property
     def is_alive(self) -> bool:
         return self.live > 0
-
-    def held_thread(self) -> Thread:
-        """A thread of the program held still, for injection (prefer one no handler holds)."""
-        if self.main is None:
-            raise TargetError("the program has exited")
-        best: Thread | None = None
-        for thread in self.main.threads.values():
-            if thread.state is S.STOPPED and thread.pending is None:
-                if not thread.busy:
-                    return thread
-                best = best or thread
-        if best is None:
-            raise InternalError("no held thread: the world is not stopped")
-        return best
 
     # -- run -------------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from kprobes.arch.x86_64.plan import PlanKind
 from kprobes.arch.x86_64.regs import REG_INDEX
-from kprobes.errors import TargetError
+from kprobes.errors import InternalError, TargetError
 from kprobes.linux import procfs, ptrace
 from kprobes.process import events as ev
 from kprobes.process.records import POLL
@@ -50,6 +50,7 @@ class WorldStop:
     has_pending: bool
     inbox: list[tuple[int, int]]
     manager: ProbeManager
+    main: Tracee | None
     _stop_depth: int
 
     if TYPE_CHECKING:
@@ -59,6 +60,20 @@ class WorldStop:
         def drop_thread(self, thread: Thread) -> None: ...
         def add_thread(self, tracee: Tracee, tid: int, state: ThreadState) -> Thread: ...
         def _release(self, tracee: Tracee, *, clean: bool) -> None: ...
+
+    def held_thread(self) -> Thread:
+        """A thread of the program held still, for injection (prefer one no handler holds)."""
+        if self.main is None:
+            raise TargetError("the program has exited")
+        best: Thread | None = None
+        for thread in self.main.threads.values():
+            if thread.state is S.STOPPED and thread.pending is None:
+                if not thread.busy:
+                    return thread
+                best = best or thread
+        if best is None:
+            raise InternalError("no held thread: the world is not stopped")
+        return best
 
     # -- waiting for a stop, and the stops held back -------------------------------------
 
@@ -74,6 +89,11 @@ class WorldStop:
                 return ptrace.waitpid(-1, 0)
             except ChildProcessError:
                 return 0, 0
+        return self._wait_until(deadline) or (0, 0)
+
+    @staticmethod
+    def _wait_until(until: float) -> tuple[int, int] | None:
+        """The next stop before ``until``; None when it passes, (0, 0) with no child left."""
         ptrace.block_sigchld()
         try:
             while True:
@@ -83,9 +103,9 @@ class WorldStop:
                     return 0, 0
                 if tid:
                     return tid, status
-                remaining = deadline - time.monotonic()
+                remaining = until - time.monotonic()
                 if remaining <= 0:
-                    return 0, 0
+                    return None
                 ptrace.sigchld_wait(remaining)
         finally:
             ptrace.unblock_sigchld()
@@ -100,22 +120,9 @@ class WorldStop:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 return 0, 0
-            until = now + POLL if deadline is None else min(now + POLL, deadline)
-            ptrace.block_sigchld()
-            try:
-                while True:
-                    try:
-                        tid, status = ptrace.waitpid(-1, ptrace.WNOHANG)
-                    except ChildProcessError:
-                        return 0, 0
-                    if tid:
-                        return tid, status
-                    remaining = until - time.monotonic()
-                    if remaining <= 0:
-                        break
-                    ptrace.sigchld_wait(remaining)
-            finally:
-                ptrace.unblock_sigchld()
+            stop = self._wait_until(now + POLL if deadline is None else min(now + POLL, deadline))
+            if stop is not None:
+                return stop
             poll()
             exc = self.manager.table.take_error()
             if exc is not None:
