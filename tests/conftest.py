@@ -43,6 +43,7 @@ class Build:
 BUILDS: dict[str, Build] = {
     "target": Build("target.c"),
     "target-nopie": Build("target.c", flags=("-O1", *DEBUG, "-no-pie")),
+    "passon": Build("passon.c"),
     "ticker": Build("ticker.c"),
     "threads": Build("threads.c", flags=("-O1", *DEBUG, "-pthread")),
     "placement": Build("placement.c", flags=("-O1", *DEBUG, "-pthread")),

@@ -31,7 +31,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Protocol
 
@@ -247,6 +247,8 @@ class PtraceBackend(Backend):
         return SpecTracer(proc, self.sink, optimize=self.optimize, count_only=self.count_only)
 
     def place(self, specs: Sequence[ProbeSpec]) -> list[Placed]:
+        exe = _own_file(self.proc.pid)
+        specs = [in_own_file(spec, exe) for spec in specs]
         placed = self._place(self.proc, self.tracer, specs)
         self.specs += specs
         return list(placed)
@@ -446,6 +448,35 @@ class TraceFsBackend(Backend):
     def dropped(self) -> int:
         """The kernel's count (per-CPU stats) once the buffer is gone or while it is there."""
         return max(self.target.lost, self.target.session.lost_events(), 0)
+
+
+def _own_file(pid: int) -> str | None:
+    """The file a bare symbol names: the executable the process runs now (for ``-c``, the
+    command's first image, its ``#!`` interpreter for a script, as the kernel ran it)."""
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return None
+    return exe if os.path.isfile(exe) else None  # " (deleted)": left to the process's symbols
+
+
+def in_own_file(spec: ProbeSpec, exe: str | None) -> ProbeSpec:
+    """``work`` as ``EXE:work``, keeping the spec's group and event names.
+
+    A probe point names code in a file, as the kernel's uprobes (which hang on the inode)
+    and ``--backend uprobes`` do: a bare symbol is the command's own executable, not whatever
+    executable a process of the tree runs later (an exec of another program is not probed
+    by it; an exec of the same file is).
+    """
+    loc = spec.location
+    if exe is None or not isinstance(loc, SymbolLocation) or loc.module is not None:
+        return spec
+    return replace(
+        spec,
+        location=replace(loc, module=exe),
+        group=spec.effective_group,
+        event=spec.effective_event,
+    )
 
 
 def _group_of(specs: Sequence[ProbeSpec]) -> str | None:
