@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: demo test test-kernel lint typecheck pytest bench setup clean
+.PHONY: demo test test-kernel lint typecheck pytest bench setup clean stress
 
 setup: $(STAMP)
 
@@ -36,6 +36,13 @@ test: lint typecheck pytest
 
 test-kernel: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/vm
+
+# The command line's stress test, long form: every command ended every way (SIGKILL too)
+# against result-checking programs under load (tests/stress_commands.py). The suite runs
+# it for a minute (tests/test_stress_commands.py). STRESS_SECONDS=N to change the length.
+STRESS_SECONDS ?= 600
+stress: $(STAMP)
+	$(BIN)/python tests/stress_commands.py --seconds $(STRESS_SECONDS)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench

@@ -44,6 +44,7 @@ BUILDS: dict[str, Build] = {
     "target": Build("target.c"),
     "target-nopie": Build("target.c", flags=("-O1", *DEBUG, "-no-pie")),
     "passon": Build("passon.c"),
+    "checker": Build("checker.c", flags=("-O1", *DEBUG, "-pthread")),
     "ticker": Build("ticker.c"),
     "threads": Build("threads.c", flags=("-O1", *DEBUG, "-pthread")),
     "placement": Build("placement.c", flags=("-O1", *DEBUG, "-pthread")),

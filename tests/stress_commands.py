@@ -1,0 +1,359 @@
+"""The command line's stress test: every command, ended every way, against busy programs.
+
+    python tests/stress_commands.py [--seconds N] [--seed S] [--no-load] [--verbose]
+
+(``make stress`` runs it for ten minutes; ``tests/test_stress_commands.py`` runs it for one
+minute in the suite.) For the whole time, in a loop:
+
+* the targets are result-checking programs that run until told to stop: ``checker 4``
+  (tests/programs/checker.c: four threads calling ``work``, recursing, allocating, each
+  result checked) and a live Python whose loop checks what it computes;
+* each round picks a command (``trace``, ``count``, ``latency``, ``hist``), optimized or
+  ``--no-optimize``, with specs on the program's own code and on libc, attaches it with
+  ``-p`` and ends it one way: its own ``-d``, ``-n``, SIGINT, SIGTERM, SIGHUP, or SIGKILL at a
+  random moment (before it placed its probes, while it places them, while it runs);
+* a CPU burner runs in another process all along (``--no-load`` leaves it out).
+
+What must hold, checked every round and at the end:
+
+* no target dies and none reports a wrong result; at the end each is told to stop and must
+  print that every call was checked and exit 0;
+* a command ended any way but SIGKILL exits 0 with its summary on stderr;
+* after a clean ending, on a target no tool was ever killed in: every byte of every
+  executable file mapping is the file's own (no int3, no jump of ours left), and no mapping
+  of ours remains beyond what the documented, reused minimum allows (``ours_allowed``).
+
+It prints one line per round with ``--verbose``, and a summary; exit status 0 when all held,
+1 with what failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from conftest import build_program  # noqa: E402 - the tests' own builder
+
+KPROBES = [sys.executable, "-c", "import sys; from kprobes.cli.main import main; sys.exit(main())"]
+
+PYTHON_LOOP = r"""
+import signal, sys
+stop = False
+def on_stop(sig, frame):
+    global stop
+    stop = True
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+    signal.signal(s, on_stop)
+print("python ready", flush=True)
+i = 0
+while not stop:
+    data = [bytes((i + k) % 251 for k in range(i % 300 + 20)) for _ in range(3)]
+    table = {k: k * k for k in range(i % 64)}
+    for blob in data:
+        if len(blob) != i % 300 + 20 or blob[0] != i % 251:
+            print(f"python: BAD blob at {i}", file=sys.stderr, flush=True)
+            sys.exit(1)
+    if sum(table.values()) != sum(k * k for k in range(i % 64)):
+        print(f"python: BAD table at {i}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    i += 1
+print("python: every result checked", flush=True)
+"""
+
+# What each command probes, on each kind of target: (command, extra args, specs).
+CHECKER_RUNS = [
+    ("count", (), ("work", "rec", "libc:malloc", "libc:free")),
+    ("trace", (), ("libc:malloc size=%di", "work w=%di i=%si")),
+    ("trace", (), ("p work", "r work")),
+    ("latency", (), ("work",)),
+    ("hist", ("--key", "size"), ("libc:malloc size=%di:u64",)),
+]
+PYTHON_RUNS = [
+    ("count", (), ("libc:malloc", "libc:free", "libc:realloc")),
+    ("trace", (), ("libc:malloc size=%di",)),
+    ("latency", (), ("libc:malloc",)),
+    ("hist", ("--key", "size"), ("libc:malloc size=%di:u64",)),
+]
+ENDINGS = ["duration", "max_events", "SIGINT", "SIGTERM", "SIGHUP", "SIGKILL"]
+SIGINT_BIT = 1 << (signal.SIGINT - 1)
+
+
+@dataclass
+class Target:
+    kind: str  # "checker" or "python"
+    proc: subprocess.Popen[bytes]
+    out: Path
+    err: Path
+    killed_in: int = 0  # tools SIGKILLed while attached: bytes and pages may stay
+    rounds: int = 0
+    baseline: set[str] = field(default_factory=set)  # its mappings before any tool
+
+
+@dataclass
+class Tally:
+    rounds: int = 0
+    endings: dict[str, int] = field(default_factory=dict)
+    clean_checks: int = 0
+    longest_end: float = 0.0
+    failures: list[str] = field(default_factory=list)
+
+
+def start_target(kind: str, workdir: Path, n: int) -> Target:
+    out = workdir / f"{kind}{n}.out"
+    err = workdir / f"{kind}{n}.err"
+    if kind == "checker":
+        argv = [str(build_program("checker")), "4"]
+        marker = "ready"
+        watch = err
+    else:
+        argv = [sys.executable, "-c", PYTHON_LOOP]
+        marker = "python ready"
+        watch = out
+    with out.open("wb") as o, err.open("wb") as e:
+        proc = subprocess.Popen(argv, stdout=o, stderr=e, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while marker not in watch.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{kind} did not start: {err.read_text(errors='replace')}")
+        time.sleep(0.02)
+    return Target(kind, proc, out, err, baseline=set(mapping_names(proc.pid)))
+
+
+def mapping_names(pid: int) -> list[str]:
+    """Each mapping as "perms name" (anonymous ones by perms and size)."""
+    names = []
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            name = fields[5].strip() if len(fields) > 5 else f"[anon {end - start:#x}]"
+            names.append(f"{fields[1]} {name}")
+    return names
+
+
+def ours_now(target: Target) -> list[str]:
+    """Mappings the target did not have before any tool attached that look like ours."""
+    found = []
+    for name in mapping_names(target.proc.pid):
+        if name in target.baseline:
+            continue
+        perms, _, what = name.partition(" ")
+        if "kprobes" in what or ("x" in perms and what.startswith("[anon")):
+            found.append(name)
+    return found
+
+
+def foreign_bytes(pid: int) -> list[str]:
+    """Executable file mappings whose bytes differ from the file's: where and what."""
+    differ = []
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb") as mem:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) < 6 or "x" not in fields[1] or not fields[5].startswith("/"):
+                continue
+            path = fields[5].strip()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            offset = int(fields[2], 16)
+            try:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    want = f.read(end - start)
+            except OSError:
+                continue  # deleted or replaced on disk: nothing to compare with
+            mem.seek(start)
+            got = mem.read(len(want))
+            if got != want:
+                at = next(i for i in range(len(want)) if got[i] != want[i])
+                differ.append(
+                    f"{path}+{offset + at:#x}: {got[at : at + 5].hex()} (file: "
+                    f"{want[at : at + 5].hex()})"
+                )
+    return differ
+
+
+def handler_installed(pid: int) -> bool:
+    """Has the command caught SIGINT yet (it started and installed its handlers)?"""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) & SIGINT_BIT)
+    except OSError:
+        pass
+    return False
+
+
+def one_round(target: Target, rng: random.Random, tally: Tally, verbose: bool) -> None:
+    runs = CHECKER_RUNS if target.kind == "checker" else PYTHON_RUNS
+    command, extra, specs = rng.choice(runs)
+    optimized = rng.random() < 0.5
+    ending = rng.choice(ENDINGS)
+    argv = [*KPROBES, command, "-p", str(target.proc.pid), *extra, *specs]
+    if not optimized:
+        argv.append("--no-optimize")
+    seconds = round(rng.uniform(0.2, 2.0), 2)
+    if ending == "duration":
+        argv += ["-d", str(seconds)]
+    elif ending == "max_events":
+        if command in ("count",):
+            argv += ["-n", str(rng.randint(1, 5000)), "-d", "30"]
+        else:
+            argv += ["-n", str(rng.randint(1, 5000))]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        tool = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
+        asked = None
+        if ending.startswith("SIG"):
+            sig = signal.Signals[ending]
+            if sig != signal.SIGKILL:
+                # A signal the command has not caught yet would be taken by the default
+                # action of a starting interpreter: wait until it listens.
+                while not handler_installed(tool.pid) and tool.poll() is None:
+                    time.sleep(0.005)
+            time.sleep(rng.uniform(0.0, seconds))
+            asked = time.monotonic()
+            with contextlib.suppress(ProcessLookupError):
+                tool.send_signal(sig)
+        else:
+            asked = time.monotonic() + (seconds if ending == "duration" else 0.0)
+        try:
+            rc = tool.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            tool.kill()
+            tool.wait()
+            rc = None
+        took = max(time.monotonic() - asked, 0.0)
+        out.seek(0)
+        err.seek(0)
+        stderr = err.read().decode(errors="replace")
+    tally.rounds += 1
+    tally.endings[ending] = tally.endings.get(ending, 0) + 1
+    what = f"{command} {' '.join(specs)} {'opt' if optimized else 'traps'} {ending} on {target.kind}"
+    if verbose:
+        print(f"round {tally.rounds}: {what}: rc {rc} in {took:.2f} s", flush=True)
+    if target.proc.poll() is not None:
+        tally.failures.append(
+            f"{what}: the target died (status {target.proc.returncode}): "
+            f"{target.err.read_text(errors='replace')[-500:]}"
+        )
+        return
+    if ending == "SIGKILL":
+        target.killed_in += 1
+        return
+    tally.longest_end = max(tally.longest_end, took)
+    if rc != 0:
+        tally.failures.append(f"{what}: exit status {rc}: {stderr[-800:]}")
+        return
+    if " hits" not in stderr:
+        tally.failures.append(f"{what}: no summary on stderr: {stderr[-800:]}")
+    if target.killed_in:
+        return  # a dead tool's jumps may stay until a later tool probes their sites
+    tally.clean_checks += 1
+    left = foreign_bytes(target.proc.pid)
+    if left:
+        tally.failures.append(f"{what}: bytes of ours left after a clean end: {left[:5]}")
+    pages = ours_now(target)
+    if len(pages) > ours_allowed():
+        tally.failures.append(f"{what}: mappings of ours left after a clean end: {pages}")
+
+
+def ours_allowed() -> int:
+    """How many mappings of ours may stay in a program after clean endings (reused)."""
+    return int(os.environ.get("KPROBES_STRESS_PAGES_ALLOWED", "0"))
+
+
+def finish_target(target: Target, tally: Tally) -> None:
+    if target.proc.poll() is None:
+        target.proc.send_signal(signal.SIGTERM)
+        try:
+            target.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            target.proc.kill()
+            target.proc.wait()
+            tally.failures.append(f"{target.kind} did not end on SIGTERM")
+            return
+    out = target.out.read_text(errors="replace")
+    if target.proc.returncode != 0 or (
+        "every call checked" not in out and "every result checked" not in out
+    ):
+        tally.failures.append(
+            f"{target.kind} ended with status {target.proc.returncode}: {out[-300:]} "
+            f"{target.err.read_text(errors='replace')[-500:]}"
+        )
+
+
+@contextlib.contextmanager
+def cpu_burner(enabled: bool):  # type: ignore[no-untyped-def]
+    """Load from another process: one busy loop, at the programs' priority."""
+    if not enabled:
+        yield
+        return
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        burner.kill()
+        burner.wait()
+
+
+def stress(seconds: float, seed: int, load: bool, verbose: bool) -> Tally:
+    rng = random.Random(seed)
+    tally = Tally()
+    rounds_per_target = 6
+    with tempfile.TemporaryDirectory(prefix="kprobes-stress-") as tmp, cpu_burner(load):
+        workdir = Path(tmp)
+        serial = 0
+        targets: dict[str, Target] = {}
+        end = time.monotonic() + seconds
+        try:
+            while time.monotonic() < end and not tally.failures:
+                kind = rng.choice(["checker", "checker", "python"])
+                target = targets.get(kind)
+                if target is None:
+                    serial += 1
+                    target = targets[kind] = start_target(kind, workdir, serial)
+                one_round(target, rng, tally, verbose)
+                target.rounds += 1
+                if target.rounds >= rounds_per_target or target.proc.poll() is not None:
+                    finish_target(targets.pop(kind), tally)
+        finally:
+            for target in targets.values():
+                finish_target(target, tally)
+    return tally
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=600.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--no-load", action="store_true")
+    parser.add_argument("--verbose", action="store_true")
+    opts = parser.parse_args()
+    seed = opts.seed if opts.seed is not None else random.randrange(1 << 32)
+    print(f"stress: {opts.seconds:.0f} s, seed {seed}", flush=True)
+    tally = stress(opts.seconds, seed, not opts.no_load, opts.verbose)
+    print(
+        f"stress: {tally.rounds} rounds ({', '.join(f'{k} {v}' for k, v in sorted(tally.endings.items()))}), "
+        f"{tally.clean_checks} clean endings checked byte for byte, longest end after being "
+        f"asked {tally.longest_end:.2f} s, {len(tally.failures)} failures"
+    )
+    for failure in tally.failures:
+        print(f"FAILED: {failure}")
+    return 1 if tally.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
