@@ -241,7 +241,8 @@ def one_round(target: Target, rng: random.Random, tally: Tally, verbose: bool) -
         stderr = err.read().decode(errors="replace")
     tally.rounds += 1
     tally.endings[ending] = tally.endings.get(ending, 0) + 1
-    what = f"{command} {' '.join(specs)} {'opt' if optimized else 'traps'} {ending} on {target.kind}"
+    tier = "opt" if optimized else "traps"
+    what = f"{command} {' '.join(specs)} {tier} {ending} on {target.kind}"
     if verbose:
         print(f"round {tally.rounds}: {what}: rc {rc} in {took:.2f} s", flush=True)
     if target.proc.poll() is not None:
@@ -345,8 +346,9 @@ def main() -> int:
     seed = opts.seed if opts.seed is not None else random.randrange(1 << 32)
     print(f"stress: {opts.seconds:.0f} s, seed {seed}", flush=True)
     tally = stress(opts.seconds, seed, not opts.no_load, opts.verbose)
+    endings = ", ".join(f"{k} {v}" for k, v in sorted(tally.endings.items()))
     print(
-        f"stress: {tally.rounds} rounds ({', '.join(f'{k} {v}' for k, v in sorted(tally.endings.items()))}), "
+        f"stress: {tally.rounds} rounds ({endings}), "
         f"{tally.clean_checks} clean endings checked byte for byte, longest end after being "
         f"asked {tally.longest_end:.2f} s, {len(tally.failures)} failures"
     )

@@ -109,6 +109,7 @@ class Backend(abc.ABC):
     def __init__(self) -> None:
         self.placed: list[Placed] = []
         self.command_pid: int | None = None  # the -c command's, once started
+        self.own_file: str | None = None  # the file a bare symbol names (README)
 
     def end_command(self) -> None:
         """Stop a ``-c`` command the session ended before (``-d``, ``-n``): it was started for
@@ -242,13 +243,13 @@ class PtraceBackend(Backend):
             self.proc.detach()
             raise
         self.proc.on_new_process = self._follow
+        self.own_file = _own_file(self.proc.pid)
 
     def _spec_tracer(self, proc: Process) -> SpecTracer:
         return SpecTracer(proc, self.sink, optimize=self.optimize, count_only=self.count_only)
 
     def place(self, specs: Sequence[ProbeSpec]) -> list[Placed]:
-        exe = _own_file(self.proc.pid)
-        specs = [in_own_file(spec, exe) for spec in specs]
+        specs = [in_own_file(spec, self.own_file) for spec in specs]
         placed = self._place(self.proc, self.tracer, specs)
         self.specs += specs
         return list(placed)
@@ -365,7 +366,8 @@ class TraceFsBackend(Backend):
         group = _group_of(specs)
         self.target: TraceTarget
         if args.backend == "uprobes":
-            self.target = self._open_uprobes(args, specs, patterns, sink, group)
+            self.target = uprobes = self._open_uprobes(args, specs, patterns, sink, group)
+            self.own_file = uprobes.main_file
             if args.command is not None:
                 self.command_pid = self.target.pid
             return

@@ -10,6 +10,7 @@ cannot be probed (an instruction that cannot run out of line) are skipped and li
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import Counter
 from datetime import datetime
@@ -20,7 +21,7 @@ from kprobes.cli.session import Session, add_common_arguments, parse_spec
 from kprobes.errors import SpecError
 from kprobes.model import Event
 from kprobes.output.counts import format_counts, format_counts_json, format_interval_header
-from kprobes.spec import ProbeSpec
+from kprobes.spec import FileOffsetLocation, ProbeSpec, SymbolLocation
 
 _GLOB = set("*?[")
 
@@ -48,9 +49,15 @@ def run(args: argparse.Namespace) -> int:
     session = Session(args, specs)
     counts: Counter[str] = Counter()
     label: dict[str, str] = {}  # event name -> what the table shows
+    file_of: dict[str, str | None] = {}  # event name -> the file it names (None: the own)
     for text, spec in zip((t for t in args.targets if not _is_pattern(t)), specs, strict=True):
         label[spec.effective_event] = text
+        file_of[spec.effective_event] = _file_named(spec)
     skipped: list[str] = []
+
+    def prepare(backend: Backend) -> None:
+        expand(backend)
+        _name_files(label, file_of, backend.own_file)
 
     def expand(backend: Backend) -> None:
         for pattern in patterns:
@@ -66,7 +73,9 @@ def run(args: argparse.Namespace) -> int:
                 except backend.skippable as exc:
                     skipped.append(f"{where}: {exc}")
                     continue
-                label[placed.name.rpartition("/")[2]] = where.rpartition(":")[2]
+                event = placed.name.rpartition("/")[2]
+                module, _, label[event] = where.rpartition(":")
+                file_of[event] = module or None
 
     def handle(ev: Event) -> None:
         counts[label.get(ev.event, ev.event)] += 1
@@ -98,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         counts.clear()
 
-    session.prepare = expand if patterns else None
+    session.prepare = prepare
     session.patterns = patterns
     session.handle = handle
     if args.interval:
@@ -118,3 +127,29 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(table())
     sys.stderr.write(session.summary())
     return 0
+
+
+def _file_named(spec: ProbeSpec) -> str | None:
+    """The file a spec names (a path or a library's short name); None for a bare symbol."""
+    match spec.location:
+        case SymbolLocation(module=module):
+            return module
+        case FileOffsetLocation(path=path):
+            return path
+    return None
+
+
+def _name_files(label: dict[str, str], file_of: dict[str, str | None], own: str | None) -> None:
+    """Rows of one function in two files name their files (``prog:work``, ``libc:strlen``):
+    a bare ``work`` counted beside another file's ``work`` is not one row of both."""
+    files_of_name: dict[str, set[str | None]] = {}
+    for event, text in label.items():
+        name = text.rpartition(":")[2]
+        files_of_name.setdefault(name, set()).add(file_of.get(event) or own)
+    for event, text in label.items():
+        module, _, name = text.rpartition(":")
+        if module or len(files_of_name[name]) < 2:
+            continue
+        where = file_of.get(event) or own
+        if where is not None:
+            label[event] = f"{os.path.basename(where)}:{name}"

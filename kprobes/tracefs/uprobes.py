@@ -164,6 +164,19 @@ class Uprobes(TraceTarget):
                 self.close()
             raise
 
+    @property
+    def main_file(self) -> str | None:
+        """The file a bare symbol names: the command's first image, the process's
+        executable, or the one file probed (``path=``)."""
+        if self._files is not None:
+            return self._files.main.path
+        if self.path is not None:
+            return self.path
+        try:
+            return os.readlink(f"/proc/{self.pid}/exe")
+        except OSError:
+            return None
+
     def _check_available(self) -> None:
         if not self.fs.exists("uprobe_events"):
             raise TargetError(
