@@ -101,3 +101,49 @@ def test_attach_detach_cycles_never_cost_the_program_a_trap(popen, owntraps):
     out = p.stdout.read().decode()
     traps, calls = (int(part.split("=")[1]) for part in out.split()[:2])
     assert traps == calls > 0, out
+
+
+PIPE_STATUS = "yes | head -1; echo ${PIPESTATUS[0]}"  # yes's status: 141, killed by SIGPIPE
+
+
+def _status_bits(text: str, field: str) -> int:
+    for line in text.splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1], 16)
+    raise AssertionError(f"no {field} in {text!r}")
+
+
+def test_a_spawned_program_starts_with_default_dispositions_and_an_empty_mask(spawn, tmp_path):
+    """CPython ignores SIGPIPE and SIGXFSZ, and an ignored signal stays ignored across exec;
+    the spawning thread's mask is inherited too. The program must start with neither, as
+    ``subprocess`` starts it (issue 17 item 7)."""
+    out = tmp_path / "status"
+    ignored = (1 << (signal.SIGPIPE - 1)) | (1 << (signal.SIGXFSZ - 1))
+    with open("/proc/self/status") as f:
+        ours = f.read()
+    assert _status_bits(ours, "SigIgn") & ignored == ignored  # the test proves something
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1, signal.SIGXCPU])
+    try:
+        with open(out, "w") as fo:
+            proc = spawn(["grep", "-E", "^Sig(Blk|Ign):", "/proc/self/status"], stdout=fo)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    proc.register_kprobe(kprobes.Kprobe(symbol="libc:malloc"))
+    assert proc.run(timeout=60)
+    assert proc.exit_code == 0
+    text = out.read_text()
+    assert _status_bits(text, "SigBlk") == 0, text
+    assert _status_bits(text, "SigIgn") == _status_bits(ours, "SigIgn") & ~ignored, text
+
+
+@pytest.mark.parametrize("backend", ["ptrace", "uprobes"])
+def test_a_command_is_killed_by_sigpipe_as_without_us(backend):
+    """``count -c "bash -c 'yes | head -1'"``: yes dies of SIGPIPE (141), as without us; it
+    printed "Broken pipe" and exited 1 under a SIGPIPE ignored by the tool."""
+    command = f"bash -c '{PIPE_STATUS}'"
+    expected = subprocess.run(["bash", "-c", PIPE_STATUS], capture_output=True, text=True)
+    assert (expected.stdout, expected.stderr) == ("y\n141\n", "")
+    result = support.cli("count", "--backend", backend, "-c", command, "libc:malloc")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("y\n141\n"), result.stdout
+    assert "Broken pipe" not in result.stderr, result.stderr
