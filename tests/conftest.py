@@ -59,6 +59,7 @@ BUILDS: dict[str, Build] = {
         "fidelity.c", flags=("-O2", *DEBUG, "-mno-red-zone", "-fno-jump-tables")
     ),
     "signals": Build("signals.c"),
+    "owntraps": Build("owntraps.c"),
     "procs": Build("procs.c"),
     "ifunc": Build("ifunc.c", libs=("-ldl",)),
     "rets": Build("rets.c", flags=("-O1", *DEBUG, "-pthread")),

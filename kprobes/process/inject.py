@@ -14,14 +14,25 @@ middle, the thread traps on the stub's int3 and the rescue puts its registers ba
 ``mmap`` of the rescue itself carries its own way home (``selfrestore.py``); the borrowed
 ``syscall`` here serves it only where the program's code offers no such way.
 
+The trap that ends an injection is forced on the thread by the kernel (``force_sig``): if
+the thread blocks SIGTRAP, as it does inside the program's own SIGTRAP handler (or inside
+the rescue chaining to it), the kernel unblocks it and makes the program's SIGTRAP action
+SIG_DFL before ptrace reports the stop, and the program's next own trap kills it. So a
+thread that blocks SIGTRAP has it unblocked (``PTRACE_SETSIGMASK``) for the injection only,
+and its own mask back after: the trap is then delivered, not forced, and nothing is reset.
+
 Rejected: writing a ``syscall`` instruction over the thread's current code. Another thread
-could execute those bytes; we only borrow instructions that already exist.
+could execute those bytes; we only borrow instructions that already exist. Repairing the
+action after the injection (as the trap guard does after a hit): the injection that repairs
+it would end on a forced trap of its own, and the thread's mask would stay changed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from kprobes.arch.x86_64 import rescue as rescue_layout
@@ -63,20 +74,21 @@ def run_syscall(
         regs.orig_rax = (1 << 64) - 1
         for name, value in zip(("rdi", "rsi", "rdx", "r10", "r8", "r9"), args, strict=False):
             regs.set(name, value)
-        if landing is not None:
-            regs.rip = rescue_layout.stub(landing.area)
-            thread.store_regs()
-            ptrace.cont(thread.tid, 0)
-            _wait_for_trap(thread, stepping=False)
-            after = thread.load_regs()
-            if after.rip != rescue_layout.stub_trap(landing.area) + 1:
-                raise TargetError(f"injected syscall {nr} stopped at {after.rip:#x}")
-        else:
-            regs.rip = syscall_insn
-            thread.store_regs()
-            ptrace.singlestep(thread.tid, 0)
-            _wait_for_trap(thread, stepping=True)
-            after = thread.load_regs()
+        with _sigtrap_unblocked(thread.tid):
+            if landing is not None:
+                regs.rip = rescue_layout.stub(landing.area)
+                thread.store_regs()
+                ptrace.cont(thread.tid, 0)
+                _wait_for_trap(thread, stepping=False)
+                after = thread.load_regs()
+                if after.rip != rescue_layout.stub_trap(landing.area) + 1:
+                    raise TargetError(f"injected syscall {nr} stopped at {after.rip:#x}")
+            else:
+                regs.rip = syscall_insn
+                thread.store_regs()
+                ptrace.singlestep(thread.tid, 0)
+                _wait_for_trap(thread, stepping=True)
+                after = thread.load_regs()
         result = after.rax
     finally:
         restore_regs(thread, saved, view)
@@ -112,8 +124,9 @@ def call_function(
             regs.set(name, value)
         regs.rip = func
         thread.store_regs()
-        ptrace.cont(thread.tid, 0)
-        _wait_for_trap(thread, stepping=False)
+        with _sigtrap_unblocked(thread.tid):
+            ptrace.cont(thread.tid, 0)
+            _wait_for_trap(thread, stepping=False)
         after = thread.load_regs()
         if after.rip != return_trap + 1:
             raise TargetError(f"injected call to {func:#x} stopped at {after.rip:#x}")
@@ -123,6 +136,23 @@ def call_function(
         if landing is not None:
             landing.end_injection(mem)
     return int(result)
+
+
+@contextlib.contextmanager
+def _sigtrap_unblocked(tid: int) -> Iterator[None]:
+    """SIGTRAP unblocked in ``tid`` while the injection runs, its own mask back after (see
+    the module docstring): the injection's trap must not be forced on a blocked SIGTRAP."""
+    mask = ptrace.getsigmask(tid)
+    bit = 1 << (signal.SIGTRAP - 1)
+    if not mask & bit:
+        yield
+        return
+    ptrace.setsigmask(tid, mask & ~bit)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            ptrace.setsigmask(tid, mask)
 
 
 def home_regs(thread: Thread, kernel_regs: bytes, view: bytes) -> bytes:

@@ -18,6 +18,7 @@ from typing import IO, Any
 
 from kprobes.errors import TargetError
 from kprobes.linux import procfs, ptrace
+from kprobes.linux.childstart import restore_signals
 from kprobes.process import cleanup
 from kprobes.process.events import SYSCALL_TRAP
 from kprobes.process.target import Process
@@ -72,6 +73,7 @@ def spawn(
     pid = os.fork()
     if pid == 0:  # the child: stop, let the parent seize us, then exec
         try:
+            restore_signals()  # as the command would start without us (childstart.py)
             os.close(err_r)
             for target_fd, fd in enumerate(fds):
                 if fd is not None and fd != target_fd:

@@ -29,6 +29,7 @@ import signal
 from collections.abc import Mapping, Sequence
 
 from kprobes.errors import InternalError, TargetError
+from kprobes.linux.childstart import restore_signals
 
 
 class HeldState(enum.Enum):
@@ -54,6 +55,7 @@ class HeldCommand:
         pid = os.fork()
         if pid == 0:  # the child: wait for the word, exec, or say why not
             try:
+                restore_signals()  # as the command would start without us (childstart.py)
                 os.close(go_w)
                 os.close(err_r)
                 if os.read(go_r, 1):
