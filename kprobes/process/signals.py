@@ -45,6 +45,8 @@ class SignalDelivery:
     slot_owner: dict[int, ProbeSite]
     fetch_faults: FetchFaults
     rescue: Rescue
+    hold_all: bool
+    _stop_depth: int
 
     def _on_signal(self, t: Thread, sig: int) -> None:
         was = t.state
@@ -75,21 +77,54 @@ class SignalDelivery:
         if trapnr is not None and off == 0:
             # The copy itself faulted: restart the instruction where it belongs.
             t.step_site = None
+            t.to_syscall_entry = False
             self._fault_in_copy(t, site, sig, trapnr)
-        elif x.kind is PlanKind.SINGLESTEP:
-            # A signal interrupting a syscall must be delivered now.
+        elif x.kind is PlanKind.SINGLESTEP and off != 0:
+            # The instruction has run (a syscall the signal interrupted): deliver it now, at
+            # the original code.
             t.step_site = None
-            if 0 <= off <= x.plan.length:
+            t.to_syscall_entry = False
+            if 0 < off <= x.plan.length:
                 regs.rip = site.addr + off
-                if off == 0:
-                    t.skip_hit = (site.addr, regs.rsp)
                 t.store_regs()
             ptrace.cont(t.tid, sig)
             t.to(S.RUNNING)
         else:
-            t.held_signals.append((sig, info))
-            ptrace.cont(t.tid, 0)
+            # The copy has not begun, or cannot block: the signal waits for its end, and
+            # the copy goes on from where it is. Never back to the probed address: a retry
+            # is a new chance for the next signal to land first, and under a timer as fast
+            # as our stops every retry lost (issue 18).
+            _hold(t, sig, info)
+            if x.kind is PlanKind.STEP:
+                ptrace.cont(t.tid, 0)
+            elif x.plan.is_syscall:
+                t.to_syscall_entry = True  # see _entered_step_syscall
+                ptrace.syscall_cont(t.tid, 0)
+            else:
+                ptrace.singlestep(t.tid, 0)
             t.to(S.STEPPING)
+
+    def _entered_step_syscall(self, t: Thread) -> None:
+        """``t`` stopped at the entry of its step's ``syscall`` (a syscall stop), with the
+        signals that came before the syscall began held by us.
+
+        They are sent again (tgkill; their own siginfo goes back when they are reported), so
+        that they are pending while the syscall runs: one that blocks returns at once, as it
+        would have had they come a moment later, and each is delivered after the step, at
+        the original code. The single-step goes on from here.
+        """
+        t.to(S.STOPPED)
+        t.to_syscall_entry = False
+        for sig, info in t.held_signals:
+            t.reraised.append(info)
+            ptrace.tgkill(t.tracee.pid, t.tid, sig)
+        t.held_signals.clear()
+        if self.hold_all or self._stop_depth or t.busy:
+            t.event_stopped = True
+            t.resume_stepping = True  # by PTRACE_CONT: the slot's guard int3 ends the step
+            return
+        ptrace.singlestep(t.tid, 0)
+        t.to(S.STEPPING)
 
     def _signal_in_slot(self, t: Thread, sig: int) -> None:
         """A signal for a thread running a boosted copy: map it back to the original code."""
@@ -110,10 +145,16 @@ class SignalDelivery:
             self._fault_in_copy(t, site, sig, trapnr)
             return
         if off == 0:
-            regs.rip = site.addr
-            t.skip_hit = (site.addr, regs.rsp)
-            t.store_regs()
-        elif off == x.plan.length:
+            # The copy has not begun: it is single-stepped, and the signal waits for its end
+            # (as for a STEP copy). Sent back to the probed address to take the signal first,
+            # the thread met the next signal there again under a timer as fast as two stops.
+            _hold(t, sig, info)
+            t.step_site = site
+            t.step_prep = x
+            ptrace.singlestep(t.tid, 0)
+            t.to(S.STEPPING)
+            return
+        if off == x.plan.length:
             regs.rip = site.addr + x.plan.length
             t.store_regs()
         t.resume(sig)
@@ -128,6 +169,14 @@ class SignalDelivery:
             t.busy = False
         t.store_regs()
         t.resume(0 if handled else sig)
+
+
+def _hold(t: Thread, sig: int, info: bytes) -> None:
+    """Keep a signal to deliver after the copy. A standard signal already kept is not kept
+    twice: waiting in the kernel's queue, the two would have been one."""
+    if sig < signal.SIGRTMIN and any(held == sig for held, _ in t.held_signals):
+        return
+    t.held_signals.append((sig, info))
 
 
 def _fault_trapnr(sig: int, info: bytes) -> int | None:

@@ -370,6 +370,8 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
                     self._foreign_trap(t)
             case ev.Signal(signal=sig):
                 self._on_signal(t, sig)
+            case ev.SyscallStop() if t.to_syscall_entry and t.state is _STEPPING:
+                self._entered_step_syscall(t)
             case ev.SyscallStop():
                 t.to(S.STOPPED)
                 t.event_stopped = True  # no signal can be injected from a syscall stop
@@ -545,9 +547,12 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
         if site is None:
             raise InternalError(f"thread {t.tid} finished a step it was not doing")
         t.step_site = None
+        t.to_syscall_entry = False  # resumed by PTRACE_CONT, it ran into the guard int3
         x: Prepared = t.step_prep
         w = t.words
         w[_RIP] = step_fixup(x.plan, x.slot, w[_RIP])
+        if x.kind is _BOOST and w[_RIP] == site.addr:
+            t.skip_hit = (site.addr, t.regs.rsp)  # a rep not done: its int3 is not a new hit
         t.store_rip()  # past the probed instruction before the post handler (see run())
         self._run_post(t, site)
         if t.regs.dirty:
