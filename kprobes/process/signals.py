@@ -3,9 +3,12 @@ mapped back to the original code.
 
 A signal that arrives while a thread executes an out-of-line copy is held and delivered, with
 its original siginfo, when the copy has finished (a fault in the copy itself restarts the
-instruction at the probed address and is delivered there). The exception is the hardware
-single-step of a ``syscall``: a signal that interrupts a blocking syscall must be delivered at
-once, so its rip is mapped back to the original code first.
+instruction at the probed address and is delivered there). A thread is never sent back to
+the probed address to take a signal first: the copy goes on (a boosted one single-stepped),
+so that a hit ends in a bounded number of stops however fast signals come. A ``syscall``
+copy is the exception: a signal that came before the syscall began is held only until the
+syscall's entry and sent again there, so that a blocking syscall is still interrupted by it;
+one that interrupts the syscall is delivered at once, its rip mapped back first.
 
 A SIGSEGV or SIGBUS of a fetch of ours (detour code that read through a bad pointer) is not
 delivered: the thread goes on where the fetch says (``fetchfaults.py``).
@@ -144,7 +147,13 @@ class SignalDelivery:
         if off == 0 and trapnr is not None:
             self._fault_in_copy(t, site, sig, trapnr)
             return
-        if off == 0:
+        if off == 0 and x.plan.text.startswith("pushf"):
+            # Single-stepped, pushf would store the trap flag: the signal is taken at the
+            # probed address, and the re-hit does not run the handlers twice.
+            regs.rip = site.addr
+            t.skip_hit = (site.addr, regs.rsp)
+            t.store_regs()
+        elif off == 0:
             # The copy has not begun: it is single-stepped, and the signal waits for its end
             # (as for a STEP copy). Sent back to the probed address to take the signal first,
             # the thread met the next signal there again under a timer as fast as two stops.
@@ -154,7 +163,7 @@ class SignalDelivery:
             ptrace.singlestep(t.tid, 0)
             t.to(S.STEPPING)
             return
-        if off == x.plan.length:
+        elif off == x.plan.length:
             regs.rip = site.addr + x.plan.length
             t.store_regs()
         t.resume(sig)

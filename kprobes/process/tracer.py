@@ -13,9 +13,9 @@ handled by ``run()`` once the world runs again; nothing is lost or handled twice
 
 Signals that arrive while a thread executes an out-of-line copy are held and delivered, with
 their original siginfo, when the copy has finished (a fault in the copy itself restarts the
-instruction at the probed address and is delivered there). The exception is the hardware
-single-step of a ``syscall``: a signal that interrupts a blocking syscall must be delivered at
-once, so its rip is mapped back to the original code first.
+instruction at the probed address and is delivered there), never by sending the thread back
+to the probed address; a ``syscall`` copy gets its held signals back once inside the syscall,
+so that a blocking one is still interrupted (signals.py).
 """
 
 from __future__ import annotations
