@@ -18,6 +18,7 @@ import pytest
 import support
 
 import kprobes
+from kprobes.linux import ptrace
 from kprobes.process import threads
 
 pytestmark = pytest.mark.ptrace
@@ -267,6 +268,46 @@ def test_every_plan_under_a_timer_as_fast_as_the_probes(spawn, signals, tmp_path
     assert [kp.nhit for kp in probes] == [n] * len(offsets) + [alarms]
     assert rets[0].nhit == n
     assert all(kp.nmissed == 0 for kp in [*probes, *rets])
+
+
+def test_a_signal_at_every_hit_as_the_copies_begin(spawn, build, tmp_path):
+    """Every instruction of fidelity.c's hand() probed, and each hit sends the thread a
+    SIGURG (ignored by default, as Go's preemption signal is by a C program): it is pending
+    as the thread is resumed into its copy, so every boosted copy begins with a signal (and
+    is single-stepped; a pushf's is not, it would store the trap flag, which the program
+    checks). Output and counts as in the same run without signals."""
+    exe = build("fidelity")
+    argv = [exe, "200", "64", "1000"]
+    insns = support.function_insns(exe, "hand")
+    offsets = [off for off, _ in insns]
+    pushf = next(i for i, (_, text) in enumerate(insns) if text.startswith("pushf"))
+
+    def traced(send: bool) -> tuple[Any, bytes, list[int]]:
+        def pre(p: Any, regs: Any) -> None:
+            if send:
+                ptrace.tgkill(proc_box[0].pid, regs.tid, signal.SIGURG)
+
+        probes = [kprobes.Kprobe(symbol="hand", offset=off, pre_handler=pre) for off in offsets]
+        proc_box: list[Any] = []
+        where = tmp_path / ("sent" if send else "quiet")
+        where.mkdir()
+        out, stdin = where / "stdout", where / "stdin"
+        stdin.write_bytes(b"go\n")
+        with open(stdin, "rb") as fi, open(out, "wb") as fo:
+            proc = spawn(argv, stdin=fi, stdout=fo)
+        proc_box.append(proc)
+        proc.register_kprobes(probes)
+        assert proc.run(timeout=300), "program did not finish"
+        return proc, out.read_bytes(), [kp.nhit for kp in probes]
+
+    expected = support.reference_output(argv, stdin=b"go\n")
+    assert b" tf=0 flags=200\n" in expected
+    quiet, quiet_out, quiet_hits = traced(send=False)
+    sent, sent_out, sent_hits = traced(send=True)
+    assert (quiet.exit_code, sent.exit_code) == (0, 0)
+    assert quiet_out == sent_out == expected
+    assert sent_hits == quiet_hits
+    assert quiet_hits[pushf] > 0
 
 
 def test_fatal_signal_is_reported(spawn, build, tmp_path):
