@@ -107,6 +107,20 @@ def test_placement_bench_checks_its_hits() -> None:
     assert all(row.count(" µs (") + row.count(" ns (") == 8 for row in rows[1:])
 
 
+@pytest.mark.ptrace
+def test_signals_bench_checks_its_runs() -> None:
+    """``python -m bench.signals`` with no timer and a slow one: every probed run ends (its
+    hits and output are checked by the run itself), and each row says so."""
+    argv = [sys.executable, "-m", "bench.signals", "--calls", "200", "--periods", "0,2000"]
+    result = subprocess.run(
+        [*argv, "--cap", "120"], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr
+    rows = result.stdout.splitlines()[2:]
+    assert [row.split()[0] for row in rows] == ["none", "2000"], result.stdout
+    assert not any(">" in row for row in rows), result.stdout
+
+
 @pytest.mark.tracefs
 def test_uprobes_count_every_hit_and_clean_up(tmp_path: Path) -> None:
     # Only the benchmark's own events and instances are checked: other tools (or another test

@@ -3,9 +3,12 @@ mapped back to the original code.
 
 A signal that arrives while a thread executes an out-of-line copy is held and delivered, with
 its original siginfo, when the copy has finished (a fault in the copy itself restarts the
-instruction at the probed address and is delivered there). The exception is the hardware
-single-step of a ``syscall``: a signal that interrupts a blocking syscall must be delivered at
-once, so its rip is mapped back to the original code first.
+instruction at the probed address and is delivered there). A thread is never sent back to
+the probed address to take a signal first: the copy goes on (a boosted one single-stepped),
+so that a hit ends in a bounded number of stops however fast signals come. A ``syscall``
+copy is the exception: a signal that came before the syscall began is held only until the
+syscall's entry and sent again there, so that a blocking syscall is still interrupted by it;
+one that interrupts the syscall is delivered at once, its rip mapped back first.
 
 A SIGSEGV or SIGBUS of a fetch of ours (detour code that read through a bad pointer) is not
 delivered: the thread goes on where the fetch says (``fetchfaults.py``).
@@ -45,6 +48,8 @@ class SignalDelivery:
     slot_owner: dict[int, ProbeSite]
     fetch_faults: FetchFaults
     rescue: Rescue
+    hold_all: bool
+    _stop_depth: int
 
     def _on_signal(self, t: Thread, sig: int) -> None:
         was = t.state
@@ -75,21 +80,54 @@ class SignalDelivery:
         if trapnr is not None and off == 0:
             # The copy itself faulted: restart the instruction where it belongs.
             t.step_site = None
+            t.to_syscall_entry = False
             self._fault_in_copy(t, site, sig, trapnr)
-        elif x.kind is PlanKind.SINGLESTEP:
-            # A signal interrupting a syscall must be delivered now.
+        elif x.kind is PlanKind.SINGLESTEP and off != 0:
+            # The instruction has run (a syscall the signal interrupted): deliver it now, at
+            # the original code.
             t.step_site = None
-            if 0 <= off <= x.plan.length:
+            t.to_syscall_entry = False
+            if 0 < off <= x.plan.length:
                 regs.rip = site.addr + off
-                if off == 0:
-                    t.skip_hit = (site.addr, regs.rsp)
                 t.store_regs()
             ptrace.cont(t.tid, sig)
             t.to(S.RUNNING)
         else:
-            t.held_signals.append((sig, info))
-            ptrace.cont(t.tid, 0)
+            # The copy has not begun, or cannot block: the signal waits for its end, and
+            # the copy goes on from where it is. Never back to the probed address: a retry
+            # is a new chance for the next signal to land first, and under a timer as fast
+            # as our stops every retry lost (issue 18).
+            _hold(t, sig, info)
+            if x.kind is PlanKind.STEP:
+                ptrace.cont(t.tid, 0)
+            elif x.plan.is_syscall:
+                t.to_syscall_entry = True  # see _entered_step_syscall
+                ptrace.syscall_cont(t.tid, 0)
+            else:
+                ptrace.singlestep(t.tid, 0)
             t.to(S.STEPPING)
+
+    def _entered_step_syscall(self, t: Thread) -> None:
+        """``t`` stopped at the entry of its step's ``syscall`` (a syscall stop), with the
+        signals that came before the syscall began held by us.
+
+        They are sent again (tgkill; their own siginfo goes back when they are reported), so
+        that they are pending while the syscall runs: one that blocks returns at once, as it
+        would have had they come a moment later, and each is delivered after the step, at
+        the original code. The single-step goes on from here.
+        """
+        t.to(S.STOPPED)
+        t.to_syscall_entry = False
+        for sig, info in t.held_signals:
+            t.reraised.append(info)
+            ptrace.tgkill(t.tracee.pid, t.tid, sig)
+        t.held_signals.clear()
+        if self.hold_all or self._stop_depth or t.busy:
+            t.event_stopped = True
+            t.resume_stepping = True  # by PTRACE_CONT: the slot's guard int3 ends the step
+            return
+        ptrace.singlestep(t.tid, 0)
+        t.to(S.STEPPING)
 
     def _signal_in_slot(self, t: Thread, sig: int) -> None:
         """A signal for a thread running a boosted copy: map it back to the original code."""
@@ -109,10 +147,22 @@ class SignalDelivery:
         if off == 0 and trapnr is not None:
             self._fault_in_copy(t, site, sig, trapnr)
             return
-        if off == 0:
+        if off == 0 and x.plan.text.startswith("pushf"):
+            # Single-stepped, pushf would store the trap flag: the signal is taken at the
+            # probed address, and the re-hit does not run the handlers twice.
             regs.rip = site.addr
             t.skip_hit = (site.addr, regs.rsp)
             t.store_regs()
+        elif off == 0:
+            # The copy has not begun: it is single-stepped, and the signal waits for its end
+            # (as for a STEP copy). Sent back to the probed address to take the signal first,
+            # the thread met the next signal there again under a timer as fast as two stops.
+            _hold(t, sig, info)
+            t.step_site = site
+            t.step_prep = x
+            ptrace.singlestep(t.tid, 0)
+            t.to(S.STEPPING)
+            return
         elif off == x.plan.length:
             regs.rip = site.addr + x.plan.length
             t.store_regs()
@@ -128,6 +178,14 @@ class SignalDelivery:
             t.busy = False
         t.store_regs()
         t.resume(0 if handled else sig)
+
+
+def _hold(t: Thread, sig: int, info: bytes) -> None:
+    """Keep a signal to deliver after the copy. A standard signal already kept is not kept
+    twice: waiting in the kernel's queue, the two would have been one."""
+    if sig < signal.SIGRTMIN and any(held == sig for held, _ in t.held_signals):
+        return
+    t.held_signals.append((sig, info))
 
 
 def _fault_trapnr(sig: int, info: bytes) -> int | None:

@@ -14,6 +14,7 @@ import enum
 import struct
 from typing import TYPE_CHECKING, Any
 
+from kprobes.arch.x86_64.plan import PlanKind
 from kprobes.arch.x86_64.regs import REG_INDEX, Regs
 from kprobes.core.retprobes import KretprobeInstance, Task
 from kprobes.errors import InternalError
@@ -74,6 +75,7 @@ class Thread:
         "stops_to_check",
         "task",
         "tid",
+        "to_syscall_entry",
         "tracee",
         "unhooked",
         "words",
@@ -105,6 +107,9 @@ class Thread:
         self.reraised: list[bytes] = []  # siginfo of held signals sent again with tgkill
         self.exec_landing = False  # its next syscall stop is the exit of execve
         self.stops_to_check = WINDOW  # traps until placement.py looks at its pace again
+        # Resumed with PTRACE_SYSCALL to the entry of its step's `syscall`, holding the
+        # signals that came before the syscall began (signals.py).
+        self.to_syscall_entry = False
 
     def to(self, state: ThreadState) -> None:
         """The one place a thread changes state; impossible transitions are bugs."""
@@ -160,6 +165,10 @@ class Thread:
         self.event_stopped = False
         if sig:
             (ptrace.syscall_cont if self.is_tracing_syscalls else ptrace.cont)(self.tid, sig)
+        elif stepping and self.to_syscall_entry:
+            ptrace.syscall_cont(self.tid, 0)  # on to its syscall's entry, as before the stop
+        elif stepping and self.step_prep.kind is PlanKind.BOOST:
+            ptrace.singlestep(self.tid, 0)  # a boosted copy has no int3 to end the step at
         else:
             cont = self.req.cont
             if cont() == -1:

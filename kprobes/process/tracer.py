@@ -13,9 +13,9 @@ handled by ``run()`` once the world runs again; nothing is lost or handled twice
 
 Signals that arrive while a thread executes an out-of-line copy are held and delivered, with
 their original siginfo, when the copy has finished (a fault in the copy itself restarts the
-instruction at the probed address and is delivered there). The exception is the hardware
-single-step of a ``syscall``: a signal that interrupts a blocking syscall must be delivered at
-once, so its rip is mapped back to the original code first.
+instruction at the probed address and is delivered there), never by sending the thread back
+to the probed address; a ``syscall`` copy gets its held signals back once inside the syscall,
+so that a blocking one is still interrupted (signals.py).
 """
 
 from __future__ import annotations
@@ -370,6 +370,8 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
                     self._foreign_trap(t)
             case ev.Signal(signal=sig):
                 self._on_signal(t, sig)
+            case ev.SyscallStop() if t.to_syscall_entry and t.state is _STEPPING:
+                self._entered_step_syscall(t)
             case ev.SyscallStop():
                 t.to(S.STOPPED)
                 t.event_stopped = True  # no signal can be injected from a syscall stop
@@ -545,9 +547,12 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
         if site is None:
             raise InternalError(f"thread {t.tid} finished a step it was not doing")
         t.step_site = None
+        t.to_syscall_entry = False  # resumed by PTRACE_CONT, it ran into the guard int3
         x: Prepared = t.step_prep
         w = t.words
         w[_RIP] = step_fixup(x.plan, x.slot, w[_RIP])
+        if x.kind is _BOOST and w[_RIP] == site.addr:
+            t.skip_hit = (site.addr, t.regs.rsp)  # a rep not done: its int3 is not a new hit
         t.store_rip()  # past the probed instruction before the post handler (see run())
         self._run_post(t, site)
         if t.regs.dirty:

@@ -122,6 +122,12 @@ class Plan:
     def next_addr(self) -> int:
         return self.addr + self.length
 
+    @property
+    def is_syscall(self) -> bool:
+        """A single-stepped ``syscall``: the one copy that may block, so the one whose held
+        signals must be sent again once it is inside the kernel (process/signals.py)."""
+        return self.kind is PlanKind.SINGLESTEP and self.text == "syscall"
+
 
 SLOT_SIZE: Final = 32
 
@@ -405,6 +411,8 @@ def step_fixup(plan: Plan, slot: int, rip: int) -> int:
     STEP: the thread stopped on the int3 after the copy, rip == slot+len+1 -> addr+len.
     SINGLESTEP: a rip inside the copy (or just past it, including the guard int3) is relocated by
     ``addr - slot``; a rip elsewhere was set by the instruction itself (rt_sigreturn) and stays.
+    BOOST (single-stepped only when a signal came as the copy began): rip == slot+len, the jmp
+    back, -> addr+len; rip == slot (one iteration of a ``rep`` done) -> addr.
     """
     end = slot + plan.length
     if plan.kind is PlanKind.STEP:
@@ -413,7 +421,7 @@ def step_fixup(plan: Plan, slot: int, rip: int) -> int:
         raise InternalError(
             f"step of `{plan.text}` stopped at {rip:#x}, expected {end + 1:#x} (slot {slot:#x})"
         )
-    if plan.kind is PlanKind.SINGLESTEP:
+    if plan.kind is PlanKind.SINGLESTEP or plan.kind is PlanKind.BOOST:
         if slot <= rip <= end:
             return plan.addr + (rip - slot)
         if rip == end + 1:
