@@ -23,8 +23,11 @@ BIN = PROGRAMS / "bin"
 DRIVERS = TESTS / "drivers"
 REPO = TESTS.parent
 
-# Seconds a single test may take before the watchdog fails it (the whole suite aims at ~3 min).
-TEST_DEADLINE = 90
+# Seconds a single test may take before the watchdog fails it: a hang detector, not a speed
+# check. The longest tests take 20-30 s on an idle 2-vCPU EPYC guest and several times that on
+# a loaded one (80-90 s at a load average of 29): ten times the longest, so that a slow or busy
+# machine never trips it and a hang still ends.
+TEST_DEADLINE = 300
 
 DEBUG = ("-g", "-fno-inline", "-Wall")
 

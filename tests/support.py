@@ -218,6 +218,27 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None
         time.sleep(0.01)
 
 
+def cpu_time(pid: int) -> float:
+    """Seconds of CPU the process's threads have run so far (schedstat: ns on the CPU), the
+    living ones only; 0 for a process that is gone."""
+    total = 0
+    with contextlib.suppress(FileNotFoundError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with (
+                contextlib.suppress(FileNotFoundError, ProcessLookupError),
+                open(f"/proc/{pid}/task/{task}/schedstat") as f,
+            ):
+                total += int(f.read().split()[0])
+    return total / 1e9
+
+
+def wait_ran(pid: int, seconds: float, timeout: float = 60) -> None:
+    """Wait until the process has run ``seconds`` more of CPU time: "let it run a while" that
+    means the same on a loaded machine, where a wall-clock sleep may find it never scheduled."""
+    start = cpu_time(pid)
+    wait_until(lambda: cpu_time(pid) - start >= seconds, timeout, f"{pid} to run {seconds} s")
+
+
 def wait_child(pid: int, timeout: float) -> int:
     """waitpid(pid) with a deadline; returns the raw status."""
     deadline = time.monotonic() + timeout

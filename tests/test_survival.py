@@ -64,7 +64,6 @@ def test_unprobed_reference(popen, build):
     finish_busy(start_busy(popen, build, THREADS))
 
 
-@pytest.mark.deadline(60)
 def test_attach_and_detach_with_return_probes_in_flight(popen, build):
     """15 attach/run/detach cycles on 4 busy threads, a kprobe and a kretprobe on ``rec``."""
     prog = start_busy(popen, build, THREADS)
@@ -143,7 +142,6 @@ def test_tool_killed_in_the_middle(popen, build, where, after):
     finish_busy(prog)
 
 
-@pytest.mark.deadline(80)
 def test_tool_killed_at_random_moments(popen, build):
     """8 SIGKILLs at random moments over one run, probes on entries, returns and steps."""
     prog = start_busy(popen, build, THREADS)
@@ -157,7 +155,6 @@ def test_tool_killed_at_random_moments(popen, build):
     finish_busy(prog)
 
 
-@pytest.mark.deadline(90)
 def test_commands_killed_at_random_moments(popen, build):
     """``kprobes count`` and ``kprobes latency``, alternately, SIGKILLed 8 times at random
     moments (attaching, registering, tracing) over one run of the program."""

@@ -69,6 +69,11 @@ def caught(pid: int) -> int:
     return 0
 
 
+def traced_stop(pid: int) -> bool:
+    with open(f"/proc/{pid}/status") as f:
+        return "State:\tt (tracing stop)\n" in f.read()
+
+
 def wait_untraced(pid: int) -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -226,12 +231,16 @@ def test_a_thread_lent_while_its_signal_came(popen, build, monkeypatch):
     )
     prog = start(popen, build, build("busy"), 1, -1, 5)
     with kprobes.attach(prog.pid) as proc:
+        assert not traced_stop(prog.pid)
         os.kill(prog.pid, signal.SIGUSR2)
-        time.sleep(0.2)  # the thread stops in its delivery, not yet reported
+        # The thread stops in its delivery (a tracing stop), not yet reported to the tool.
+        support.wait_until(lambda: traced_stop(prog.pid), 30, "the signal-delivery stop")
         usr2 = kprobes.Kprobe(symbol="on_usr2")
         proc.register_kprobe(usr2)
         assert lent == [signal.SIGUSR2]
-        proc.run(timeout=0.3)
+        deadline = time.monotonic() + 30
+        while usr2.nhit == 0 and time.monotonic() < deadline:
+            proc.run(timeout=0.05)
         assert usr2.nhit == 1
     want = "thread 0: rec(5) = 15, every call checked\ntotal: 1 threads stopped\n"
     assert end(prog) == want.encode()
