@@ -563,3 +563,32 @@ def assert_untouched(pid: int, path: Path | str) -> None:
     traced = {tid: tracer_of(pid, tid) for tid in thread_ids(pid)}
     traced = {tid: by for tid, by in traced.items() if by}
     assert not traced, f"threads of {pid} still traced (tid: tracer): {traced}"
+
+
+# ---------------------------------------------------------------------------------------------
+# A CPU without some XSAVE features, on one that has them
+
+XFEATURES_AVX512 = 0xE0  # opmask, ZMM_Hi256, Hi16_ZMM (XCR0 bits 5-7)
+_XSAVE_XCR0 = 464  # the user's XCR0: the first word of the FXSAVE area's software bytes
+_XSAVE_XSTATE_BV = 512  # the XSAVE header's first word
+
+
+def xsave_without(image: bytes, features: int) -> bytes:
+    """An XSAVE image (as PTRACE_GETREGSET NT_X86_XSTATE gives it: standard format, the user's
+    XCR0 at 464) as a CPU without ``features`` would give it: those bits clear in XCR0 and in
+    XSTATE_BV. The standard format's offsets are the architecture's, so nothing moves: PKRU
+    stays after where the AVX-512 state would be, as on a CPU that has none."""
+    if len(image) <= _XSAVE_XSTATE_BV:  # FXSAVE alone: no features to mask
+        return image
+    out = bytearray(image)
+    for at in (_XSAVE_XCR0, _XSAVE_XSTATE_BV):
+        word = int.from_bytes(out[at : at + 8], "little")
+        out[at : at + 8] = (word & ~features).to_bytes(8, "little")
+    return bytes(out)
+
+
+def cpu_flags() -> set[str]:
+    """The flags of /proc/cpuinfo (what this CPU and kernel offer: avx, avx512f, ...)."""
+    with open("/proc/cpuinfo") as f:
+        line = next((line for line in f if line.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())

@@ -35,8 +35,9 @@ MOMENTS = ["before", "entry", "exit", "home"]
 AREA = 0x400000  # the rescue's mapping (arch/x86_64/rescue.py AREA_SIZE)
 
 
-def driver(popen, *args):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+def driver(popen, *args, without: int = 0):
+    """The driver; ``without``: XSAVE features its tool must see the CPU as lacking."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), KILL_IN_WINDOW_WITHOUT=f"{without:x}")
     return popen(
         [sys.executable, DRIVER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
     )
@@ -100,10 +101,10 @@ def end(prog: subprocess.Popen[bytes]) -> bytes:
     return out
 
 
-def killed_attached(popen, prog, where: str, symbol: str) -> None:
+def killed_attached(popen, prog, where: str, symbol: str, without: int = 0) -> None:
     """The driver attaches, registers a probe on ``symbol`` and dies at ``where``."""
     before = anonymous_code(prog.pid)
-    lines, code = finish(driver(popen, where, "attach", prog.pid, symbol))
+    lines, code = finish(driver(popen, where, "attach", prog.pid, symbol, without=without))
     assert lines[:1] == ["injecting libc.so.6 libc.so.6"], lines
     if where == "none":
         assert code == 0 and lines[1] == "placed", lines
@@ -125,6 +126,32 @@ def test_every_register_comes_home(popen, build, mode, where):
     prog = start(popen, build, build("window"), mode)
     killed_attached(popen, prog, where, "window_round")
     assert end(prog) == b"window: every register kept\n"
+
+
+@pytest.mark.parametrize("where", [*MOMENTS, "none"])
+def test_every_register_comes_home_without_avx512(popen, build, where):
+    """As on a CPU without AVX-512, whatever this one has: the program uses AVX at most, and
+    the tool sees each thread's XSAVE state with AVX-512 masked out (XCR0 and XSTATE_BV: the
+    frame's features and size are those of such a CPU). On a CPU without AVX-512 the mask
+    changes nothing, and this is test_every_register_comes_home again."""
+    prog = start(popen, build, build("window"), "spin", "avx")
+    killed_attached(popen, prog, where, "window_round", without=support.XFEATURES_AVX512)
+    assert end(prog) == b"window: every register kept\n"
+
+
+@pytest.mark.skipif(
+    "avx512f" not in support.cpu_flags(), reason="shows the mask's effect on AVX-512 state"
+)
+def test_the_mask_reaches_the_frame(popen, build):
+    """The counterpart on a CPU with AVX-512: the program uses it, the frame says it has none,
+    and rt_sigreturn resets the AVX-512 state (the kernel puts features absent from a frame in
+    their initial state), which the program sees: the masked frame is the one that was used."""
+    prog = start(popen, build, build("window"), "spin")
+    killed_attached(popen, prog, "exit", "window_round", without=support.XFEATURES_AVX512)
+    os.kill(prog.pid, signal.SIGUSR1)
+    out, err = prog.communicate(timeout=30)
+    assert prog.returncode == 1 and out == b"", err.decode()[-2000:]
+    assert b"changed" in err and b"at level 2" in err, err.decode()[-2000:]
 
 
 def busy_reference(build, *args) -> bytes:
