@@ -91,14 +91,16 @@ BUILDS: dict[str, Build] = {
 
 def build_program(name: str) -> Path:
     """Compile tests/programs/<source> into tests/programs/bin/<name> unless it is up to date
-    (newer than its source and than this file, which holds the flags); return its path."""
+    (newer than its source, the headers beside it and this file, which holds the flags);
+    return its path."""
     spec = BUILDS[name]
     for dep in spec.needs:
         build_program(dep)
     BIN.mkdir(exist_ok=True)
     out = BIN / name
     source = PROGRAMS / spec.source
-    newest_input = max(source.stat().st_mtime, Path(__file__).stat().st_mtime)
+    headers = [h.stat().st_mtime for h in PROGRAMS.glob("*.h")]
+    newest_input = max(source.stat().st_mtime, Path(__file__).stat().st_mtime, *headers)
     with open(BIN / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if out.exists() and out.stat().st_mtime >= newest_input:
