@@ -241,13 +241,16 @@ def test_detach_after_a_lost_stop_report(popen, build, threads):
 
 def test_a_program_that_cannot_take_the_rescue_is_still_probed(popen, build):
     """rt_sigaction refused by a seccomp filter: no rescue, the probes work as before."""
-    prog = popen([build("nosigaction"), 5000], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert prog.stderr is not None
+    argv = [build("nosigaction"), 5000]
+    prog = popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert prog.stderr is not None and prog.stdin is not None
     assert support.read_line(prog.stderr.fileno(), timeout=20) == b"ready\n"
     with kprobes.attach(prog.pid) as proc:
         kp = kprobes.Kprobe(symbol="hot", pre_handler=lambda p, r: None)
         proc.register_kprobe(kp)
         assert "rt_sigaction" in (proc._tracer.rescue.unavailable or "")
+        prog.stdin.write(b"go\n")  # every call is made with the probe in place
+        prog.stdin.flush()
         assert proc.run(timeout=60)
     out, _ = prog.communicate(timeout=30)
     assert prog.returncode == 0 and out == f"sum={sum(i * 3 + 1 for i in range(5000))}\n".encode()
