@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: demo test test-kernel lint typecheck pytest bench setup clean stress
+.PHONY: demo test test-loaded pytest-some test-kernel lint typecheck pytest bench setup clean stress
 
 setup: $(STAMP)
 
@@ -33,6 +33,15 @@ pytest: $(STAMP)
 # `pytest` runs tests/vm too: it boots Debian's stock kernel under qemu (software emulation)
 # and runs the kernel tests inside it. `test-kernel` runs only those.
 test: lint typecheck pytest
+
+# `test` with a busy loop on every CPU beside it (scripts/cpu-burner), stopped when it ends
+# whatever the result: a test that assumes the machine's speed fails here first.
+# TESTS=... narrows it to some test files (the default is `test`'s whole suite).
+test-loaded: $(STAMP)
+	sh scripts/cpu-burner $(MAKE) --no-print-directory $(if $(TESTS),lint typecheck pytest-some,test)
+
+pytest-some: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(TESTS)
 
 test-kernel: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/vm

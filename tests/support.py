@@ -218,6 +218,27 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None
         time.sleep(0.01)
 
 
+def cpu_time(pid: int) -> float:
+    """Seconds of CPU the process's threads have run so far (schedstat: ns on the CPU), the
+    living ones only; 0 for a process that is gone."""
+    total = 0
+    with contextlib.suppress(FileNotFoundError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with (
+                contextlib.suppress(FileNotFoundError, ProcessLookupError),
+                open(f"/proc/{pid}/task/{task}/schedstat") as f,
+            ):
+                total += int(f.read().split()[0])
+    return total / 1e9
+
+
+def wait_ran(pid: int, seconds: float, timeout: float = 60) -> None:
+    """Wait until the process has run ``seconds`` more of CPU time: "let it run a while" that
+    means the same on a loaded machine, where a wall-clock sleep may find it never scheduled."""
+    start = cpu_time(pid)
+    wait_until(lambda: cpu_time(pid) - start >= seconds, timeout, f"{pid} to run {seconds} s")
+
+
 def wait_child(pid: int, timeout: float) -> int:
     """waitpid(pid) with a deadline; returns the raw status."""
     deadline = time.monotonic() + timeout
@@ -542,3 +563,32 @@ def assert_untouched(pid: int, path: Path | str) -> None:
     traced = {tid: tracer_of(pid, tid) for tid in thread_ids(pid)}
     traced = {tid: by for tid, by in traced.items() if by}
     assert not traced, f"threads of {pid} still traced (tid: tracer): {traced}"
+
+
+# ---------------------------------------------------------------------------------------------
+# A CPU without some XSAVE features, on one that has them
+
+XFEATURES_AVX512 = 0xE0  # opmask, ZMM_Hi256, Hi16_ZMM (XCR0 bits 5-7)
+_XSAVE_XCR0 = 464  # the user's XCR0: the first word of the FXSAVE area's software bytes
+_XSAVE_XSTATE_BV = 512  # the XSAVE header's first word
+
+
+def xsave_without(image: bytes, features: int) -> bytes:
+    """An XSAVE image (as PTRACE_GETREGSET NT_X86_XSTATE gives it: standard format, the user's
+    XCR0 at 464) as a CPU without ``features`` would give it: those bits clear in XCR0 and in
+    XSTATE_BV. The standard format's offsets are the architecture's, so nothing moves: PKRU
+    stays after where the AVX-512 state would be, as on a CPU that has none."""
+    if len(image) <= _XSAVE_XSTATE_BV:  # FXSAVE alone: no features to mask
+        return image
+    out = bytearray(image)
+    for at in (_XSAVE_XCR0, _XSAVE_XSTATE_BV):
+        word = int.from_bytes(out[at : at + 8], "little")
+        out[at : at + 8] = (word & ~features).to_bytes(8, "little")
+    return bytes(out)
+
+
+def cpu_flags() -> set[str]:
+    """The flags of /proc/cpuinfo (what this CPU and kernel offer: avx, avx512f, ...)."""
+    with open("/proc/cpuinfo") as f:
+        line = next((line for line in f if line.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())

@@ -196,7 +196,6 @@ def test_pid_that_exits_between_attach_and_registration(program, shy):
     assert prog.wait() == b"shy: left\n"
 
 
-@pytest.mark.deadline(60)
 def test_pid_that_exits_in_the_middle_of_registrations(program, busy):
     """The program ends by itself while probes are registered one after another (on a
     function it never calls, so that it runs on freely): whichever step of a registration
@@ -471,7 +470,6 @@ def test_cli_on_a_traced_program(program, tracers, busy):
 # (c) threads that exit during a stop of the world
 
 
-@pytest.mark.deadline(60)
 def test_registration_while_threads_come_and_go(program, churn):
     """A kprobe and a kretprobe registered and unregistered again and again while the
     program creates and joins 8 threads in a loop (each calls hot a few times): threads
@@ -502,7 +500,6 @@ def test_registration_while_threads_come_and_go(program, churn):
     assert prog.finish() == expected
 
 
-@pytest.mark.deadline(40)
 def test_attach_and_detach_while_threads_come_and_go(program, churn):
     """Attach, run a moment, detach, again and again while threads are born and exit."""
     argv = [churn, -1, 8, 0]

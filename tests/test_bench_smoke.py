@@ -157,7 +157,7 @@ def test_section6_rows_count_every_hit_in_as_many_stops_as_designed(tmp_path: Pa
 
 @pytest.mark.ptrace
 @pytest.mark.tracefs
-@pytest.mark.deadline(300)
+@pytest.mark.deadline(900)  # a hang detector: three times the default
 def test_optimized_rows_count_every_hit_and_judge_the_goals(tmp_path: Path) -> None:
     """Our optimized count, record and CLI trace rows and the C detour floors, one and four
     threads, beside the kernel's uprobe: every hit counted, every record delivered (a quick

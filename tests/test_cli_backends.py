@@ -7,11 +7,11 @@ each test runs a command on our ptrace backend and on the kernel's uprobes and c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -157,18 +157,42 @@ def test_attach_by_pid_leaves_the_program_running(build, tmp_path, tracefs_state
 @needs_uprobes
 def test_a_file_for_every_process_that_runs_it(target, tracefs_state):
     """No -p/-c: the uprobe is on the file, and every process running it hits it."""
+    assert TRACEFS is not None
     tracer = subprocess.Popen(
-        [KPROBES, "trace", "--backend", "uprobes", "-d", "4", f"p:ev {target}:work i=%di:u32"],
+        [
+            KPROBES,
+            "trace",
+            "--backend",
+            "uprobes",
+            "-n",
+            "4",
+            "-d",
+            "60",
+            f"p:ev {target}:work i=%di:u32",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(1.5)  # registered by now (the trace runs 4 s)
+    # The event enabled in the session's instance: the probe is armed (which took from 5 to 26 s
+    # on a loaded 2-vCPU guest: no sleep is long enough). The trace ends with the 4th event; the
+    # kernel's count of hits says there were no more.
+    group = f"kprobes_{tracer.pid}"
+    enable = TRACEFS / "instances" / group / "events" / group / "ev" / "enable"
+
+    def armed() -> bool:
+        assert tracer.poll() is None, tracer.communicate()
+        with contextlib.suppress(OSError):
+            return enable.read_text().strip() == "1"
+        return False
+
+    support.wait_until(armed, 60, "the uprobe to be enabled")
     runs = [subprocess.run([str(target), "2"], capture_output=True) for _ in range(2)]
-    out, err = tracer.communicate(timeout=30)
+    out, err = tracer.communicate(timeout=70)
     assert tracer.returncode == 0, err
     pids = {line.split("-")[1].split()[0] for line in out.splitlines() if " ev: " in line}
     assert len(bodies(out)) == 4 and len(pids) == 2, out
+    assert "4 events, 4 hits, 0 missed, 0 dropped" in err, err
     assert all(r.returncode == 0 for r in runs)
 
 

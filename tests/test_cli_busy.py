@@ -180,26 +180,29 @@ def test_sigint_ends_a_command_started_in_the_background_of_a_script(
         assert shell.poll() is None, f"{command} ended: {err.read_text()}"
         return support.raw_read(prog.pid, addr, 1) in (b"\xcc", b"\xe9")  # int3, or a jump
 
-    support.wait_until(placed, 20, f"a probe on {func}")
+    support.wait_until(placed, 60, f"a probe on {func}")
     time.sleep(0.3)  # hits under way
+    support.wait_ran(prog.pid, 0.01)  # and so on a loaded machine too: thousands of calls
 
+    # The program never ends by itself: the command ending at all is SIGINT's doing, and that
+    # is what is checked. How fast is not: 1.1 s on an idle 2-vCPU EPYC guest, 11 to 16 s
+    # there at a load average of 29; 60 s is a hang.
     os.kill(pid, signal.SIGINT)
-    start = time.monotonic()
     try:
-        shell.wait(timeout=5)
+        shell.wait(timeout=60)
     except subprocess.TimeoutExpired:
         os.kill(pid, signal.SIGTERM)  # the probes go, the program stays
         raise
-    took = time.monotonic() - start
     assert shell.returncode == 0, err.read_text()
-    assert took < 1.0, f"{command} took {took:.2f} s to end after SIGINT"
     if command == "run":
         assert re.fullmatch(r"module saw [1-9]\d* hits\n", out.read_text())
     else:
         events, hits, _, dropped = summary(err.read_text())
         # An optimized probe on a program this busy fills its ring faster than events are
-        # printed: the rest are counted as dropped, as perf counts lost events.
-        assert events > 0 and hits > 0 and events + dropped <= hits
+        # printed: the rest are counted as dropped, as perf counts lost events. What is not
+        # read when SIGINT comes is released unread: on a loaded machine the reader may not
+        # have read anything yet (0 events at a load average of 28), so only hits must be.
+        assert hits > 0 and events + dropped <= hits
     assert_unharmed(prog, 1)
 
 

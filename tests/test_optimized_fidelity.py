@@ -462,7 +462,6 @@ def mix_sites(exe: Path) -> tuple[list[Site], list[int | None], list[int]]:
     return sites, region_ends(sites), times
 
 
-@pytest.mark.deadline(60)
 def test_switching_while_eight_threads_hammer(spawn, hammer, tmp_path):
     """90 changes, at random, while 8 threads call mix() without a pause: the optimization
     off or on; 7 of the probes of mix_model() (called once per call of mix) disabled or

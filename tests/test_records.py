@@ -211,9 +211,10 @@ def test_a_refused_site_says_it_uses_a_breakpoint(build):
     assert len([line for line in r.stdout.splitlines() if "p_work_0:" in line]) == 3
 
 
-@pytest.mark.deadline(120)
 def test_the_program_finishes_when_the_tool_is_killed_mid_trace(records, popen, tmp_path):
-    n = 200_000  # one call in seven faults: a fixup each, by the tracer, then by the rescue
+    # One call in seven faults: a fixup each, by the tracer, then by the rescue. Enough calls
+    # that a machine many times faster than a 2-vCPU guest is still at them when the tool dies.
+    n = 1_000_000
     out = tmp_path / "out"
     stdin_r, stdin_w = os.pipe()
     with open(out, "wb") as f:
@@ -228,7 +229,8 @@ def test_the_program_finishes_when_the_tool_is_killed_mid_trace(records, popen, 
     support.wait_until(lambda: support.raw_read(prog.pid, addr, 1) == b"\xe9", 30, "the jump")
     os.write(stdin_w, b"x")
     os.close(stdin_w)
-    time.sleep(0.3)  # records being written and read, bad pointers fixed by the tracer
+    time.sleep(0.3)  # records being written and read, bad pointers fixed by the tracer,
+    support.wait_ran(prog.pid, 0.005)  # and so on a loaded machine too
     assert prog.poll() is None, "the program ended before the tool was killed"
     os.kill(tool.pid, signal.SIGKILL)
     tool.wait()

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -106,7 +105,14 @@ def test_attached_module_ends_on_ctrl_c_runs_exit_and_leaves_the_program(build, 
         textwrap.dedent(
             """
             import kprobes
-            kp = kprobes.Kprobe(symbol="work", pre_handler=lambda p, regs: None)
+            seen = []
+
+            def pre(p, regs):
+                if not seen:
+                    seen.append(True)
+                    print("hit", flush=True)
+
+            kp = kprobes.Kprobe(symbol="work", pre_handler=pre)
 
             def init(target):
                 target.register_kprobe(kp)
@@ -124,7 +130,7 @@ def test_attached_module_ends_on_ctrl_c_runs_exit_and_leaves_the_program(build, 
     )
     assert cli.stdout is not None and cli.stderr is not None
     assert support.read_line(cli.stdout.fileno(), 20) == b"init\n"
-    time.sleep(0.3)  # work() runs every 2 ms: let it hit
+    assert support.read_line(cli.stdout.fileno(), 60) == b"hit\n"  # work() runs every 2 ms
     os.kill(cli.pid, signal.SIGINT)
     out, err = cli.communicate(timeout=20)
     assert cli.returncode == 0, err

@@ -213,7 +213,6 @@ def spawn_busy(
 # Spawned: exact counts
 
 
-@pytest.mark.deadline(60)
 def test_signals_during_steps_every_call_counted(spawn, busy, tmp_path):
     """Probes with post handlers on every call of hot and rec, a return probe on rec, and a
     SIGUSR2 sent to the hitting thread on every third hit of hot (it arrives while the
@@ -229,7 +228,6 @@ def test_signals_during_steps_every_call_counted(spawn, busy, tmp_path):
     assert probes.counts["signals"] == CALLS * THREADS // 3
 
 
-@pytest.mark.deadline(60)
 def test_registration_churn_while_hits_are_in_flight(spawn, busy, tmp_path):
     """Between short run() slices, and from inside a handler, more probes come and go at the
     same addresses (aggregate probes) and elsewhere, are disabled and enabled again, while
@@ -293,7 +291,6 @@ def test_registration_churn_while_hits_are_in_flight(spawn, busy, tmp_path):
     assert extra_hits["extra"] > 0 and extra_hits["toggled"] > 0, extra_hits
 
 
-@pytest.mark.deadline(60)
 def test_post_handlers_run_for_every_step_while_the_world_stops(spawn, busy, tmp_path):
     """Probes with post handlers on every call, while the loop stops the world again and
     again (a probe registered and unregistered where it is never hit): every hit's post
@@ -313,7 +310,6 @@ def test_post_handlers_run_for_every_step_while_the_world_stops(spawn, busy, tmp
             probes.check()
 
 
-@pytest.mark.deadline(60)
 def test_signals_held_during_steps_reach_the_program_when_the_world_stops(spawn, busy, tmp_path):
     """Two threads. Each hit of hot by the main thread sends it a SIGUSR2, which arrives as
     it is resumed into its out-of-line step and is held until the step ends; each hit by the
@@ -420,7 +416,6 @@ def run_slice(proc: Any, until: list[float], seconds: float) -> None:
         assert not proc.run(timeout=seconds), "busy -1 ended by itself"
 
 
-@pytest.mark.deadline(60)
 def test_attach_detach_cycles_with_signals(running, busy):
     """Attach, register entry and return probes with post handlers, run a little, leave the
     ``with`` block; again and again, while a thread of the test sends the program SIGUSR2
@@ -468,7 +463,6 @@ def test_attach_detach_cycles_with_signals(running, busy):
     assert prog.finish() == expected
 
 
-@pytest.mark.deadline(30)
 def test_run_timeout_is_kept_while_hits_keep_coming(running, busy):
     """run(timeout=0.2) returns False after about 0.2 s even when a stop is always waiting."""
     prog = running("slow-handler")

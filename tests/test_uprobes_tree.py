@@ -69,7 +69,7 @@ def same_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def count_json(*args: object, env: dict[str, str], timeout: float = 30) -> dict[str, int]:
+def count_json(*args: object, env: dict[str, str], timeout: float = 120) -> dict[str, int]:
     """``kprobes count --json ARGS``: {probe as given: hits}; it must say nothing was lost."""
     r = subprocess.run(
         [str(KPROBES), "count", "--json", *map(str, args)],

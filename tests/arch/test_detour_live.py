@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 from elf_bytes import Function, functions, symbols
 from iced_x86 import Decoder, Mnemonic, Register
+from support import cpu_flags
 
 from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64.abi import FETCH_FAULT_MAGIC
@@ -51,12 +52,6 @@ def has_fsgsbase() -> bool:
         if key == AT_HWCAP2:
             return bool(value & HWCAP2_FSGSBASE)
     return False
-
-
-def cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        line = next((line for line in f if line.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
 
 
 THREAD_IDS = [ThreadId.FS0, *([ThreadId.FSBASE] if has_fsgsbase() else [])]

@@ -13,6 +13,7 @@ import struct
 import subprocess
 
 import pytest
+import support
 
 from kprobes.arch.x86_64 import sigframe
 from kprobes.arch.x86_64.regs import REG_INDEX, REGS_SIZE
@@ -179,6 +180,60 @@ def test_unused_amx_tiles_are_left_out():
     used = sigframe.fpstate(xsave_image(size=11008, xcr0=xcr0, present=0x40004))
     assert struct.unpack_from("<IIQI", used, sigframe.SW_BYTES)[3] == 11008
     assert len(used) == 11008 + 4
+
+
+# XSAVE layouts of real CPUs: (XCR0, size of the standard-format image). The offsets are the
+# architecture's: a CPU without AVX-512 still puts PKRU where Intel's put it after the AVX-512
+# state, or (AMD before Zen 4) right after AVX.
+LAYOUTS = {
+    "sse": (0x3, 576),  # XSAVE with x87 and SSE alone (a hypervisor hiding AVX)
+    "avx": (0x7, 832),
+    "avx-pkru-amd": (0x207, 2440),  # AMD EPYC (Zen 1-3), this 2-vCPU KVM guest: CPUID 0xD
+    "avx512": (0xE7, 2688),
+    "avx512-pkru": (0x2E7, 2696),  # Intel since Skylake-SP, AMD Zen 4
+    "amx": (0x602E7, 11008),  # Intel Sapphire Rapids, tiles unused
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_gets_what_the_kernel_checks(layout):
+    """Whatever the CPU has: the software bytes name its features and the image's size, the
+    end magic follows, FP/SSE (and PKRU) are marked present, the state itself is untouched."""
+    xcr0, size = LAYOUTS[layout]
+    image = xsave_image(size=size, xcr0=xcr0, present=0x4 & xcr0)
+    fpu = sigframe.fpstate(image)
+    magic1, extended, xfeatures, xstate_size = struct.unpack_from("<IIQI", fpu, sigframe.SW_BYTES)
+    tiles = sigframe.XFEATURE_XTILEDATA if xcr0 & sigframe.XFEATURE_XTILEDATA else 0
+    want_size = size - (sigframe.XTILEDATA_SIZE if tiles else 0)
+    assert (magic1, xfeatures) == (sigframe.FP_XSTATE_MAGIC1, xcr0 & ~tiles)
+    assert (xstate_size, extended) == (want_size, want_size + 4)
+    assert fpu[want_size : want_size + 4] == struct.pack("<I", sigframe.FP_XSTATE_MAGIC2)
+    pkru = xcr0 & sigframe.XFEATURE_PKRU
+    assert word(fpu, sigframe.XSTATE_BV) == (0x4 & xcr0) | sigframe.XFEATURE_FPSSE | pkru
+    assert fpu[: sigframe.SW_BYTES] == image[: sigframe.SW_BYTES]
+    assert fpu[sigframe.XSTATE_MIN : want_size] == image[sigframe.XSTATE_MIN : want_size]
+    frame = sigframe.build(regs_of(rsp=RSP), 0, fpu, restorer=1)
+    assert word(frame.data, sigframe.UC) & sigframe.UC_FP_XSTATE
+    assert frame.end == frame.fpstate + len(fpu) <= RSP - sigframe.RED_ZONE
+
+
+@pytest.mark.parametrize("layout", ["avx512", "avx512-pkru", "amx"])
+def test_a_cpu_with_avx512_masked_is_a_cpu_without(layout):
+    """The frame of an AVX-512 machine's image with AVX-512 masked (support.xsave_without, as
+    the live test_every_register_comes_home_without_avx512 does) is the frame of a CPU that
+    never had it: the same features, the same size, none of AVX-512 marked present."""
+    xcr0, size = LAYOUTS[layout]
+    present = 0x4 | support.XFEATURES_AVX512
+    masked = support.xsave_without(xsave_image(size=size, xcr0=xcr0, present=present), 0xE0)
+    fpu = sigframe.fpstate(masked)
+    without = xcr0 & ~support.XFEATURES_AVX512
+    native = sigframe.fpstate(xsave_image(size=size, xcr0=without, present=0x4))
+    sw = slice(sigframe.SW_BYTES, sigframe.SW_BYTES + 48)
+    assert fpu[sw] == native[sw]
+    assert struct.unpack_from("<IIQI", fpu, sigframe.SW_BYTES)[2] & support.XFEATURES_AVX512 == 0
+    assert word(fpu, sigframe.XSTATE_BV) & support.XFEATURES_AVX512 == 0
+    assert len(fpu) == len(native)
+    assert support.xsave_without(bytes(512), 0xE0) == bytes(512)  # FXSAVE: nothing to mask
 
 
 def test_a_short_xsave_image_is_refused():

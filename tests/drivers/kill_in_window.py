@@ -25,6 +25,10 @@ Lines on stdout: ``injecting SYSCALL_FILE RESTORER_FILE`` when the self-restorin
 starts (the test's proof that it was used, and whose code it borrowed), ``placed`` once the
 probe is registered, ``hits N`` when the tool ends cleanly.
 
+With ``KILL_IN_WINDOW_WITHOUT=MASK`` (hex XSAVE feature bits) in the environment, the tool
+sees each thread's XSAVE state as a CPU without those features would give it
+(``support.xsave_without``): the frame is laid out for that CPU (0xe0: one without AVX-512).
+
 Nothing here is a knob of kprobes: the hooks replace private functions of selfrestore.py.
 """
 
@@ -35,12 +39,16 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import kprobes
 from kprobes.linux import ptrace
 from kprobes.process import following, programcalls, selfrestore
 from kprobes.process.events import SYSCALL_TRAP
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import support  # tests/support.py, found through the line above
 
 PR_SET_CHILD_SUBREAPER = 36
 PROGRAM_DEADLINE = 30.0  # seconds the orphaned program has to end; killed after
@@ -54,7 +62,21 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def mask_xfeatures() -> None:
+    """The XSAVE state as a CPU without KILL_IN_WINDOW_WITHOUT's features would give it."""
+    mask = int(os.environ.get("KILL_IN_WINDOW_WITHOUT", "0"), 16)
+    if not mask:
+        return
+    image = selfrestore._fpu_image
+
+    def image_without(tid: int) -> bytes:
+        return support.xsave_without(image(tid), mask)
+
+    selfrestore._fpu_image = image_without  # type: ignore[assignment]
+
+
 def install_hooks(where: str) -> None:
+    mask_xfeatures()
     run = selfrestore.run_syscall
 
     def injecting(thread: Any, way: Any, *args: Any) -> int:

@@ -37,6 +37,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "sink.h"
 #include "stop_signals.h"
 
 #define MAX_THREADS 64
@@ -48,20 +49,21 @@ volatile long sink;
 
 __attribute__((noinline)) long hot(long i)
 {
-	sink += i;
+	SINK_ADD(i);
 	return i * 3 + 1;
 }
 
 __attribute__((noinline)) long rec(long n)
 {
-	sink += n;
+	SINK_ADD(n);
 	if (n <= 0)
 		return 0;
 	return n + rec(n - 1);
 }
 
 struct worker {
-	long id, iterations, hot_sum;
+	long id, iterations;
+	unsigned long hot_sum; /* wraps, where a long would overflow (undefined) */
 	pthread_t thread;
 };
 
@@ -83,14 +85,14 @@ static void *work(void *arg)
 		fprintf(stderr, "busy %d ready\n", (int)getpid());
 		fflush(stderr);
 	}
-	for (long i = 0; calls < 0 ? !stop : i < calls; i++) {
+	for (long i = 0; calls < 0 ? !STOPPED() : i < calls; i++) {
 		long r = rec(depth);
 		if (r != want)
 			fail(w->id, i, "rec", r, want);
 		long h = hot(i);
 		if (h != i * 3 + 1)
 			fail(w->id, i, "hot", h, i * 3 + 1);
-		w->hot_sum += h;
+		w->hot_sum += (unsigned long)h;
 		w->iterations++;
 	}
 	return NULL;
@@ -138,7 +140,7 @@ int main(int argc, char **argv)
 	long want = depth * (depth + 1) / 2, total = 0;
 	for (long t = 0; t < threads; t++) {
 		if (calls >= 0) {
-			printf("thread %ld: %ld calls, rec(%ld) = %ld, hot sum = %ld\n", t, calls, depth,
+			printf("thread %ld: %ld calls, rec(%ld) = %ld, hot sum = %lu\n", t, calls, depth,
 			       want, workers[t].hot_sum);
 		} else {
 			printf("thread %ld: rec(%ld) = %ld, every call checked\n", t, depth, want);

@@ -26,6 +26,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "sink.h"
 #include "stop_signals.h"
 
 #define MAX_THREADS 64
@@ -35,7 +36,7 @@ volatile long sink;
 
 __attribute__((noinline)) long hot(long i)
 {
-	sink += i;
+	SINK_ADD(i);
 	return i * 3 + 1;
 }
 
@@ -71,7 +72,7 @@ int main(int argc, char **argv)
 
 	pthread_t tids[MAX_THREADS];
 	long done = 0, total = 0;
-	for (; rounds < 0 ? !stop : done < rounds; done++) {
+	for (; rounds < 0 ? !STOPPED() : done < rounds; done++) {
 		for (long t = 0; t < threads; t++) {
 			if (pthread_create(&tids[t], NULL, work, NULL) != 0) {
 				perror("pthread_create");

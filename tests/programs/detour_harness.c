@@ -290,7 +290,9 @@ static void *map_near(void *near, size_t size, int prot, int flags, int fd)
 {
 	for (long k = 1; k < 512; k++) {
 		for (int sign = -1; sign <= 1; sign += 2) {
-			char *want = (char *)((unsigned long)near & ~0xfffUL) + sign * k * 0x400000L;
+			/* an address, not a pointer into an object: computed as a number */
+			char *want = (char *)(((unsigned long)near & ~0xfffUL) +
+					      (unsigned long)(sign * k * 0x400000L));
 			void *got = mmap(want, size, prot, flags | MAP_FIXED_NOREPLACE, fd, 0);
 			if (got == want)
 				return got;

@@ -22,15 +22,15 @@ __attribute__((noinline)) long leaf(long x) { return x * 7 + 3; }
 /* Hand-written: rip-relative loads and stores, calls, jcc, a loop, pushf/popf, a jump table. */
 __attribute__((noinline)) long hand(long n)
 {
-	long acc = 0;
+	unsigned long acc = 0; /* wraps: a long would overflow (undefined) */
 
 	for (long i = 0; i < n; i++) {
 		table[i & 15] += i;
-		acc += table[(i * 5) & 15];
+		acc += (unsigned long)table[(i * 5) & 15];
 		if (acc & 1)
-			acc += leaf(i);
+			acc += (unsigned long)leaf(i);
 		else
-			acc ^= leaf(acc & 0xffff);
+			acc ^= (unsigned long)leaf((long)(acc & 0xffff));
 
 		unsigned long fl;
 		__asm__ volatile("pushf\n\t"
@@ -54,21 +54,21 @@ __attribute__((noinline)) long hand(long n)
 			acc = acc * 3;
 			break;
 		case 3:
-			acc -= i;
+			acc -= (unsigned long)i;
 			break;
 		case 4:
-			acc += leaf(i ^ acc);
+			acc += (unsigned long)leaf(i ^ (long)acc);
 			break;
 		case 5:
-			acc = (long)(((unsigned long)acc << 3) | ((unsigned long)acc >> 61));
+			acc = (acc << 3) | (acc >> 61);
 			break;
 		case 6:
-			acc += g_acc;
+			acc += (unsigned long)g_acc;
 			break;
 		}
-		g_acc += acc & 0xff;
+		g_acc += (long)(acc & 0xff);
 	}
-	return acc;
+	return (long)acc;
 }
 
 __attribute__((noinline)) int cmp_ints(const void *a, const void *b)

@@ -86,7 +86,8 @@ static long mix_model(long t, long i)
 }
 
 struct worker {
-	long id, sum, calls;
+	long id, calls;
+	unsigned long sum; /* wraps: a sum of longs this size overflows (undefined) */
 	pthread_t thread;
 };
 
@@ -101,14 +102,14 @@ static void *work(void *arg)
 	pthread_barrier_wait(&started);
 	if (w->id == 0)
 		fprintf(stderr, "hammer %d ready\n", (int)getpid());
-	for (long i = 0; calls < 0 ? !stop : i < calls; i++) {
+	for (long i = 0; calls < 0 ? !STOPPED() : i < calls; i++) {
 		long got = mix(w->id, i), want = mix_model(w->id, i);
 		if (got != want) {
 			fprintf(stderr, "thread %ld: call %ld: mix = %ld, expected %ld\n", w->id, i,
 				got, want);
 			exit(1);
 		}
-		w->sum += got;
+		w->sum += (unsigned long)got;
 		w->calls++;
 	}
 	return NULL;
@@ -141,7 +142,7 @@ int main(int argc, char **argv)
 		pthread_join(workers[t].thread, NULL);
 	for (long t = 0; t < threads; t++) {
 		if (calls >= 0)
-			printf("thread %ld: %ld calls, sum %ld\n", t, calls, workers[t].sum);
+			printf("thread %ld: %ld calls, sum %ld\n", t, calls, (long)workers[t].sum);
 		else {
 			printf("thread %ld: every call checked\n", t);
 			fprintf(stderr, "hammer: thread %ld made %ld calls\n", t, workers[t].calls);

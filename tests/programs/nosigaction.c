@@ -2,7 +2,9 @@
  * A program that may not change its signal actions: a seccomp filter makes rt_sigaction fail
  * with EPERM. kprobes must still probe it (without its rescue handler).
  *
- *   nosigaction N     calls hot(i) N times after the filter is in place; prints the sum
+ *   nosigaction N     once the filter is in place, writes "ready" on stderr and waits for a
+ *                     line on stdin (time to attach and probe, however long it takes), then
+ *                     calls hot(i) N times; prints the sum
  */
 #include <errno.h>
 #include <linux/filter.h>
@@ -38,7 +40,9 @@ int main(int argc, char **argv)
 	}
 	fprintf(stderr, "ready\n");
 	fflush(stderr);
-	usleep(300000);
+	char line[16];
+	if (!fgets(line, sizeof line, stdin))
+		return 3;
 	long sum = 0;
 	for (long i = 0; i < n; i++)
 		sum += hot(i);

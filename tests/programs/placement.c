@@ -41,7 +41,7 @@ static void *report(void *arg)
 int main(int argc, char **argv)
 {
 	long n = argc > 1 ? atol(argv[1]) : 10000;
-	volatile long sum = 0;
+	volatile unsigned long sum = 0; /* the forever loop would overflow a long */
 	int forever = argc > 2 && atol(argv[2]) < 0;
 	pthread_t thread;
 
@@ -49,11 +49,11 @@ int main(int argc, char **argv)
 	if (forever) {
 		stop_on_signals();
 		fprintf(stderr, "placement %d ready\n", getpid());
-		for (long i = 0; !stop; i++)
-			sum += hot(i);
+		for (long i = 0; !STOPPED(); i++)
+			sum += (unsigned long)hot(i);
 	}
 	for (long i = 0; i < n; i++)
-		sum += hot(i);
+		sum += (unsigned long)hot(i);
 	printf("main: %d cpus\n", cpus());
 	if (pthread_create(&thread, NULL, report, NULL) != 0 || pthread_join(thread, NULL) != 0)
 		return 1;

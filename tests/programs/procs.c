@@ -45,7 +45,7 @@ static void print_status(const char *what, int st)
 static int mode_fork(long n, long m, long k)
 {
 	long s = works(0, n);
-	int st;
+	int st = 0; /* printed even if waitpid failed */
 
 	printf("parent before=%ld\n", s);
 	pid_t pid = fork();
@@ -63,7 +63,7 @@ static int mode_fork(long n, long m, long k)
 static int mode_vfork(long n)
 {
 	volatile long child_work = 0;
-	int st;
+	int st = 0; /* printed even if waitpid failed */
 
 	printf("parent before=%ld\n", works(0, n));
 	pid_t pid = vfork();
@@ -95,7 +95,7 @@ static int mode_spawn(long n)
 
 	for (int i = 0; i < 3; i++) {
 		pid_t pid;
-		int st, rc;
+		int st = 0, rc;
 
 		s += works(i * 1000, n);
 		rc = posix_spawn(&pid, "/bin/true", NULL, NULL, argv, environ);

@@ -17,19 +17,21 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "sink.h"
+
 volatile long sink;
 
-__attribute__((noinline)) long leaf(long x) { sink += x; return x * 2 + 1; }
+__attribute__((noinline)) long leaf(long x) { SINK_ADD(x); return x * 2 + 1; }
 
 __attribute__((noinline)) long rec(long n)
 {
-	sink += n;
+	SINK_ADD(n);
 	if (n <= 0)
 		return 0;
 	return n + rec(n - 1);
 }
 
-__attribute__((noinline)) long tail_b(long x) { sink += x; return x * 3; }
+__attribute__((noinline)) long tail_b(long x) { SINK_ADD(x); return x * 3; }
 
 long tail_a(long x);
 /* tail_a(x) = tail_b(x + 1), as a real tail call: a jmp, no frame of its own. */
@@ -43,7 +45,7 @@ __asm__(".text\n"
 
 __attribute__((noinline)) long rec_block(long n)
 {
-	sink += n;
+	SINK_ADD(n);
 	if (n <= 0) {
 		char line[64];
 		puts("bottom");
@@ -57,7 +59,7 @@ static jmp_buf env;
 
 __attribute__((noinline)) long deep(long n)
 {
-	sink += n;
+	SINK_ADD(n);
 	if (n == 0)
 		longjmp(env, 1);
 	return deep(n - 1) + 1;

@@ -50,7 +50,7 @@ int main(void)
 	fprintf(stderr, "shy %d ready\n", (int)getpid());
 	fflush(stderr);
 	long i = 0;
-	while (!stop) {
+	while (!STOPPED()) {
 		hot(i++);
 		if (is_traced()) {
 			fprintf(stderr, "shy: traced after %ld calls\n", i);

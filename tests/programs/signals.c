@@ -62,7 +62,13 @@ __attribute__((noinline)) unsigned long mix(unsigned long h, unsigned long i)
 	return h * 0xff51afd7ed558ccdUL;
 }
 
-__attribute__((noinline)) void on_alarm(void) { on_alarm_calls++; }
+/* Called by the SIGALRM handler, its only writer: a lock-free atomic is what a handler may
+ * write besides a volatile sig_atomic_t (the same load, add and store as ++). */
+__attribute__((noinline)) void on_alarm(void)
+{
+	__atomic_store_n(&on_alarm_calls, __atomic_load_n(&on_alarm_calls, __ATOMIC_RELAXED) + 1,
+			 __ATOMIC_RELAXED);
+}
 
 __attribute__((noinline)) long work(long x) { return x * 2 + 1; }
 

@@ -51,7 +51,7 @@ static void *thread_main(void *arg)
 
 static void reap(pid_t pid, const char *what)
 {
-	int st;
+	int st = 0;
 
 	if (waitpid(pid, &st, 0) != pid || !WIFEXITED(st) || WEXITSTATUS(st) != 0) {
 		fprintf(stderr, "tree: %s failed (%#x)\n", what, st);

@@ -4,7 +4,7 @@
  * signal mask and its alternate signal stack, whether the tool puts them back or the thread
  * does it alone (the tool killed in the middle: kprobes/process/selfrestore.py).
  *
- *   window MODE
+ *   window MODE [MAX]
  *
  *   spin   the main thread loops in rounds: load patterns into the vector registers
  *          (xmm0-15, ymm0-15 with AVX, zmm0-31 and k1-k7 with AVX-512), ten general
@@ -15,6 +15,10 @@
  *   frame  print the layout of the kernel's own signal frame when SIGUSR2 comes, and exit:
  *          "frame RSP FRAME FPSTATE UC_FLAGS SW_BYTES MAGIC2" (hex; SW_BYTES the 48 bytes of
  *          struct _fpx_sw_bytes, MAGIC2 the word at FPSTATE + xstate_size).
+ *
+ * The vector state used is what the CPU has (CPUID, and the OS's XCR0), at most MAX if given:
+ * "sse" (xmm0-15), "avx" (ymm0-15), "avx512" (zmm0-31, k1-k7): "avx" is the program of a CPU
+ * without AVX-512, on any CPU.
  *
  * spin and sleep block SIGUSR2 and SIGHUP and set an alternate signal stack first; they write
  * "window PID ready" on stderr after the first round, and run until SIGUSR1. Then they check
@@ -218,6 +222,14 @@ int main(int argc, char **argv)
 		frame_mode();
 	long sleep = !strcmp(mode, "sleep");
 	long level = __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx") ? 1 : 0;
+	if (argc > 2) {
+		long most = !strcmp(argv[2], "sse") ? 0 : !strcmp(argv[2], "avx") ? 1 : 2;
+		if (strcmp(argv[2], "sse") && strcmp(argv[2], "avx") && strcmp(argv[2], "avx512")) {
+			fprintf(stderr, "window: MAX is sse, avx or avx512\n");
+			return 2;
+		}
+		level = most < level ? most : level;
+	}
 
 	struct sigaction sa;
 	memset(&sa, 0, sizeof sa);
@@ -248,11 +260,16 @@ int main(int argc, char **argv)
 		if (round++ == 0)
 			fprintf(stderr, "window %d ready\n", (int)getpid());
 	}
+	/* The kernel writes only its own 8 bytes of a sigset_t: the rest of glibc's 128 is
+	 * whatever the stack held, so the sets are compared signal by signal, never whole. */
+	sigemptyset(&now);
 	sigprocmask(SIG_SETMASK, NULL, &now);
-	if (memcmp(&now, &mask, sizeof mask)) {
-		fprintf(stderr, "the signal mask changed\n");
-		bad = 1;
-	}
+	for (int sig = 1; sig < NSIG; sig++)
+		if (sigismember(&now, sig) != sigismember(&mask, sig)) {
+			fprintf(stderr, "the signal mask changed: signal %d %s\n", sig,
+				sigismember(&now, sig) ? "blocked" : "unblocked");
+			bad = 1;
+		}
 	sigaltstack(NULL, &alt_now);
 	if (alt_now.ss_sp != alt.ss_sp || alt_now.ss_size != alt.ss_size || alt_now.ss_flags) {
 		fprintf(stderr, "the alternate signal stack changed: %p %zu %d\n", alt_now.ss_sp,
