@@ -67,6 +67,7 @@ BUILDS: dict[str, Build] = {
     "ifunc": Build("ifunc.c", libs=("-ldl",)),
     "rets": Build("rets.c", flags=("-O1", *DEBUG, "-pthread")),
     "busy": Build("busy.c", flags=("-O1", *DEBUG, "-pthread")),
+    "mallocs": Build("mallocs.c", flags=("-O1", *DEBUG, "-pthread")),
     "window": Build("window.c"),
     "nosigaction": Build("nosigaction.c"),
     "churn": Build("churn.c", flags=("-O1", *DEBUG, "-pthread")),

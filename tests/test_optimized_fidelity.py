@@ -647,15 +647,6 @@ def test_the_program_carries_on_when_the_tool_is_killed(popen, hammer, mode, sta
     finish_hammer(prog)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="process/tracer.py run(): waitpid() reaps a thread's SIGTRAP stop, which clears the "
-    "signal in the kernel, and rip goes back to the int3 (or on to the slot) only some "
-    "microseconds later (_make_safe, or the inline POKEUSER); a tool SIGKILLed in between "
-    "leaves the thread to resume at the int3's next byte, mid-instruction: here `mov "
-    "salt(%rip),%rdx` runs as `mov salt(%rip),%edx`. Trap-heavy runs (optimization off, 8 "
-    "threads) are in that window a good part of the time.",
-)
 def test_the_program_carries_on_when_the_tool_dies_holding_a_reaped_trap(popen, hammer):
     """The tool killed right after waitpid() gave it a thread stopped on an int3 of ours: the
     thread must go on from the probed instruction (the rescue's business), not from inside

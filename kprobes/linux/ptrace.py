@@ -235,6 +235,55 @@ def waitpid(pid: int, options: int) -> tuple[int, int]:
     return os.waitpid(pid, options | WALL)
 
 
+# A stopped tracee's signal lives in the kernel until its stop is reaped (``wait_task_stopped``
+# zeroes ``exit_code``; ``exit_ptrace`` leaves it): a thread whose tracer dies before the reap
+# gets its SIGTRAP delivered, one whose tracer dies after resumes without it. So a trap stop
+# is only peeked at (``waitid(WNOWAIT)``) and reaped once the thread has been put in a state
+# that is right either way (process/tracer.py).
+TRAP_STOP: Final = (signal.SIGTRAP << 8) | 0x7F  # a signal-delivery stop of SIGTRAP
+_PEEK: Final = os.WEXITED | os.WSTOPPED | os.WNOWAIT | WALL
+_REAP: Final = os.WNOHANG | WALL
+
+
+def wait(pid: int, options: int) -> tuple[int, int]:
+    """``waitpid(pid, options)`` (pid -1: any), except that a SIGTRAP stop (``TRAP_STOP``)
+    is left unreaped: the caller makes the thread safe, then calls ``reap``."""
+    tid, status = peek(pid, options)
+    if tid and status != TRAP_STOP:
+        got, reaped = os.waitpid(tid, _REAP)
+        if got:
+            status = reaped  # the same, unless it died in between (then its exit)
+    return tid, status
+
+
+def peek(pid: int, options: int) -> tuple[int, int]:
+    """The next status of ``pid`` (-1: any child) as ``waitpid`` gives it, not reaped;
+    (0, 0) when WNOHANG finds nothing."""
+    if pid == -1:
+        info = os.waitid(os.P_ALL, 0, options | _PEEK)
+    else:
+        info = os.waitid(os.P_PID, pid, options | _PEEK)
+    if info is None:
+        return 0, 0
+    code, value = info.si_code, info.si_status
+    if code == os.CLD_EXITED:
+        status = (value & 0xFF) << 8
+    elif code == os.CLD_KILLED:
+        status = value
+    elif code == os.CLD_DUMPED:
+        status = value | 0x80
+    else:  # CLD_TRAPPED, CLD_STOPPED: value is the whole exit_code (event << 8 | signal)
+        status = (value << 8) | 0x7F
+    return info.si_pid, status
+
+
+def reap(tid: int) -> int | None:
+    """Reap the trap stop ``wait`` left; another status found instead (the thread died
+    meanwhile) is returned, for the caller to handle."""
+    got, status = os.waitpid(tid, _REAP)
+    return status if got and status != TRAP_STOP else None
+
+
 def sigchld_wait(timeout: float) -> None:
     """Sleep until SIGCHLD is pending or ``timeout`` passes; SIGCHLD must be blocked."""
     signal.sigtimedwait([signal.SIGCHLD], max(timeout, 0.0))

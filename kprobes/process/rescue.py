@@ -68,7 +68,9 @@ class Rescue:
     def _reset(self) -> None:
         self.area = 0
         self.unavailable = None
-        self._bps: dict[int, int] = {}  # address → index in the breakpoint table
+        # address → index in the breakpoint table (every address ever patched: the rescue
+        # takes a trap one byte past any of them for that int3's, tracer.py reads it)
+        self.noted: dict[int, int] = {}
         self._redirects: dict[int, int] = {}  # slot → index in the redirect table
         self._pages: list[tuple[int, int]] = []
         # (base, capacity, used) of each range of return records; the first is in the area
@@ -184,9 +186,9 @@ class Rescue:
 
     def note_breakpoint(self, spaces: Iterable[Tracee], addr: int, original: int) -> None:
         """Before an int3 is written at ``addr``: its original byte, for the rescue."""
-        if not self.area or addr in self._bps:
+        if not self.area or addr in self.noted:
             return
-        index = len(self._bps)
+        index = len(self.noted)
         if index >= layout.BP_MAX:
             raise TargetError(
                 f"more than {layout.BP_MAX} probed addresses: no room in the rescue table",
@@ -198,7 +200,7 @@ class Rescue:
         for space in spaces:
             space.write(at, entry)
             space.write(self.area + layout.HEADER + layout.H_NBP, count)
-        self._bps[addr] = index
+        self.noted[addr] = index
 
     def note_slot(self, spaces: Iterable[Tracee], slot: int, length: int, addr: int) -> None:
         """A stepped copy of the instruction at ``addr`` now lives at ``slot``."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from kprobes.arch.x86_64.emulate import Emulator
 from kprobes.arch.x86_64.plan import Plan, PlanKind, step_fixup
 from kprobes.arch.x86_64.regs import REG_INDEX
+from kprobes.arch.x86_64.rescue import put_back_mark
 from kprobes.core.manager import ProbeManager
 from kprobes.core.table import ProbeSite
 from kprobes.errors import InternalError
@@ -188,10 +189,12 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
         threads = self.threads
         sites = self.sites
         table = self.manager.table
+        wait = ptrace.wait
         waitpid = os.waitpid
-        wall = ptrace.WALL
+        reap_options = ptrace.WNOHANG | ptrace.WALL
         raise_error = ptrace.raise_error
         trampoline = self.trampoline
+        rescue = self.rescue
         TRAP = ev.SIGTRAP_STOP
         RUNNING = _RUNNING
         STOPPED = _STOPPED
@@ -213,7 +216,7 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
                 tid, status = self._wait_polling(deadline, poll)
             elif deadline is None and not self.inbox:
                 try:
-                    tid, status = waitpid(-1, wall)
+                    tid, status = wait(-1, 0)
                 except ChildProcessError:
                     tid = status = 0
             else:
@@ -226,6 +229,8 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
             try:
                 t = threads[tid]
             except KeyError:
+                if status == TRAP:
+                    self._reap(tid)
                 self._unowned(tid, status)
                 if self.family:
                     self._pump_family()
@@ -248,7 +253,12 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
                 w = t.words
                 addr = w[_RIP] - 1
                 site = sites.get(addr)
+                # The stop is not reaped yet (ptrace.wait): the kernel still holds the trap,
+                # which it delivers if the tool dies now. Reaped, it is gone, and the
+                # thread must by then be in a state it can go on from without it (see
+                # _hold_trap, which the other paths call).
                 if site is None or not site.is_armed:
+                    info = self._hold_trap(t, None, addr)
                     if addr == trampoline.addr and addr and not self.guarding:
                         # Step 1: pair the return (rip in the view: the real address); it
                         # goes to the kernel before any handler runs, so that the thread
@@ -268,33 +278,47 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
                                     raise_error()
                         self._after_handler(t)
                     else:
-                        self._foreign_trap(t)
+                        self._foreign_trap(t, info)
                 elif t.skip_hit is not None or self.guarding:
+                    self._hold_trap(t, site.ainsn, addr)
                     self._hit(t, site)
                 else:
                     x: Prepared = site.ainsn
                     emulator = x.emulator
+                    poke_user = req.poke_user
+                    # Step 0: a state right with the trap delivered or without it (see
+                    # _hold_trap), then the reap. A slot is one (the rescue lets a trap in
+                    # our pages go on); an emulated instruction goes back on its int3.
+                    if emulator is None:
+                        if poke_user(x.slot_word) == -1:
+                            raise_error()
+                    else:
+                        if addr - 1 in rescue.noted:  # the rescue would take it for that one's
+                            ptrace.setsiginfo(t.tid, put_back_mark(addr))
+                        if poke_user(x.addr_word) == -1:
+                            raise_error()
+                    got, late = waitpid(tid, reap_options)
+                    if got and late != TRAP:
+                        self.inbox.append((tid, late))
                     # Step 1: before any handler runs, the kernel's registers become a state
                     # the program can go on from by itself, should the tool die now (see
                     # _make_safe and rescue.py): the slot, or the emulated instruction's
                     # effect. Unless a handler writes a register or redirects, this is the
-                    # only write the hit needs.
-                    poke_user = req.poke_user
-                    if emulator is None:
-                        result = poke_user(x.slot_word)
-                    elif x.is_rip_only:
-                        emulator(w, t.tracee)
-                        word = t.rip_word
-                        word.value = w[_RIP]
-                        result = poke_user(word)
-                    else:  # the whole emulation now; the view keeps the state before it
-                        before = bytes(regs.buffer)
-                        emulator(w, t.tracee)
-                        request = req.setregs
-                        result = request()
-                        regs.buffer[:] = before
-                    if result == -1:
-                        raise_error()
+                    # only write the hit needs (a slot's was step 0).
+                    if emulator is not None:
+                        if x.is_rip_only:
+                            emulator(w, t.tracee)
+                            word = t.rip_word
+                            word.value = w[_RIP]
+                            result = poke_user(word)
+                        else:  # the whole emulation now; the view keeps the state before it
+                            before = bytes(regs.buffer)
+                            emulator(w, t.tracee)
+                            request = req.setregs
+                            result = request()
+                            regs.buffer[:] = before
+                        if result == -1:
+                            raise_error()
                     w[_RIP] = addr  # handlers see ip at the probed instruction
                     # Step 2: the handlers.
                     redirected = False
@@ -335,6 +359,8 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
                                 raise_error()
                             t.state = RUNNING
             else:
+                if status == TRAP:
+                    self._reap(tid)
                 self.dispatch(t, status)
             if table.pending_error is not None:
                 exc = table.take_error()
@@ -571,14 +597,16 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
                 t.store_regs()
         self._after_handler(t)
 
-    def _foreign_trap(self, t: Thread) -> None:
-        """A SIGTRAP that is not a live breakpoint of ours (or our return trampoline)."""
+    def _foreign_trap(self, t: Thread, info: bytes | None = None) -> None:
+        """A SIGTRAP that is not a live breakpoint of ours (or our return trampoline);
+        ``info``: its siginfo, when it was read before the reap (``_hold_trap``)."""
         regs = t.regs
         rip = regs.rip
         if rip - 1 == self.trampoline.addr and self.trampoline.addr:
             self._return_hit(t)
             return
-        info = ptrace.getsiginfo(t.tid)
+        if info is None:
+            info = ptrace.getsiginfo(t.tid)
         if siginfo_code(info) == ptrace.SI_KERNEL and self.breakpoints.is_stale_trap(rip - 1):
             # It hit an int3 we removed before we saw the trap: run the real instruction.
             regs.rip = rip - 1

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from kprobes.arch.x86_64.plan import PlanKind
 from kprobes.arch.x86_64.regs import REG_INDEX
+from kprobes.arch.x86_64.rescue import put_back_mark
 from kprobes.errors import InternalError, TargetError
 from kprobes.linux import procfs, ptrace
 from kprobes.process import events as ev
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
 
     from kprobes.core.manager import ProbeManager
     from kprobes.process.breakpoints import Breakpoints
+    from kprobes.process.rescue import Rescue
+    from kprobes.process.tracer import Prepared
     from kprobes.process.trampoline import Trampoline
     from kprobes.process.xol import XolArea
 
@@ -45,6 +48,7 @@ class WorldStop:
     threads: dict[int, Thread]
     breakpoints: Breakpoints
     trampoline: Trampoline
+    rescue: Rescue
     xol: XolArea | None
     hold_all: bool
     has_pending: bool
@@ -86,7 +90,7 @@ class WorldStop:
             return self.inbox.pop(0)
         if deadline is None:
             try:
-                return ptrace.waitpid(-1, 0)
+                return ptrace.wait(-1, 0)
             except ChildProcessError:
                 return 0, 0
         return self._wait_until(deadline) or (0, 0)
@@ -98,7 +102,7 @@ class WorldStop:
         try:
             while True:
                 try:
-                    tid, status = ptrace.waitpid(-1, ptrace.WNOHANG)
+                    tid, status = ptrace.wait(-1, ptrace.WNOHANG)
                 except ChildProcessError:
                     return 0, 0
                 if tid:
@@ -159,6 +163,8 @@ class WorldStop:
                     break
                 held = self.threads.get(tid)
                 if held is None:
+                    if status == ev.SIGTRAP_STOP:
+                        self._reap(tid)
                     self._unowned(tid, status)
                     continue
                 self._hold(held, status)
@@ -166,8 +172,46 @@ class WorldStop:
             self.resume_world()  # the threads held so far run again; the caller sees why
             raise
 
+    def _reap(self, tid: int) -> None:
+        """Reap a trap stop ``ptrace.wait`` left (a status found instead comes next); a
+        no-op for one reaped already."""
+        late = ptrace.reap(tid)
+        if late is not None:
+            self.inbox.append((tid, late))
+
+    def _hold_trap(self, t: Thread, x: Prepared | None, addr: int) -> bytes | None:
+        """Step 0 of a trap at ``addr`` (``x``: its site's, None if no armed probe is
+        there), then the reap; the trap's siginfo when it was read (``_foreign_trap``).
+
+        Until the reap the kernel holds the trap, and delivers it to the program (to the
+        rescue) if the tool dies; after it, the trap is gone and the thread goes on from its
+        registers. Left one byte past an int3 of ours, it would run the middle of an
+        instruction (``decisions.md``, "the reaped-trap window"). So before the reap the
+        thread is put where both are right: in the slot (the rescue lets a trap in our pages
+        go on), or back on the probe's int3 (the rescue lets a trap that sits on an int3 of
+        ours go on, and it is taken again). A probe one byte on from another address we
+        patched is marked as well (``put_back_mark``): the rescue would take the trap for
+        that address's. The trampoline's int3 and the program's own traps need nothing
+        (the byte after the trampoline is an int3 too; the program's own trap, if the tool
+        dies, is lost as a signal the tool held is).
+        """
+        info = None
+        if x is not None:
+            if x.emulator is None:
+                if t.req.poke_user(x.slot_word) == -1:
+                    ptrace.raise_error()
+            else:
+                put_back(t, addr, addr - 1 in self.rescue.noted)
+        elif addr != self.trampoline.addr or not addr:
+            info = ptrace.getsiginfo(t.tid)
+            if siginfo_code(info) == ptrace.SI_KERNEL and self.breakpoints.is_stale_trap(addr):
+                put_back(t, addr, True)  # its byte is the program's again
+        self._reap(t.tid)
+        return info
+
     def _hold(self, t: Thread, status: int) -> None:
-        """Record a stop that arrived while stopping the world."""
+        """Record a stop that arrived while stopping the world (a trap's not reaped yet,
+        see ``ptrace.wait``: it is reaped here)."""
         if os.WIFEXITED(status) or os.WIFSIGNALED(status):
             self.dispatch(t, status)
             return
@@ -201,8 +245,11 @@ class WorldStop:
                 self.breakpoints.sync(t.tracee)
                 self.trampoline.restore_child(t.tracee)
             return
-        if status == ev.SIGTRAP_STOP and self._rewind_own_trap(t):
-            return
+        if status == ev.SIGTRAP_STOP:
+            rewound = self._rewind_own_trap(t)
+            self._reap(t.tid)
+            if rewound:
+                return
         if event == ptrace.PTRACE_EVENT_CLONE and t.state is S.RUNNING:
             # A new thread: take it in now (its first stop comes by itself), and let the
             # creator finish its clone() and stop again at our interrupt. Held in the
@@ -232,6 +279,9 @@ class WorldStop:
         tool died (the kernel drops the trap), and an injection or a detach would have to
         know about the trap. Back on the int3, it is in a state it can go on from by itself:
         the rescue handles the trap, or the restored byte runs, or we see the trap again.
+        Its stop is not reaped yet (``_hold`` reaps it): the kernel delivers the trap if
+        the tool dies before, and the rescue lets a trap on an int3 of ours, or in our
+        pages, go on (marked where it would take it for the address before, ``put_back``).
         """
         if siginfo_code(ptrace.getsiginfo(t.tid)) != ptrace.SI_KERNEL:
             return False  # a single-step, or a SIGTRAP sent by someone
@@ -245,7 +295,7 @@ class WorldStop:
         if not own:
             return False
         t.words[_RIP] = at
-        t.store_rip()
+        put_back(t, at, not stepping and at - 1 in self.rescue.noted)
         t.state = S.STOPPED
         t.resume_stepping = stepping
         return True
@@ -255,7 +305,7 @@ class WorldStop:
         (None if the thread is gone)."""
         try:
             ptrace.cont(t.tid, 0)
-            return ptrace.waitpid(t.tid, 0)[1]
+            return ptrace.wait(t.tid, 0)[1]
         except (ProcessLookupError, ChildProcessError):
             return None
 
@@ -278,7 +328,7 @@ class WorldStop:
             if state not in "tT":
                 raise TargetError(f"thread {t.tid} did not stop (state {state!r})")
             try:
-                tid, status = ptrace.waitpid(t.tid, ptrace.WNOHANG)
+                tid, status = ptrace.wait(t.tid, ptrace.WNOHANG)
             except ChildProcessError:
                 tid = status = 0
             if tid == t.tid:
@@ -309,6 +359,19 @@ class WorldStop:
                     t.resume()
                 except ProcessLookupError:
                     self.drop_thread(t)
+
+
+def put_back(t: Thread, addr: int, marked: bool) -> None:
+    """Set ``t``'s rip (the kernel's, not the view's) to ``addr``, the int3 it trapped on,
+    its trap not reaped yet. ``marked``: with the siginfo that tells the rescue so, should
+    the kernel deliver the trap (the rescue would otherwise take it for the trap of an
+    int3 at ``addr - 1``, an address we patched)."""
+    if marked:
+        ptrace.setsiginfo(t.tid, put_back_mark(addr))
+    word = t.rip_word
+    word.value = addr
+    if t.req.poke_user(word) == -1:
+        ptrace.raise_error()
 
 
 def _lost_stop(tid: int) -> int | None:

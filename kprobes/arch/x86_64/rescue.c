@@ -15,7 +15,8 @@
  *     (the kernel drops the trap of a thread held by a tracer that dies, and the thread
  *     resumes one byte on: that byte is an int3 too, and means the same);
  *   - an injected syscall or call: put back the registers the thread had before it;
- *   - a trap the tool had already handled (rip moved, int3 gone): resume as it is;
+ *   - a trap the tool had already handled (rip moved, int3 gone) or put back on its int3
+ *     (the kernel delivers a held trap the tool had not reaped): resume as it is;
  *   - anything else is the program's own trap: handed to its own disposition.
  *
  * Once detour code that fetches through pointers is in the program, it is the SIGSEGV and
@@ -102,6 +103,8 @@ static inline s64 sys4(s64 nr, s64 a, s64 b, s64 c, s64 d)
 #define NR_TGKILL 234
 #define NR_RT_TGSIGQUEUEINFO 297
 #define SI_KERNEL 0x80
+#define PUT_BACK_CODE 0x4b50        /* rescue.py's PUT_BACK_CODE: the tool's mark */
+#define PUT_BACK_ERRNO 0x4b505242   /* rescue.py's PUT_BACK_ERRNO */
 #define TF 0x100UL
 #define SIGBUS 7
 #define SA_RESETHAND 0x80000000UL
@@ -244,6 +247,17 @@ __attribute__((used)) void rescue_handler(int sig, void *info, void *ctx)
 	u64 rip = g[G_RIP];
 	u64 at = code == SI_KERNEL ? rip - 1 : rip;
 
+	/* The tool marked the trap it held (si_addr: the probe's int3) before it put the
+	   thread back on that int3, and died before it let go: on the int3, the thread traps
+	   there again; one byte on, this is that int3's trap. */
+	if (code == PUT_BACK_CODE && ((int *)info)[1] == PUT_BACK_ERRNO) {
+		u64 mark = *(u64 *)((char *)info + 16);
+		if (rip != mark + 1)
+			return;
+		at = mark;
+		code = SI_KERNEL;
+	}
+
 	/* An injection in flight: the thread's own registers back. */
 	if (h->inject_trap && (at == h->inject_trap || at == h->inject_trap + 1)) {
 		for (int i = 0; i < G_NREGS; i++)
@@ -286,6 +300,12 @@ __attribute__((used)) void rescue_handler(int sig, void *info, void *ctx)
 			g[G_RIP] = at;
 			return;
 		}
+	/* Put back on a probe's int3 by the tool, which died before it let the thread go:
+	   the kernel delivers the trap it held, and the thread traps on that int3 again. */
+	if (code == SI_KERNEL && *(volatile unsigned char *)rip == 0xcc)
+		for (u64 i = 0; i < h->nbp; i++)
+			if (bp[i].addr == rip)
+				return;
 	/* Sent on by the tool before it died (into a copy, to a return address, past an
 	   emulated instruction): the trap was already handled. */
 	if (in_ranges(h->pages, h->npage, rip)) {

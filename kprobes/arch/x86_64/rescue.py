@@ -71,6 +71,12 @@ SA_NODEFER: Final = 0x40000000
 SA_RESTART: Final = 0x10000000
 SA_RESTORER: Final = 0x04000000
 
+# The siginfo of a trap the tool puts back on its int3 before it reaps it: a thread whose
+# tool dies in between gets this trap delivered, at the int3 or one byte on (rescue.c).
+PUT_BACK_CODE: Final = 0x4B50
+PUT_BACK_ERRNO: Final = 0x4B505242
+SIGINFO_SIZE: Final = 128
+
 _Q: Final = struct.Struct("<Q")
 _QQ: Final = struct.Struct("<QQ")
 _QQQ: Final = struct.Struct("<QQQ")
@@ -160,3 +166,10 @@ def range_entry(addr: int, count: int) -> bytes:
 
 def page_entry(start: int, end: int) -> bytes:
     return _QQ.pack(start, end - start)
+
+
+def put_back_mark(addr: int) -> bytes:
+    """The siginfo that tells the rescue "this trap is the int3 at ``addr``'s, and the
+    thread may have been put back on it" (``PTRACE_SETSIGINFO`` before rip is written)."""
+    head = struct.pack("<iii4xQ", signal.SIGTRAP, PUT_BACK_ERRNO, PUT_BACK_CODE, addr)
+    return head.ljust(SIGINFO_SIZE, b"\0")
