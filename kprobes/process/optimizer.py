@@ -78,7 +78,11 @@ class _Threads:
             for t in tracer.threads.values():
                 if t.busy or t.state not in (ThreadState.STOPPED, ThreadState.GROUP_STOPPED):
                     continue  # in a handler (see _in_the_way), or new: not run yet
-                regs = t.load_regs()
+                try:
+                    regs = t.load_regs()
+                except ProcessLookupError:
+                    continue  # exiting (a joined thread's task outlives the join a while):
+                    # it runs no more code, and its exit is reported later
                 stack = t.tracee.read_some(regs.rsp & ~7, STACK_SCAN)
                 words = sorted(set(memoryview(stack[: len(stack) & ~7]).cast("Q")))
                 self._seen.append((t.tid, regs.rip, words))
