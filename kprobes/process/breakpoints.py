@@ -14,16 +14,38 @@ An optimized probe (optimizer.py) has a 5-byte ``jmp`` where its int3 was: ``pat
 moves the address from ``armed`` to ``jumps`` (its 5 original bytes), so ``original()``
 undoes the jump as it undoes an int3, ``is_stale_trap`` holds for a trap taken before the
 jump went in, and ``restore_all``/``sync`` treat the jump as they treat the int3s.
+
+**Five bytes are never written at once** (``_text_poke``, the kernel's ``text_poke_bp``):
+an int3 over the first byte, then the four others, then the first byte, so that a site only
+ever holds a whole old instruction, a whole new one, or an int3 followed by either's other
+bytes. The world is held for all three writes, so no thread of ours sees the steps; they are
+for a tool that dies between two of them (the rescue finishes whichever instruction the four
+bytes belong to: rescue.c) and for an exception between them (every later write reads what is
+there and goes on from it). What is there is what counts, never only the bookkeeping: a site
+that ever had a jump is restored whole from its five original bytes wherever its bytes are
+ours, and the jump is noted in ``ever_jumped`` before its first byte is written. Rejected:
+one 5-byte write (a tool killed in it, or an exception around it, left an int3 or the original
+first byte before the jump's other four: ``41 0b 47 1a 00`` at ``malloc``, see
+docs/decisions.md).
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable
 
 from kprobes.errors import InternalError, TargetError
 from kprobes.process.tracee import Tracee
 
 INT3 = 0xCC
+
+
+class PokeStep(enum.Enum):
+    """The three writes that change a jump site (``_text_poke``), in their order."""
+
+    INT3 = "int3"  # the first byte becomes an int3: nothing runs the other four any more
+    TAIL = "tail"  # the other four become the new instruction's
+    FIRST = "first"  # the first byte becomes the new instruction's (an int3 stays one)
 
 
 class Breakpoints:
@@ -38,8 +60,12 @@ class Breakpoints:
             raise InternalError(f"breakpoint at {addr:#x} is already armed")
         if original == INT3:
             raise InternalError(f"original byte at {addr:#x} is already an int3")
+        jumped = self.ever_jumped.get(addr)
         for space in spaces:
-            space.write(addr, b"\xcc")
+            if jumped is None:
+                space.write(addr, b"\xcc")
+            else:  # whatever is left of a jump goes first
+                self._text_poke(space, addr, b"\xcc" + jumped[1][1:], jumped)
         self.armed[addr] = original
         self.ever_patched[addr] = original
 
@@ -47,8 +73,12 @@ class Breakpoints:
         original = self.armed.pop(addr, None)
         if original is None:
             raise InternalError(f"breakpoint at {addr:#x} is not armed")
+        jumped = self.ever_jumped.get(addr)
         for space in spaces:
-            space.write(addr, bytes((original,)))
+            if jumped is None:
+                space.write(addr, bytes((original,)))
+            else:
+                self._text_poke(space, addr, jumped[1], jumped)
 
     def patch_jump(self, spaces: Iterable[Tracee], addr: int, jmp: bytes, original: bytes) -> None:
         """Replace the armed int3 at ``addr`` by ``jmp`` (the caller holds the world)."""
@@ -56,42 +86,100 @@ class Breakpoints:
             raise InternalError(f"no int3 to replace by a jump at {addr:#x}")
         if len(jmp) != len(original) or original[0] != self.armed[addr]:
             raise InternalError(f"the jump's original bytes at {addr:#x} do not match")
+        patch = (jmp, original)
+        self.ever_jumped[addr] = patch  # before a byte of it is written (see the docstring)
         for space in spaces:
-            space.write(addr, jmp)
+            self._text_poke(space, addr, jmp, patch)
         del self.armed[addr]
-        self.jumps[addr] = self.ever_jumped[addr] = (jmp, original)
+        self.jumps[addr] = patch
 
     def unpatch_jump(self, spaces: Iterable[Tracee], addr: int, *, rearm: bool) -> None:
         """Put the original bytes back at ``addr``, then the int3 if ``rearm``."""
-        patch = self.jumps.pop(addr, None)
+        patch = self.jumps.get(addr)
         if patch is None:
             raise InternalError(f"no jump at {addr:#x}")
         code = bytearray(patch[1])
         if rearm:
             code[0] = INT3
-            self.armed[addr] = patch[1][0]
         for space in spaces:
-            space.write(addr, bytes(code))
+            self._text_poke(space, addr, bytes(code), patch)
+        del self.jumps[addr]
+        if rearm:
+            self.armed[addr] = patch[1][0]
+
+    def _text_poke(
+        self,
+        space: Tracee,
+        addr: int,
+        new: bytes,
+        patch: tuple[bytes, bytes],
+        *,
+        only_ours: bool = False,
+    ) -> None:
+        """Make the bytes of the jump site ``addr`` (``patch``: its jump and original bytes)
+        ``new``, from whatever of ours is there, in the kernel's ``text_poke_bp`` order.
+
+        Step 1: an int3 over the first byte, unless the other bytes stay as they are.
+        Step 2: the other bytes. Step 3: the first byte (an int3 wanted stays as it is).
+        At every instant the site holds a whole instruction or an int3 followed by the other
+        bytes of the old or of the new one: what the rescue knows how to finish (rescue.c).
+        With ``only_ours`` (a detach, a child's copy), bytes that are neither ours nor the
+        original's are someone else's (the code was unmapped and replaced): left alone.
+        """
+        now = space.read(addr, len(new))
+        if now == new or (only_ours and not _is_ours(now, *patch)):
+            return
+        try:
+            self._three_steps(space, addr, now, new)
+        except BaseException:
+            # An exception between two steps (SIGINT's KeyboardInterrupt, say): the world
+            # runs again after it, and the bookkeeping still says what was there, so that
+            # goes back, by the same steps. Left as an int3 followed by the new bytes, the
+            # site's next trap would run the old instruction's out-of-line plan into them.
+            self._three_steps(space, addr, space.read(addr, len(new)), now)
+            raise
+
+    def _three_steps(self, space: Tracee, addr: int, now: bytes, new: bytes) -> None:
+        first = now[0]
+        if now[1:] != new[1:]:
+            # Step 1
+            if first != INT3:
+                self._poke(space, addr, b"\xcc", PokeStep.INT3)
+                first = INT3
+            # Step 2
+            self._poke(space, addr + 1, new[1:], PokeStep.TAIL)
+        # Step 3
+        if first != new[0]:
+            self._poke(space, addr, new[:1], PokeStep.FIRST)
+
+    def _poke(self, space: Tracee, addr: int, data: bytes, step: PokeStep) -> None:
+        """One step of ``_text_poke`` (the SIGKILL tests stop the tool after each)."""
+        space.write(addr, data)
 
     def is_stale_trap(self, addr: int) -> bool:
         """A trap at ``addr`` came from an int3 of ours that has since been removed."""
         return addr in self.ever_patched and addr not in self.armed
 
     def original(self, space: Tracee, addr: int, size: int) -> bytes:
-        """The program's bytes at [addr, addr+size) with our patches undone."""
+        """The program's bytes at [addr, addr+size) with our patches undone.
+
+        Every address we ever patched is undone, whatever it holds now: an int3 goes only
+        where the original byte is not one, and a jump site's bytes are the original's or
+        ours (a jump, an int3, or a step of one being written, see ``_text_poke``).
+        """
         data = space.read_some(addr, size)
-        if not self.armed and not self.jumps:
+        if not self.ever_patched and not self.ever_jumped:
             return data
         end = addr + len(data)
-        patched = [a for a in self.armed if addr <= a < end]
-        jumped = [a for a in self.jumps if addr - len(self.jumps[a][1]) < a < end]
+        patched = [a for a in self.ever_patched if addr <= a < end]
+        jumped = [a for a in self.ever_jumped if addr - len(self.ever_jumped[a][1]) < a < end]
         if not patched and not jumped:
             return data
         out = bytearray(data)
         for a in patched:
-            out[a - addr] = self.armed[a]
+            out[a - addr] = self.ever_patched[a]
         for a in jumped:
-            for i, byte in enumerate(self.jumps[a][1]):
+            for i, byte in enumerate(self.ever_jumped[a][1]):
                 if addr <= a + i < end:
                     out[a + i - addr] = byte
         return bytes(out)
@@ -99,15 +187,16 @@ class Breakpoints:
     def restore_all(self, space: Tracee) -> None:
         """Put back every byte we ever patched (detach; a fork child being released)."""
         for addr, original in self.ever_patched.items():
+            if addr in self.ever_jumped:
+                continue  # below, all five bytes
             try:
                 if space.read(addr, 1)[0] == INT3:
                     space.write(addr, bytes((original,)))
             except TargetError:  # the mapping may be gone (munmap, exec)
                 continue
-        for addr, (jmp, code) in self.ever_jumped.items():
+        for addr, patch in self.ever_jumped.items():
             try:
-                if space.read(addr, len(jmp)) == jmp:
-                    space.write(addr, code)
+                self._text_poke(space, addr, patch[1], patch, only_ours=True)
             except TargetError:
                 continue
 
@@ -121,12 +210,12 @@ class Breakpoints:
                 space.write(addr, want)
             except TargetError:
                 continue
-        for addr, (jmp, code) in self.ever_jumped.items():
-            now = bytearray(jmp if addr in self.jumps else code)
+        for addr, patch in self.ever_jumped.items():
+            now = bytearray(patch[0] if addr in self.jumps else patch[1])
             if addr in self.armed:
                 now[0] = INT3
             try:
-                space.write(addr, bytes(now))
+                self._text_poke(space, addr, bytes(now), patch, only_ours=True)
             except TargetError:
                 continue
 
@@ -144,3 +233,11 @@ class Breakpoints:
         self.ever_patched.clear()
         self.jumps.clear()
         self.ever_jumped.clear()
+
+
+def _is_ours(now: bytes, jmp: bytes, original: bytes) -> bool:
+    """``now`` is what we may have left at a jump site: each byte the original's or the
+    jump's, the first one an int3 too (anything else was put there by someone else)."""
+    if now[0] not in (INT3, jmp[0], original[0]):
+        return False
+    return all(b in (j, o) for b, j, o in zip(now[1:], jmp[1:], original[1:], strict=True))

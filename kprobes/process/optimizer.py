@@ -26,7 +26,10 @@ itself runs the jmp. A refused *site* (``find_region``'s ``Refusal``, a detour o
 stays an int3 probe for good and ``list()`` says why; a site waiting on a thread is tried again
 at the next stop of the world. Unoptimizing writes the original bytes back (then the int3 if the
 probe stays a trap probe); a thread still in the detour finishes it and jumps back to
-``A+len``, an instruction boundary of the original code.
+``A+len``, an instruction boundary of the original code. Both ways the five bytes change in
+three writes, the kernel's ``text_poke_bp`` order (breakpoints.py), and the rescue knows the
+jump beforehand, so a tool killed between two writes leaves a site the program finishes
+alone (docs/decisions.md, "A jump is written and removed in three steps").
 """
 
 from __future__ import annotations
@@ -75,7 +78,11 @@ class _Threads:
             for t in tracer.threads.values():
                 if t.busy or t.state not in (ThreadState.STOPPED, ThreadState.GROUP_STOPPED):
                     continue  # in a handler (see _in_the_way), or new: not run yet
-                regs = t.load_regs()
+                try:
+                    regs = t.load_regs()
+                except ProcessLookupError:
+                    continue  # exiting (a joined thread's task outlives the join a while):
+                    # it runs no more code, and its exit is reported later
                 stack = t.tracee.read_some(regs.rsp & ~7, STACK_SCAN)
                 words = sorted(set(memoryview(stack[: len(stack) & ~7]).cast("Q")))
                 self._seen.append((t.tid, regs.rip, words))
@@ -237,7 +244,10 @@ class Optimizing:
         spaces = list(self._tracer.own_memories())
         for space in spaces:
             space.write(at, detour.code)
-        # Step 4: the jump over the int3 and the 4 bytes after it.
+        # Step 4: the jump over the int3 and the 4 bytes after it, in three writes (int3,
+        # the 4 bytes, the first byte: breakpoints.py), the rescue told first how to finish
+        # an int3 followed by the jump's 4 bytes should the tool die between two of them.
+        self._tracer.rescue.note_jump(spaces, addr, region.original[0], detour.patch)
         self._tracer.breakpoints.patch_jump(spaces, addr, detour.patch, region.original[:5])
         so.detour, so.region_len = at, region.length
         so.to(OptState.OPTIMIZED)
@@ -277,7 +287,12 @@ class Optimizing:
         assert self._tracer._stop_depth > 0, "unoptimizing needs the world stopped"
         so = self._tracer.optimizer.sites[site.addr]
         self._collect_counts()
-        self._tracer.breakpoints.unpatch_jump(self._tracer.own_memories(), site.addr, rearm=rearm)
+        breakpoints = self._tracer.breakpoints
+        original = breakpoints.jumps[site.addr][1][0]
+        breakpoints.unpatch_jump(self._tracer.own_memories(), site.addr, rearm=rearm)
+        # An int3 there is the probe's own again (a tool killed before this write leaves a
+        # rescue that tells the two by the 4 bytes after it: the same outcome).
+        self._tracer.rescue.note_jump(self._tracer.own_memories(), site.addr, original, b"")
         so.detour = 0
         so.to(OptState.TRAP)
 

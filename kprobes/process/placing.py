@@ -155,6 +155,7 @@ class Placing:
         bounds = self._boundaries.get(loc.func_start)
         if bounds is None:
             size = loc.func_size or (loc.addr - loc.func_start + 16)
+            self._take_back_leftover_jumps(loc.func_start, min(size, _MAX_FUNC_DECODE))
             code = self._original(loc.func_start, min(size, _MAX_FUNC_DECODE))
             bounds = frozenset(i.addr for i in iter_insns(code, loc.func_start))
             if loc.func_size:
@@ -164,16 +165,32 @@ class Placing:
             check_boundary(code, loc.func_start, loc.addr)
             raise NotABoundary(f"{loc.addr:#x} ({loc.display}) is not an instruction boundary")
 
-    def _take_back_leftover_jump(self, addr: int) -> None:
+    def _take_back_leftover_jump(self, addr: int, head: bytes | None = None) -> None:
         """A jump a dead kprobes left here (leftover.py) gives the site its original bytes
-        back before anything decodes it. The world is held (registration is a batch)."""
-        if addr in self._tracer.breakpoints.jumps or addr in self._tracer.breakpoints.armed:
+        back before anything decodes it; so does an int3 it left before a jump's other four
+        bytes (killed between two writes of the jump: breakpoints.py), which the rescue would
+        have finished into that jump. The world is held (registration is a batch)."""
+        breakpoints = self._tracer.breakpoints
+        if addr in breakpoints.ever_jumped or addr in breakpoints.ever_patched:
             return  # ours
         memory = self._memory()
-        original = original_under_jump(addr, memory.read(addr, 5), memory.read_some)
+        head = memory.read(addr, 5) if head is None else head
+        if head[0] == 0xCC:
+            head = b"\xe9" + head[1:]
+        original = original_under_jump(addr, head, memory.read_some)
         if original is not None:
             for space in self._tracer.own_memories():
                 space.write(addr, original)
+
+    def _take_back_leftover_jumps(self, start: int, size: int) -> None:
+        """Every jump a dead kprobes left in the function at ``start`` is taken back before
+        its code is decoded: one at another site would make the decode go astray."""
+        code = self._memory().read_some(start, size)
+        for first in (b"\xe9", b"\xcc"):
+            at = code.find(first)
+            while 0 <= at <= len(code) - 5:
+                self._take_back_leftover_jump(start + at, code[at : at + 5])
+                at = code.find(first, at + 1)
 
     def prepare(self, site: ProbeSite) -> None:
         self._ensure_rescue()

@@ -202,6 +202,18 @@ class Rescue:
             space.write(self.area + layout.HEADER + layout.H_NBP, count)
         self.noted[addr] = index
 
+    def note_jump(self, spaces: Iterable[Tracee], addr: int, original: int, jmp: bytes) -> None:
+        """Before a jump is written over the int3 at ``addr`` (or when it is gone, with
+        ``jmp`` empty): an int3 followed by its four other bytes is one the rescue finishes
+        into that jump (breakpoints.py writes a jump in three steps; rescue.c)."""
+        index = self._bps.get(addr)
+        if not self.area or index is None:
+            return
+        word = layout.bp_entry(addr, original, jmp)[8:]  # the address stays
+        at = self.area + layout.BP_TABLE + index * layout.BP_ENTRY + 8
+        for space in spaces:
+            space.write(at, word)
+
     def note_slot(self, spaces: Iterable[Tracee], slot: int, length: int, addr: int) -> None:
         """A stepped copy of the instruction at ``addr`` now lives at ``slot``."""
         if not self.area:

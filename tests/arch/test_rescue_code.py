@@ -148,6 +148,8 @@ def harness(tmp_path_factory):
     "case",
     [
         "breakpoint",
+        "jump-int3-new",  # a tool killed between two writes of a jump: finished
+        "jump-int3-old",  # or taken back
         "trampoline",
         "trampoline-next",
         "step-end",

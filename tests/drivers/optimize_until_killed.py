@@ -20,6 +20,10 @@ time after ``ready`` that it is:
     patch    just past writing a jump over an int3 (the world is held; the other sites of
              the same stop may not have theirs yet)
     unpatch  just past writing a site's original bytes back over its jump (likewise)
+    patch-tail, unpatch-int3, unpatch-tail
+             just past that step of the three writes that put a jump in or take it out
+             (breakpoints.py ``PokeStep``): an int3 followed by the jump's 4 other bytes, by
+             the jump's again, or by the original 4
     reaped   just past reaping a thread's SIGTRAP stop (waitpid), before anything else
 
 Nothing here restores anything: SIGKILL gives it no chance. The program must carry on alone.
@@ -36,7 +40,10 @@ import time
 from typing import Any
 
 import kprobes
-from kprobes.process.breakpoints import Breakpoints
+from kprobes.process.breakpoints import Breakpoints, PokeStep
+from kprobes.process.tracee import Tracee
+
+STALLS = ("none", "patch", "unpatch", "patch-tail", "unpatch-int3", "unpatch-tail", "reaped")
 
 
 def main() -> int:
@@ -44,7 +51,7 @@ def main() -> int:
     parser.add_argument("pid", type=int)
     parser.add_argument("mode", choices=("steady", "switch", "toggle", "traps"))
     parser.add_argument("--inside", type=lambda s: int(s, 0), default=None)
-    parser.add_argument("--stall", choices=("none", "patch", "unpatch", "reaped"), default="none")
+    parser.add_argument("--stall", choices=STALLS, default="none")
     parser.add_argument("--after", type=int, default=1)
     parser.add_argument("offsets", type=lambda s: int(s, 0), nargs="+")
     opts = parser.parse_args()
@@ -61,14 +68,27 @@ def main() -> int:
             time.sleep(3600)
 
     patch_jump, unpatch_jump, waitpid = Breakpoints.patch_jump, Breakpoints.unpatch_jump, os.waitpid
+    poke = Breakpoints._poke
+    doing = ""
 
     def patching(self: Breakpoints, *args: Any, **kwargs: Any) -> None:
+        nonlocal doing
+        doing = "patch"
         patch_jump(self, *args, **kwargs)
+        doing = ""
         point("patch")
 
     def unpatching(self: Breakpoints, *args: Any, **kwargs: Any) -> None:
+        nonlocal doing
+        doing = "unpatch"
         unpatch_jump(self, *args, **kwargs)
+        doing = ""
         point("unpatch")
+
+    def poking(self: Breakpoints, space: Tracee, addr: int, data: bytes, step: PokeStep) -> None:
+        poke(self, space, addr, data, step)
+        if doing:
+            point(f"{doing}-{step.value}")
 
     def reaping(pid: int, options: int) -> tuple[int, int]:
         tid, status = waitpid(pid, options)
@@ -78,6 +98,7 @@ def main() -> int:
 
     Breakpoints.patch_jump = patching  # type: ignore[method-assign]
     Breakpoints.unpatch_jump = unpatching  # type: ignore[method-assign]
+    Breakpoints._poke = poking  # type: ignore[method-assign]
     os.waitpid = reaping
 
     with kprobes.attach(opts.pid) as proc:

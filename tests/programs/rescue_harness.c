@@ -269,6 +269,25 @@ int main(int argc, char **argv)
 		code[0] = 0xcc;
 		long r = ((fn)code)();
 		printf("%ld %s\n", r, r == 42 && (unsigned char)code[0] == 0xb8 ? "ok" : "bad");
+	} else if (strcmp(c, "jump-int3-new") == 0 || strcmp(c, "jump-int3-old") == 0) {
+		/* A jump being written or taken out at code+0 (breakpoints.py: an int3, the four
+		   other bytes, the first byte): an int3 before the jump's four bytes (new) or
+		   before the original four (old). The jump goes to a "detour" at code+0x300 that
+		   returns 43; the entry carries BP_JUMP (1 << 40) and the jump's four bytes. */
+		static const unsigned char forty_three[] = { 0xb8, 0x2b, 0, 0, 0, 0xc3 };
+		memcpy(code + 0x300, forty_three, sizeof forty_three);
+		const u64 rel = 0x300 - 5;
+		bps[0] = (u64)code;
+		bps[1] = 0xb8 | 1UL << 40 | rel << 8;
+		h[H_NBP] = 1;
+		int is_new = c[10] == 'n';
+		if (is_new)
+			memcpy(code + 1, &rel, 4);
+		code[0] = 0xcc;
+		long r = ((fn)code)();
+		unsigned char want = is_new ? 0xe9 : 0xb8;
+		int ok = r == (is_new ? 43 : 42) && (unsigned char)code[0] == want;
+		printf("%ld %s\n", r, ok ? "ok" : "bad");
 	} else if (strcmp(c, "trampoline") == 0 || strcmp(c, "trampoline-next") == 0) {
 		char *tramp = code + 0x100; /* int3s */
 		h[H_TRAMP] = (u64)tramp;

@@ -40,7 +40,7 @@ typedef long s64;
 #define MAX_PAGES 64
 #define MAX_RANGES 64
 
-struct bp { u64 addr, orig; };
+struct bp { u64 addr, orig; };  /* orig: the byte; at a jump site BP_JUMP and the jump's four others */
 struct redirect { u64 from, len, to; };
 struct record { u64 slot, real, seq; };
 struct range { u64 addr, count; };
@@ -122,6 +122,23 @@ struct ucontext_min {
 	u64 uc_flags, uc_link, ss_sp, ss_flags, ss_size;
 	u64 gregs[23];
 };
+
+/* The byte that makes the int3 at ``at`` a whole instruction again. ``orig`` holds the
+   original byte and, at a jump site (BP_JUMP), the four other bytes of its jump: a tool that
+   died while writing or removing the jump (an int3, then the four bytes, then the first)
+   left an int3 before the jump's four bytes, and then the jump is finished (its detour is
+   never unmapped), or before the original four, and then the original byte goes back. */
+#define BP_JUMP (1UL << 40)
+static unsigned char first_byte(u64 at, u64 orig)
+{
+	if (orig & BP_JUMP) {
+		const volatile unsigned char *p = (const volatile unsigned char *)at;
+		u64 tail = (u64)p[1] | (u64)p[2] << 8 | (u64)p[3] << 16 | (u64)p[4] << 24;
+		if (tail == ((orig >> 8) & 0xffffffffUL))
+			return 0xe9;
+	}
+	return (unsigned char)orig;
+}
 
 static void put_back(u64 addr, unsigned char byte)
 {
@@ -296,7 +313,7 @@ __attribute__((used)) void rescue_handler(int sig, void *info, void *ctx)
 	for (u64 i = 0; i < h->nbp; i++)
 		if (bp[i].addr == at) {
 			if (*(volatile unsigned char *)at == 0xcc)
-				put_back(at, (unsigned char)bp[i].orig);
+				put_back(at, first_byte(at, bp[i].orig));
 			g[G_RIP] = at;
 			return;
 		}

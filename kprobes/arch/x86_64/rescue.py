@@ -10,7 +10,8 @@ mapping, laid out here, which the tool fills through /proc/PID/mem:
     +0x001000  header: the trampoline, the injection in flight, table sizes, our pages,
                the program's own SIGTRAP action, the registers an injection borrowed, the
                program's own SIGSEGV and SIGBUS actions; past it, the rescue's own actions
-    +0x002000  breakpoints: (address, original byte), one per address ever patched
+    +0x002000  breakpoints: (address, original byte; a jump's other four bytes), one per
+               address ever patched
     +0x042000  stepped copies: (slot, length, probed address)
     +0x062000  return records: (stack slot, real return address, sequence), one per
                kretprobe instance; the newest record of a slot is the frame's caller
@@ -147,8 +148,16 @@ def word(value: int) -> bytes:
     return _Q.pack(value & (1 << 64) - 1)
 
 
-def bp_entry(addr: int, original: int) -> bytes:
-    return _QQ.pack(addr, original)
+BP_JUMP: Final = 1 << 40  # rescue.c: the entry holds the four other bytes of a jump too
+
+
+def bp_entry(addr: int, original: int, jmp: bytes = b"") -> bytes:
+    """A breakpoint's entry: its original byte and, at a jump site, the jump's four bytes
+    after its first (the rescue finishes the jump when it finds them after an int3)."""
+    word = original
+    if jmp:
+        word |= BP_JUMP | int.from_bytes(jmp[1:5], "little") << 8
+    return _QQ.pack(addr, word)
 
 
 def redirect_entry(slot: int, length: int, addr: int) -> bytes:
