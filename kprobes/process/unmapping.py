@@ -10,9 +10,9 @@ can still lead there is a thread itself:
 
 - its ``rip`` inside a page (a thread let go in the middle of a detour, or of the rescue's
   hand-over of the program's own signal to its handler);
-- a word in the 64 KiB above its stack pointer inside a page: a signal frame whose handler
-  has not returned (interrupted in a slot or a detour), or a return address on the rescue's
-  restorer (a program's handler the rescue entered). The same scan as the optimizer's.
+- a word above its stack pointer, to the end of the stack's mapping, inside a page: a signal
+  frame whose handler has not returned (interrupted in a slot or a detour), or a return
+  address on the rescue's restorer (a program's handler the rescue entered).
 
 Each thread is looked at with its registers sent home (``look_at``), just before it is let
 go, while the threads not yet let go are held. A page any thread touches is kept, with what
@@ -44,13 +44,13 @@ from kprobes.process.optmemory import AREA_NAME, PAGES_SIZE
 from kprobes.process.threads import ThreadState
 from kprobes.process.tracee import TraceeKind
 from kprobes.process.xol import MARK_SIZE
-from kprobes.symbols.maps import read_maps
+from kprobes.symbols.maps import Mapping, read_maps
 
 if TYPE_CHECKING:
     from kprobes.process.threads import Thread
     from kprobes.process.tracer import Tracer
 
-STACK_SCAN: Final = 0x10000  # bytes above a thread's stack pointer searched for a saved rip
+STACK_SCAN: Final = 0x800000  # at most, bytes above a thread's stack pointer searched
 AREA_PATH: Final = "/memfd:" + AREA_NAME.rstrip(b"\0").decode()
 _TAG: Final = b"kprobes: left behind\0\0\0\0"  # 24 bytes, then the page's size
 _STEP_MAX: Final = 20_000  # instructions stepped to leave a detour, at most
@@ -189,6 +189,7 @@ class Unmapping:
             self.pages += leftovers(tracer, self.pages)
         self.kept: set[OwnPages] = set()
         self.unmapped: list[OwnPages] = []
+        self._maps: list[Mapping] | None = None  # read once, at the first thread's look
 
     def look_at(self, t: Thread) -> None:
         """``t`` is held, sent home (its registers in the view), about to be let go: keep
@@ -202,13 +203,25 @@ class Unmapping:
         regs = t.regs
         words = [regs.rip]
         with contextlib.suppress(TargetError, ProcessLookupError):
-            stack = t.tracee.read_some(regs.rsp & ~7, STACK_SCAN)
+            top = min(self._stack_top(t, regs.rsp), regs.rsp + STACK_SCAN)
+            stack = t.tracee.read_some(regs.rsp & ~7, top - (regs.rsp & ~7))
             words += memoryview(stack[: len(stack) & ~7]).cast("Q").tolist()
         lo = min(p.start for p in self.pages)
         hi = max(p.end for p in self.pages)
         for word in words:
             if lo <= word < hi:
                 self.kept.update(p for p in self.pages if p.contains(word))
+
+    def _stack_top(self, t: Thread, sp: int) -> int:
+        """The end of the mapping ``sp`` lies in: everything above ``sp`` in it is the live
+        stack (signal frames, on an alternate stack too, lie there). Whole, not the
+        optimizer's 64 KiB: a page unmapped under a deeper frame would be a fault."""
+        if self._maps is None:
+            self._maps = read_maps(t.tracee.pid)
+        for m in self._maps:
+            if m.start <= sp < m.end:
+                return m.end
+        return sp + 0x10000
 
     def _closure(self) -> set[OwnPages]:
         """The pages kept, with what they need: detours their areas, the rescue its
