@@ -71,6 +71,7 @@ BUILDS: dict[str, Build] = {
     "window": Build("window.c"),
     "nosigaction": Build("nosigaction.c"),
     "churn": Build("churn.c", flags=("-O1", *DEBUG, "-pthread")),
+    "allocs": Build("allocs.c", flags=("-O1", *DEBUG, "-pthread")),
     "shy": Build("shy.c"),
     "rets_cxx": Build("rets_cxx.cpp", compiler="g++"),
     "coldpad": Build("coldpad.cpp", flags=("-O2", *DEBUG), compiler="g++"),

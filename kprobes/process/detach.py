@@ -16,6 +16,8 @@ Step 4: put each thread's rip back on original code: a thread stopped on one of 
         re-executes the (restored) instruction; one inside a slot continues where the copy was;
         one stopped by a fault of a fetch of ours goes on past it, without the signal.
 Step 5: release each thread, delivering a signal it was stopped for (or that we held).
+Step 6: through the last thread, unmap every page of ours no thread was let go in
+        (``unmapping.py``); the rescue's own mapping once it handles no signal any more.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from kprobes.process import inject
 from kprobes.process.threads import Thread, ThreadState
 from kprobes.process.tracee import TraceeKind
 from kprobes.process.tracer import Tracer
+from kprobes.process.unmapping import Unmapping, leave_detours
 
 SLOT_SIZE = 32
 _STACK_SCAN = 0x10000  # bytes above a thread's stack pointer searched for a saved rip
@@ -48,6 +51,8 @@ def detach_all(tracer: Tracer) -> None:
                 tracer.breakpoints.restore_all(tracee)
         # Step 2b: every live frame we hooked gets its real return address back.
         tracer.trampoline.unhook(list(tracer.threads.values()))
+        # Step 2c: no thread left inside a detour, where possible (unmapping.py).
+        leave_detours(tracer)
         # Step 3
         for slot, prepared in tracer.slot_history.items():
             if prepared.kind in (PlanKind.STEP, PlanKind.SINGLESTEP):
@@ -63,6 +68,7 @@ def detach_all(tracer: Tracer) -> None:
         # own SIGTRAP action back in place of the rescue (rescue.py) once every other thread
         # is gone, and nothing of ours is left to trap on.
         last: Thread | None = None
+        unmapping = Unmapping(tracer)
         inside = False  # a thread was let go in detour code that may still fault on a fetch
         while tracer.threads:
             for thread in list(tracer.threads.values()):
@@ -76,11 +82,14 @@ def detach_all(tracer: Tracer) -> None:
                 ):
                     last = thread
                     continue
-                inside = _release(tracer, thread) or inside
+                inside = _release(tracer, thread, unmapping) or inside
                 tracer.drop_thread(thread)
             if last is not None and len(tracer.threads) == 1:
                 inside = inside or _may_fetch(tracer, last)
+                unmapping.look_at(last)
+                _give_back(unmapping, last, rescue=False)  # Step 6
                 _deactivate_rescue(tracer, last, keep_fetch_faults=inside)
+                _give_back(unmapping, last, rescue=True)
                 _let_go(last, 0)
                 tracer.drop_thread(last)
     finally:
@@ -102,6 +111,15 @@ def _deactivate_rescue(tracer: Tracer, thread: Thread, *, keep_fetch_faults: boo
             lambda nr, *args: inject.run_syscall(thread, 0, nr, *args, rescue=rescue),
             keep_fetch_faults=keep_fetch_faults,
         )
+
+
+def _give_back(unmapping: Unmapping, thread: Thread, *, rescue: bool) -> None:
+    """Step 6 (``unmapping.py``): a failure leaves pages mapped, never the program hurt."""
+    with contextlib.suppress(TargetError, InternalError, ProcessLookupError):
+        if rescue:
+            unmapping.give_back_rescue(thread)
+        else:
+            unmapping.give_back(thread)
 
 
 def _may_fetch(tracer: Tracer, t: Thread) -> bool:
@@ -146,12 +164,13 @@ def _home(tracer: Tracer, rip: int) -> int:
     return rip
 
 
-def _release(tracer: Tracer, t: Thread) -> bool:
+def _release(tracer: Tracer, t: Thread, unmapping: Unmapping) -> bool:
     """Steps 4 and 5 for ``t``; True if it was let go where a fetch of ours may still fault."""
     sig = _send_home(tracer, t)
     if sig is None:
         return False
     inside = _may_fetch(tracer, t)
+    unmapping.look_at(t)
     _let_go(t, sig)
     return inside
 

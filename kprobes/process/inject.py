@@ -181,6 +181,13 @@ def restore_regs(thread: Thread, kernel_regs: bytes, view: tuple[bytes, bool]) -
     thread.regs.dirty = view[1]
 
 
+def step(thread: Thread) -> None:
+    """One instruction of the held ``thread`` (the detach steps threads out of detours):
+    a signal that comes meanwhile is held for later, a fault or an exit raises."""
+    ptrace.singlestep(thread.tid, 0)
+    _wait_for_trap(thread, stepping=True)
+
+
 def _wait_for_trap(thread: Thread, *, stepping: bool) -> None:
     """Wait for ``thread``'s SIGTRAP; hold other signals for later, fail on faults or exit."""
     while True:

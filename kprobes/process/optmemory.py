@@ -10,9 +10,10 @@ mapping read through ``/proc/PID/mem`` (a syscall per read, and the ring needs a
 mapping).
 
 **Detours** are cut from pages the program maps for us (``_map_xol_page``, the out-of-line
-pages' mapper), bump-allocated and never freed or reused: a thread may be inside one long
-after its probe went back to an int3. The area and the detours must lie within ±2 GiB of the
-probe; a probe out of the area's reach stays on traps and says so.
+pages' mapper), bump-allocated and never freed or reused while the tool is attached: a thread
+may be inside one long after its probe went back to an int3. A clean end unmaps them, and the
+areas, where no thread can be (``unmapping.py``). The area and the detours must lie within
+±2 GiB of the probe; a probe out of the area's reach stays on traps and says so.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from kprobes.arch.x86_64.detour import DETOUR_MAX
 from kprobes.errors import NotRelocatable, TargetError
 from kprobes.linux.syscalls import NR_CLOSE, NR_FTRUNCATE, NR_MEMFD_CREATE, NR_MMAP
 from kprobes.process import inject
-from kprobes.process.xol import REACH, candidate_addresses
+from kprobes.process.xol import MARK_SIZE, REACH, candidate_addresses
 from kprobes.symbols.maps import read_maps
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ class ProgramMemory:
         """A page of ours within reach of ``near`` with room for the largest detour."""
         pages = self._tracer.optimizer.pages
         for page in pages:
-            if abs(page.start - near) <= REACH and page.used + DETOUR_MAX <= PAGES_SIZE:
+            if abs(page.start - near) <= REACH and page.used + DETOUR_MAX <= PAGES_SIZE - MARK_SIZE:
                 return page
         pages.append(DetourPage(self._map_xol_page(near, PAGES_SIZE), 0))
         return pages[-1]
@@ -95,7 +96,7 @@ class ProgramMemory:
         """A never-reused piece of an executable page of ours within reach of ``near``."""
         pages = self._tracer.optimizer.pages
         for page in pages:
-            if abs(page.start - near) <= REACH and page.used + size <= PAGES_SIZE:
+            if abs(page.start - near) <= REACH and page.used + size <= PAGES_SIZE - MARK_SIZE:
                 at = page.start + page.used
                 page.used += size
                 return at

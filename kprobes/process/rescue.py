@@ -79,10 +79,20 @@ class Rescue:
         self._free_records: dict[int, list[int]] = {}  # block size → free block starts
         self.seq = 0  # the order of return records (the rescue takes a slot's newest)
         self.is_fetch_faults_active = False  # the rescue is the SIGSEGV and SIGBUS handler
+        self.is_trap_active = False  # the rescue is the SIGTRAP handler
 
     @property
     def is_installed(self) -> bool:
         return self.area != 0
+
+    @property
+    def is_active(self) -> bool:
+        """The rescue is a signal handler of the program: its mapping must stay."""
+        return self.is_trap_active or self.is_fetch_faults_active
+
+    def extra_record_ranges(self) -> list[tuple[int, int]]:
+        """(start, end) of the mappings of return records made past the area's own."""
+        return [(base, base + cap * layout.RECORD_SIZE) for base, cap, _ in self._ranges[1:]]
 
     # -- install and uninstall -------------------------------------------------------------
 
@@ -114,6 +124,7 @@ class Rescue:
         new_at = self.area + layout.HEADER + layout.H_NEW_ACTION
         old = _sigaction(mem, syscall, scratch, signal.SIGTRAP, new_at)
         mem.write(self.area + layout.HEADER + layout.H_OLD, old)
+        self.is_trap_active = True
 
     def activate_fetch_faults(self, mem: Tracee, syscall: Syscall, scratch: int) -> None:
         """Make the rescue the SIGSEGV and SIGBUS handler too (see the module docstring).
@@ -176,7 +187,8 @@ class Rescue:
                 action_at = base + at + index * layout.SIGACTION_SIZE
                 syscall(NR_RT_SIGACTION, sig, action_at, 0, _SIGSET_SIZE)
             self.is_fetch_faults_active = keep_fetch_faults
-        syscall(NR_RT_SIGACTION, signal.SIGTRAP, base + layout.H_OLD, 0, _SIGSET_SIZE)
+        if syscall(NR_RT_SIGACTION, signal.SIGTRAP, base + layout.H_OLD, 0, _SIGSET_SIZE) == 0:
+            self.is_trap_active = False
 
     def forget(self) -> None:
         """The address space was replaced (exec): the area and the handler went with it."""

@@ -7,10 +7,12 @@ further apart than that, so the area is a set of pages, each mapped in a free ga
 code that needed it. Pages are mapped read+execute only: we write them through
 /proc/PID/mem, which the program cannot do by accident.
 
-Pages are never unmapped while the program lives (a thread may be inside a slot, or return
-into one from a signal handler), and a freed slot is only reused after a full stop in which
-no thread's ``rip`` lies in it. The first bytes of each page are int3 instructions: the return
-address of calls we inject into the program.
+Pages are never unmapped while the tool is attached (a thread may be inside a slot, or
+return into one from a signal handler; a clean end unmaps them, ``unmapping.py``), and a
+freed slot is only reused after a full stop in which no thread's ``rip`` lies in it. The
+first bytes of each page are int3 instructions: the return address of calls we inject into
+the program. The last ``MARK_SIZE`` bytes hold no slot: a page a clean end must leave
+behind is marked there, for the next session to give back (``unmapping.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ REACH = (1 << 31) - AREA_SIZE - 0x1000  # keep every slot of a page within rel32
 MMAP_MIN_ADDR = 0x10000
 USER_TOP = 0x7FFFFFFFF000
 TRAP_BYTES = SLOT_SIZE  # the first slot holds int3s
+MARK_SIZE = 32  # a page's last bytes: no slot, room for the mark of a page left behind
 
 PROT = _mmap.PROT_READ | _mmap.PROT_EXEC
 FLAGS = _mmap.MAP_PRIVATE | _mmap.MAP_ANONYMOUS | 0x100000  # MAP_FIXED_NOREPLACE
@@ -99,7 +102,10 @@ class XolArea:
             if abs(slot - near) <= REACH:
                 return self._free.pop(i)
         for page in self.pages:
-            if page.next_free + SLOT_SIZE <= page.size and abs(page.start - near) <= REACH:
+            if (
+                page.next_free + SLOT_SIZE <= page.size - MARK_SIZE
+                and abs(page.start - near) <= REACH
+            ):
                 slot = page.start + page.next_free
                 page.next_free += SLOT_SIZE
                 return slot
