@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     patterns = [t for t in args.targets if _is_pattern(t)]
     specs = [parse_spec(t) for t in args.targets if not _is_pattern(t)]
     session = Session(args, specs)
+    session.verb = "counted"
     counts: Counter[str] = Counter()
     label: dict[str, str] = {}  # event name -> what the table shows
     for text, spec in zip((t for t in args.targets if not _is_pattern(t)), specs, strict=True):
@@ -101,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
     session.prepare = expand if patterns else None
     session.patterns = patterns
     session.handle = handle
+    session.refresh = take_hits  # the status line's and the summary's events are the hits
     if args.interval:
         session.interval = args.interval
         session.on_interval = tick
