@@ -50,9 +50,9 @@ if TYPE_CHECKING:
     from kprobes.symbols.resolve import SymbolResolver
 
 POLL: Final = 0.002  # seconds between reads of the ring while run() waits for stops
-BATCH: Final = 16384  # records read at a time: run(timeout) returns between batches
+BATCH: Final = 16384  # records read by a poll: run(timeout) returns between batches
 CHECK_EVERY: Final = 32  # records delivered between two looks at the clock (``until``)
-SLICE: Final = 1024  # records read at a time by a poll, or while ``until`` is set
+SLICE: Final = 1024  # records copied at a time, then handed over
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,12 +213,14 @@ class RingReader:
         try:
             if self._kept and not self._deliver_kept():
                 return
-            # A poll, or a read with a deadline: small reads, so that records are handed
-            # over as they are copied and the clock is looked at often.
-            limit = BATCH if everything and self.until is None else SLICE
-            rounds = 1 + (max(self._capacities(), default=0) // limit if everything else 0)
-            for _ in range(rounds):
-                if self._is_late() or self._drain(limit) < limit:
+            # Read in slices, so that records are handed over as they are copied and the
+            # clock (and a handler's end of the run) is looked at often; a poll reads a
+            # batch of them, a full read the ring's worth.
+            most = max(self._capacities(), default=0) if everything else BATCH
+            for _ in range(1 + most // SLICE):
+                if self._is_late() or self.table.pending_error is not None:
+                    break
+                if self._drain(SLICE) < SLICE:
                     break
         finally:
             self._draining = False
