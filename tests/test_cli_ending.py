@@ -14,8 +14,11 @@ backlog took (16 minutes for ``-d 1`` on this machine under the test suite's loa
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pty
 import re
+import select
 import signal
 import subprocess
 import time
@@ -219,4 +222,60 @@ def test_entry_and_return_probes_are_armed_in_one_stop(busy, popen, tmp_path):
         assert not (kind == "r" and last.get(tid) == "r"), f"two returns in a row: {line}"
         last[tid] = kind
     assert not unmatched, dict(unmatched)
+    assert_unharmed(prog, busy)
+
+
+# -- item 8: the live status line is honest ----------------------------------------------------
+
+STATUS = re.compile(r"\r(\d+) events \([\d.]+/s\)  hits (\d+)(?:  (\d+) not read yet)?  missed")
+
+
+def status_lines(popen, args: list[object], seconds: float) -> list[tuple[int, int, int]]:
+    """(events, hits, not read yet) of each status line ``kprobes ARGS`` writes to a
+    terminal's stderr during ``seconds`` after its first one, then SIGINT."""
+    master, slave = pty.openpty()
+    try:
+        tool = popen([KPROBES, *args], stdout=subprocess.DEVNULL, stderr=slave)
+    finally:
+        os.close(slave)
+    data = b""
+    first = None
+    try:
+        while first is None or time.monotonic() < first + seconds:
+            ready, _, _ = select.select([master], [], [], 60)
+            assert ready, f"no status line: {data!r}"
+            try:
+                data += os.read(master, 65536)
+            except OSError:  # the command ended: the terminal is gone
+                break
+            if first is None and STATUS.search(data.decode(errors="replace")):
+                first = time.monotonic()
+        tool.send_signal(signal.SIGINT)
+        with contextlib.suppress(OSError):
+            while select.select([master], [], [], 30)[0]:
+                chunk = os.read(master, 65536)
+                if not chunk:
+                    break
+                data += chunk
+    finally:
+        os.close(master)
+    wait_end(tool)
+    text = data.decode(errors="replace")
+    return [(int(e), int(h), int(b or 0)) for e, h, b in STATUS.findall(text)]
+
+
+def test_count_status_line_shows_the_hits_counted_as_they_come(busy, popen):
+    prog = support.start_busy(popen, busy, THREADS, DEPTH)
+    lines = status_lines(popen, ["count", "-p", prog.pid, "hot"], 3)
+    live = [(e, h) for e, h, _ in lines if h > 0]
+    assert live, lines
+    assert all(e == h for e, h in live), live  # it once said "0 events" while hits climbed
+    assert_unharmed(prog, busy)
+
+
+def test_trace_status_line_says_how_far_behind_the_reader_is(busy, popen):
+    prog = support.start_busy(popen, busy, THREADS, DEPTH)
+    lines = status_lines(popen, ["trace", "-p", prog.pid, "hot i=%di:s64"], 3)
+    assert any(b > 0 for _, _, b in lines), lines
+    assert all(e + b <= h for e, h, b in lines), lines
     assert_unharmed(prog, busy)

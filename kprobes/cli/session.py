@@ -151,6 +151,9 @@ class Session:
             try:
                 asked = self._run(backend)
             finally:
+                interrupt.on_late_signal = lambda: backend.set_reading_deadline(
+                    time.monotonic() + READ_AFTER_END
+                )
                 interrupt.quiet()
                 try:
                     self._end(backend, asked)
@@ -200,12 +203,17 @@ class Session:
         if self.ended_by.startswith("-n"):
             backend.discard_backlog()
             return
+        if asked is None and self._interrupt.interrupted:  # came while the probes went
+            asked = self._interrupt.asked_at
         until = float("inf") if asked is None else asked + READ_AFTER_END
         try:
-            backend.read_rest(until)
+            backend.read_rest(until)  # a signal now brings ``until`` nearer (on_late_signal)
         except EnoughEvents:
             self.ended_by = self.ended_by or f"-n {self._max}"
             backend.discard_backlog()
+        signal = self._interrupt.signal
+        if signal is not None and not self.ended_by:
+            self.ended_by = signal.name  # it came while the rest was being read
 
     @property
     def placed(self) -> list[Placed]:

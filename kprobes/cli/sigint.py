@@ -100,6 +100,9 @@ class SafeInterrupt:
         self.is_placing = True  # probes are being placed: never raise, stop between two
         self.end_run = end_run
         self.is_mid_hit = is_mid_hit
+        # Called (from the handler) with a signal that comes while the run is being ended:
+        # the ending may shorten what it still reads.
+        self.on_late_signal: Callable[[], None] = lambda: None
         self._since = 0.0
         self._has_asked = False
         self._is_quiet = False
@@ -133,7 +136,10 @@ class SafeInterrupt:
             self._raise_when_safe()
 
     def _raise_when_safe(self) -> None:
-        if self._is_quiet or self.is_placing:
+        if self._is_quiet:
+            self.on_late_signal()
+            return
+        if self.is_placing:
             return  # placing: the caller looks at ``interrupted`` once it is over
         if not self._has_asked:
             self._has_asked = True
