@@ -157,6 +157,23 @@ class Backend(abc.ABC):
         """What the user should know about how the probes were placed (one line each)."""
         return []
 
+    @property
+    def unread(self) -> int:
+        """Events the probes recorded that were never read: the run ended first."""
+        return 0
+
+    def stop(self) -> None:  # noqa: B027 - the kernel's: removed with the session
+        """Disable every probe (the first step of every ending): the program stops making
+        events, so that what is left to read is what was made before the end."""
+
+    def set_reading_deadline(self, when: float | None) -> None:  # noqa: B027
+        """Reads of events stop at ``when`` (``time.monotonic()``) and go on at the next
+        ``run()``: a reader that lags still returns on time."""
+
+    def read_rest(self, until: float) -> None:  # noqa: B027 - most have no backlog
+        """Once stopped: deliver what is left to read until ``until``, then release the
+        rest unread (counted in ``unread``)."""
+
     def discard_backlog(self) -> None:  # noqa: B027 - most have none
         """The run ended early (SIGINT, ``-n``): events not read yet are not wanted."""
 
@@ -278,16 +295,44 @@ class PtraceBackend(Backend):
         names = dict.fromkeys(loc.symbol.name for loc in found if loc.symbol is not None)
         return [f"{module}:{name}" if sep else name for name in names]
 
+    def _procs(self) -> list[Process]:
+        return [self.proc, *(m.proc for m in self.members)]
+
     def run(self, timeout: float | None) -> bool:
+        self.set_reading_deadline(None if timeout is None else time.monotonic() + timeout)
         return self.proc.run(timeout=timeout)
+
+    def set_reading_deadline(self, when: float | None) -> None:
+        for proc in self._procs():
+            proc.reading_deadline = when
 
     @property
     def dropped(self) -> int:
-        procs = [self.proc, *(m.proc for m in self.members)]
-        return sum(p.dropped for p in procs)
+        return sum(p.dropped for p in self._procs())
+
+    @property
+    def unread(self) -> int:
+        return sum(p.unread for p in self._procs())
+
+    def stop(self) -> None:
+        """Every probe disarmed in one stop of the world (jumps taken out): nothing more is
+        written to the rings, and ``read_rest`` has an end."""
+        for proc in self._procs():
+            proc.take_pending_error()  # the run is over: what was to end it is not wanted
+            if proc.is_alive:
+                with contextlib.suppress(ProbeError, OSError):
+                    proc.enabled = False
+
+    def read_rest(self, until: float) -> None:
+        try:
+            for proc in self._procs():
+                proc.reading_deadline = until
+                proc.read_records()
+        finally:
+            self.discard_backlog()
 
     def discard_backlog(self) -> None:
-        for proc in [self.proc, *(m.proc for m in self.members)]:
+        for proc in self._procs():
             proc.discard_records()
 
     def placement_notes(self) -> list[str]:
@@ -308,7 +353,8 @@ class PtraceBackend(Backend):
         self.proc.end_run(exc)
 
     def is_mid_hit(self) -> bool:
-        return is_in_trace_stop(self.proc.pid)
+        """A stop being handled, or a record of the rings (an exception would lose it)."""
+        return self.proc.is_reading_records or is_in_trace_stop(self.proc.pid)
 
     def close(self) -> None:
         try:
@@ -362,6 +408,7 @@ class TraceFsBackend(Backend):
     ) -> None:
         super().__init__()
         self.entry_times = entry_times
+        self._unread = 0
         self._spawned: Process | None = None
         group = _group_of(specs)
         self.target: TraceTarget
@@ -418,10 +465,17 @@ class TraceFsBackend(Backend):
     def place(self, specs: Sequence[ProbeSpec]) -> list[Placed]:
         done: list[TracePlaced] = []
         try:
+            # Placed disabled, then enabled one right after the other: the entry and return
+            # probes of one command go live together, not a placing apart.
             for spec in specs:
-                probe = self.target.place_spec(spec, entry_times=self.entry_times)
+                probe = self.target.place_spec(spec, entry_times=self.entry_times, disabled=True)
                 event = self.target.get_event_name(probe) or spec.effective_event
                 done.append(TracePlaced(spec, probe, f"{self.target.group}/{event}", self.target))
+            for placed in done:
+                if isinstance(placed.probe, Kretprobe):
+                    self.target.enable_kretprobe(placed.probe)
+                else:
+                    self.target.enable_kprobe(placed.probe)
         except BaseException:
             for placed in reversed(done):
                 with contextlib.suppress(ProbeError):
@@ -450,6 +504,34 @@ class TraceFsBackend(Backend):
     def dropped(self) -> int:
         """The kernel's count (per-CPU stats) once the buffer is gone or while it is there."""
         return max(self.target.lost, self.target.session.lost_events(), 0)
+
+    @property
+    def unread(self) -> int:
+        return self._unread
+
+    def stop(self) -> None:
+        """Every event disabled in our instance (entries and returns alike): the kernel
+        records nothing more for us."""
+        for placed in self.placed:
+            probe = getattr(placed, "probe", None)
+            with contextlib.suppress(ProbeError, OSError):
+                if isinstance(probe, Kretprobe):
+                    self.target.disable_kretprobe(probe)
+                elif isinstance(probe, Kprobe):
+                    self.target.disable_kprobe(probe)
+
+    def read_rest(self, until: float) -> None:
+        try:
+            while time.monotonic() < until and self.target.poll():
+                pass
+        finally:
+            self.discard_backlog()
+
+    def discard_backlog(self) -> None:
+        """What the buffer still holds is counted (``entries`` of each CPU's stats) and
+        goes with the instance at ``close()``."""
+        if self.target.session.is_open:
+            self._unread = self.target.session.unread_events()
 
 
 def _own_file(pid: int) -> str | None:

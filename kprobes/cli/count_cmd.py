@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     patterns = [t for t in args.targets if _is_pattern(t)]
     specs = [parse_spec(t) for t in args.targets if not _is_pattern(t)]
     session = Session(args, specs)
+    session.verb = "counted"
     counts: Counter[str] = Counter()
     label: dict[str, str] = {}  # event name -> what the table shows
     file_of: dict[str, str | None] = {}  # event name -> the file it names (None: the own)
@@ -110,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     session.prepare = prepare
     session.patterns = patterns
     session.handle = handle
+    session.refresh = take_hits  # the status line's and the summary's events are the hits
     if args.interval:
         session.interval = args.interval
         session.on_interval = tick

@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError(f"--key {args.key}: -H needs a number, not {ftype.name}", column=0)
     type_text = ftype.name if ftype.count is None else f"{ftype.name}[{ftype.count}]"
     session = Session(args, [spec])
+    session.verb = "counted"
     table = FrequencyTable()
     hist = Log2Histogram()
     faults = 0

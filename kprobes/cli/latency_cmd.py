@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     maxactive = str(args.maxactive) if args.maxactive > 0 else ""
     spec = parse_spec(f"r{maxactive} {args.function}")
     session = Session(args, [spec])
+    session.verb = "counted"
     session.entry_times = True  # the kernel's return events need their entry recorded too
     hist = Log2Histogram()
     stats = LatencyStats()

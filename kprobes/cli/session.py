@@ -3,9 +3,20 @@
 ``trace``, ``count``, ``latency`` and ``hist`` differ only in what they do with each event
 (the sink) and what they print at the end. The loop here owns the rest: the backend and its
 target (``--backend``/``--kernel``, ``-p``/``-c``: ``backends.py``), ``-d`` duration, ``-n``
-max events, ``--filter``, SIGINT (Ctrl-C, or ``kill -INT``: the run ends at a safe point,
+max events, ``--filter``, SIGINT, SIGTERM and SIGHUP (the run ends at a safe point,
 ``sigint.py``), a live status line on stderr when it is a terminal, and the
 summary that counts every missed hit and every dropped event.
+
+**Ending on time.** A busy program writes records faster than Python prints them, so the
+reader may be seconds -- or, on a loaded machine, minutes -- behind. Every ending (``-d``,
+``-n``, a signal) therefore goes the same way, in this order: the probes are disabled first
+(the program stops writing, and our jumps leave it), what is left is read until
+``READ_AFTER_END`` after the end was asked (none after ``-n``), the rest is released and
+counted as unread, and only then are the probes removed. Reads during the run stop at each
+``run()`` deadline, so ``-d`` and the status line are looked at while the backlog is still
+being read. Rejected: reading the whole backlog before ending (``-d 1`` ran for 16 minutes
+on a 2-thread program of the test suite, and a SIGKILL after ``timeout`` then left our
+jumps in it).
 """
 
 from __future__ import annotations
@@ -26,6 +37,9 @@ from kprobes.spec import FieldKind, ProbeSpec, compile_filter, parse, parse_filt
 from kprobes.spec.render import render_location
 
 STATUS_PERIOD = 0.5
+# How long after the end was asked the events left are still read (the rest is counted
+# unread): the whole ending, probes disabled and removed too, must fit in about a second.
+READ_AFTER_END = 0.3
 
 
 class EnoughEvents(Exception):
@@ -71,6 +85,13 @@ class Session:
         self.args = args
         self.specs = list(specs)
         self.events = 0
+        self.filtered = 0  # did not pass --filter
+        self.unprinted = 0  # read after -n was reached
+        self.ended_by = ""  # what ended the run early: "-n 100", "-d 1", "SIGTERM"
+        self.verb = "printed"  # what the command does with an event (the summary says it)
+        # Called before the status line and the summary: brings ``events`` up to date
+        # (count's in-place counters).
+        self.refresh: Callable[[], None] = lambda: None
         self.started = time.monotonic()
         self.handle: Callable[[Event], None] = lambda ev: None
         self.on_interval: Callable[[], None] | None = None
@@ -104,12 +125,15 @@ class Session:
 
     def sink(self, event: Event) -> None:
         if self._max is not None and self.events >= self._max:
+            self.unprinted += 1
             raise EnoughEvents  # a kernel backend delivers the rest of its batch
         if self._filter is None or self._filter(event_fields(event)):
             self.events += 1
             self.handle(event)
             if self._max is not None and self.events >= self._max:
                 raise EnoughEvents  # from a handler: the tracer finishes the hit first
+        else:
+            self.filtered += 1
 
     def run(self) -> None:
         interrupt = self._interrupt
@@ -123,70 +147,120 @@ class Session:
             )
             interrupt.end_run = backend.end_run
             interrupt.is_mid_hit = backend.is_mid_hit
+            asked: float | None = time.monotonic()  # a failure: nothing more is read
             try:
-                try:
-                    if self.prepare is not None:
-                        self.prepare(backend)
-                    if not interrupt.interrupted:
-                        placed = backend.place(self.specs)
-                        say_pending(
-                            (getattr(p, "probe", None) for p in placed),
-                            (
-                                render_location(p.spec.location) if p.spec.location else p.name
-                                for p in placed
-                            ),
-                        )
-                        for note in backend.placement_notes():
-                            sys.stderr.write(f"kprobes: {note}\n")
-                    interrupt.is_placing = False
-                    if not interrupt.interrupted:
-                        self._loop(backend)
-                except (EnoughEvents, KeyboardInterrupt, RunInterrupted):
-                    # -n, or SIGINT (sigint.py): the run ends with its summary, without the
-                    # events still waiting to be read
-                    backend.discard_backlog()
+                asked = self._run(backend)
             finally:
+                interrupt.on_late_signal = lambda: backend.set_reading_deadline(
+                    time.monotonic() + READ_AFTER_END
+                )
                 interrupt.quiet()
                 try:
-                    backend.close()
+                    self._end(backend, asked)
                 finally:
-                    backend.end_command()
-                if self._status:
-                    sys.stderr.write("\r\x1b[K")
+                    try:
+                        backend.close()
+                    finally:
+                        backend.end_command()
+                    if self._status:
+                        sys.stderr.write("\r\x1b[K")
+
+    def _run(self, backend: Backend) -> float | None:
+        """Place the probes and run; when the end was asked (None: the program ended)."""
+        interrupt = self._interrupt
+        asked: float | None
+        try:
+            if self.prepare is not None:
+                self.prepare(backend)
+            if not interrupt.interrupted:
+                placed = backend.place(self.specs)
+                say_pending(
+                    (getattr(p, "probe", None) for p in placed),
+                    (
+                        render_location(p.spec.location) if p.spec.location else p.name
+                        for p in placed
+                    ),
+                )
+                for note in backend.placement_notes():
+                    sys.stderr.write(f"kprobes: {note}\n")
+            interrupt.is_placing = False
+            asked = interrupt.asked_at if interrupt.interrupted else self._loop(backend)
+        except EnoughEvents:
+            self.ended_by = f"-n {self._max}"
+            asked = time.monotonic()
+        except (KeyboardInterrupt, RunInterrupted):
+            asked = time.monotonic()
+        if interrupt.interrupted:  # SIGINT/TERM/HUP, whatever part of the run saw it
+            self.ended_by = interrupt.signal.name if interrupt.signal else "SIGINT"
+            asked = interrupt.asked_at
+        return asked
+
+    def _end(self, backend: Backend, asked: float | None) -> None:
+        """The way out of a run (see the module's docstring): the probes disabled, what is
+        left read until ``READ_AFTER_END`` after ``asked`` (none after ``-n``), the rest
+        counted unread. With ``asked`` None (the program ended) everything left is read."""
+        backend.stop()
+        if self.ended_by.startswith("-n"):
+            backend.discard_backlog()
+            return
+        if asked is None and self._interrupt.interrupted:  # came while the probes went
+            asked = self._interrupt.asked_at
+        until = float("inf") if asked is None else asked + READ_AFTER_END
+        try:
+            backend.read_rest(until)  # a signal now brings ``until`` nearer (on_late_signal)
+        except EnoughEvents:
+            self.ended_by = self.ended_by or f"-n {self._max}"
+            backend.discard_backlog()
+        signal = self._interrupt.signal
+        if signal is not None and not self.ended_by:
+            self.ended_by = signal.name  # it came while the rest was being read
 
     @property
     def placed(self) -> list[Placed]:
         return self.backend.placed if self.backend is not None else []
 
-    def _loop(self, backend: Backend) -> None:
-        deadline = None if self.args.duration is None else self.started + self.args.duration
-        next_tick = None if self.interval is None else self.started + self.interval
+    def _loop(self, backend: Backend) -> float | None:
+        """Run until the program ends (None) or ``-d`` passes (the deadline); ``-n`` and the
+        signals end it by an exception."""
+        # -d counts from the probes' going live: attaching to a busy program on a loaded
+        # machine can take seconds, and they are not the tracing asked for.
+        live = time.monotonic()
+        duration: float | None = self.args.duration
+        deadline = None if duration is None else live + duration
+        next_tick = None if self.interval is None else live + self.interval
         periodic = self._status or next_tick is not None
-        try:
-            while True:
-                now = time.monotonic()
-                waits = [t - now for t in (deadline, next_tick) if t is not None]
-                if self._status:
-                    waits.append(STATUS_PERIOD)
-                timeout = max(min(waits), 0.0) if waits else None
-                done = backend.run(timeout)
-                now = time.monotonic()
-                if self._status:
-                    self._print_status(now)
-                if next_tick is not None and now >= next_tick and self.on_interval is not None:
-                    self.on_interval()
-                    next_tick += self.interval or 0.0
-                if done or self.interrupted or (deadline is not None and now >= deadline):
-                    return
-                if not periodic and timeout is None:
-                    return
-        except (EnoughEvents, KeyboardInterrupt, RunInterrupted):
-            backend.discard_backlog()  # what is still to be read is not wanted
+        while True:
+            now = time.monotonic()
+            waits = [t - now for t in (deadline, next_tick) if t is not None]
+            if self._status:
+                waits.append(STATUS_PERIOD)
+            timeout = max(min(waits), 0.0) if waits else None
+            done = backend.run(timeout)
+            now = time.monotonic()
+            if self._status:
+                self._print_status(now)
+            if next_tick is not None and now >= next_tick and self.on_interval is not None:
+                self.on_interval()
+                next_tick += self.interval or 0.0
+            if done:
+                return None
+            if deadline is not None and now >= deadline:
+                self.ended_by = f"-d {duration:g}"
+                return deadline
+            if self.interrupted or (not periodic and timeout is None):
+                return now
 
     def _print_status(self, now: float) -> None:
+        self.refresh()
         elapsed = max(now - self.started, 1e-9)
+        hits, dropped = self.hits, self.dropped
+        behind = hits - self.events - self.filtered - dropped - self.unread
+        if any(p.spec.is_return for p in self.placed):
+            behind = 0  # entries count as hits, and calls in flight have no event yet
         sys.stderr.write(
-            format_status(self.events, self.events / elapsed, self.hits, self.missed, self.dropped)
+            format_status(
+                self.events, self.events / elapsed, hits, self.missed, dropped, behind=behind
+            )
         )
         sys.stderr.flush()
 
@@ -202,7 +276,12 @@ class Session:
     def dropped(self) -> int:
         return self.backend.dropped if self.backend is not None else 0
 
+    @property
+    def unread(self) -> int:
+        return self.backend.unread if self.backend is not None else 0
+
     def summary(self) -> str:
+        self.refresh()
         text = format_summary(
             events=self.events,
             hits=self.hits,
@@ -210,6 +289,11 @@ class Session:
             dropped=self.dropped,
             duration=time.monotonic() - self.started,
             missed_by_probe={p.name: p.missed for p in self.placed},
+            unprinted=self.unprinted,
+            unread=self.unread,
+            filtered=self.filtered,
+            ended_by=self.ended_by,
+            verb=self.verb,
         )
         for p in self.placed:
             if p.spec.is_return and p.missed:

@@ -22,6 +22,10 @@ middle of an instruction). So while probes are live, SIGINT (``SafeInterrupt``):
   interrupts without loss, or is between two stops), looked at again every few milliseconds
   by a timer, and after half a second anyway (a thread may stay stopped for good).
 
+SIGTERM and SIGHUP (``timeout 3 kprobes ...``, a closed terminal) end a run exactly as SIGINT
+does, with the summary and the table: their default action would kill the tool with its
+probes in the program (what SIGKILL leaves is a rescue's work, not an ending).
+
 While the probes are removed SIGINT is only noted: an exception in the middle of a detach would
 leave the program with our breakpoints and nobody to answer them. Only the command line does
 any of this; the library leaves SIGINT to the program that imports it.
@@ -43,6 +47,8 @@ from kprobes.linux import procfs
 RECHECK = 0.005
 # How long a SIGINT may wait for a safe point before it is raised anyway.
 GIVE_UP = 0.5
+# The signals that end a run with live probes at a safe point, with its summary.
+ENDING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 Handler = signal.Handlers | Callable[[int, FrameType | None], Any]
 
@@ -89,9 +95,14 @@ class SafeInterrupt:
         is_mid_hit: Callable[[], bool] = lambda: False,
     ) -> None:
         self.interrupted = False
+        self.signal: signal.Signals | None = None  # the first that came (ENDING_SIGNALS)
+        self.asked_at = 0.0  # when it came (time.monotonic())
         self.is_placing = True  # probes are being placed: never raise, stop between two
         self.end_run = end_run
         self.is_mid_hit = is_mid_hit
+        # Called (from the handler) with a signal that comes while the run is being ended:
+        # the ending may shorten what it still reads.
+        self.on_late_signal: Callable[[], None] = lambda: None
         self._since = 0.0
         self._has_asked = False
         self._is_quiet = False
@@ -99,7 +110,8 @@ class SafeInterrupt:
     @contextmanager
     def installed(self) -> Iterator[None]:
         with ExitStack() as stack:
-            stack.enter_context(_handler(signal.SIGINT, self._on_sigint))
+            for signum in ENDING_SIGNALS:
+                stack.enter_context(_handler(signum, self._on_sigint))
             stack.enter_context(_handler(signal.SIGALRM, self._on_recheck))
             try:
                 yield
@@ -115,7 +127,8 @@ class SafeInterrupt:
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
         if not self.interrupted:
             self.interrupted = True
-            self._since = time.monotonic()
+            self.signal = signal.Signals(signum)
+            self.asked_at = self._since = time.monotonic()
         self._raise_when_safe()
 
     def _on_recheck(self, signum: int, frame: FrameType | None) -> None:
@@ -123,7 +136,10 @@ class SafeInterrupt:
             self._raise_when_safe()
 
     def _raise_when_safe(self) -> None:
-        if self._is_quiet or self.is_placing:
+        if self._is_quiet:
+            self.on_late_signal()
+            return
+        if self.is_placing:
             return  # placing: the caller looks at ``interrupted`` once it is over
         if not self._has_asked:
             self._has_asked = True

@@ -20,11 +20,16 @@ from collections.abc import Mapping
 ERASE_TO_EOL = "\x1b[K"
 
 
-def format_status(events: int, rate: float, hits: int, misses: int, dropped: int) -> str:
-    """``\\r...ESC[K``: one overwriting line of live counters (no newline)."""
+def format_status(
+    events: int, rate: float, hits: int, misses: int, dropped: int, behind: int = 0
+) -> str:
+    """``\\r...ESC[K``: one overwriting line of live counters (no newline). ``behind`` is
+    the hits whose events are not read yet (a reader that lags): the events climb slower
+    than the hits, and the line says why instead of looking stuck."""
     lost = "  LOSING EVENTS" if misses or dropped else ""
+    lag = f"  {behind} not read yet" if behind > 0 else ""
     return (
-        f"\r{events} events ({rate:.1f}/s)  hits {hits}  missed {misses}  dropped {dropped}"
+        f"\r{events} events ({rate:.1f}/s)  hits {hits}{lag}  missed {misses}  dropped {dropped}"
         f"{lost}{ERASE_TO_EOL}"
     )
 
@@ -38,15 +43,35 @@ def format_summary(
     duration: float | None = None,
     missed_by_probe: Mapping[str, int] | None = None,
     dropped_by_cpu: Mapping[int, int] | None = None,
+    unprinted: int = 0,
+    unread: int = 0,
+    filtered: int = 0,
+    ended_by: str = "",
+    verb: str = "printed",
 ) -> str:
     """The end-of-run summary, newline-terminated.
 
     ``events`` is what reached the output, ``hits`` what the probes counted; ``misses`` and
     ``dropped`` are the totals, broken down by ``missed_by_probe`` (probe name -> nmissed) and
     ``dropped_by_cpu`` (cpu -> records lost) when given; non-zero entries are listed.
+    A run that ended before it had shown every event (``ended_by``: ``-n 100``, ``-d 1``,
+    ``SIGINT``...) says how many it did not: ``unprinted`` were read but came after the end,
+    ``unread`` were written by the program and never read; ``filtered`` did not pass
+    ``--filter``. Shown whenever one is not zero, with ``events`` ``verb`` beside them.
     """
     when = f" in {duration:.3f} s" if duration is not None else ""
     lines = [f"{events} events, {hits} hits, {misses} missed, {dropped} dropped{when}"]
+    if unprinted or unread or filtered:
+        lines.append(
+            f"  of the hits: {events} {verb}, {filtered} filtered out, {dropped} dropped in the "
+            f"program, {unprinted} read but not {verb}, {unread} never read"
+        )
+    if unprinted or unread:
+        why = f"the run ended ({ended_by})" if ended_by else "the run ended"
+        lines.append(
+            f"NOTE: {why} with {unprinted + unread} events not {verb} ({unprinted} read "
+            f"after the end, {unread} never read): the hits count them, the output does not"
+        )
     for name, n in sorted((missed_by_probe or {}).items()):
         if n:
             lines.append(f"  missed  {name:<36} {n:>8}")

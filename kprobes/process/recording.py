@@ -89,10 +89,43 @@ class Recording:
         """Records of optimized probes lost to a full ring (perf's lost events): their hits
         are in ``nhit``, their handlers did not run."""
         reader = self._tracer.optimizer.reader
-        if reader is None:
-            return 0
-        reader.drain()
-        return reader.dropped
+        return 0 if reader is None else reader.count_drops()
+
+    @property
+    def unread(self) -> int:
+        """Records of optimized probes released without being read (``discard_records``):
+        hits that are in ``nhit`` whose handlers never ran."""
+        reader = self._tracer.optimizer.reader
+        return 0 if reader is None else reader.unread
+
+    @property
+    def reading_deadline(self) -> float | None:
+        """A ``time.monotonic()`` after which every read of the rings (``run()``'s, a
+        detach's) stops between two records and leaves the rest for the next read or for
+        ``discard_records``: how a command keeps its deadline while its reader lags (None,
+        the default: every read hands over all that was written)."""
+        reader = self._tracer.optimizer.reader
+        return None if reader is None else reader.until
+
+    @reading_deadline.setter
+    def reading_deadline(self, value: float | None) -> None:
+        self._ring_reader().until = value
+
+    @property
+    def is_reading_records(self) -> bool:
+        """A read of the rings is handing records to their handlers (``sigint.py``: not a
+        moment to raise an exception; ``end_run`` stops the read between two records)."""
+        reader = self._tracer.optimizer.reader
+        return reader is not None and reader.is_draining
+
+    def read_records(self) -> None:
+        """Hand the records written so far to their handlers (until ``reading_deadline``),
+        outside ``run()``: what a command reads once it has disabled its probes. An
+        exception a handler raised is raised here."""
+        self._drain_rings()
+        exc = self._manager.table.take_error()
+        if exc is not None:
+            raise exc
 
     @property
     def ring_size(self) -> int:

@@ -15,12 +15,21 @@ reuses the same TLS block is never given the records of the old one.
 
 **Drops**: a full ring makes the detour count a drop and write nothing (perf's lost
 events). ``RingReader.dropped`` is the total, and ``Process.dropped`` shows it.
+
+**A reader that lags** (a busy program writes records faster than Python hands them over)
+must not hold up whoever waits for it: a read stops between two records once ``until``
+(``time.monotonic()``) has passed, or once a handler ended the run, and keeps the records it
+had copied but not delivered for the next read, in order. ``discard()`` releases the rest
+unread and counts them (``unread``): what a command ended early says it never read.
+Rejected: reading the whole backlog before the end (a 32 MiB ring is 500,000 records, tens
+of seconds of Python on a loaded machine: ``-d 1`` once ran for minutes).
 """
 
 from __future__ import annotations
 
 import heapq
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
@@ -41,7 +50,9 @@ if TYPE_CHECKING:
     from kprobes.symbols.resolve import SymbolResolver
 
 POLL: Final = 0.002  # seconds between reads of the ring while run() waits for stops
-BATCH: Final = 16384  # records read at a time: run(timeout) returns between batches
+BATCH: Final = 16384  # records read by a poll: run(timeout) returns between batches
+CHECK_EVERY: Final = 32  # records delivered between two looks at the clock (``until``)
+SLICE: Final = 1024  # records copied at a time, then handed over
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +155,10 @@ class RingReader:
         self.threads: dict[int, int] = {}  # fs base → tid
         self.dropped = 0
         self.delivered = 0
+        self.unread = 0  # records released without being read (discard)
+        # Reads stop between two records once time.monotonic() passes this (None: never).
+        self.until: float | None = None
+        self._kept: deque[sa.Record] = deque()  # copied, not delivered: the next read's first
         # Called with an unknown thread pointer (a thread set its TLS after we last looked,
         # as the loader does at startup): look at every thread again.
         self.relearn: Callable[[], None] = lambda: None
@@ -154,6 +169,12 @@ class RingReader:
     @property
     def is_active(self) -> bool:
         return bool(self.sites)
+
+    @property
+    def is_draining(self) -> bool:
+        """Records are being handed over: an exception raised now (by a signal handler)
+        would lose the one in hand, neither delivered nor counted."""
+        return self._draining
 
     def add_site(self, site: ProbeSite, plan: CapturePlan, with_regs: bool) -> int:
         """A new record id for ``site`` (never reused: old records may still be in a ring)."""
@@ -168,7 +189,12 @@ class RingReader:
         self.comm(tid)  # read now: the thread may be gone when its records are read
 
     def forget(self) -> None:
-        """The address space was replaced (exec): its rings were read for the last time."""
+        """The address space was replaced (exec): its rings were read for the last time
+        (what a late read left in them is counted unread)."""
+        self.unread += len(self._kept)
+        self._kept.clear()
+        for view in self._areas():
+            self.unread += sa.skip_records(view)
         self.sites.clear()
         self.threads.clear()
 
@@ -177,7 +203,7 @@ class RingReader:
     def drain(self, *, everything: bool = True) -> None:
         """Read the rings and hand each record to its probes' handlers: a batch, or
         ``everything`` written so far (at most one ring's worth more, were the program to
-        keep writing as fast as we read)."""
+        keep writing as fast as we read); either way no later than ``until``."""
         if self._clock is None or self._draining:
             return
         if self.is_muted:
@@ -185,30 +211,51 @@ class RingReader:
             return
         self._draining = True
         try:
-            rounds = 1 + (max(self._capacities(), default=0) // BATCH if everything else 0)
-            for _ in range(rounds):
-                if self._drain() < BATCH:
+            if self._kept and not self._deliver_kept():
+                return
+            # Read in slices, so that records are handed over as they are copied and the
+            # clock (and a handler's end of the run) is looked at often; a poll reads a
+            # batch of them, a full read the ring's worth.
+            most = max(self._capacities(), default=0) if everything else BATCH
+            for _ in range(1 + most // SLICE):
+                if self._is_late() or self.table.pending_error is not None:
+                    break
+                if self._drain(SLICE) < SLICE:
                     break
         finally:
             self._draining = False
 
     def discard(self) -> None:
         """Nobody wants the records any more (the run was interrupted, or had its fill of
-        events): those not read yet, and all that come, are released unread."""
+        events): those not read yet, and all that come, are released unread and counted."""
         self.is_muted = True
+        self.unread += len(self._kept)
+        self._kept.clear()
         for view in self._areas():
-            sa.skip_records(view)
+            self.dropped += sa.read_records(view, limit=0).dropped
+            self.unread += sa.skip_records(view)
+
+    def count_drops(self) -> int:
+        """``dropped``, up to date, without reading a record (a count must not wait for a
+        reader that lags)."""
+        if self._clock is not None:
+            for view in self._areas():
+                self.dropped += sa.read_records(view, limit=0).dropped
+        return self.dropped
+
+    def _is_late(self) -> bool:
+        return self.until is not None and time.monotonic() >= self.until
 
     def _capacities(self) -> Iterable[int]:
         return (sa.layout_of(view).capacity for view in self._areas())
 
-    def _drain(self) -> int:
+    def _drain(self, limit: int) -> int:
         assert self._clock is not None
         self._clock.sample()
         batches = []
         most = 0
         for view in self._areas():
-            batch = sa.read_records(view, limit=BATCH)
+            batch = sa.read_records(view, limit=limit)
             self.dropped += batch.dropped
             most = max(most, len(batch.records))
             if batch.records:
@@ -216,11 +263,24 @@ class RingReader:
         records: Iterable[sa.Record] = (
             batches[0] if len(batches) == 1 else heapq.merge(*batches, key=lambda r: r.tsc)
         )
-        for record in records:
-            if self.table.pending_error is not None:
-                break  # a handler ended the run: the rest is not wanted
-            self._deliver(record)
+        self._kept.extend(records)
+        self._deliver_kept()
         return most
+
+    def _deliver_kept(self) -> bool:
+        """The copied records, oldest first, until a handler ends the run or ``until``
+        passes (looked at every ``CHECK_EVERY`` records); True if none is left."""
+        kept = self._kept
+        deliver = self._deliver
+        table = self.table
+        while kept:
+            if self._is_late():
+                return False  # the rest wait for the next read, or for discard()
+            for _ in range(min(CHECK_EVERY, len(kept))):
+                if table.pending_error is not None:
+                    return False  # a handler ended the run
+                deliver(kept.popleft())
+        return True
 
     def _deliver(self, record: sa.Record) -> None:
         rs = self.sites.get(record.probe)

@@ -150,6 +150,12 @@ class Process(
         handler, say) can. Callable from a signal handler; the first request counts."""
         self._manager.table.park(exc)
 
+    def take_pending_error(self) -> BaseException | None:
+        """The exception ``run()`` was to raise next (``end_run``'s, or a handler's) and
+        has not: taken, so that it is raised nowhere. A caller that left ``run()`` another
+        way (a signal) and reads the rest with ``read_records`` forgets it so."""
+        return self._manager.table.take_error()
+
     def detach(self) -> None:
         """Restore every patched byte and release every thread; the program carries on."""
         if not self._attached:

@@ -160,6 +160,15 @@ def _stats_lost(text: str) -> int:
     return lost
 
 
+def _stats_field(text: str, name: str) -> int:
+    """The number after ``name:`` in one ``per_cpu/cpuN/stats`` text (0 if absent)."""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == name and value.strip().isdigit():
+            return int(value)
+    return 0
+
+
 class Session:
     """A group and a private instance, created together and removed together."""
 
@@ -238,6 +247,20 @@ class Session:
                 with contextlib.suppress(OSError):
                     lost += _stats_lost(read_file(os.path.join(per_cpu, cpu, "stats")))
         return lost
+
+    def unread_events(self) -> int:
+        """Events the instance's buffer holds, not read yet (``entries`` of every CPU's
+        stats): what a command that ends now leaves unread."""
+        if not self.is_open:
+            return 0
+        entries = 0
+        per_cpu = os.path.join(self.instance_dir, "per_cpu")
+        with contextlib.suppress(OSError):
+            for cpu in os.listdir(per_cpu):
+                with contextlib.suppress(OSError):
+                    text = read_file(os.path.join(per_cpu, cpu, "stats"))
+                    entries += _stats_field(text, "entries")
+        return entries
 
     def trace_clock(self) -> str:
         text = self.read("trace_clock")

@@ -276,13 +276,15 @@ class TraceTarget(Delivery):
         handler: Callable[..., Any] | None = None,
         *,
         entry_times: bool = False,
+        disabled: bool = False,
     ) -> AnyProbe:
         """Register the probe ``spec`` describes (its group is ignored: the session's is used).
 
         ``entry_times=True`` on a return probe also records each call's entry, so that its
         return events carry ``entry_timestamp`` (as the Process target's do): a second,
         hidden event at the function's entry, paired with the returns per thread, newest
-        first, as calls nest.
+        first, as calls nest. ``disabled=True`` registers it disabled (its entry clock too):
+        probes placed together are then enabled one right after the other.
         """
         if spec.location is None:
             raise SpecError("a delete command places no probe", column=0, text=str(spec))
@@ -292,6 +294,8 @@ class TraceTarget(Delivery):
             probe.maxactive = spec.maxactive
         else:
             probe.pre_handler = handler
+        if disabled:
+            entry_of(probe).flags |= ProbeFlags.DISABLED
         args = self._render_args(entry_of(probe), spec.args)
         self._register(probe, args, spec.event or "", default=spec.effective_event)
         if entry_times and isinstance(probe, Kretprobe):
@@ -306,6 +310,7 @@ class TraceTarget(Delivery):
     def _add_entry_clock(self, rp: Kretprobe) -> None:
         ret = self._by_probe[id(rp)]
         entry = Kprobe(symbol=rp.kp.symbol, offset=rp.kp.offset, addr=rp.kp.addr)
+        entry.flags |= rp.kp.flags & ProbeFlags.DISABLED
         self._register(entry, (), f"{ret.event}__entry"[:64], hidden=True)
         ret.clock = entry
         self._clocks.add(self._by_probe[id(entry)].event, ret.event)

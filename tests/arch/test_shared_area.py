@@ -485,3 +485,35 @@ def test_skip_releases_committed_records_and_stops_at_one_being_written() -> Non
     commit(4, 2)
     assert sa.skip_records(buf) == 2 and words[sa.OFF_TAIL // 8] == 7
     assert sa.read_records(buf).records == ()
+
+
+def test_skip_counts_long_runs_across_the_ring_end_as_the_reader_would() -> None:
+    # The fast path compares whole stretches of commit words: runs of one-slot records
+    # past the ring's end, with multi-slot records between them and one still being
+    # written, must give the reader's own count and stop where it stops.
+    rng = random.Random(17)
+    cap = 1 << 13
+    layout = sa.AreaLayout(ncounters=0, capacity=cap)
+    buf = bytearray(layout.size)
+    sa.init_area(buf, layout)
+    words = memoryview(buf).cast("Q")
+    start = cap - 3000  # the run crosses the ring's end
+    words[sa.OFF_TAIL // 8] = start
+    ticket, sizes = start, []
+    while ticket < start + cap - sa.MAX_SLOTS:
+        k = 1 if rng.random() < 0.97 else rng.randint(2, sa.MAX_SLOTS)
+        sizes.append((ticket, k))
+        ticket += k
+    writing = sizes[len(sizes) * 3 // 4][0]  # this one is reserved, not committed yet
+    for t, k in sizes:
+        at = layout.record_offset(t) // 8
+        words[at + 1] = 7 | k << sa.META_SLOTS_SHIFT
+        if t != writing:
+            words[at] = sa.COMMIT_TAG | (t + 1)
+    words[sa.OFF_HEAD // 8] = ticket
+    copy = bytearray(buf)
+    want = len(sa.read_records(copy).records)  # the reader's count, on a copy
+    assert writing - start > 3000  # past the ring's end
+    assert want == sum(1 for t, _ in sizes if t < writing)
+    assert sa.skip_records(buf) == want
+    assert words[sa.OFF_TAIL // 8] == writing

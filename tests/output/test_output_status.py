@@ -55,3 +55,31 @@ def test_summary_json_has_every_key() -> None:
         "missed_by_probe": {"p": 1},
         "dropped_by_cpu": {"0": 0},
     }
+
+
+def test_status_line_says_how_far_behind_the_reader_is() -> None:
+    assert format_status(30967, 15483.5, 12948480, 0, 0, behind=12917513) == (
+        "\r30967 events (15483.5/s)  hits 12948480  12917513 not read yet  missed 0  "
+        "dropped 0\x1b[K"
+    )
+
+
+def test_summary_of_a_run_ended_early_says_what_was_not_printed() -> None:
+    text = format_summary(
+        events=30967,
+        hits=12948480,
+        misses=0,
+        dropped=20,
+        duration=1.0,
+        unprinted=14339,
+        unread=12903154,
+        ended_by="SIGINT",
+    )
+    assert text == (
+        "30967 events, 12948480 hits, 0 missed, 20 dropped in 1.000 s\n"
+        "  of the hits: 30967 printed, 0 filtered out, 20 dropped in the program, "
+        "14339 read but not printed, 12903154 never read\n"
+        "NOTE: the run ended (SIGINT) with 12917493 events not printed (14339 read after the "
+        "end, 12903154 never read): the hits count them, the output does not\n"
+        "WARNING: 20 hits lost (0 missed, 20 dropped): the output above is incomplete\n"
+    )

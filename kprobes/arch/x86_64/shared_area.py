@@ -315,7 +315,7 @@ def skip_records(buffer: memoryview | bytearray) -> int:
     cap, ring = layout.capacity, layout.ring_offset
     ticket = tail = int(words[OFF_TAIL // 8])
     head = int(words[OFF_HEAD // 8])
-    skipped = 0
+    ticket, skipped = _skip_one_slot_run(words, ring // 8, cap, ticket, head)
     while ticket < head:
         index = (ring + (ticket & (cap - 1)) * SLOT) // 8
         if words[index] != COMMIT_TAG | (ticket + 1):
@@ -328,3 +328,32 @@ def skip_records(buffer: memoryview | bytearray) -> int:
     if ticket != tail:
         words[OFF_TAIL // 8] = ticket
     return skipped
+
+
+def _skip_one_slot_run(
+    words: memoryview, ring: int, cap: int, ticket: int, head: int
+) -> tuple[int, int]:
+    """The fast part of ``skip_records``: the longest run of committed one-slot records from
+    ``ticket``, found by comparing whole stretches of commit words in C (a busy program's
+    32 MiB backlog is 500,000 records, seconds for the loop). A record of k slots carries
+    its commit word only in its first slot, so a slot followed by a slot that holds the
+    next ticket's commit word is a one-slot record; the last slot of a run is left to the
+    loop, which reads its size. Returns (the ticket after the run, records in it)."""
+    start = ticket
+    stride = SLOT // 8
+    while head - ticket > 1:
+        index = ticket & (cap - 1)
+        n = min(head - ticket, 4096)  # a stretch at a time
+        first = ring + index * stride
+        upto = min(n, cap - index)  # to the ring's end, then on from its start
+        found = words[first : first + upto * stride : stride].tolist()
+        if upto < n:
+            found += words[ring : ring + (n - upto) * stride : stride].tolist()
+        want = range(COMMIT_TAG + ticket + 1, COMMIT_TAG + ticket + 1 + n)
+        if found == list(want):
+            ticket += n - 1  # the last: the loop, or the next stretch, looks at it again
+            continue
+        matched = next(i for i, (w, e) in enumerate(zip(found, want, strict=True)) if w != e)
+        ticket += max(matched - 1, 0)
+        break
+    return ticket, ticket - start
