@@ -218,7 +218,7 @@ class Rescue:
         """Before a jump is written over the int3 at ``addr`` (or when it is gone, with
         ``jmp`` empty): an int3 followed by its four other bytes is one the rescue finishes
         into that jump (breakpoints.py writes a jump in three steps; rescue.c)."""
-        index = self._bps.get(addr)
+        index = self.noted.get(addr)
         if not self.area or index is None:
             return
         word = layout.bp_entry(addr, original, jmp)[8:]  # the address stays
