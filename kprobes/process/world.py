@@ -39,7 +39,11 @@ if TYPE_CHECKING:
 
 S = ThreadState
 _RIP = REG_INDEX["rip"]
+# A thread not stopped after STOP_WORLD_TIMEOUT is looked at in /proc (a stop whose report
+# was lost); one still running (not scheduled yet on a loaded machine, or in an
+# uninterruptible sleep) is waited for, up to STOP_WORLD_GIVE_UP in all.
 STOP_WORLD_TIMEOUT = 2.0
+STOP_WORLD_GIVE_UP = 120.0
 
 
 class WorldStop:
@@ -154,13 +158,17 @@ class WorldStop:
                     t.interrupt_sent = True
                 except ProcessLookupError:
                     self.drop_thread(t)
-        deadline = time.monotonic() + STOP_WORLD_TIMEOUT
+        now = time.monotonic()
+        deadline, give_up = now + STOP_WORLD_TIMEOUT, now + STOP_WORLD_GIVE_UP
         try:
             while any(t.state in RUNNING_STATES for t in self.threads.values()):
                 tid, status = self._wait(deadline)
                 if tid == 0:
-                    self._assume_stopped()
-                    break
+                    now = time.monotonic()
+                    if self._assume_stopped(is_last_chance=now >= give_up):
+                        break
+                    deadline = min(now + STOP_WORLD_TIMEOUT, give_up)
+                    continue
                 held = self.threads.get(tid)
                 if held is None:
                     if status == ev.SIGTRAP_STOP:
@@ -309,8 +317,9 @@ class WorldStop:
         except (ProcessLookupError, ChildProcessError):
             return None
 
-    def _assume_stopped(self) -> None:
+    def _assume_stopped(self, *, is_last_chance: bool) -> bool:
         """Threads we did not hear from in time: trust /proc when it says they are stopped.
+        False when one is still running (it is waited for again), unless ``is_last_chance``.
 
         Such a thread may sit in a stop whose report we took from the kernel and lost (an
         exception, KeyboardInterrupt say, between ``waitpid`` and the code that records it):
@@ -318,6 +327,7 @@ class WorldStop:
         of one of our int3s is put back on its int3, another signal is delivered later);
         left alone, the thread would resume past our int3, mid-instruction.
         """
+        is_all = True
         for t in list(self.threads.values()):
             if t.state not in RUNNING_STATES:
                 continue
@@ -326,7 +336,10 @@ class WorldStop:
                 self.drop_thread(t)
                 continue
             if state not in "tT":
-                raise TargetError(f"thread {t.tid} did not stop (state {state!r})")
+                if is_last_chance:
+                    raise TargetError(f"thread {t.tid} did not stop (state {state!r})")
+                is_all = False  # our interrupt stops it when it next runs
+                continue
             try:
                 tid, status = ptrace.wait(t.tid, ptrace.WNOHANG)
             except ChildProcessError:
@@ -340,6 +353,7 @@ class WorldStop:
                 t.event_stopped = True
             else:
                 self._hold(t, lost)
+        return is_all
 
     def resume_world(self) -> None:
         self._stop_depth -= 1
