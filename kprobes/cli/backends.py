@@ -316,10 +316,11 @@ class PtraceBackend(Backend):
 
     def stop(self) -> None:
         """Every probe disarmed in one stop of the world (jumps taken out): nothing more is
-        written to the rings, and ``read_rest`` has an end."""
+        written to the rings, and ``read_rest`` has an end. A process without record
+        probes has nothing left to read: its probes go at ``close()``, in one stop."""
         for proc in self._procs():
             proc.take_pending_error()  # the run is over: what was to end it is not wanted
-            if proc.is_alive:
+            if proc.is_alive and proc.is_recording:
                 with contextlib.suppress(ProbeError, OSError):
                     proc.enabled = False
 

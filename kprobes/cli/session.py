@@ -199,10 +199,10 @@ class Session:
         """The way out of a run (see the module's docstring): the probes disabled, what is
         left read until ``READ_AFTER_END`` after ``asked`` (none after ``-n``), the rest
         counted unread. With ``asked`` None (the program ended) everything left is read."""
-        backend.stop()
         if self.ended_by.startswith("-n"):
-            backend.discard_backlog()
+            backend.discard_backlog()  # and what comes until the probes are removed
             return
+        backend.stop()
         if asked is None and self._interrupt.interrupted:  # came while the probes went
             asked = self._interrupt.asked_at
         until = float("inf") if asked is None else asked + READ_AFTER_END

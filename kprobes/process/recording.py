@@ -112,6 +112,12 @@ class Recording:
         self._ring_reader().until = value
 
     @property
+    def is_recording(self) -> bool:
+        """Some probe writes records into the rings (an optimized record probe)."""
+        reader = self._tracer.optimizer.reader
+        return reader is not None and reader.is_active
+
+    @property
     def is_reading_records(self) -> bool:
         """A read of the rings is handing records to their handlers (``sigint.py``: not a
         moment to raise an exception; ``end_run`` stops the read between two records)."""
