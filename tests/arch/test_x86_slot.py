@@ -218,8 +218,20 @@ def test_singlestep_fixup(rip: int, expected: int) -> None:
     assert step_fixup(plan, SLOT, rip) == expected
 
 
-@pytest.mark.parametrize("raw", ["55", "48 83 ec 10"])
-def test_no_fixup_for_emulate_or_boost(raw: str) -> None:
+@pytest.mark.parametrize("raw", ["c3", "90", "eb 05", "e8 00 00 00 00"])
+def test_no_fixup_for_an_emulated_instruction(raw: str) -> None:
     plan, _ = planned(raw)
+    assert plan.kind is PlanKind.EMULATE
     with pytest.raises(InternalError):
         step_fixup(plan, SLOT, SLOT + 1)
+
+
+@pytest.mark.parametrize("raw", ["55", "48 83 ec 10"])
+def test_a_boosted_copy_stepped_once_maps_back(raw: str) -> None:
+    """A boosted copy is single-stepped once when a signal came as it began (issue 18):
+    stopped on its jmp back, the thread is after the probed instruction; still at the
+    slot's start (a ``rep`` iteration), at it."""
+    plan, code = planned(raw)
+    assert plan.kind is PlanKind.BOOST
+    assert step_fixup(plan, SLOT, SLOT + len(code)) == A + len(code)
+    assert step_fixup(plan, SLOT, SLOT) == A
