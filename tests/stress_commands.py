@@ -107,7 +107,6 @@ class Tally:
     endings: dict[str, int] = field(default_factory=dict)
     clean_checks: int = 0
     longest_end: float = 0.0
-    refused_leftovers: int = 0  # refused a site a killed tool left an int3 on
     failures: list[str] = field(default_factory=list)
 
 
@@ -252,12 +251,6 @@ def one_round(target: Target, rng: random.Random, tally: Tally, verbose: bool) -
         target.killed_in += 1
         return
     tally.longest_end = max(tally.longest_end, took)
-    if rc != 0 and target.killed_in and "already a breakpoint" in stderr:
-        # A SIGKILLed trap-tier tool leaves its int3s until each is hit (the rescue puts the
-        # byte back then); a later tool refuses such a site with that reason. Known limit:
-        # unlike a dead tool's jumps (leftover.py), they are not taken back yet.
-        tally.refused_leftovers += 1
-        return
     if rc != 0:
         tally.failures.append(f"{what}: exit status {rc}: {stderr[-800:]}")
         return
@@ -354,8 +347,7 @@ def main() -> int:
     endings = ", ".join(f"{k} {v}" for k, v in sorted(tally.endings.items()))
     print(
         f"stress: {tally.rounds} rounds ({endings}), "
-        f"{tally.clean_checks} clean endings checked byte for byte, {tally.refused_leftovers} "
-        f"refused a killed tool's int3, longest end after being "
+        f"{tally.clean_checks} clean endings checked byte for byte, longest end after being "
         f"asked {tally.longest_end:.2f} s, {len(tally.failures)} failures"
     )
     for failure in tally.failures:

@@ -89,6 +89,7 @@ class Following:
     _syscall_insn: int | None
     _ifuncs: dict[int, int]
     _boundaries: dict[int, frozenset[int]]
+    _dead_int3s: dict[int, int] | None
 
     if TYPE_CHECKING:
 
@@ -240,6 +241,7 @@ class Following:
         self._syscall_insn = None
         self._ifuncs.clear()
         self._boundaries.clear()
+        self._dead_int3s = None
         if self._tracer.trap_guard is not None:
             self._tracer.trap_guard.saved = None  # exec reset the program's handlers
         self._tracer.guarding = False

@@ -22,6 +22,7 @@ from kprobes.arch.x86_64.emulate import changes_rip_only, emulator_for
 from kprobes.arch.x86_64.leftover import original_under_jump
 from kprobes.arch.x86_64.plan import SLOT_SIZE, PlanKind, build_slot, plan_instruction
 from kprobes.arch.x86_64.rescue import AREA_SIZE as RESCUE_SIZE
+from kprobes.arch.x86_64.rescue import left_breakpoints
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Jprobe, Kretprobe
 from kprobes.core.table import ProbeSite
@@ -30,6 +31,7 @@ from kprobes.linux import ptrace
 from kprobes.process.tracer import Prepared
 from kprobes.process.xol import XolArea
 from kprobes.symbols.elf import SymbolKind
+from kprobes.symbols.maps import read_maps
 
 if TYPE_CHECKING:
     from kprobes.core.manager import ProbeManager
@@ -60,6 +62,7 @@ class Placing:
     _tracer: Tracer
     _manager: ProbeManager
     _boundaries: dict[int, frozenset[int]]
+    _dead_int3s: dict[int, int] | None
     is_starting: bool
 
     if TYPE_CHECKING:
@@ -175,12 +178,27 @@ class Placing:
             return  # ours
         memory = self._memory()
         head = memory.read(addr, 5) if head is None else head
-        if head[0] == 0xCC:
+        is_int3 = head[0] == 0xCC
+        if is_int3:
             head = b"\xe9" + head[1:]
         original = original_under_jump(addr, head, memory.read_some)
+        if original is None and is_int3:
+            byte = self._left_int3s().get(addr)
+            original = None if byte is None else bytes([byte])
         if original is not None:
             for space in self._tracer.own_memories():
                 space.write(addr, original)
+
+    def _left_int3s(self) -> dict[int, int]:
+        """The int3s a dead kprobes left, by its rescue's table (rescue.left_breakpoints):
+        read once a session (no other tool can place one while we trace the program)."""
+        if self._dead_int3s is None:
+            memory, own = self._memory(), self._tracer.rescue.area
+            self._dead_int3s = {}
+            for m in read_maps(self.pid):
+                if not m.path and m.end - m.start >= RESCUE_SIZE and m.start != own:
+                    self._dead_int3s.update(left_breakpoints(m.start, memory.read_some))
+        return self._dead_int3s
 
     def _take_back_leftover_jumps(self, start: int, size: int) -> None:
         """Every jump a dead kprobes left in the function at ``start`` is taken back before

@@ -100,6 +100,7 @@ class Process(
         self._resolver: SymbolResolver | None = None
         self._user_blacklist: list[BlacklistEntry] = []
         self._boundaries: dict[int, frozenset[int]] = {}
+        self._dead_int3s: dict[int, int] | None = None  # placing._left_int3s
         self._ifuncs: dict[int, int] = {}
         self._syscall_insn: int | None = None
         self._unwind_guarded: set[int] = set()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import signal
 import struct
+from collections.abc import Callable
 from typing import Final
 
 from kprobes.arch.x86_64 import rescue_code
@@ -158,6 +159,26 @@ def bp_entry(addr: int, original: int, jmp: bytes = b"") -> bytes:
     if jmp:
         word |= BP_JUMP | int.from_bytes(jmp[1:5], "little") << 8
     return _QQ.pack(addr, word)
+
+
+def left_breakpoints(area: int, read: Callable[[int, int], bytes]) -> dict[int, int]:
+    """{address: original byte} of every int3 the rescue at ``area`` lists, or {} when no
+    rescue is there (``read(at, n)`` reads up to ``n`` bytes of the program).
+
+    A kprobes SIGKILLed on the trap tier leaves its int3s, each put back by its rescue when a
+    thread next traps on it: until then the next tool finds them, and the dead tool's rescue,
+    which nobody else writes, is the record of which int3s are its own and what they hide.
+    """
+    head = read(area + HEADER, H_SIZE)
+    if len(head) < H_SIZE or _Q.unpack_from(head, H_MAGIC)[0] != MAGIC:
+        return {}
+    count = min(_Q.unpack_from(head, H_NBP)[0], BP_MAX)
+    table = read(area + BP_TABLE, count * BP_ENTRY)
+    found = {}
+    for at in range(0, len(table) - BP_ENTRY + 1, BP_ENTRY):
+        addr, word = _QQ.unpack_from(table, at)
+        found[addr] = word & 0xFF
+    return found
 
 
 def redirect_entry(slot: int, length: int, addr: int) -> bytes:
