@@ -177,7 +177,8 @@ def left_breakpoints(area: int, read: Callable[[int, int], bytes]) -> dict[int, 
     found = {}
     for at in range(0, len(table) - BP_ENTRY + 1, BP_ENTRY):
         addr, word = _QQ.unpack_from(table, at)
-        found[addr] = word & 0xFF
+        if not word & BP_JUMP:  # a jump site's other four bytes may be the jump's: not ours
+            found[addr] = word & 0xFF  # to guess (one byte back before them is a mixture)
     return found
 
 
