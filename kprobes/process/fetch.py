@@ -327,9 +327,8 @@ class Symbolizer:
             except SymbolNotFound:
                 loc = None
             if loc is None or loc.symbol is None:
-                text = f"0x{addr:x}"
-            else:
-                text = f"{loc.symbol.name}+{loc.offset:#x}/{max(loc.symbol.size, 1):#x}"
+                return f"0x{addr:x}"  # not cached: symbols read later may know it
+            text = f"{loc.symbol.name}+{loc.offset:#x}/{max(loc.symbol.size, 1):#x}"
             self._cache[addr] = text
         return text
 
