@@ -336,7 +336,7 @@ class WorldStop:
                 self.drop_thread(t)
                 continue
             if state not in "tT":
-                if is_last_chance:
+                if is_last_chance or state in "ZX":  # a zombie never stops: as before
                     raise TargetError(f"thread {t.tid} did not stop (state {state!r})")
                 is_all = False  # our interrupt stops it when it next runs
                 continue
