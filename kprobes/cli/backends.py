@@ -31,10 +31,11 @@ import os
 import signal
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
+from kprobes.cli.ownfile import in_own_file, own_file
 from kprobes.cli.sigint import is_in_trace_stop
 from kprobes.cli.targets import command_argv, open_target
 from kprobes.core.probes import Kprobe
@@ -260,7 +261,7 @@ class PtraceBackend(Backend):
             self.proc.detach()
             raise
         self.proc.on_new_process = self._follow
-        self.own_file = _own_file(self.proc.pid)
+        self.own_file = own_file(self.proc.pid)
 
     def _spec_tracer(self, proc: Process) -> SpecTracer:
         return SpecTracer(proc, self.sink, optimize=self.optimize, count_only=self.count_only)
@@ -533,35 +534,6 @@ class TraceFsBackend(Backend):
         goes with the instance at ``close()``."""
         if self.target.session.is_open:
             self._unread = self.target.session.unread_events()
-
-
-def _own_file(pid: int) -> str | None:
-    """The file a bare symbol names: the executable the process runs now (for ``-c``, the
-    command's first image, its ``#!`` interpreter for a script, as the kernel ran it)."""
-    try:
-        exe = os.readlink(f"/proc/{pid}/exe")
-    except OSError:
-        return None
-    return exe if os.path.isfile(exe) else None  # " (deleted)": left to the process's symbols
-
-
-def in_own_file(spec: ProbeSpec, exe: str | None) -> ProbeSpec:
-    """``work`` as ``EXE:work``, keeping the spec's group and event names.
-
-    A probe point names code in a file, as the kernel's uprobes (which hang on the inode)
-    and ``--backend uprobes`` do: a bare symbol is the command's own executable, not whatever
-    executable a process of the tree runs later (an exec of another program is not probed
-    by it; an exec of the same file is).
-    """
-    loc = spec.location
-    if exe is None or not isinstance(loc, SymbolLocation) or loc.module is not None:
-        return spec
-    return replace(
-        spec,
-        location=replace(loc, module=exe),
-        group=spec.effective_group,
-        event=spec.effective_event,
-    )
 
 
 def _group_of(specs: Sequence[ProbeSpec]) -> str | None:

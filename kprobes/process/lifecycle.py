@@ -26,8 +26,9 @@ if TYPE_CHECKING:
     from kprobes.process.fetchfaults import FetchFaults
     from kprobes.process.optimizer import JumpState
     from kprobes.process.placement import Placement
+    from kprobes.process.prepared import Prepared
     from kprobes.process.rescue import Rescue
-    from kprobes.process.tracer import Prepared, Tracer
+    from kprobes.process.tracer import Tracer
     from kprobes.process.trampoline import Trampoline
     from kprobes.process.xol import XolArea
 

@@ -57,7 +57,8 @@ if TYPE_CHECKING:
     from kprobes.core.manager import ProbeManager
     from kprobes.core.table import ProbeSite
     from kprobes.process.placing import ProbeLocation
-    from kprobes.process.tracer import Prepared, Tracer
+    from kprobes.process.prepared import Prepared
+    from kprobes.process.tracer import Tracer
     from kprobes.symbols.resolve import SymbolResolver
 
 _COLD_PARTS: Final = 8  # foo.cold.0 .. foo.cold.7: older gcc's names of a function's parts

@@ -28,7 +28,7 @@ from kprobes.core.retprobes import Jprobe, Kretprobe
 from kprobes.core.table import ProbeSite
 from kprobes.errors import Blacklisted, NotABoundary, NotMapped, ProbeRejected, SymbolNotFound
 from kprobes.linux import ptrace
-from kprobes.process.tracer import Prepared
+from kprobes.process.prepared import Prepared
 from kprobes.process.xol import XolArea
 from kprobes.symbols.elf import SymbolKind
 from kprobes.symbols.maps import read_maps

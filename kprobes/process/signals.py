@@ -28,8 +28,11 @@ from kprobes.process.tracee import TraceeKind
 
 if TYPE_CHECKING:
     from kprobes.core.table import ProbeSite
+    from kprobes.process.breakpoints import Breakpoints
     from kprobes.process.fetchfaults import FetchFaults
     from kprobes.process.rescue import Rescue
+    from kprobes.process.trampoline import Trampoline
+    from kprobes.process.trapguard import TrapGuard
     from kprobes.process.xol import XolArea
 
 S = ThreadState
@@ -50,6 +53,16 @@ class SignalDelivery:
     rescue: Rescue
     hold_all: bool
     _stop_depth: int
+    sites: dict[int, ProbeSite]
+    breakpoints: Breakpoints
+    trampoline: Trampoline
+    trap_guard: TrapGuard | None
+    guarding: bool
+
+    if TYPE_CHECKING:
+
+        def _return_hit(self, t: Thread) -> None: ...
+        def _after_handler(self, t: Thread) -> None: ...
 
     def _on_signal(self, t: Thread, sig: int) -> None:
         was = t.state
@@ -178,6 +191,31 @@ class SignalDelivery:
             t.busy = False
         t.store_regs()
         t.resume(0 if handled else sig)
+
+    def _foreign_trap(self, t: Thread, info: bytes | None = None) -> None:
+        """A SIGTRAP that is not a live breakpoint of ours (or our return trampoline);
+        ``info``: its siginfo, when it was read before the reap (``_hold_trap``)."""
+        regs = t.regs
+        rip = regs.rip
+        if rip - 1 == self.trampoline.addr and self.trampoline.addr:
+            self._return_hit(t)
+            return
+        if info is None:
+            info = ptrace.getsiginfo(t.tid)
+        if siginfo_code(info) == ptrace.SI_KERNEL and self.breakpoints.is_stale_trap(rip - 1):
+            # It hit an int3 we removed before we saw the trap: run the real instruction.
+            regs.rip = rip - 1
+            t.store_regs()
+            site = self.sites.get(rip - 1)
+            if site is not None:
+                site.miss()
+            self._after_handler(t)
+            return
+        if self.trap_guard is not None and not self.trap_guard.is_armed:
+            self.trap_guard.arm_if_needed(t)
+            self.guarding = self.trap_guard.is_armed
+            ptrace.setsiginfo(t.tid, info)  # the injection replaced the stop's siginfo
+        t.resume(signal.SIGTRAP)  # the program's own trap: deliver it
 
 
 def _hold(t: Thread, sig: int, info: bytes) -> None:

@@ -21,13 +21,10 @@ so that a blocking one is still interrupted (signals.py).
 from __future__ import annotations
 
 import os
-import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
-from kprobes.arch.x86_64.emulate import Emulator
-from kprobes.arch.x86_64.plan import Plan, PlanKind, step_fixup
+from kprobes.arch.x86_64.plan import PlanKind, step_fixup
 from kprobes.arch.x86_64.regs import REG_INDEX
 from kprobes.arch.x86_64.rescue import put_back_mark
 from kprobes.core.manager import ProbeManager
@@ -40,9 +37,10 @@ from kprobes.process.fetchfaults import FetchFaults
 from kprobes.process.lifecycle import Lifecycle
 from kprobes.process.optimizer import JumpState
 from kprobes.process.placement import Placement
+from kprobes.process.prepared import Prepared
 from kprobes.process.rescue import Rescue
 from kprobes.process.signals import SignalDelivery
-from kprobes.process.threads import Thread, ThreadState, siginfo_code
+from kprobes.process.threads import Thread, ThreadState
 from kprobes.process.tracee import Tracee, TraceeKind
 from kprobes.process.trampoline import Trampoline
 from kprobes.process.trapguard import TrapGuard
@@ -59,21 +57,6 @@ _EMULATE = PlanKind.EMULATE
 _BOOST = PlanKind.BOOST
 _STEP = PlanKind.STEP
 _RIP = REG_INDEX["rip"]
-
-
-@dataclass(frozen=True, slots=True)
-class Prepared:
-    """A site's out-of-line state (the kernel's ``ainsn``): its plan and slot."""
-
-    plan: Plan
-    kind: PlanKind
-    slot: int  # 0 for EMULATE
-    slot_len: int
-    emulator: Emulator | None = None  # EMULATE: the specialised emulation
-    is_one_stop: bool = False  # EMULATE or BOOST: the hit path can finish it inline
-    is_rip_only: bool = False  # running it out of line changes rip alone (write back rip only)
-    slot_word: ptrace.Word = field(default_factory=ptrace.Word)  # slot, built for POKEUSER
-    addr_word: ptrace.Word = field(default_factory=ptrace.Word)  # the probed address, likewise
 
 
 # Every tid traced by any Tracer in this process, so a status reaped by one loop reaches the
@@ -596,28 +579,3 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
             if t.regs.dirty:
                 t.store_regs()
         self._after_handler(t)
-
-    def _foreign_trap(self, t: Thread, info: bytes | None = None) -> None:
-        """A SIGTRAP that is not a live breakpoint of ours (or our return trampoline);
-        ``info``: its siginfo, when it was read before the reap (``_hold_trap``)."""
-        regs = t.regs
-        rip = regs.rip
-        if rip - 1 == self.trampoline.addr and self.trampoline.addr:
-            self._return_hit(t)
-            return
-        if info is None:
-            info = ptrace.getsiginfo(t.tid)
-        if siginfo_code(info) == ptrace.SI_KERNEL and self.breakpoints.is_stale_trap(rip - 1):
-            # It hit an int3 we removed before we saw the trap: run the real instruction.
-            regs.rip = rip - 1
-            t.store_regs()
-            site = self.sites.get(rip - 1)
-            if site is not None:
-                site.miss()
-            self._after_handler(t)
-            return
-        if self.trap_guard is not None and not self.trap_guard.is_armed:
-            self.trap_guard.arm_if_needed(t)
-            self.guarding = self.trap_guard.is_armed
-            ptrace.setsiginfo(t.tid, info)  # the injection replaced the stop's siginfo
-        t.resume(signal.SIGTRAP)  # the program's own trap: deliver it

@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 
     from kprobes.core.manager import ProbeManager
     from kprobes.process.breakpoints import Breakpoints
+    from kprobes.process.prepared import Prepared
     from kprobes.process.rescue import Rescue
-    from kprobes.process.tracer import Prepared
     from kprobes.process.trampoline import Trampoline
     from kprobes.process.xol import XolArea
 
