@@ -57,12 +57,6 @@ SPECS = (
 
 
 @needs_uprobes
-@pytest.mark.xfail(
-    strict=False,
-    reason="open regression (issue 17 session): the uprobes backend sometimes prints a return "
-    "site as a raw address (0x... <- work) instead of main+0x58/0x128, likely because its "
-    "events are decoded after the command exited, when its symbols can no longer be read",
-)
 def test_trace_gives_the_same_events_on_both_backends(target, tracefs_state):
     ours = cli("trace", "-c", f"{target} 4", *SPECS)
     kernels = cli("trace", "--backend", "uprobes", "-c", f"{target} 4", *SPECS)

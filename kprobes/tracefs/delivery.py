@@ -67,6 +67,7 @@ class Delivery:
         def group(self) -> str: ...
         def _accepts(self, tgid: int) -> bool: ...
         def _describe(self, addr: int, tid: int) -> str: ...
+        def _describe_return(self, addr: int, tid: int, func_ip: int, event: str) -> str: ...
         def _symbolize(self, addr: int) -> str: ...
         def iter_probes(self) -> builtins.list[AnyProbe]: ...
 
@@ -106,10 +107,10 @@ class Delivery:
             assert target is not None, "a builder outlived its target"
             return target.tasks.who(tid, target._accepts)
 
-        def place_miss(ip: int, tid: int) -> str:
+        def place_miss(ip: int, tid: int, func_ip: int, event: str) -> str:
             target = me()
             assert target is not None, "a builder outlived its target"
-            return target._place_miss(ip, tid)
+            return target._place_miss(ip, tid, func_ip, event)
 
         def symbolize(addr: int) -> str:
             target = me()
@@ -118,9 +119,10 @@ class Delivery:
 
         return Lookups(self.tasks.known, who_miss, self._places, place_miss, symbolize)
 
-    def _place_miss(self, ip: int, tid: int) -> str:
-        """``sym+off/size`` of a return address, the first time it is met."""
-        where = self._describe(ip, tid)
+    def _place_miss(self, ip: int, tid: int, func_ip: int, event: str) -> str:
+        """``sym+off/size`` of a return address, the first time it is met (the return
+        event ``event`` of the function at ``func_ip`` came back to it)."""
+        where = self._describe_return(ip, tid, func_ip, event)
         if len(self._places) < 65536:
             self._places[ip] = where
         return where

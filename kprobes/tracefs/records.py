@@ -102,7 +102,8 @@ class Lookups:
     who: dict[int, WhoEntry]  # thread id → who it is (filled by who_miss)
     who_miss: Callable[[int], WhoEntry]
     places: dict[int, str]  # return address → "sym+off/size" (filled by place_miss)
-    place_miss: Callable[[int, int], str]  # (address, tid) → "sym+off/size"
+    # (address, tid, the probed function's address, event) → "sym+off/size"
+    place_miss: Callable[[int, int, int, str], str]
     symbolize: Callable[[int], str] | None = None  # for %pS arguments; None: keep the number
 
 
@@ -201,7 +202,7 @@ def builder_source(
         lines += [
             "    location = place_get(ip)",
             "    if location is None:",
-            "        location = place_miss(ip, tid)",
+            "        location = place_miss(ip, tid, func_ip, event)",
         ]
     if plan.comm_index >= 0:
         comm_var = f"a{plan.comm_index}"

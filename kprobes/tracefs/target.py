@@ -161,6 +161,10 @@ class TraceTarget(Delivery):
     def _describe(self, addr: int, tid: int) -> str:
         return f"{addr:#x}"
 
+    def _describe_return(self, addr: int, tid: int, func_ip: int, event: str) -> str:
+        """``_describe`` for a return address; the return event says more (uprobes.py)."""
+        return self._describe(addr, tid)
+
     def _symbolize(self, addr: int) -> str:
         return f"{addr:#x}"
 

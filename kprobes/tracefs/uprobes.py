@@ -481,3 +481,28 @@ class Uprobes(TraceTarget):
         if location.symbol is None:
             return f"{addr:#x}"
         return f"{location.symbol.name}+{location.offset:#x}/{location.func_size:#x}"
+
+    def _describe_return(self, addr: int, tid: int, func_ip: int, event: str) -> str:
+        """A return address; when the process's mappings were never read (a command that
+        ran and exited before we could, ``-c 'prog 4'``), the probed function's own file
+        places it: the event gives the function's address, so that file's load bias, and a
+        return into the same file (the usual caller) is found in its symbols."""
+        where = self._describe(addr, tid)
+        if not where.startswith("0x") or not func_ip:
+            return where
+        reg = next((r for r in self._by_id.values() if r.event == event), None)
+        place = reg.point.place if reg is not None else None
+        if not isinstance(place, FileOffsetLocation):
+            return where
+        try:
+            image = ElfImage.open(place.path)
+        except (OSError, ValueError, ProbeError):
+            return where
+        func_vaddr = image.offset_to_vaddr(place.offset)
+        if func_vaddr is None:
+            return where
+        found = image.function_at(addr - (func_ip - func_vaddr))
+        if found is None:
+            return where
+        symbol, offset = found
+        return f"{symbol.name}+{offset:#x}/{symbol.size:#x}"

@@ -56,7 +56,7 @@ class Threads:
         self.who[tid] = self.answer(tid)
         return self.who[tid]
 
-    def place_miss(self, ip: int, tid: int) -> str:
+    def place_miss(self, ip: int, tid: int, func_ip: int, event: str) -> str:
         self.place_misses.append(ip)
         self.places[ip] = f"caller+{ip & 0xFFF:#x}/0x1000"
         return self.places[ip]

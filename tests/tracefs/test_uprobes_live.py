@@ -26,7 +26,7 @@ from kprobes.model import ArgValue, Event
 from kprobes.spec import parse
 from kprobes.symbols.elf import ElfImage
 from kprobes.tracefs import Kernel, Uprobes, parse_error_log
-from tracefs.conftest import TRACEFS, Waiting, tracefs_leftovers
+from tracefs.conftest import TRACEFS, Waiting, require_uprobe_events, tracefs_leftovers
 
 pytestmark = pytest.mark.tracefs
 
@@ -441,3 +441,26 @@ def test_data_symbols_are_read_through_file_offsets(start: Callable[..., Waiting
         assert u.run(timeout=10) is True
     assert [e.arg("n") for e in got] == [0, 1]  # .bss, counted before the call
     assert [e.arg("first") for e in got] == ["hello world"] * 2
+
+
+def test_return_sites_are_named_when_the_command_is_gone_before_it_is_read(
+    program: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short command can run and exit before its mappings are read from /proc (about one
+    ``trace -c 'target 4'`` in three printed ``0x55... <- work``): the return event gives the
+    probed function's address, so its file's load bias, and the return address is named from
+    that file's symbols. Here every read of /proc mappings fails, as for a process gone."""
+    require_uprobe_events()
+
+    def gone(pid: int) -> None:
+        raise OSError(errno.ESRCH, "the process has exited")
+
+    monkeypatch.setattr("kprobes.tracefs.uprobes.SymbolResolver", gone)
+    got: list[Event] = []
+    argv = ["/bin/sh", "-c", f"echo go | {program} 3"]
+    with Uprobes(command=argv, sink=got.append) as u:
+        u.register_kretprobe(Kretprobe(symbol=f"{program}:work"), ["ret=$retval:s64"])
+        assert u.run(timeout=30) is True
+    returns = [e for e in got if e.is_return]
+    assert len(returns) == 3
+    assert all(e.location.startswith("calls+0x") for e in returns), [e.location for e in got]
