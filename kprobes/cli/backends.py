@@ -394,6 +394,13 @@ class TracePlaced:
         return self.probe.nmissed
 
 
+# Pages of the kernel's ring read per CPU at a time: a batch is printed whole before the
+# clock is looked at again, and 16 pages (~1,000 events) print in well under the
+# ``READ_AFTER_END`` an ending allows; 256 (the library's default) took seconds to print, so
+# ``-d`` and the signals ended a lagging run late on the kernel's backends.
+PAGES_PER_READ = 16
+
+
 class TraceFsBackend(Backend):
     """The kernel's uprobes or kprobes, through tracefs (``kprobes.Uprobes``/``Kernel``)."""
 
@@ -416,6 +423,7 @@ class TraceFsBackend(Backend):
         self.target: TraceTarget
         if args.backend == "uprobes":
             self.target = uprobes = self._open_uprobes(args, specs, patterns, sink, group)
+            uprobes.pages_per_read = PAGES_PER_READ
             self.own_file = uprobes.main_file
             if args.command is not None:
                 self.command_pid = self.target.pid
@@ -426,6 +434,7 @@ class TraceFsBackend(Backend):
             pid = self.command_pid = self._spawned.pid
         try:
             self.target = Kernel(pid=pid, group=group, sink=sink)
+            self.target.pages_per_read = PAGES_PER_READ
         except BaseException:
             self._detach_spawned()
             raise

@@ -60,6 +60,7 @@ class Delivery:
     _pending: BaseException | None
     _pidfd: int
     _exited: bool
+    pages_per_read: int
 
     if TYPE_CHECKING:
 
@@ -132,9 +133,9 @@ class Delivery:
         return self._read()
 
     def read_pages(self) -> builtins.list[tuple[int, bytes]]:
-        """The ring-buffer pages recorded so far (at most 256 per CPU), as (cpu, page),
-        undecoded; consumes them."""
-        return self._buffers.read_pages()
+        """The ring-buffer pages recorded so far (at most ``pages_per_read`` per CPU), as
+        (cpu, page), undecoded; consumes them."""
+        return self._buffers.read_pages(self.pages_per_read)
 
     def decode_pages(self, pages: Sequence[tuple[int, bytes]]) -> builtins.list[Event]:
         """The events of ``pages`` from ``read_pages()``, oldest first.

@@ -127,6 +127,10 @@ class TraceTarget(Delivery):
         self._by_probe: dict[int, Registration] = {}
         self.tasks = Tasks(self.fs)
         self._places: dict[int, str] = {}
+        # Pages read per CPU at each ``poll()``: a batch is delivered whole, so this bounds
+        # how long a ``run(timeout)`` may overrun when the reader lags (the command line
+        # makes it small: cli/backends.py).
+        self.pages_per_read = 256
         # Records of other events enabled in our instance (common_type → handler(page, start)).
         self._watchers: dict[int, Watcher] = {}
         self._builders: dict[int, Builder] = {}  # common_type → builder, for decode_pages

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -193,6 +194,22 @@ def test_pages_read_and_decoded_apart(start: Callable[..., Waiting]) -> None:
     assert [(e.arg("x"), e.arg("s")) for e in events] == [
         (0, "hello world"), (1, "second name"), (2, "hello world"),
     ]  # fmt: skip
+
+
+def test_a_poll_reads_at_most_pages_per_read_pages_of_each_cpu(
+    start: Callable[..., Waiting],
+) -> None:
+    """A batch is delivered whole before ``run()`` looks at the clock again: the command line
+    keeps batches small so that a lagging reader still ends on time."""
+    prog = start(2000)
+    with Uprobes(pid=prog.pid) as u:
+        u.register_kprobe(Kprobe(symbol="work"), ["x=%di:s64", "s=+0(%si):string"])
+        prog.go()
+        u.pages_per_read = 2
+        batches = []
+        while pages := u.read_pages():
+            batches.append(Counter(cpu for cpu, _ in pages))
+    assert len(batches) > 1 and all(max(b.values()) <= 2 for b in batches), batches
 
 
 def test_pid_filter_drops_a_forked_child(start: Callable[..., Waiting]) -> None:
