@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 from typing import Any, Final
 
@@ -40,3 +42,54 @@ def release_exit_signals(holder: object) -> None:
             if signal.getsignal(sig) is _raise_exit:
                 signal.signal(sig, handler)
             del _saved_handlers[sig]
+
+
+# -- sections that no signal may cut in two ---------------------------------------------------
+
+# The signals whose Python handlers may raise at any bytecode: SIGINT (KeyboardInterrupt),
+# SIGTERM and SIGHUP (SystemExit above, or the command line's ending), SIGALRM (the command
+# line's recheck of a deferred SIGINT, cli/sigint.py).
+DEFERRED: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGALRM)
+_depth = 0
+_came: list[int] = []
+
+
+def _note(signum: int, frame: FrameType | None) -> None:
+    if signum not in _came:
+        _came.append(signum)
+
+
+@contextmanager
+def uninterrupted() -> Iterator[None]:
+    """Run the block to its end: a signal of ``DEFERRED`` that comes meanwhile is raised
+    again right after it, where the handler it finds then runs.
+
+    For what leaves the program harmed if an exception cuts it in two: the three writes of a
+    jump (breakpoints.py), a whole detach. Python runs signal handlers in the main thread
+    only, between two bytecodes; so in the main thread the handlers are swapped for one that
+    notes the signal, and elsewhere nothing is needed. Nested blocks swap once. Rejected:
+    ``pthread_sigmask`` alone (a program of ours with another thread has the signal taken
+    there, and the main thread still runs the handler at its next bytecode); catching the
+    exception and redoing the work (a second signal cuts the redo too: malloc was left as an
+    int3 before the jump's four bytes, and the program died of it).
+    """
+    global _depth
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved: dict[int, Any] = {}
+    if _depth == 0:
+        for deferred in DEFERRED:
+            if signal.getsignal(deferred) is not None:  # None: not Python's to swap back
+                saved[deferred] = signal.signal(deferred, _note)
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+        if _depth == 0:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
+            came, _came[:] = list(_came), []
+            for signum in came:
+                signal.raise_signal(signum)

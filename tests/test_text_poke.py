@@ -181,6 +181,45 @@ def test_an_exception_between_two_writes_leaves_every_site_whole(
     assert out.read_bytes() == hammer_output(THREADS)
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_during_a_detach_waits_for_its_end(
+    attach: Any, popen: Any, hammer: Path, signum: signal.Signals
+) -> None:
+    """A real signal right after each write of a detach into a jump site (SIGINT's
+    KeyboardInterrupt, SIGTERM's SystemExit): the detach goes on to its end and the
+    exception comes after it. Raised in the middle, it left the site as an int3 before the
+    jump's four bytes: ``kprobes hist`` ended by SIGINT while its atexit detach ran left
+    malloc so, the next tool refused it and the program later died of heap corruption."""
+    probed, _ = probed_sites(hammer)
+    prog = start_hammer(popen, hammer)
+    proc = attach(prog.pid)
+    kps = [kprobes.Kprobe(symbol="mix", offset=s.offset, optimize=True) for s in probed]
+    proc.register_kprobes(kps)
+    wait_optimized(proc)
+    sites = [kp.addr or 0 for kp in kps]
+    write = Tracee.write
+    writes = 0
+
+    def writing(tracee: Tracee, addr: int, data: bytes) -> None:
+        nonlocal writes
+        write(tracee, addr, data)
+        if any(a <= addr < a + 5 for a in sites):
+            writes += 1
+            os.kill(os.getpid(), signum)
+
+    expected = KeyboardInterrupt if signum == signal.SIGINT else SystemExit
+    Tracee.write = writing  # type: ignore[method-assign]
+    try:
+        with pytest.raises(expected):
+            proc.detach()
+    finally:
+        Tracee.write = write  # type: ignore[method-assign]
+    assert writes >= 3 * len(sites)  # every step of every site, each followed by a signal
+    assert site_states(prog.pid, hammer, probed) == ["original"] * len(probed)
+    assert "TracerPid:\t0" in Path(f"/proc/{prog.pid}/status").read_text()
+    finish_hammer(prog)
+
+
 def wait_optimized(proc: Any) -> None:
     """Run until every probe is a jump (a site waits while a thread is in its region)."""
     for _ in range(2000):

@@ -147,13 +147,14 @@ class Session:
             )
             interrupt.end_run = backend.end_run
             interrupt.is_mid_hit = backend.is_mid_hit
+            interrupt.on_late_signal = lambda: backend.set_reading_deadline(
+                time.monotonic() + READ_AFTER_END
+            )
             asked: float | None = time.monotonic()  # a failure: nothing more is read
             try:
                 asked = self._run(backend)
             finally:
-                interrupt.on_late_signal = lambda: backend.set_reading_deadline(
-                    time.monotonic() + READ_AFTER_END
-                )
+                interrupt.is_over = True  # before any call (sigint.py)
                 interrupt.quiet()
                 try:
                     self._end(backend, asked)
@@ -185,10 +186,13 @@ class Session:
                     sys.stderr.write(f"kprobes: {note}\n")
             interrupt.is_placing = False
             asked = interrupt.asked_at if interrupt.interrupted else self._loop(backend)
+            interrupt.is_over = True  # each way out of the loop says so first (sigint.py)
         except EnoughEvents:
+            interrupt.is_over = True
             self.ended_by = f"-n {self._max}"
             asked = time.monotonic()
         except (KeyboardInterrupt, RunInterrupted):
+            interrupt.is_over = True
             asked = time.monotonic()
         if interrupt.interrupted:  # SIGINT/TERM/HUP, whatever part of the run saw it
             self.ended_by = interrupt.signal.name if interrupt.signal else "SIGINT"

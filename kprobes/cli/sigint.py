@@ -26,8 +26,10 @@ SIGTERM and SIGHUP (``timeout 3 kprobes ...``, a closed terminal) end a run exac
 does, with the summary and the table: their default action would kill the tool with its
 probes in the program (what SIGKILL leaves is a rescue's work, not an ending).
 
-While the probes are removed SIGINT is only noted: an exception in the middle of a detach would
-leave the program with our breakpoints and nobody to answer them. Only the command line does
+Once the run is over (``is_over``, set by the session with plain stores as the loop is left)
+and while the probes are removed, SIGINT is only noted: an exception in the middle of a detach
+would leave the program with our breakpoints and nobody to answer them (the detach itself
+also runs ``lifetime.uninterrupted()``, for every other way in). Only the command line does
 any of this; the library leaves SIGINT to the program that imports it.
 """
 
@@ -103,6 +105,12 @@ class SafeInterrupt:
         # Called (from the handler) with a signal that comes while the run is being ended:
         # the ending may shorten what it still reads.
         self.on_late_signal: Callable[[], None] = lambda: None
+        # The run is over (the loop returned, or left by an exception): a signal from now on
+        # is only noted. Set by plain stores, never a call: Python runs a pending handler at
+        # the first call after an exception leaves the loop, which was ``quiet()``'s own, so
+        # a signal that came as the run ended raised KeyboardInterrupt into the ending, past
+        # the removal of the probes (left to the atexit hook, no summary, status 130).
+        self.is_over = False
         self._since = 0.0
         self._has_asked = False
         self._is_quiet = False
@@ -136,7 +144,7 @@ class SafeInterrupt:
             self._raise_when_safe()
 
     def _raise_when_safe(self) -> None:
-        if self._is_quiet:
+        if self._is_quiet or self.is_over:
             self.on_late_signal()
             return
         if self.is_placing:

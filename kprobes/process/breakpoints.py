@@ -35,6 +35,7 @@ import enum
 from collections.abc import Iterable
 
 from kprobes.errors import InternalError, TargetError
+from kprobes.lifetime import uninterrupted
 from kprobes.process.tracee import Tracee
 
 INT3 = 0xCC
@@ -130,9 +131,10 @@ class Breakpoints:
         if now == new or (only_ours and not _is_ours(now, *patch)):
             return
         try:
-            self._three_steps(space, addr, now, new)
+            with uninterrupted():  # no signal's exception between two of the steps
+                self._three_steps(space, addr, now, new)
         except BaseException:
-            # An exception between two steps (SIGINT's KeyboardInterrupt, say): the world
+            # A write that failed between two steps (or an exception of a test): the world
             # runs again after it, and the bookkeeping still says what was there, so that
             # goes back, by the same steps. Left as an int3 followed by the new bytes, the
             # site's next trap would run the old instruction's out-of-line plan into them.

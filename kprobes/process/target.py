@@ -33,6 +33,7 @@ from kprobes.errors import (
     ProbeRejected,
     TargetError,
 )
+from kprobes.lifetime import uninterrupted
 from kprobes.linux import procfs
 from kprobes.model import BlacklistEntry, ProbeListing
 from kprobes.process import cleanup, jprobes
@@ -161,15 +162,18 @@ class Process(
         """Restore every patched byte and release every thread; the program carries on."""
         if not self._attached:
             return
-        try:
-            self._detach_members()
-            self._drain_rings()
-            self._collect_counts()
-            if self._tracer.is_alive:
-                self._tracer.placement.release(list(self._tracer.threads))
-                detach_all(self._tracer)
-        finally:
-            self._finish()
+        # Whole, whatever signal comes (lifetime.py): cut in two by the exception of one, it
+        # left our bytes in the program with nobody to answer them.
+        with uninterrupted():
+            try:
+                self._detach_members()
+                self._drain_rings()
+                self._collect_counts()
+                if self._tracer.is_alive:
+                    self._tracer.placement.release(list(self._tracer.threads))
+                    detach_all(self._tracer)
+            finally:
+                self._finish()
 
     def colocate(self, cpu: int | None = None) -> int:
         """Run this tool and every thread of the program on one CPU; returns that CPU.

@@ -1,0 +1,53 @@
+"""``uninterrupted()``: a signal whose handler raises waits for the end of the block, then
+raises there (lifetime.py). The three writes of a jump and a whole detach run so."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from kprobes.lifetime import uninterrupted
+
+
+def test_sigint_in_the_block_is_raised_after_it():
+    steps = []
+    with pytest.raises(KeyboardInterrupt), uninterrupted():
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):  # bytecodes enough for a handler to have run
+            steps.append(1)
+        steps.append("end")
+    assert steps[-1] == "end" and len(steps) == 1001
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_each_signal_that_came_is_raised_once_after_the_block():
+    seen: list[int] = []
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: seen.append(signum))
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGALRM)
+    }
+    try:
+        with uninterrupted(), uninterrupted():  # nested: swapped once, raised once
+            for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGTERM, signal.SIGALRM):
+                os.kill(os.getpid(), sig)
+            assert seen == []
+        assert sorted(seen) == sorted([signal.SIGTERM, signal.SIGHUP, signal.SIGALRM])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def test_outside_the_main_thread_it_changes_nothing():
+    found = []
+    thread = threading.Thread(target=lambda: found.append(_handler_inside()))
+    thread.start()
+    thread.join()
+    assert found == [signal.default_int_handler]
+
+
+def _handler_inside():
+    with uninterrupted():
+        return signal.getsignal(signal.SIGINT)
