@@ -592,3 +592,11 @@ def cpu_flags() -> set[str]:
     with open("/proc/cpuinfo") as f:
         line = next((line for line in f if line.startswith("flags")), "")
     return set(line.split(":", 1)[-1].split())
+
+
+def default_signals() -> None:
+    """``preexec_fn`` for a process a test signals: SIGINT, SIGHUP and SIGTERM at SIG_DFL.
+    A test suite started in a script's background job inherits SIGINT ignored (and under
+    ``nohup`` SIGHUP too), and Python keeps an inherited SIG_IGN."""
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)

@@ -76,6 +76,7 @@ def start_driver(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,
+        preexec_fn=support.default_signals,  # the signals the tests send act as they would
     )
     assert driver.stdout is not None
     pid = 0

@@ -68,12 +68,13 @@ def test_a_signal_as_the_run_ends_is_noted_and_the_ending_is_whole(
     monkeypatch.setattr(session_module, "open_backend", lambda *args, **kwargs: backend)
     args = argparse.Namespace(filter=None, max_events=1 if how == "-n" else None, duration=None)
     session = Session(args, [parse_spec("work")])
+    before = signal.getsignal(signal.SIGINT)
     session.run()  # no KeyboardInterrupt out of it
     assert backend.steps[-1] == "close"
     if how != "-n":
         assert backend.steps == ["stop", "close"]
     assert session.ended_by in (signum.name, "-n 1")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])

@@ -12,6 +12,15 @@ import pytest
 from kprobes.lifetime import uninterrupted
 
 
+@pytest.fixture(autouse=True)
+def python_sigint():
+    """Python's own SIGINT handler, whatever the suite inherited (a script's background job
+    starts with SIGINT ignored)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def test_sigint_in_the_block_is_raised_after_it():
     steps = []
     with pytest.raises(KeyboardInterrupt), uninterrupted():

@@ -208,12 +208,15 @@ def test_a_signal_during_a_detach_waits_for_its_end(
             os.kill(os.getpid(), signum)
 
     expected = KeyboardInterrupt if signum == signal.SIGINT else SystemExit
+    # Python's own SIGINT handler, whatever the suite inherited (a background job's SIG_IGN).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     Tracee.write = writing  # type: ignore[method-assign]
     try:
         with pytest.raises(expected):
             proc.detach()
     finally:
         Tracee.write = write  # type: ignore[method-assign]
+        signal.signal(signal.SIGINT, previous)
     assert writes >= 3 * len(sites)  # every step of every site, each followed by a signal
     assert site_states(prog.pid, hammer, probed) == ["original"] * len(probed)
     assert "TracerPid:\t0" in Path(f"/proc/{prog.pid}/status").read_text()
