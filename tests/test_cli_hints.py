@@ -108,6 +108,19 @@ def test_a_bad_bitfield_container_says_which_are_good(target: Path) -> None:
     )
 
 
+@needs_uprobes
+def test_a_type_the_kernels_uprobes_refuse_lists_theirs(target: Path) -> None:
+    """Our grammar takes :symbol for a bare name (a kprobe's spelling); the kernel's uprobes
+    refuse it: its error_log line comes with the types a uprobe may use."""
+    r = cli("trace", "--backend", "uprobes", "-c", f"{target} 1", "work x=%di:symbol")
+    assert r.returncode == 1
+    head = (
+        r"kprobes: uprobe_events: Unknown type is specified \(column \d+, at 'symbol' in "
+        r"'p:kprobes_\d+/p_work_0 \S+:0x[0-9a-f]+ x=%di:symbol'\); "
+    )
+    assert re.fullmatch(head + re.escape(UPROBE_TYPES), r.stderr.splitlines()[0]), r.stderr
+
+
 # --- an unknown symbol -----------------------------------------------------------------------
 
 
