@@ -1,7 +1,8 @@
 """One exception tree for the whole package, split by what the caller can do about it.
 
     ProbeError                      root; ``.errno`` is what the kernel would return
-    ├── SpecError                   the probe text is malformed; ``.column`` (0-based)
+    ├── SpecError                   the probe text is malformed; ``.column`` (0-based),
+    │                               ``.hint`` what would be valid there (or "")
     ├── ProbeRejected               this probe cannot be placed; ``.errno`` says why
     │   ├── SymbolNotFound          ENOENT: the symbol is in none of the places searched
     │   │   └── NotMapped           ENOENT: its library is not mapped yet (may be, later)
@@ -37,12 +38,21 @@ class ProbeError(Exception):
 
 
 class SpecError(ProbeError):
-    """Malformed probe text; ``column`` is the 0-based position of the fault."""
+    """Malformed probe text; ``column`` is the 0-based position of the fault.
 
-    def __init__(self, message: str, *, column: int = 0, text: str = "") -> None:
+    ``message`` is the kernel's own ``error_log`` wording where the kernel has one (so that
+    it compares equal to what the kernel says of the same line); ``hint``, when there is
+    one, says what would be valid instead, and is shown after it.
+    """
+
+    def __init__(self, message: str, *, column: int = 0, text: str = "", hint: str = "") -> None:
         super().__init__(message, errno=_errno.EINVAL)
         self.column = column
         self.text = text
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"{self.message}; {self.hint}" if self.hint else self.message
 
 
 class ProbeRejected(ProbeError):

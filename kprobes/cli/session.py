@@ -51,7 +51,13 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     add_backend_arguments(parser)
     parser.add_argument("-d", "--duration", type=float, help="stop after SECONDS")
     parser.add_argument("-n", "--max-events", type=int, help="stop after N events")
-    parser.add_argument("--filter", metavar="EXPR", help="the kernel's event filter syntax")
+    parser.add_argument(
+        "--filter",
+        metavar="EXPR",
+        help="keep the events EXPR, in the kernel's event filter syntax, accepts "
+        "(e.g. 'pid == 42 && comm ~ \"wo*\"'); fields: the probe's arguments, tid (the "
+        "thread id, as the kernel's common_pid), pid (the process id), comm and cpu",
+    )
 
 
 _COMMAND = re.compile(r"\s*(?:(?:p|r\d*)(?::\S*)?(?:\s|$)|-:)")
@@ -64,12 +70,23 @@ def parse_spec(text: str) -> ProbeSpec:
     try:
         return parse("p " + text)
     except SpecError as exc:
-        raise SpecError(exc.message, column=max(exc.column - 2, 0), text=text) from exc
+        raise SpecError(
+            exc.message, column=max(exc.column - 2, 0), text=text, hint=exc.hint
+        ) from exc
+
+
+# What --filter may name besides the kernel's common fields (common_pid, comm, cpu) and the
+# probe's arguments (which win over a field of the same name, as in the kernel): the
+# spellings of bpftrace and perf. The filter runs here, on every backend, so the kernel's
+# filter grammar need not know them.
+CLI_FIELDS: dict[str, FieldKind] = {"tid": FieldKind.NUMBER, "pid": FieldKind.NUMBER}
 
 
 def event_fields(event: Event) -> dict[str, object]:
     fields: dict[str, object] = {
         "common_pid": event.tid,
+        "tid": event.tid,
+        "pid": event.pid,
         "comm": event.comm,
         "cpu": event.cpu,
     }
@@ -113,7 +130,7 @@ class Session:
     ) -> Callable[[dict[str, object]], bool] | None:
         if not text:
             return None
-        fields: dict[str, FieldKind] = {}
+        fields = dict(CLI_FIELDS)
         for spec in specs:
             fields.update(spec.filter_fields)
         return compile_filter(parse_filter(text, fields))

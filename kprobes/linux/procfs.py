@@ -12,6 +12,7 @@ import struct
 from typing import Final
 
 AT_ENTRY: Final = 9
+YAMA_PTRACE_SCOPE: Final = "/proc/sys/kernel/yama/ptrace_scope"
 
 
 def list_tasks(pid: int) -> list[int]:
@@ -106,6 +107,15 @@ def comm(pid: int) -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+def ptrace_scope() -> int | None:
+    """``kernel.yama.ptrace_scope`` (0 to 3), or None on a kernel without Yama."""
+    try:
+        with open(YAMA_PTRACE_SCOPE) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def open_mem(pid: int) -> int:

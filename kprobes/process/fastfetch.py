@@ -47,6 +47,7 @@ from kprobes.spec import (
     StackEntry,
     TypeSpec,
 )
+from kprobes.symbols.elf import did_you_mean
 
 if TYPE_CHECKING:
     from kprobes.symbols.resolve import SymbolResolver
@@ -135,7 +136,10 @@ def data_resolver(symbols: Callable[[], SymbolResolver]) -> Callable[[str], int]
         module = resolver.find_module(module_name) if sep else resolver.main_module()
         found = module.image.lookup(sym)
         if found is None:
-            raise SymbolNotFound(f"no symbol {sym!r} in {module.path}")
+            raise SymbolNotFound(
+                f"no symbol {sym!r} in {module.path}"
+                f"{did_you_mean(module.image, sym, functions_only=False)}"
+            )
         return module.bias + found.value
 
     return resolve

@@ -184,7 +184,7 @@ class Following:
                 if probe.addr is None and probe.location is not None:
                     self._unwind_guarded.discard(probe.location.addr)
             for probe, exc in self._manager.resolve_pending():
-                self._notice(probe, f"pending probe {probe.symbol}: {exc}; it stays pending")
+                self._notice(probe, f"pending probe {probe.symbol} stays pending: {exc}")
             if self._tracer.trampoline.addr:
                 self._ensure_unwind_guard()  # libgcc_s and the like come late
 
@@ -259,7 +259,7 @@ class Following:
                 self._reequip_return_probes()
                 self._watch_loader()
                 for probe, exc in self._manager.resolve_pending():
-                    self._notice(probe, f"pending probe {probe.symbol}: {exc}; it stays pending")
+                    self._notice(probe, f"pending probe {probe.symbol} stays pending: {exc}")
         except TargetError as exc:
             self.on_notice(f"the new image of process {self.pid}: {exc}")
         self.is_starting = self._watch is _Watch.PLACED

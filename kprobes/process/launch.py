@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pwd
 import signal
 import time
 from collections.abc import Sequence
@@ -174,6 +175,8 @@ def attach(
         main = tracer.add_tracee(pid, TraceeKind.MAIN)
     except TargetError as exc:
         _check_attachable(pid)  # it exited meanwhile: say so
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            raise _not_permitted(pid) from exc
         raise TargetError(f"cannot trace process {pid}: {exc}", errno=exc.errno) from exc
     try:
         _seize_all(tracer, main)
@@ -274,7 +277,43 @@ def _not_traceable(pid: int, tid: int, exc: OSError) -> TargetError:
         _check_tracer(pid, tid, str(_tracer_of(pid, tid)))
     except TargetError as traced:
         return traced
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return _not_permitted(pid)
     return TargetError(f"cannot trace process {pid}: {exc.strerror}", errno=exc.errno)
+
+
+def _not_permitted(pid: int) -> TargetError:
+    """The kernel refused to let us trace ``pid``: say whose it is and what would do.
+
+    The rules are ptrace's access mode check (same user, or CAP_SYS_PTRACE; root has it)
+    and, on a kernel with Yama, ``kernel.yama.ptrace_scope``: 1 lets a user trace only its
+    own descendants (``-c``), 2 only CAP_SYS_PTRACE, 3 nobody until a reboot.
+    """
+    try:
+        status = procfs.read_status(pid)
+        uid = int(status.get("Uid", "").split()[0])
+        user = pwd.getpwuid(uid).pw_name
+    except (OSError, ValueError, IndexError, KeyError):
+        status, user = {}, "?"
+    scope = procfs.ptrace_scope()
+    if scope is None:
+        needs = "needs root, CAP_SYS_PTRACE, or the same user"
+    elif scope == 0:
+        needs = "needs root, CAP_SYS_PTRACE, or the same user (kernel.yama.ptrace_scope is 0)"
+    elif scope == 1:
+        needs = (
+            "needs root or CAP_SYS_PTRACE: kernel.yama.ptrace_scope is 1, so a user may "
+            "trace only the programs it starts (-c)"
+        )
+    elif scope == 2:
+        needs = "needs root or CAP_SYS_PTRACE (kernel.yama.ptrace_scope is 2)"
+    else:
+        needs = f"no process may be traced: kernel.yama.ptrace_scope is {scope} until a reboot"
+    name = status.get("Name", "?")
+    return TargetError(
+        f"cannot trace process {pid} ({name}, user {user}): permission denied; {needs}",
+        errno=errno.EPERM,
+    )
 
 
 def _release_seized(tracer: Tracer, main: Tracee) -> None:

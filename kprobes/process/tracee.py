@@ -44,7 +44,9 @@ class Tracee:
         try:
             self.mem_fd = procfs.open_mem(self.pid)
         except OSError as exc:
-            raise TargetError(f"cannot open the memory of process {self.pid}: {exc}") from exc
+            raise TargetError(
+                f"cannot open the memory of process {self.pid}: {exc}", errno=exc.errno
+            ) from exc
 
     def close_memory(self) -> None:
         if self.mem_fd >= 0:

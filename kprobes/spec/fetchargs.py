@@ -78,6 +78,22 @@ RESERVED_FIELD_NAMES = frozenset(
 )
 
 _DENTRY_DEREFS = {"%pd": 2, "%pD": 3}
+KPROBE_ONLY_TYPES = ("symbol", "symstr", "%pd", "%pD")
+
+
+def valid_types(*, is_uprobe: bool) -> str:
+    """The types an argument may have, as the kernel's README lists them (``TYPE_NAMES``,
+    less those of kprobes only on a uprobe), for the hint of an unknown type."""
+    names = ["char", "string", "ustring"]
+    if not is_uprobe:
+        names += ["symbol", "symstr", "%pd/%pD"]
+    integers = ", ".join(f"{sign}8/16/32/64" for sign in "sux")
+    return (
+        f"valid types: {integers}, {', '.join(names)}, "
+        "b<width>@<offset>/<container> (a bitfield), TYPE[N] (an array)"
+    )
+
+
 """``X:%pd`` is ``+0(+d_name.name(X)):string``; ``%pD`` goes through ``f_path.dentry`` first."""
 _DENTRY_EXPANSION = {"%pd": len("+0x0(+0x28()):string"), "%pD": len("+0x0(+0x28(+0x40())):string")}
 """How much longer the kernel's expansion of ``X:%pd`` is than ``X`` (2-digit offsets)."""
@@ -147,8 +163,13 @@ class _ArgParser:
         self.ctx = ctx
         self.last_column = 0  # where the kernel's ctx->offset points after the fetch
 
-    def error(self, message: str, column: int) -> SpecError:
-        return spec_error(message, column, self.text)
+    def error(self, message: str, column: int, hint: str = "") -> SpecError:
+        return spec_error(message, column, self.text, hint)
+
+    def unknown_type(self, column: int, why: str = "") -> SpecError:
+        """The kernel's "Unknown type is specified", with the types this probe may use."""
+        valid = valid_types(is_uprobe=self.ctx.is_uprobe)
+        return self.error("Unknown type is specified", column, f"{why}; {valid}" if why else valid)
 
     def parse(self, word: Word, index: int, used: set[str]) -> ProbeArg:
         s, col = word.text, word.column
@@ -223,15 +244,14 @@ class _ArgParser:
         if base is None:
             return None, True
         if base in TYPE_NAMES:
-            refused = (self.ctx.is_uprobe and base in ("symbol", "symstr", "%pd", "%pD")) or (
-                base in _DENTRY_DEREFS and count is not None
-            )
-            if refused:
-                raise self.error("Unknown type is specified", tcol)
+            if self.ctx.is_uprobe and base in KPROBE_ONLY_TYPES:
+                raise self.unknown_type(tcol, f"{base} is for kprobes only")
+            if base in _DENTRY_DEREFS and count is not None:
+                raise self.unknown_type(tcol, f"{base} cannot be an array")
             return TypeSpec(base, count), True
         if base.startswith("b"):
             return self._bitfield(base, count, tcol)
-        raise self.error("Unknown type is specified", tcol)
+        raise self.unknown_type(tcol)
 
     def _bitfield(self, t: str, count: int | None, tcol: int) -> tuple[TypeSpec, bool]:
         """``b<width>@<offset>/<container>``: a bad container is an unknown type; a bad
@@ -239,7 +259,7 @@ class _ArgParser:
         head, slash, container_text = t.partition("/")
         container = parse_unsigned(container_text) if slash else None
         if container not in (8, 16, 32, 64):
-            raise self.error("Unknown type is specified", tcol)
+            raise self.unknown_type(tcol, "a bitfield's container is 8, 16, 32 or 64 bits")
         width_text, at, offset_text = head[1:].partition("@")
         width = parse_unsigned(width_text)
         offset = parse_unsigned(offset_text)

@@ -65,8 +65,8 @@ class _FilterParser:
         self.pos = 0
         self.depth = 0
 
-    def error(self, message: str, column: int) -> SpecError:
-        return spec_error(message, column, self.text)
+    def error(self, message: str, column: int, hint: str = "") -> SpecError:
+        return spec_error(message, column, self.text, hint)
 
     def skip_space(self) -> None:
         while self.pos < len(self.text) and self.text[self.pos] in WHITESPACE:
@@ -144,7 +144,7 @@ class _FilterParser:
             raise self.error("Meaningless filter expression", start)
         kind = self.fields.get(field)
         if kind is None:
-            raise self.error("Field not found", start)
+            raise self.error("Field not found", start, f"fields: {', '.join(self.fields)}")
         self.skip_space()
         op_col = self.pos
         op = next((FilterOp(o) for o in _OPS_IN_MATCH_ORDER if text.startswith(o, self.pos)), None)

@@ -140,6 +140,6 @@ def format_number(value: int) -> str:
     return sign + (hexa if len(hexa) < len(dec) else dec)
 
 
-def spec_error(message: str, column: int, text: str) -> SpecError:
+def spec_error(message: str, column: int, text: str, hint: str = "") -> SpecError:
     """The one way this package builds its exception (column clamped into the text)."""
-    return SpecError(message, column=max(0, min(column, len(text))), text=text)
+    return SpecError(message, column=max(0, min(column, len(text))), text=text, hint=hint)

@@ -17,6 +17,7 @@ never asked about.
 from __future__ import annotations
 
 import bisect
+import difflib
 import errno as _errno
 import os
 import stat
@@ -48,6 +49,12 @@ _SHN_UNDEF: Final = 0
 _VERSYM_HIDDEN: Final = 0x8000  # .gnu.version: this entry is not the default version
 
 _TABLE_NAMES: Final = (".symtab", ".dynsym")
+
+# A "did you mean" compares the missing name with at most this many names of a similar
+# length (difflib is about 2 us a name): an error path, but one that must stay quick on a
+# file with a million symbols.
+_HINT_CANDIDATES: Final = 50_000
+_HINT_COUNT: Final = 3
 
 
 class SymbolKind(Enum):
@@ -342,6 +349,22 @@ class ElfImage:
         """
         return self._symbols().by_name.get(name.partition("@")[0], ())
 
+    def closest_names(self, name: str, *, functions_only: bool = True) -> list[str]:
+        """The names nearest ``name`` (at most three, nearest first), for a "did you mean".
+
+        Only names within a third of its length (at least 3 characters) are compared, and
+        at most ``_HINT_CANDIDATES`` of them, so a large ``.symtab`` still answers at once.
+        """
+        tables = self._symbols()
+        pool = {s.name for s in tables.functions} if functions_only else set(tables.by_name)
+        want = name.partition("@")[0]
+        slack = max(3, len(want) // 3)
+        near = sorted(
+            (n for n in pool if abs(len(n) - len(want)) <= slack),
+            key=lambda n: (abs(len(n) - len(want)), n),
+        )
+        return difflib.get_close_matches(want, near[:_HINT_CANDIDATES], n=_HINT_COUNT)
+
     def iter_functions(self) -> Iterator[Symbol]:
         """FUNC and IFUNC symbols with a non-zero value, one per (name, value), by address."""
         return iter(self._symbols().functions)
@@ -376,3 +399,12 @@ class ElfImage:
             if seg.offset & ~0xFFF <= off < seg.offset + seg.filesz:
                 return seg
         return None
+
+
+def did_you_mean(image: ElfImage, name: str, *, functions_only: bool = True) -> str:
+    """``"; did you mean 'malloc' or 'mallopt'?"`` for a name ``image`` lacks, or ``""``."""
+    names = [repr(n) for n in image.closest_names(name, functions_only=functions_only)]
+    if not names:
+        return ""
+    listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+    return f"; did you mean {listed}?"

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kprobes.errors import NotMapped, ProbeRejected, SpecError, SymbolNotFound, TargetError
-from kprobes.symbols.elf import ElfImage, Symbol
+from kprobes.symbols.elf import ElfImage, Symbol, did_you_mean
 from kprobes.symbols.maps import Mapping, Module, iter_modules, read_maps
 
 
@@ -196,7 +196,10 @@ class SymbolResolver:
         image = ElfImage.open(inside if os.path.exists(inside) else path)
         if image.lookup(function) is None:
             searched = ", ".join(image.tables) or "no symbol table: the file is stripped"
-            raise SymbolNotFound(f"no symbol {function!r} in {path} (searched {searched})")
+            raise SymbolNotFound(
+                f"no symbol {function!r} in {path} (searched {searched})"
+                f"{did_you_mean(image, function)}"
+            )
 
     def _stat_for_path(self, path: str) -> os.stat_result | None:
         for candidate in (f"/proc/{self.pid}/root{path}", path):
@@ -225,6 +228,7 @@ class SymbolResolver:
             searched = ", ".join(image.tables) or "no symbol table: the file is stripped"
             raise SymbolNotFound(
                 f"no symbol {text.function!r} in {module.path} (searched {searched})"
+                f"{did_you_mean(image, text.function)}"
             )
         total = text.offset + offset
         if total < 0:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from kprobes.errors import TargetError, TraceFsError
+from kprobes.spec.fetchargs import valid_types
 
 TRACEFS_MOUNTS: Final = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
 DEBUGFS_MOUNT: Final = "/sys/kernel/debug"
@@ -204,9 +205,12 @@ class TraceFs:
                     f"the kernel refused {line!r} in {events_file}: {exc.strerror}",
                     errno=exc.errno,
                 ) from exc
+            hint = ""
+            if entry.message == "Unknown type is specified":  # ours accepted it: say theirs
+                hint = f"; {valid_types(is_uprobe=events_file == 'uprobe_events')}"
             raise TraceFsError(
                 f"{events_file}: {entry.message} (column {entry.column}, at "
-                f"{entry.command[entry.column :].split(' ')[0]!r} in {entry.command!r})",
+                f"{entry.command[entry.column :].split(' ')[0]!r} in {entry.command!r}){hint}",
                 errno=exc.errno,
                 log_line=str(entry),
             ) from exc

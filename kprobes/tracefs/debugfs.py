@@ -32,7 +32,7 @@ from typing import Final
 
 from kprobes.errors import TargetError
 from kprobes.model import BlacklistEntry, ProbeListing
-from kprobes.tracefs.control import find_debugfs, read_file, write_file
+from kprobes.tracefs.control import find_debugfs, read_file, require_root, write_file
 
 OPTIMIZATION_SYSCTL: Final = "/proc/sys/debug/kprobes-optimization"
 _LIST_LINE = re.compile(
@@ -79,6 +79,7 @@ class KprobesKnobs:
     """The debugfs ``kprobes/`` directory and the optimization sysctl of one kernel."""
 
     def __init__(self) -> None:
+        require_root("reading the kernel's kprobes (debugfs kprobes/)")
         debugfs = find_debugfs()
         directory = os.path.join(debugfs, "kprobes") if debugfs else ""
         if not directory or not os.path.isdir(directory):

@@ -66,8 +66,9 @@ from kprobes.spec import (
     SymbolLocation,
     render_arg,
 )
-from kprobes.symbols.elf import ElfImage
+from kprobes.symbols.elf import ElfImage, did_you_mean
 from kprobes.symbols.resolve import SymbolResolver
+from kprobes.tracefs.control import require_root
 from kprobes.tracefs.eventformat import EventFormat
 from kprobes.tracefs.held import HeldCommand
 from kprobes.tracefs.lines import uprobe_location
@@ -124,6 +125,7 @@ class Uprobes(TraceTarget):
             raise TargetError(
                 "Uprobes needs exactly one of pid=, path= or command=", errno=_errno.EINVAL
             )
+        require_root("tracing through tracefs")  # before a process's files are read
         self.path = os.path.realpath(path) if path is not None else None
         self._resolver: SymbolResolver | None = None
         self._image: ElfImage | None = None
@@ -246,7 +248,7 @@ class Uprobes(TraceTarget):
         path, image, bias = self._module_image(module)
         symbol = image.lookup(name)
         if symbol is None:
-            raise SymbolNotFound(f"no symbol {name!r} in {path}")
+            raise SymbolNotFound(f"no symbol {name!r} in {path}{did_you_mean(image, name)}")
         if symbol.size and offset >= symbol.size:
             raise ProbeRejected(
                 f"offset {offset:#x} is past the end of {name} (size {symbol.size:#x})",
@@ -343,7 +345,10 @@ class Uprobes(TraceTarget):
                 case MemorySymbol(symbol=name, offset=offset):
                     found = image.lookup(name)
                     if found is None:
-                        raise SymbolNotFound(f"no symbol {name!r} in {path}")
+                        raise SymbolNotFound(
+                            f"no symbol {name!r} in {path}"
+                            f"{did_you_mean(image, name, functions_only=False)}"
+                        )
                     return FileOffset(found.value + offset - base)
                 case Dereference(base=inner):
                     return replace(fetch, base=translate(inner))
