@@ -158,8 +158,11 @@ class Process(
         way (a signal) and reads the rest with ``read_records`` forgets it so."""
         return self._manager.table.take_error()
 
-    def detach(self) -> None:
-        """Restore every patched byte and release every thread; the program carries on."""
+    def close(self) -> None:
+        """Restore every patched byte and release every thread; the program carries on.
+
+        The ending of every target (``Uprobes`` and ``Kernel`` close their sessions so);
+        idempotent, and run by ``with`` on the way out. ``detach()`` is the same call."""
         if not self._attached:
             return
         # Whole, whatever signal comes (lifetime.py): cut in two by the exception of one, it
@@ -174,6 +177,10 @@ class Process(
                     detach_all(self._tracer)
             finally:
                 self._finish()
+
+    def detach(self) -> None:
+        """``close()``, by the name ptrace gives it: the same call, kept for callers of it."""
+        self.close()
 
     def colocate(self, cpu: int | None = None) -> int:
         """Run this tool and every thread of the program on one CPU; returns that CPU.
@@ -218,7 +225,7 @@ class Process(
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.detach()
+        self.close()
 
     def __repr__(self) -> str:
         state = "running" if self.is_alive else f"exited ({self.exit_code})"
