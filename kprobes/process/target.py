@@ -190,7 +190,7 @@ class Process(
         these machines (see docs/performance.md). By default only the threads that stop often
         are moved to the tool's CPU (``pin_hot_threads``); this moves every thread, and the
         threads created from now on, whatever their pace. The program's own affinity is
-        restored by ``detach()``. It does narrow a multi-threaded program to one CPU.
+        restored by ``close()``. It does narrow a multi-threaded program to one CPU.
         """
         return self._tracer.placement.colocate(self._tracer.threads, cpu)
 

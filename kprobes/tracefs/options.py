@@ -84,6 +84,6 @@ def _check_kretprobe(target: str, rp: Kretprobe, *, is_kernel: bool) -> None:
             f"maxactive={rp.maxactive}",
             "Kretprobe",
             "the kernel's uretprobes keep no instance pool (each thread hooks its nested "
-            "calls, up to 64 deep): leave maxactive at 0",
+            "calls, up to 64 deep): leave maxactive at 0 (no rN in a probe line)",
         )
     _check_kprobe(target, rp.kp, is_kernel=is_kernel)
