@@ -8,7 +8,8 @@
     │   │   └── NotMapped           ENOENT: its library is not mapped yet (may be, later)
     │   ├── NotABoundary            EILSEQ: the address is inside an instruction
     │   ├── Blacklisted             EINVAL: our own pages, or an address the user blacklisted
-    │   └── NotRelocatable          EINVAL/ERANGE/EOPNOTSUPP: the instruction cannot run out of line
+    │   ├── NotRelocatable          EINVAL/ERANGE/EOPNOTSUPP: the instruction cannot run out of line
+    │   └── UnsupportedOption       EINVAL: this target cannot honour an option the probe asks for
     ├── TargetError                 the process is gone, not traceable, not ELF, ...
     ├── TraceFsError                the kernel refused a tracefs write (with its error_log line)
     └── InternalError               a bug in kprobes: an impossible state was reached
@@ -80,6 +81,20 @@ class NotRelocatable(ProbeRejected):
     """The probed instruction cannot be executed out of line (or not within reach)."""
 
     default_errno = _errno.EINVAL
+
+
+class UnsupportedOption(ProbeRejected):
+    """The probe asks for something this target cannot do (``optimize=True`` of the kernel's
+    uprobes, an ``entry_handler`` of a tracefs return probe): refused before anything is
+    placed, never ignored. ``target`` and ``option`` name both; the message says why."""
+
+    default_errno = _errno.EINVAL
+
+    def __init__(self, target: str, option: str, kind: str, why: str) -> None:
+        super().__init__(f"{target} cannot honour {option} on a {kind}: {why}")
+        self.target = target
+        self.option = option.split("=", 1)[0]
+        self.kind = kind
 
 
 class TargetError(ProbeError):

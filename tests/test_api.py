@@ -194,6 +194,35 @@ def test_rejected_registration(spawn, target, tmp_path, expected, case):
     assert out.read_bytes() == expected
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"pre_handler": lambda p, regs: None},  # a pre_handler reads regs itself
+        {"optimize": True},  # a count: no record to put the values in
+    ],
+    ids=["with a pre_handler", "a count"],
+)
+def test_args_without_an_async_handler_are_refused(spawn, target, tmp_path, expected, kwargs):
+    """Fetch-args are evaluated for an async_handler's records only: anywhere else they
+    would be evaluated for nobody, so they are refused, not ignored (issue 19)."""
+    proc, out = start(spawn, tmp_path, [target, N])
+    text_before = support.exe_text(proc.pid, target)
+    good = kprobes.Kprobe(symbol="compute")
+    kp = kprobes.Kprobe(symbol="work", args="x=%di:s64", **kwargs)
+    with pytest.raises(errors.UnsupportedOption) as info:
+        proc.register_kprobes([good, kp])
+    assert str(info.value).startswith(
+        "Process cannot honour args='x=%di:s64' on a Kprobe: fetch-args are evaluated for the "
+        "records of an async_handler"
+    ), str(info.value)
+    assert info.value.errno == errno.EINVAL
+    assert (info.value.target, info.value.option) == ("Process", "args")
+    assert not good.is_registered and not kp.is_registered and proc.list() == []
+    assert support.exe_text(proc.pid, target) == text_before
+    run_to_exit(proc)
+    assert out.read_bytes() == expected
+
+
 def test_register_twice_is_rejected(spawn, target, tmp_path):
     proc, _ = start(spawn, tmp_path, [target, N])
     kp = kprobes.Kprobe(symbol="work")
@@ -720,7 +749,9 @@ def test_shared_library_probe(spawn, build, tmp_path, form):
 # Attach to a running process, detach, and it carries on
 
 
-def test_attach_then_detach(attach, popen, build, tmp_path):
+@pytest.mark.parametrize("ending", ["close", "detach"])
+def test_attach_then_detach(attach, popen, build, tmp_path, ending):
+    """``close()`` is the ending of every target; ``detach()`` is the same call."""
     exe = build("ticker")
     out = tmp_path / "ticker.out"
     n = 150
@@ -734,8 +765,11 @@ def test_attach_then_detach(attach, popen, build, tmp_path):
     kp = kprobes.Kprobe(symbol="work", pre_handler=lambda p, r: args.append(r.rdi))
     proc.register_kprobe(kp)
     assert proc.run(timeout=0.5) is False  # still running
-    proc.detach()
+    getattr(proc, ending)()
     assert support.exe_text(child.pid, exe) == text_before
+    assert not proc.is_alive
+    proc.close()  # either way, once: the other name does nothing more
+    proc.detach()
     assert child.wait(timeout=30) == 0
     # Every call between the first and the last hit was seen, in order.
     assert len(args) >= 3

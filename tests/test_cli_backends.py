@@ -117,6 +117,20 @@ def test_latency_pairs_every_call_with_its_entry(build, tracefs_state):
 
 
 @needs_uprobes
+@pytest.mark.parametrize(
+    "argv",
+    [("latency", "--maxactive", "4", "rec"), ("trace", "r4 rec")],
+    ids=["latency --maxactive", "trace rN"],
+)
+def test_a_pool_size_is_refused_on_uprobes(build, tracefs_state, argv):
+    """The kernel's uretprobes keep no instance pool: an ``rN`` is refused, not dropped."""
+    rets = build("rets")
+    r = cli(argv[0], "--backend", "uprobes", "-c", f"{rets} rec 3", *argv[1:])
+    assert r.returncode == 1, r.stderr
+    assert "Uprobes cannot honour maxactive=4 on a Kretprobe" in r.stderr, r.stderr
+
+
+@needs_uprobes
 def test_hist_matches_our_backend(target, tracefs_state):
     args = ("-c", f"{target} 12", "work i=%di:u64", "--key", "i")
     ours = cli("hist", *args)

@@ -53,6 +53,7 @@ def test_the_process_api_of_the_issue() -> None:
         "list",
         "blacklist",
         "run",
+        "close",
         "detach",
         "read",
         "write",
@@ -71,6 +72,8 @@ def test_the_tracefs_targets_share_the_probe_api() -> None:
             "poll",
             "read_events",
             "close",
+            "register_jprobe",  # refused there, with the reason (tracefs/options.py)
+            "register_jprobes",
         ):
             assert callable(getattr(target, method)), (target, method)
     for method in ("list", "blacklist"):

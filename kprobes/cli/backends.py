@@ -258,7 +258,7 @@ class PtraceBackend(Backend):
         try:
             self.tracer = self._spec_tracer(self.proc)
         except BaseException:
-            self.proc.detach()
+            self.proc.close()
             raise
         self.proc.on_new_process = self._follow
         self.own_file = own_file(self.proc.pid)
@@ -360,7 +360,7 @@ class PtraceBackend(Backend):
 
     def close(self) -> None:
         try:
-            self.proc.detach()
+            self.proc.close()
         finally:
             self.tracer.close()
             for member in self.members:

@@ -101,5 +101,5 @@ def run(args: argparse.Namespace) -> int:
             exit_fn(proc)
     finally:
         with sigint_ignored():
-            proc.detach()
+            proc.close()
     return 0

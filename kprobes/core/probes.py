@@ -64,6 +64,10 @@ class Kprobe:
     site cannot be optimized, the same handler runs at a trap with the same snapshot. A
     probe with a pre, post or fault handler (which may change registers) keeps the breakpoint;
     ``list()`` says why a probe is not optimized.
+
+    A target that cannot honour one of these options (the kernel's tracefs targets take no
+    ``optimize``, ``async_handler`` or ``args``) refuses the probe with ``UnsupportedOption``
+    naming itself and the option; none is ever ignored.
     """
 
     kind = "k"

@@ -44,7 +44,7 @@ def forget(proc: Process) -> None:
 def _detach_everything() -> None:
     for proc in list(_live):
         with contextlib.suppress(Exception):
-            proc.detach()
+            proc.close()
 
 
 # -- the state files behind `kprobes list -p PID` -----------------------------------------

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64.detour import Action, CountAction
 from kprobes.arch.x86_64.record import CpuId, RecordAction
-from kprobes.errors import InternalError, ProbeRejected, TargetError
+from kprobes.errors import InternalError, ProbeRejected, TargetError, UnsupportedOption
 from kprobes.process import records
 from kprobes.process.fastfetch import NotCapturable, plan_captures
 from kprobes.process.fetch import CommCache, CpuReader, Memory, Symbolizer
@@ -70,8 +70,18 @@ class Recording:
 
     def _equip_async(self, kps: Sequence[Kprobe]) -> None:
         """Prepare the probes with an asynchronous handler (before anything is placed: a
-        wrong fetch-arg raises SpecError here)."""
+        wrong fetch-arg raises SpecError here). ``args`` without one would be evaluated for
+        nobody: refused (``UnsupportedOption``), never ignored."""
         for kp in kps:
+            if kp.args and kp.async_handler is None:
+                raise UnsupportedOption(
+                    "Process",
+                    f"args={' '.join(kp.args)!r}",
+                    "Kprobe",
+                    "fetch-args are evaluated for the records of an async_handler; a "
+                    "pre_handler reads registers and memory itself (give an async_handler, "
+                    "or leave args out)",
+                )
             if kp.async_handler is None or kp.fast is not None:
                 continue
             if kp.pre_handler or kp.post_handler or kp.fault_handler:

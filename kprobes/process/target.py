@@ -158,8 +158,11 @@ class Process(
         way (a signal) and reads the rest with ``read_records`` forgets it so."""
         return self._manager.table.take_error()
 
-    def detach(self) -> None:
-        """Restore every patched byte and release every thread; the program carries on."""
+    def close(self) -> None:
+        """Restore every patched byte and release every thread; the program carries on.
+
+        The ending of every target (``Uprobes`` and ``Kernel`` close their sessions so);
+        idempotent, and run by ``with`` on the way out. ``detach()`` is the same call."""
         if not self._attached:
             return
         # Whole, whatever signal comes (lifetime.py): cut in two by the exception of one, it
@@ -175,6 +178,10 @@ class Process(
             finally:
                 self._finish()
 
+    def detach(self) -> None:
+        """``close()``, by the name ptrace gives it: the same call, kept for callers of it."""
+        self.close()
+
     def colocate(self, cpu: int | None = None) -> int:
         """Run this tool and every thread of the program on one CPU; returns that CPU.
 
@@ -183,7 +190,7 @@ class Process(
         these machines (see docs/performance.md). By default only the threads that stop often
         are moved to the tool's CPU (``pin_hot_threads``); this moves every thread, and the
         threads created from now on, whatever their pace. The program's own affinity is
-        restored by ``detach()``. It does narrow a multi-threaded program to one CPU.
+        restored by ``close()``. It does narrow a multi-threaded program to one CPU.
         """
         return self._tracer.placement.colocate(self._tracer.threads, cpu)
 
@@ -218,7 +225,7 @@ class Process(
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.detach()
+        self.close()
 
     def __repr__(self) -> str:
         state = "running" if self.is_alive else f"exited ({self.exit_code})"

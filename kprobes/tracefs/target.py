@@ -4,6 +4,7 @@ A probe registered here becomes one tracefs event of the session's group, enable
 session's private instance. The mechanism (breakpoints, out-of-line steps, optimization) is the
 kernel's; what remains is bookkeeping, done as a straight line and undone in reverse:
 
+    Step 0  refuse an option the kernel's probes cannot honour (``options.py``)
     Step 1  resolve the place (the subclass: kallsyms, or ELF symbols and file offsets)
     Step 2  check it (the subclass: the blacklist) and its fetch-args (the kernel's README)
     Step 3  name the event and compose the line (``lines.probe_line``, the only composer)
@@ -39,7 +40,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from kprobes.core.probes import Kprobe, ProbeFlags
-from kprobes.core.retprobes import Kretprobe
+from kprobes.core.retprobes import Jprobe, Kretprobe
 from kprobes.core.table import ProbeSite, ProbeTable
 from kprobes.errors import ProbeError, ProbeRejected, SpecError, TargetError, TraceFsError
 from kprobes.model import Event
@@ -63,6 +64,7 @@ from kprobes.tracefs.lines import (
     probe_line,
     removal_line,
 )
+from kprobes.tracefs.options import check_options
 from kprobes.tracefs.points import AnyProbe, ProbePoint, Registration, entry_of, is_comm
 from kprobes.tracefs.records import (
     Builder,
@@ -261,6 +263,14 @@ class TraceTarget(Delivery):
     def disable_kretprobe(self, rp: Kretprobe) -> None:
         self._set_enabled(rp, False)
 
+    def register_jprobe(self, jp: Jprobe) -> None:
+        """Refused (``UnsupportedOption``): a jprobe's entry runs in the probed thread."""
+        self.register_jprobes([jp])
+
+    def register_jprobes(self, jps: Sequence[Jprobe]) -> None:
+        for jp in jps:
+            check_options(type(self).__name__, jp, is_kernel=self.is_kernel)
+
     def add(self, text: str, handler: Callable[..., Any] | None = None) -> AnyProbe:
         """Register a probe written as a definition line (``"r:vfs_read ret=$retval"``).
 
@@ -326,6 +336,8 @@ class TraceTarget(Delivery):
     def _register_many(
         self, probes: Sequence[AnyProbe], args: Mapping[Any, Sequence[str]] | None
     ) -> None:
+        for probe in probes:  # all of them before any is written
+            check_options(type(self).__name__, probe, is_kernel=self.is_kernel)
         done: list[AnyProbe] = []
         try:
             for probe in probes:
@@ -352,12 +364,8 @@ class TraceTarget(Delivery):
         if kp.is_registered or id(probe) in self._by_probe:
             raise ProbeRejected(f"{probe!r} is already registered", errno=_errno.EINVAL)
         is_return = isinstance(probe, Kretprobe)
-        if isinstance(probe, Kretprobe) and probe.entry_handler is not None:
-            raise ProbeRejected(
-                "an entry_handler needs the probe to run code in the kernel; with the kernel's "
-                "tracefs probes register a Kprobe at the function's entry instead",
-                errno=_errno.EOPNOTSUPP,
-            )
+        # Step 0: nothing the kernel cannot do.
+        check_options(type(self).__name__, probe, is_kernel=self.is_kernel)
         # Step 1: where.
         point = self._resolve(kp, is_return=is_return)
         # Step 2: may it go there, and does this kernel know its fetch-args?

@@ -17,8 +17,15 @@ from pathlib import Path
 import pytest
 
 from kprobes.core.probes import Kprobe
-from kprobes.core.retprobes import Kretprobe
-from kprobes.errors import Blacklisted, ProbeRejected, SpecError, SymbolNotFound, TraceFsError
+from kprobes.core.retprobes import Jprobe, Kretprobe
+from kprobes.errors import (
+    Blacklisted,
+    ProbeRejected,
+    SpecError,
+    SymbolNotFound,
+    TraceFsError,
+    UnsupportedOption,
+)
 from kprobes.model import ArgValue, Event
 from kprobes.tracefs import Kernel, parse_error_log
 
@@ -202,3 +209,29 @@ def test_refusals_say_why_and_leave_nothing(kernel: Kernel) -> None:
     assert log.command[log.column :].startswith("vfs_read+1")
     assert not (TRACEFS / "events" / kernel.group).exists()
     assert kernel.group not in (TRACEFS / "kprobe_events").read_text()
+    # Options the kernel cannot honour (issue 19): the target and the option are named, and
+    # nothing is written (one session for both: the guest is slow to open one).
+    before = (TRACEFS / "kprobe_events").read_text()
+
+    def nothing(*_: object) -> None:
+        return None
+
+    refused = [
+        (kernel.register_kprobe, Kprobe(symbol="vfs_read", optimize=True), "optimize=True"),
+        (kernel.register_kprobe, Kprobe(symbol="vfs_read", async_handler=nothing), "async_h"),
+        (kernel.register_kprobe, Kprobe(symbol="vfs_read", args="fd=%di"), "args='fd=%di'"),
+        (kernel.register_kretprobe, Kretprobe(symbol="vfs_read", entry_handler=nothing), "entry_"),
+        (kernel.register_jprobe, Jprobe(symbol="vfs_read", entry=nothing), "entry on a Jprobe"),
+    ]
+    for register, probe, option in refused:
+        with pytest.raises(UnsupportedOption, match=f"^Kernel cannot honour {re.escape(option)}"):
+            register(probe)
+        assert not probe.is_registered
+    with pytest.raises(UnsupportedOption) as refusal:
+        kernel.register_kprobes(
+            [Kprobe(symbol="vfs_read"), Kprobe(symbol="vfs_read", optimize=True)]
+        )
+    assert refusal.value.errno == errno.EINVAL and refusal.value.target == "Kernel"
+    assert kernel.iter_probes() == []
+    assert (TRACEFS / "kprobe_events").read_text() == before
+    assert not (TRACEFS / "events" / kernel.group).exists()
