@@ -30,8 +30,8 @@ def hold_exit_signals(holder: object) -> None:
     _holders.add(id(holder))
     if threading.current_thread() is threading.main_thread():
         for sig in CAUGHT:
-            if sig not in _saved_handlers and signal.getsignal(sig) is signal.SIG_DFL:
-                _saved_handlers[sig] = signal.signal(sig, _raise_exit)
+            if sig not in _saved_handlers and _handler_of(sig) is signal.SIG_DFL:
+                _saved_handlers[sig] = _set_handler(sig, _raise_exit)
 
 
 def release_exit_signals(holder: object) -> None:
@@ -39,8 +39,8 @@ def release_exit_signals(holder: object) -> None:
     _holders.discard(id(holder))
     if not _holders and threading.current_thread() is threading.main_thread():
         for sig, handler in list(_saved_handlers.items()):
-            if signal.getsignal(sig) is _raise_exit:
-                signal.signal(sig, handler)
+            if _handler_of(sig) is _raise_exit:
+                _set_handler(sig, handler)
             del _saved_handlers[sig]
 
 
@@ -52,6 +52,23 @@ def release_exit_signals(holder: object) -> None:
 DEFERRED: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGALRM)
 _depth = 0
 _came: list[int] = []
+_swapped: dict[int, Any] = {}  # in an uninterrupted block: the handlers it puts back
+
+
+def _handler_of(sig: int) -> Any:
+    """The handler of ``sig``, the one an ``uninterrupted`` block will put back if it holds
+    the signal now."""
+    current = signal.getsignal(sig)
+    return _swapped.get(sig, current) if current is _note else current
+
+
+def _set_handler(sig: int, handler: Any) -> Any:
+    """``signal.signal``, or, while an ``uninterrupted`` block holds ``sig``, the handler it
+    puts back (``hold_exit_signals`` called in a detach). Returns the previous one."""
+    if signal.getsignal(sig) is _note and sig in _swapped:
+        previous, _swapped[sig] = _swapped[sig], handler
+        return previous
+    return signal.signal(sig, handler)
 
 
 def _note(signum: int, frame: FrameType | None) -> None:
@@ -77,19 +94,20 @@ def uninterrupted() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    saved: dict[int, Any] = {}
     if _depth == 0:
         for deferred in DEFERRED:
             if signal.getsignal(deferred) is not None:  # None: not Python's to swap back
-                saved[deferred] = signal.signal(deferred, _note)
+                _swapped[deferred] = signal.signal(deferred, _note)
     _depth += 1
     try:
         yield
     finally:
         _depth -= 1
         if _depth == 0:
-            for sig, handler in saved.items():
-                signal.signal(sig, handler)
+            for sig, handler in list(_swapped.items()):
+                if signal.getsignal(sig) is _note:  # else set in the block: that one stays
+                    signal.signal(sig, handler)
+            _swapped.clear()
             came, _came[:] = list(_came), []
             for signum in came:
                 signal.raise_signal(signum)

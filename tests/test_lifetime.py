@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from kprobes.lifetime import uninterrupted
+from kprobes.lifetime import hold_exit_signals, release_exit_signals, uninterrupted
 
 
 @pytest.fixture(autouse=True)
@@ -60,3 +60,24 @@ def test_outside_the_main_thread_it_changes_nothing():
 def _handler_inside():
     with uninterrupted():
         return signal.getsignal(signal.SIGINT)
+
+
+def test_exit_signals_let_go_in_the_block_stay_let_go_after_it():
+    """A detach (uninterrupted) that lets go of the last holder: SIGTERM goes back to its
+    default after the block, not to the SystemExit handler the block had swapped out."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    holder = object()
+    try:
+        hold_exit_signals(holder)
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        with uninterrupted():
+            release_exit_signals(holder)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        with uninterrupted():
+            hold_exit_signals(holder)
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        release_exit_signals(holder)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        release_exit_signals(holder)
+        signal.signal(signal.SIGTERM, previous)
