@@ -149,7 +149,9 @@ def test_attach_by_pid_leaves_the_program_running(build, tmp_path, tracefs_state
     ticker = build("ticker")
     out = tmp_path / "ticker.out"
     with out.open("w") as f:
-        prog = subprocess.Popen([str(ticker), "400", "5000"], stdout=f)
+        # Never done by itself (400 ticks, 2 s, once ended before a loaded machine's
+        # `trace` had started): killed below.
+        prog = subprocess.Popen([str(ticker), "1000000", "5000"], stdout=f)
     try:
         support.wait_for_lines(out, 2, timeout=10)
         r = cli("trace", "--backend", "uprobes", "-p", prog.pid, "-n", "3", "work i=%di:u64")
