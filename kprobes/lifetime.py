@@ -52,7 +52,8 @@ def release_exit_signals(holder: object) -> None:
 DEFERRED: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGALRM)
 _depth = 0
 _came: list[int] = []
-_swapped: dict[int, Any] = {}  # in an uninterrupted block: the handlers it puts back
+_swapped: dict[int, Any] = {}  # in an uninterrupted block: the handlers it leaves
+_entry: dict[int, Any] = {}  # and those it found (a signal noted is handled by these)
 
 
 def _handler_of(sig: int) -> Any:
@@ -97,17 +98,24 @@ def uninterrupted() -> Iterator[None]:
     if _depth == 0:
         for deferred in DEFERRED:
             if signal.getsignal(deferred) is not None:  # None: not Python's to swap back
-                _swapped[deferred] = signal.signal(deferred, _note)
+                _entry[deferred] = _swapped[deferred] = signal.signal(deferred, _note)
     _depth += 1
     try:
         yield
     finally:
         _depth -= 1
         if _depth == 0:
-            for sig, handler in list(_swapped.items()):
+            entry, leave = dict(_entry), dict(_swapped)
+            _entry.clear()
+            _swapped.clear()
+            for sig, handler in entry.items():
                 if signal.getsignal(sig) is _note:  # else set in the block: that one stays
                     signal.signal(sig, handler)
-            _swapped.clear()
             came, _came[:] = list(_came), []
-            for signum in came:
-                signal.raise_signal(signum)
+            try:  # each signal that came, handled as it would have been when it came
+                for signum in came:
+                    signal.raise_signal(signum)
+            finally:  # then what the block set (hold/release_exit_signals)
+                for sig, handler in leave.items():
+                    if signal.getsignal(sig) is entry[sig]:
+                        signal.signal(sig, handler)

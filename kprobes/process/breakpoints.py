@@ -62,13 +62,15 @@ class Breakpoints:
         if original == INT3:
             raise InternalError(f"original byte at {addr:#x} is already an int3")
         jumped = self.ever_jumped.get(addr)
+        # Noted before the byte is written, as a jump is: a detach then knows every int3 it
+        # may have to take out, even one whose bookkeeping an exception cut short.
+        self.ever_patched[addr] = original
         for space in spaces:
             if jumped is None:
                 space.write(addr, b"\xcc")
             else:  # whatever is left of a jump goes first
                 self._text_poke(space, addr, b"\xcc" + jumped[1][1:], jumped)
         self.armed[addr] = original
-        self.ever_patched[addr] = original
 
     def disarm(self, spaces: Iterable[Tracee], addr: int) -> None:
         original = self.armed.pop(addr, None)
