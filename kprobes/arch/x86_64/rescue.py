@@ -177,8 +177,14 @@ def left_breakpoints(area: int, read: Callable[[int, int], bytes]) -> dict[int, 
     found = {}
     for at in range(0, len(table) - BP_ENTRY + 1, BP_ENTRY):
         addr, word = _QQ.unpack_from(table, at)
-        if not word & BP_JUMP:  # a jump site's other four bytes may be the jump's: not ours
-            found[addr] = word & 0xFF  # to guess (one byte back before them is a mixture)
+        if word & BP_JUMP:
+            # A jump site: the rescue's own rule (rescue.c, first_byte). Before the jump's four
+            # bytes the int3 is finished into the jump (leftover.py takes that back), never
+            # one byte back (a mixture); before any others, the original byte goes back.
+            tail = read(addr + 1, 4)
+            if len(tail) < 4 or int.from_bytes(tail, "little") == (word >> 8) & 0xFFFFFFFF:
+                continue
+        found[addr] = word & 0xFF
     return found
 
 
