@@ -7,7 +7,9 @@ from typing import Final
 
 NR_CLOSE: Final = 3
 NR_MMAP: Final = 9
+NR_MPROTECT: Final = 10
 NR_MUNMAP: Final = 11
 NR_RT_SIGACTION: Final = 13
 NR_FTRUNCATE: Final = 77
+NR_OPENAT: Final = 257
 NR_MEMFD_CREATE: Final = 319

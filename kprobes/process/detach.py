@@ -16,7 +16,8 @@ Step 4: put each thread's rip back on original code: a thread stopped on one of 
         re-executes the (restored) instruction; one inside a slot continues where the copy was;
         one stopped by a fault of a fetch of ours goes on past it, without the signal.
 Step 5: release each thread, delivering a signal it was stopped for (or that we held).
-Step 6: through the last thread, unmap every page of ours no thread was let go in
+Step 6: through the last thread, give the pages our jumps were on their protection back
+        (``shield.py``), and unmap every page of ours no thread was let go in
         (``unmapping.py``); the rescue's own mapping once it handles no signal any more.
 """
 
@@ -32,6 +33,7 @@ from kprobes.errors import InternalError, TargetError
 from kprobes.linux import ptrace
 from kprobes.process import events as ev
 from kprobes.process import inject
+from kprobes.process.optimizer import jump_pages
 from kprobes.process.threads import Thread, ThreadState
 from kprobes.process.tracee import TraceeKind
 from kprobes.process.tracer import Tracer
@@ -87,6 +89,7 @@ def detach_all(tracer: Tracer) -> None:
             if last is not None and len(tracer.threads) == 1:
                 inside = inside or _may_fetch(tracer, last)
                 unmapping.look_at(last)
+                _uncover(tracer, last)
                 _give_back(unmapping, last, rescue=False)  # Step 6
                 _deactivate_rescue(tracer, last, keep_fetch_faults=inside)
                 _give_back(unmapping, last, rescue=True)
@@ -111,6 +114,26 @@ def _deactivate_rescue(tracer: Tracer, thread: Thread, *, keep_fetch_faults: boo
             lambda nr, *args: inject.run_syscall(thread, 0, nr, *args, rescue=rescue),
             keep_fetch_faults=keep_fetch_faults,
         )
+
+
+def _uncover(tracer: Tracer, thread: Thread) -> None:
+    """Step 6: the pages our jumps were on get the protection they had (shield.py), through
+    ``thread`` (held, sent home); without the rescue's stub to run it on, they stay writable,
+    which harms nothing."""
+    rescue, shield = tracer.rescue, tracer.optimizer.shield
+    if not rescue.is_installed:
+        return
+    pid = thread.tracee.pid
+    with contextlib.suppress(TargetError, InternalError, ProcessLookupError):
+        free = shield.free(pid, lambda: jump_pages(tracer))
+        if free:
+            shield.uncover(
+                pid,
+                free,
+                lambda nr, *args: inject.run_syscall(thread, 0, nr, *args, rescue=rescue),
+                thread.tracee,
+                thread.regs.rsp,
+            )
 
 
 def _give_back(unmapping: Unmapping, thread: Thread, *, rescue: bool) -> None:

@@ -44,26 +44,32 @@ from kprobes.arch.x86_64.jumpopt import Refusal, find_region
 from kprobes.arch.x86_64.plan import SLOT_SIZE
 from kprobes.core.optimizer import OptState, SiteOpt, why_no_jump
 from kprobes.errors import NotRelocatable, TargetError
+from kprobes.process import inject
 from kprobes.process.optmemory import RING_BYTES, DetourPage, SharedArea
 from kprobes.process.records import RingReader
+from kprobes.process.shield import Shield, pages_of
 from kprobes.process.threads import ThreadState
 from kprobes.symbols.cfi import find_fde
 from kprobes.symbols.lsda import LsdaError, landing_pads
+from kprobes.symbols.maps import read_maps
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
     from kprobes.arch.x86_64.detour import Action
     from kprobes.core.manager import ProbeManager
     from kprobes.core.table import ProbeSite
     from kprobes.process.placing import ProbeLocation
     from kprobes.process.prepared import Prepared
+    from kprobes.process.threads import Thread
     from kprobes.process.tracer import Tracer
+    from kprobes.symbols.maps import Mapping
     from kprobes.symbols.resolve import SymbolResolver
 
 _COLD_PARTS: Final = 8  # foo.cold.0 .. foo.cold.7: older gcc's names of a function's parts
 STACK_SCAN: Final = 0x10000  # bytes above each thread's rsp searched for a saved rip
 _DETOUR_ALIGN: Final = 16
+JUMP_LEN: Final = 5
 
 
 class _Threads:
@@ -100,12 +106,14 @@ class JumpState:
     areas: list[SharedArea] = field(default_factory=list)  # one per ±2 GiB neighbourhood
     pages: list[DetourPage] = field(default_factory=list)
     reader: RingReader | None = None  # the records of record probes (records.py)
+    shield: Shield = field(default_factory=Shield)  # pages kept from the kernel's uprobes
 
     def forget(self) -> None:
         """The address space was replaced (exec): nothing of ours is in it any more."""
         if self.reader is not None:
             self.reader.drain()
             self.reader.forget()
+        self.shield.forget()
         self.sites.clear()
         self.areas.clear()
         self.pages.clear()
@@ -121,6 +129,29 @@ class JumpState:
                 yield addr, delta
 
 
+def jump_pages(tracer: Tracer) -> set[int]:
+    """The pages of the main image on which bytes of a jump of ours still are (a detach
+    restores the bytes, not the bookkeeping): every site that ever had a jump, unless its
+    four last bytes are the original's."""
+    breakpoints, main = tracer.breakpoints, tracer.main
+    pages: set[int] = set()
+    for addr, (jmp, original) in breakpoints.ever_jumped.items():
+        try:
+            if main is None or main.read(addr + 1, len(original) - 1) == original[1:]:
+                continue
+        except TargetError:
+            continue  # unmapped: nothing of ours there any more
+        pages.update(pages_of(addr, len(jmp)))
+    return pages
+
+
+def _cannot_call(pid: int) -> Callable[..., int]:
+    def call(nr: int, *args: int) -> int:
+        raise TargetError(f"process {pid} (a followed child) shares this code")
+
+    return call
+
+
 class Optimizing:
     """The optimizer, for ``Process``: optimize, unoptimize, and the counts."""
 
@@ -134,6 +165,8 @@ class Optimizing:
         def _original(self, addr: int, size: int) -> bytes: ...
         def _symbols(self) -> SymbolResolver: ...
         def batch(self) -> AbstractContextManager[None]: ...
+        def _injection_thread(self) -> AbstractContextManager[Thread]: ...
+        def _find_syscall(self, maps: list[Mapping]) -> int: ...
         def _drain_rings(self) -> None: ...
         def _area(self, near: int) -> int: ...
         def _detour_page(self, near: int) -> DetourPage: ...
@@ -220,7 +253,13 @@ class Optimizing:
         if why is not None:
             so.reason = why  # tried again at the next stop of the world
             return
-        # Step 3: the counter, the action, then the detour, written before the jump to it.
+        # Step 3: the pages the jump goes on kept out of other tools' uprobes (shield.py),
+        # then no int3 but ours found in the five bytes once they are.
+        why = self._shield_site(addr, region.original[:JUMP_LEN])
+        if why is not None:
+            so.to(OptState.REFUSED, why)
+            return
+        # Step 4: the counter, the action, then the detour, written before the jump to it.
         try:
             if so.counter < 0:
                 so.area = self._area(addr)
@@ -245,13 +284,48 @@ class Optimizing:
         spaces = list(self._tracer.own_memories())
         for space in spaces:
             space.write(at, detour.code)
-        # Step 4: the jump over the int3 and the 4 bytes after it, in three writes (int3,
+        # Step 5: the jump over the int3 and the 4 bytes after it, in three writes (int3,
         # the 4 bytes, the first byte: breakpoints.py), the rescue told first how to finish
         # an int3 followed by the jump's 4 bytes should the tool die between two of them.
         self._tracer.rescue.note_jump(spaces, addr, region.original[0], detour.patch)
         self._tracer.breakpoints.patch_jump(spaces, addr, detour.patch, region.original[:5])
         so.detour, so.region_len = at, region.length
         so.to(OptState.OPTIMIZED)
+
+    def _shield_site(self, addr: int, original: bytes) -> str | None:
+        """Cover the jump's pages in every address space with a copy of the code (shield.py);
+        then the five bytes must be our int3 and the original four. Why not, or None."""
+        tracer = self._tracer
+        shield = tracer.optimizer.shield
+        for space in tracer.own_memories():
+            if not shield.is_covered(space.pid, addr, JUMP_LEN):
+                try:
+                    if space is not tracer.main:  # a followed fork child: as at the fork
+                        why = shield.cover(space.pid, addr, JUMP_LEN, _cannot_call(space.pid))
+                    else:
+                        why = self._cover(addr)
+                except TargetError as exc:
+                    why = f"its page could not be kept from other tools' uprobes: {exc}"
+                if why is not None:
+                    return why
+            if space.read(addr, JUMP_LEN) != b"\xcc" + original[1:]:
+                return (
+                    "another tool's breakpoint (a kernel uprobe?) came into the five bytes "
+                    "the jump would take"
+                )
+        return None
+
+    def _cover(self, addr: int) -> str | None:
+        """``Shield.cover`` of the main image, by the program's own ``mprotect``."""
+        tracer = self._tracer
+        assert tracer.main is not None
+        with self._injection_thread() as thread:
+            insn = self._find_syscall(read_maps(self.pid))
+
+            def call(nr: int, *args: int) -> int:
+                return inject.run_syscall(thread, insn, nr, *args, rescue=tracer.rescue)
+
+            return tracer.optimizer.shield.cover(tracer.main.pid, addr, JUMP_LEN, call)
 
     def _other_parts(self, loc: ProbeLocation) -> tuple[list[tuple[int, bytes]], list[int]] | str:
         """The other parts of the probed function (gcc's ``foo.cold`` and ``foo.cold.N``; for

@@ -1,0 +1,181 @@
+"""The pages our jumps are on, kept out of the kernel's uprobes: they are made writable.
+
+Another tool that places a uprobe on a file (bpftrace, ``perf probe``, a tracefs uprobe, our
+own ``--backend uprobes``) has the kernel write its int3 into every process that maps the
+file, over whatever that process holds at the offset. Over a jump of ours, the kernel then
+steps the file's first instruction out of line and resumes after it, in the middle of our
+jump's displacement (SIGILL, SIGSEGV, a silently wrong register); when the uprobe goes, the
+kernel writes the file's first byte back in front of our jump's other four (``41 0b 37 b0 ff``
+at ``malloc``). Nothing tells either side: the kernel keeps no list of other patchers of user
+code.
+
+The kernel installs uprobes only in mappings that are not writable (``valid_vma`` in
+kernel/events/uprobes.c, on registration and on every mmap or split of a mapping). So before
+the first byte of a jump goes into a page of a file's mapping, the program makes that page
+``PROT_WRITE`` as well (an injected ``mprotect``, ``cover``); a uprobe registered from then on
+skips the page in this process, and one registered before it already has its int3 in the code,
+which the optimizer sees and refuses (jumpopt.py, and the bytes checked again once the page
+is covered). When no jump of ours is left on a page, its protection goes back as it was found
+(``uncover``): the mapping merges again, and the kernel installs in it any uprobe registered
+meanwhile, over the original bytes.
+
+The price: while a jump is on a page, another tool's uprobes on that page do not fire in this
+process, and the page is writable and executable. A program that may not make such a page
+(``MemoryDenyWriteExecute``, ``PR_SET_MDWE``, an LSM) keeps the site on its int3: a trap is
+slower, but another tool's uprobe over it harms nothing. A tool killed with jumps in place
+leaves their pages writable, which keeps protecting the jumps it left (docs/decisions.md,
+"Our jumps are kept out of the kernel's uprobes").
+
+Rejected: copying the page into an anonymous mapping (no file, so no uprobe), which takes the
+page out of /proc/PID/maps' file mapping for every symbolizer; and watching for a foreign int3
+after the fact, which comes after the program has already run into it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from typing import Final
+
+from kprobes.errors import TargetError
+from kprobes.linux.syscalls import NR_CLOSE, NR_MMAP, NR_MPROTECT, NR_OPENAT
+from kprobes.process import inject
+from kprobes.process.tracee import Tracee
+from kprobes.symbols.maps import Mapping, read_maps
+
+PAGE: Final = 0x1000
+PROT_READ: Final = 1
+PROT_WRITE: Final = 2
+PROT_EXEC: Final = 4
+
+_AT_FDCWD: Final = (1 << 64) - 100
+_MAP_PRIVATE: Final = 0x02
+_MAP_FIXED: Final = 0x10
+
+Call = Callable[..., int]  # an injected syscall: (nr, *args) → raw rax
+
+
+def pages_of(addr: int, length: int) -> list[int]:
+    """The pages [addr, addr+length) touches."""
+    first, last = addr & ~(PAGE - 1), (addr + length - 1) & ~(PAGE - 1)
+    return list(range(first, last + PAGE, PAGE))
+
+
+def prot_of(perms: str) -> int:
+    """The PROT_* bits of a /proc/PID/maps ``perms`` field ("r-xp")."""
+    return (
+        (PROT_READ if perms[0] == "r" else 0)
+        | (PROT_WRITE if perms[1] == "w" else 0)
+        | (PROT_EXEC if perms[2] == "x" else 0)
+    )
+
+
+def _remap(pid: int, m: Mapping, page: int, prot: int, call: Call, space: Tracee, sp: int) -> bool:
+    """Map ``page`` from its file again, if its bytes are the file's: True if it was."""
+    offset = m.offset + (page - m.start)
+    try:
+        with open(f"/proc/{pid}/map_files/{m.start:x}-{m.end:x}", "rb") as f:
+            f.seek(offset)
+            want = f.read(PAGE)
+        now = space.read(page, PAGE)
+    except (OSError, TargetError):
+        return False
+    if len(want) != PAGE or any(a != b and b != 0xCC for a, b in zip(want, now, strict=True)):
+        return False  # someone else's bytes (a live patch): they stay
+    if m.is_deleted:
+        return False
+    path = inject.scratch_below(sp, len(m.path) + 1)
+    space.write(path, m.path.encode() + b"\0")
+    fd = call(NR_OPENAT, _AT_FDCWD, path, os.O_RDONLY | os.O_CLOEXEC)
+    if fd < 0:
+        return False
+    try:
+        st = os.stat(f"/proc/{pid}/fd/{fd}")
+        if st.st_ino != m.inode or f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}" != m.dev:
+            return False  # another file by that name now
+        return call(NR_MMAP, page, PAGE, prot, _MAP_PRIVATE | _MAP_FIXED, fd, offset) == page
+    except OSError:
+        return False
+    finally:
+        call(NR_CLOSE, fd)
+
+
+def _mapping_at(maps: Iterable[Mapping], addr: int) -> Mapping | None:
+    for m in maps:
+        if m.start <= addr < m.end:
+            return m
+    return None
+
+
+class Shield:
+    """The pages of each address space (by pid) made writable, with the protection they had."""
+
+    def __init__(self) -> None:
+        self._pages: dict[int, dict[int, int]] = {}
+
+    def is_covered(self, pid: int, addr: int, length: int) -> bool:
+        pages = self._pages.get(pid, {})
+        return all(page in pages for page in pages_of(addr, length))
+
+    def cover(self, pid: int, addr: int, length: int, call: Call) -> str | None:
+        """Make the pages of [addr, addr+length) in process ``pid`` writable through
+        ``call``, the program's own ``mprotect``. None when done; else why they cannot be."""
+        pages = self._pages.setdefault(pid, {})
+        needed = [page for page in pages_of(addr, length) if page not in pages]
+        if not needed:
+            return None
+        maps = read_maps(pid)
+        for page in needed:
+            m = _mapping_at(maps, page)
+            if m is None:
+                return f"the code at {page:#x} is not mapped"
+            prot = prot_of(m.perms)
+            if m.is_file_backed and not prot & PROT_WRITE:
+                result = call(NR_MPROTECT, page, PAGE, prot | PROT_WRITE)
+                if result < 0:
+                    return (
+                        f"the program may not make its code at {page:#x} writable "
+                        f"({os.strerror(-result)}: MemoryDenyWriteExecute?), which keeps the "
+                        "kernel's uprobes of other tools off a jump"
+                    )
+            pages[page] = prot  # an anonymous page (JIT code) has no uprobes to keep off
+        return None
+
+    def free(self, pid: int, in_use: Callable[[], set[int]]) -> list[int]:
+        """The covered pages of ``pid`` not among ``in_use()``, the pages a jump of ours is
+        on (called only if a page is covered)."""
+        pages = self._pages.get(pid)
+        if not pages:
+            return []
+        busy = in_use()
+        return [page for page in pages if page not in busy]
+
+    def uncover(self, pid: int, pages: Iterable[int], call: Call, space: Tracee, sp: int) -> None:
+        """Give ``pages`` of ``pid``, on which no jump of ours is left, the protection they
+        had, through ``call`` in ``space`` (a held thread whose stack pointer is ``sp``).
+
+        A page whose bytes are the file's (int3s aside: a uprobe the kernel put in before
+        the page was covered puts it back) is mapped again from its file (``_remap``), so the
+        mapping merges with its neighbours and the kernel installs in it any uprobe
+        registered while it was covered. Another page gets its protection back by
+        ``mprotect``: the mapping stays in three pieces, and a uprobe registered meanwhile
+        stays out of it. A page whose mapping changed since (unmapped, mapped again) is left
+        as it is; a failure leaves the page writable, which harms nothing."""
+        covered = self._pages.get(pid, {})
+        maps = read_maps(pid)
+        for page in pages:
+            prot = covered.pop(page, None)
+            m = _mapping_at(maps, page)
+            if prot is None or m is None or not m.is_file_backed or prot & PROT_WRITE:
+                continue
+            if prot_of(m.perms) != prot | PROT_WRITE:
+                continue
+            if not _remap(pid, m, page, prot, call, space, sp):
+                call(NR_MPROTECT, page, PAGE, prot)
+
+    def forget(self, pid: int | None = None) -> None:
+        """The address space was replaced (exec) or released: nothing of ours is in it."""
+        if pid is None:
+            self._pages.clear()
+        else:
+            self._pages.pop(pid, None)

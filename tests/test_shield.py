@@ -1,0 +1,160 @@
+"""Another tool's kernel uprobe on a function we jump-optimized (process/shield.py).
+
+The kernel writes a uprobe's int3 into every process that maps the probed file: over our jump
+it then steps the file's first instruction and resumes inside our jump's displacement, and
+when the uprobe goes it writes the file's first byte back before our jump's other four. These
+tests register real uprobes, in a private tracefs instance, on the very bytes our jump holds,
+while the program calls the function from four threads and checks every result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import support
+from test_optimized import Run
+
+import kprobes
+
+pytestmark = [pytest.mark.ptrace, pytest.mark.tracefs]
+
+
+class OtherTool:
+    """Kernel uprobes of another tool, in a tracefs instance of its own. Only the program
+    maps the probed file: every record is of one of its threads."""
+
+    def __init__(self, pid: int) -> None:
+        root = support.tracefs_root()
+        if root is None:
+            pytest.skip("tracefs with uprobe_events is not available")
+        self.root, self.pid = root, pid
+        self.group = f"kptshield{os.getpid()}"
+        self.instance = root / "instances" / f"kpt_shield_{os.getpid()}"
+        self.instance.mkdir()
+        support._append(self.instance / "buffer_size_kb", "16384")
+        self.names: list[str] = []
+
+    def add(self, path: Path, vaddr: int) -> None:
+        name = f"p{len(self.names)}"
+        support._append(
+            self.root / "uprobe_events",
+            f"p:{self.group}/{name} {path}:{support.file_offset(path, vaddr):#x}\n",
+        )
+        self.names.append(name)
+        support._append(self.instance / "events" / self.group / name / "enable", "1")
+
+    def hits(self) -> int:
+        """The hits in ``pid`` recorded so far (none dropped)."""
+        trace = (self.instance / "trace").read_text()
+        m = support._ENTRIES.search(trace)
+        assert m is not None and m.group(1) == m.group(2), f"records dropped: {m and m[0]}"
+        lines = (support._TRACE_LINE.match(line) for line in trace.splitlines())
+        return sum(1 for t in lines if t)
+
+    def close(self) -> None:
+        for name in self.names:
+            with contextlib.suppress(OSError):
+                support._append(self.instance / "events" / self.group / name / "enable", "0")
+        for name in self.names:
+            with contextlib.suppress(OSError):
+                support._append(self.root / "uprobe_events", f"-:{self.group}/{name}\n")
+        with contextlib.suppress(OSError):
+            self.instance.rmdir()
+
+
+@pytest.fixture
+def other_tool() -> Iterator[Callable[[int], OtherTool]]:
+    made: list[OtherTool] = []
+
+    def make(pid: int) -> OtherTool:
+        made.append(OtherTool(pid))
+        return made[-1]
+
+    yield make
+    for tool in made:
+        tool.close()
+
+
+def code_mappings(pid: int, exe: Path) -> list[support.Mapping]:
+    real = str(exe.resolve())
+    return [m for m in support.maps(pid) if m.path == real and "x" in m.perms]
+
+
+def test_another_tools_uprobe_on_our_jump_harms_nothing(spawn, build, tmp_path, other_tool):
+    exe = build("optimized")
+    n = 20_000
+    run = Run(spawn, exe, tmp_path, 4, n, 3)
+    proc, pid = run.proc, run.proc.pid
+    kp = kprobes.Kprobe(symbol="work", optimize=True)
+    proc.register_kprobe(kp)
+    assert next(e for e in proc.list() if e.where == "work+0x0").is_optimized
+    assert kp.addr is not None
+    jump = support.raw_read(pid, kp.addr, 5)
+    assert jump[0] == 0xE9
+    # While our jump is there, the page is writable: the kernel keeps its uprobes out of it.
+    assert [m.perms for m in code_mappings(pid, exe) if m.start <= kp.addr < m.end] == ["rwxp"]
+    run.run_until("round 1")
+    # Another tool probes work, the very bytes of our jump.
+    other = other_tool(pid)
+    other.add(exe, support.symbol(exe, "work").value)
+    assert support.raw_read(pid, kp.addr, 5) == jump, "the kernel wrote into our jump"
+    run.next_round()
+    run.run_until("round 2")
+    assert kp.nhit == 2 * 4 * n
+    # Our end gives the page its protection back and maps it from its file again: the
+    # kernel then installs the other tool's uprobe, which counts the program's last round.
+    proc.close()
+    assert not [m for m in code_mappings(pid, exe) if "w" in m.perms]
+    assert support.raw_read(pid, kp.addr, 1) == b"\xcc"  # the other tool's int3
+    before = other.hits()
+    os.write(run.stdin, b"x")
+    os.close(run.stdin)
+    assert support.wait_child(pid, 60) == 0
+    assert before == 0 and other.hits() == 4 * n  # each call of the last round, no more
+    assert run.output() == run.reference()  # every sum the program checked is right
+    assert kp.nhit == 2 * 4 * n
+
+
+def test_a_program_that_may_not_have_writable_code_keeps_its_trap(attach):
+    """A program under PR_SET_MDWE (systemd's MemoryDenyWriteExecute does the same with
+    seccomp) may not make its code writable: the site stays an int3, and says why."""
+    script = (
+        "import ctypes, sys\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "if libc.prctl(65, 1, 0, 0, 0) != 0:\n"  # PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN
+        "    sys.exit(77)\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.read(1)\n"
+        "x = [libc.malloc(64) for i in range(3000)]\n"
+    )
+    prog = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert prog.stdout is not None and prog.stdin is not None
+        if prog.stdout.readline() != b"ready\n":
+            assert prog.wait(timeout=30) == 77
+            pytest.skip("the kernel has no PR_SET_MDWE (Linux 6.3+)")
+        proc = attach(prog.pid)
+        kp = kprobes.Kprobe(symbol="libc:malloc", optimize=True)
+        proc.register_kprobe(kp)
+        (entry,) = [e for e in proc.list() if "malloc" in e.where]
+        assert not entry.is_optimized
+        why = entry.why_not_optimized
+        assert "may not make its code" in why and "MemoryDenyWriteExecute" in why, why
+        assert kp.addr is not None and support.raw_read(prog.pid, kp.addr, 1) == b"\xcc"
+        prog.stdin.write(b"x")
+        prog.stdin.close()
+        assert proc.run(timeout=60)
+        assert proc.exit_code == 0
+        assert kp.nhit >= 3000
+    finally:
+        if prog.poll() is None:
+            prog.kill()
+        prog.wait(timeout=30)
