@@ -12,7 +12,12 @@ minute in the suite.) For the whole time, in a loop:
   ``--no-optimize``, with specs on the program's own code and on libc, attaches it with
   ``-p`` and ends it one way: its own ``-d``, ``-n``, SIGINT, SIGTERM, SIGHUP, or SIGKILL at a
   random moment (before it placed its probes, while it places them, while it runs);
-* a CPU burner runs in another process all along (``--no-load`` leaves it out).
+* a CPU burner runs in another process all along (``--no-load`` leaves it out);
+* in every optimized round on ``malloc`` (not ``latency``, whose probes stay traps), another
+  tool's kernel uprobe (a tracefs event in an instance of
+  its own, as bpftrace or ``perf probe`` places one) goes on the target's libc ``malloc`` once
+  our command's jump is there, and off at another random moment: the
+  kernel writes its int3 into every process mapping libc (process/shield.py).
 
 What must hold, checked every round and at the end:
 
@@ -37,6 +42,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -196,6 +202,74 @@ def is_attached(target: int, tool: int) -> bool:
     return False
 
 
+class OtherTool:
+    """Another tool's kernel uprobe on the target's libc ``malloc``, on at a random moment
+    once our command's jump is there, off at another (or at ``close``). Only beside a jump:
+    a uprobe over an int3 of ours takes its hits, and its removal takes our int3 with it
+    (docs/decisions.md, "Our jumps are kept out of the kernel's uprobes", Left)."""
+
+    def __init__(self, target: Target, rng: random.Random, seconds: float) -> None:
+        import support
+
+        root = support.tracefs_root()
+        if root is None:
+            raise OSError("no tracefs")
+        with open(f"/proc/{target.proc.pid}/maps") as maps:
+            libc = next(
+                line.split()[5]
+                for line in maps
+                if "/libc.so" in line and line.split()[2] == "00000000"
+            )
+        vaddr = support.symbol(libc, "malloc", dynamic=True).value
+        self.addr = support.runtime_address(target.proc.pid, libc, "malloc", dynamic=True)
+        self.pid, self.root = target.proc.pid, root
+        self.group = f"kptstress{os.getpid()}"
+        self.instance = root / "instances" / f"kpt_stress_{os.getpid()}"
+        self.instance.mkdir(exist_ok=True)
+        support._append(
+            root / "uprobe_events",
+            f"p:{self.group}/malloc {libc}:{support.file_offset(libc, vaddr):#x}\n",
+        )
+        self.enable = self.instance / "events" / self.group / "malloc" / "enable"
+        self.wait_on = rng.uniform(0.0, seconds)
+        self.wait_off = rng.uniform(0.0, 2 * seconds)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _jump_there(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/mem", "rb") as mem:
+                mem.seek(self.addr)
+                return mem.read(1) == b"\xe9"
+        except OSError:
+            return False
+
+    def _run(self) -> None:
+        import support
+
+        while not self._jump_there():
+            if self.stop.wait(0.005):
+                return
+        if self.stop.wait(self.wait_on):
+            return
+        support._append(self.enable, "1")
+        self.stop.wait(self.wait_off)
+        support._append(self.enable, "0")
+
+    def close(self) -> None:
+        import support
+
+        self.stop.set()
+        self.thread.join()
+        with contextlib.suppress(OSError):
+            support._append(self.enable, "0")
+        with contextlib.suppress(OSError):
+            support._append(self.root / "uprobe_events", f"-:{self.group}/malloc\n")
+        with contextlib.suppress(OSError):
+            self.instance.rmdir()
+
+
 def one_round(target: Target, rng: random.Random, tally: Tally, verbose: bool) -> None:
     runs = CHECKER_RUNS if target.kind == "checker" else PYTHON_RUNS
     command, extra, specs = rng.choice(runs)
@@ -213,6 +287,10 @@ def one_round(target: Target, rng: random.Random, tally: Tally, verbose: bool) -
         else:
             argv += ["-n", str(rng.randint(1, 5000))]
     env = dict(os.environ, PYTHONPATH=str(REPO))
+    other = None
+    if optimized and command != "latency" and any("malloc" in spec for spec in specs):
+        with contextlib.suppress(OSError):
+            other = OtherTool(target, rng, seconds)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         tool = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
         asked = None
@@ -232,13 +310,16 @@ def one_round(target: Target, rng: random.Random, tally: Tally, verbose: bool) -
             tool.wait()
             rc = None
         took = 0.0 if asked is None else time.monotonic() - asked  # after a signal
+        if other is not None:
+            other.close()
         out.seek(0)
         err.seek(0)
         stderr = err.read().decode(errors="replace")
     tally.rounds += 1
     tally.endings[ending] = tally.endings.get(ending, 0) + 1
     tier = "opt" if optimized else "traps"
-    what = f"{command} {' '.join(specs)} {tier} {ending} on {target.kind}"
+    beside = " beside another tool's uprobe" if other is not None else ""
+    what = f"{command} {' '.join(specs)} {tier} {ending} on {target.kind}{beside}"
     if verbose:
         print(f"round {tally.rounds}: {what}: rc {rc} in {took:.2f} s", flush=True)
     if target.proc.poll() is not None:

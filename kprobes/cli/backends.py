@@ -158,6 +158,10 @@ class Backend(abc.ABC):
         """What the user should know about how the probes were placed (one line each)."""
         return []
 
+    def how_it_ended(self) -> str:
+        """A line for a traced program that a signal killed while we traced it, else ""."""
+        return ""
+
     @property
     def unread(self) -> int:
         """Events the probes recorded that were never read: the run ended first."""
@@ -302,6 +306,16 @@ class PtraceBackend(Backend):
     def run(self, timeout: float | None) -> bool:
         self.set_reading_deadline(None if timeout is None else time.monotonic() + timeout)
         return self.proc.run(timeout=timeout)
+
+    def how_it_ended(self) -> str:
+        code = self.proc.exit_code
+        if code is None or code >= 0:
+            return ""
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"process {self.proc.pid} was killed by {name}"
 
     def set_reading_deadline(self, when: float | None) -> None:
         for proc in self._procs():

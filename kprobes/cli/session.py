@@ -264,6 +264,10 @@ class Session:
                 self.on_interval()
                 next_tick += self.interval or 0.0
             if done:
+                ended = backend.how_it_ended()
+                if ended:
+                    clear = "\r\x1b[K" if self._status else ""  # the status line first
+                    sys.stderr.write(f"{clear}kprobes: {ended}\n")
                 return None
             if deadline is not None and now >= deadline:
                 self.ended_by = f"-d {duration:g}"

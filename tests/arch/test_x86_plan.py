@@ -84,7 +84,7 @@ FALL_THROUGH = [
 
 # (bytes, substring of the reason): never run out of line.
 REFUSED = [
-    ("cc", "already a breakpoint (another debugger?)"),
+    ("cc", "already a breakpoint (another debugger, or a kernel uprobe of another tool?)"),
     ("cd 80", "software interrupt"),
     ("f1", "int1"),
     ("cb", "far return (lret)"),

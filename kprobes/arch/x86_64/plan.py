@@ -175,7 +175,7 @@ _MOV_REG_SIZES: Final[dict[Code_, int]] = {
 
 # Never run out of line, whatever the plan: mnemonic -> why (errno EOPNOTSUPP).
 _REFUSED: Final[dict[Mnemonic_, str]] = {
-    Mnemonic.INT3: "already a breakpoint (another debugger?)",
+    Mnemonic.INT3: "already a breakpoint (another debugger, or a kernel uprobe of another tool?)",
     Mnemonic.INT1: "int1 raises a debug trap",
     Mnemonic.INT: "a software interrupt (int n)",
     Mnemonic.INTO: "a software interrupt (into)",
