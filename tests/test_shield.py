@@ -39,15 +39,23 @@ class OtherTool:
         self.instance.mkdir()
         support._append(self.instance / "buffer_size_kb", "16384")
         self.names: list[str] = []
+        self.made = 0
 
     def add(self, path: Path, vaddr: int) -> None:
-        name = f"p{len(self.names)}"
+        self.made += 1
+        name = f"p{self.made}"
         support._append(
             self.root / "uprobe_events",
             f"p:{self.group}/{name} {path}:{support.file_offset(path, vaddr):#x}\n",
         )
         self.names.append(name)
         support._append(self.instance / "events" / self.group / name / "enable", "1")
+
+    def remove(self) -> None:
+        """The newest uprobe goes (its tool ends)."""
+        name = self.names.pop()
+        support._append(self.instance / "events" / self.group / name / "enable", "0")
+        support._append(self.root / "uprobe_events", f"-:{self.group}/{name}\n")
 
     def hits(self) -> int:
         """The hits in ``pid`` recorded so far (none dropped)."""
@@ -86,39 +94,50 @@ def code_mappings(pid: int, exe: Path) -> list[support.Mapping]:
     return [m for m in support.maps(pid) if m.path == real and "x" in m.perms]
 
 
-def test_another_tools_uprobe_on_our_jump_harms_nothing(spawn, build, tmp_path, other_tool):
+@pytest.mark.parametrize("optimize", [True, False], ids=["jump", "int3"])
+def test_another_tools_uprobe_on_our_probe_harms_nothing(
+    spawn, build, tmp_path, other_tool, optimize
+):
+    """Over a jump, the kernel's int3 killed the program; over an int3 of ours, the uprobe's
+    removal took our int3 with it and our count stopped, without a word."""
     exe = build("optimized")
     n = 20_000
-    run = Run(spawn, exe, tmp_path, 4, n, 3)
+    run = Run(spawn, exe, tmp_path, 4, n, 4)
     proc, pid = run.proc, run.proc.pid
-    kp = kprobes.Kprobe(symbol="work", optimize=True)
+    kp = kprobes.Kprobe(symbol="work", optimize=optimize)
     proc.register_kprobe(kp)
-    assert next(e for e in proc.list() if e.where == "work+0x0").is_optimized
+    assert next(e for e in proc.list() if e.where == "work+0x0").is_optimized == optimize
     assert kp.addr is not None
-    jump = support.raw_read(pid, kp.addr, 5)
-    assert jump[0] == 0xE9
-    # While our jump is there, the page is writable: the kernel keeps its uprobes out of it.
+    ours = support.raw_read(pid, kp.addr, 5)
+    assert ours[0] == (0xE9 if optimize else 0xCC)
+    # While a probe of ours is there, the page is writable: the kernel keeps uprobes out.
     assert [m.perms for m in code_mappings(pid, exe) if m.start <= kp.addr < m.end] == ["rwxp"]
     run.run_until("round 1")
-    # Another tool probes work, the very bytes of our jump.
+    # Another tool probes work, the very bytes of our probe, for a round, then goes.
+    work = support.symbol(exe, "work").value
     other = other_tool(pid)
-    other.add(exe, support.symbol(exe, "work").value)
-    assert support.raw_read(pid, kp.addr, 5) == jump, "the kernel wrote into our jump"
+    other.add(exe, work)
+    assert support.raw_read(pid, kp.addr, 5) == ours, "the kernel wrote over our probe"
     run.next_round()
     run.run_until("round 2")
-    assert kp.nhit == 2 * 4 * n
-    # Our end gives the page its protection back and maps it from its file again: the
-    # kernel then installs the other tool's uprobe, which counts the program's last round.
+    other.remove()
+    assert support.raw_read(pid, kp.addr, 5) == ours, "the kernel took our probe away"
+    run.next_round()
+    run.run_until("round 3")
+    assert kp.nhit == 3 * 4 * n
+    # It comes again. Our end gives the page its protection back and maps it from its file
+    # again: the kernel then installs the other tool's uprobe, which counts the last round.
+    other.add(exe, work)
     proc.close()
     assert not [m for m in code_mappings(pid, exe) if "w" in m.perms]
     assert support.raw_read(pid, kp.addr, 1) == b"\xcc"  # the other tool's int3
-    before = other.hits()
+    assert other.hits() == 0  # none while our probe was there
     os.write(run.stdin, b"x")
     os.close(run.stdin)
     assert support.wait_child(pid, 60) == 0
-    assert before == 0 and other.hits() == 4 * n  # each call of the last round, no more
+    assert other.hits() == 4 * n  # each call of the last round, no more
     assert run.output() == run.reference()  # every sum the program checked is right
-    assert kp.nhit == 2 * 4 * n
+    assert kp.nhit == 3 * 4 * n
 
 
 def test_a_program_that_may_not_have_writable_code_keeps_its_trap(attach):

@@ -33,9 +33,9 @@ from kprobes.errors import InternalError, TargetError
 from kprobes.linux import ptrace
 from kprobes.process import events as ev
 from kprobes.process import inject
-from kprobes.process.optimizer import jump_pages
+from kprobes.process.shield import pages_of
 from kprobes.process.threads import Thread, ThreadState
-from kprobes.process.tracee import TraceeKind
+from kprobes.process.tracee import Tracee, TraceeKind
 from kprobes.process.tracer import Tracer
 from kprobes.process.unmapping import Unmapping, leave_detours
 
@@ -117,15 +117,17 @@ def _deactivate_rescue(tracer: Tracer, thread: Thread, *, keep_fetch_faults: boo
 
 
 def _uncover(tracer: Tracer, thread: Thread) -> None:
-    """Step 6: the pages our jumps were on get the protection they had (shield.py), through
-    ``thread`` (held, sent home); without the rescue's stub to run it on, they stay writable,
-    which harms nothing."""
+    """Step 6: the pages our int3s and jumps were on get the protection they had (shield.py),
+    through ``thread`` (held, sent home), all but a page where a byte of ours could not be
+    taken back; without the rescue's stub to run it on, they stay writable, which harms
+    nothing."""
     rescue, shield = tracer.rescue, tracer.optimizer.shield
-    if not rescue.is_installed:
-        return
     pid = thread.tracee.pid
+    if not rescue.is_installed or not shield.covered(pid):
+        return
     with contextlib.suppress(TargetError, InternalError, ProcessLookupError):
-        free = shield.free(pid, lambda: jump_pages(tracer))
+        busy = _pages_with_our_bytes(tracer, thread.tracee)
+        free = [page for page in shield.covered(pid) if page not in busy]
         if free:
             shield.uncover(
                 pid,
@@ -134,6 +136,24 @@ def _uncover(tracer: Tracer, thread: Thread) -> None:
                 thread.tracee,
                 thread.regs.rsp,
             )
+
+
+def _pages_with_our_bytes(tracer: Tracer, space: Tracee) -> set[int]:
+    """The pages of ``space`` where a byte of ours is still (Step 2 restores the bytes, not
+    the bookkeeping): an int3 at an address we armed whose own byte is not one, or a jump
+    site whose four last bytes are not the original's."""
+    breakpoints = tracer.breakpoints
+    pages: set[int] = set()
+    for addr, original in breakpoints.ever_patched.items():
+        with contextlib.suppress(TargetError):
+            mine = addr not in breakpoints.ever_jumped and original != 0xCC
+            if mine and space.read(addr, 1)[0] == 0xCC:
+                pages.update(pages_of(addr, 1))
+    for addr, (jmp, first5) in breakpoints.ever_jumped.items():
+        with contextlib.suppress(TargetError):
+            if space.read(addr + 1, len(first5) - 1) != first5[1:]:
+                pages.update(pages_of(addr, len(jmp)))
+    return pages
 
 
 def _give_back(unmapping: Unmapping, thread: Thread, *, rescue: bool) -> None:

@@ -47,7 +47,7 @@ from kprobes.errors import NotRelocatable, TargetError
 from kprobes.process import inject
 from kprobes.process.optmemory import RING_BYTES, DetourPage, SharedArea
 from kprobes.process.records import RingReader
-from kprobes.process.shield import Shield, pages_of
+from kprobes.process.shield import Shield
 from kprobes.process.threads import ThreadState
 from kprobes.symbols.cfi import find_fde
 from kprobes.symbols.lsda import LsdaError, landing_pads
@@ -127,22 +127,6 @@ class JumpState:
             if value != so.seen:
                 delta, so.seen = value - so.seen, value
                 yield addr, delta
-
-
-def jump_pages(tracer: Tracer) -> set[int]:
-    """The pages of the main image on which bytes of a jump of ours still are (a detach
-    restores the bytes, not the bookkeeping): every site that ever had a jump, unless its
-    four last bytes are the original's."""
-    breakpoints, main = tracer.breakpoints, tracer.main
-    pages: set[int] = set()
-    for addr, (jmp, original) in breakpoints.ever_jumped.items():
-        try:
-            if main is None or main.read(addr + 1, len(original) - 1) == original[1:]:
-                continue
-        except TargetError:
-            continue  # unmapped: nothing of ours there any more
-        pages.update(pages_of(addr, len(jmp)))
-    return pages
 
 
 def _cannot_call(pid: int) -> Callable[..., int]:
@@ -315,17 +299,22 @@ class Optimizing:
                 )
         return None
 
-    def _cover(self, addr: int) -> str | None:
-        """``Shield.cover`` of the main image, by the program's own ``mprotect``."""
+    def _cover(self, addr: int, length: int = JUMP_LEN) -> str | None:
+        """``Shield.cover`` of the main image, by the program's own ``mprotect``: an
+        injection only for a page not covered yet, and none once the program refused."""
         tracer = self._tracer
+        shield = tracer.optimizer.shield
         assert tracer.main is not None
+        pid = tracer.main.pid
+        if shield.is_covered(pid, addr, length) or shield.refusal(pid) is not None:
+            return shield.refusal(pid)
         with self._injection_thread() as thread:
             insn = self._find_syscall(read_maps(self.pid))
 
             def call(nr: int, *args: int) -> int:
                 return inject.run_syscall(thread, insn, nr, *args, rescue=tracer.rescue)
 
-            return tracer.optimizer.shield.cover(tracer.main.pid, addr, JUMP_LEN, call)
+            return shield.cover(pid, addr, length, call)
 
     def _other_parts(self, loc: ProbeLocation) -> tuple[list[tuple[int, bytes]], list[int]] | str:
         """The other parts of the probed function (gcc's ``foo.cold`` and ``foo.cold.N``; for

@@ -12,6 +12,7 @@ in the rescue first. Never from patched bytes: every decode reads through ``_ori
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from dataclasses import dataclass
@@ -26,7 +27,15 @@ from kprobes.arch.x86_64.rescue import left_breakpoints
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Jprobe, Kretprobe
 from kprobes.core.table import ProbeSite
-from kprobes.errors import Blacklisted, NotABoundary, NotMapped, ProbeRejected, SymbolNotFound
+from kprobes.errors import (
+    Blacklisted,
+    InternalError,
+    NotABoundary,
+    NotMapped,
+    ProbeRejected,
+    SymbolNotFound,
+    TargetError,
+)
 from kprobes.linux import ptrace
 from kprobes.process.prepared import Prepared
 from kprobes.process.xol import XolArea
@@ -75,6 +84,7 @@ class Placing:
         def _map_xol_page(self, near: int, size: int) -> int: ...
         def blacklist(self) -> list[BlacklistEntry]: ...
         def _unoptimize_around(self, addr: int) -> None: ...
+        def _cover(self, addr: int, length: int = ...) -> str | None: ...
         def _collect_counts(self) -> None: ...
         def _unoptimize(self, site: ProbeSite, *, rearm: bool) -> None: ...
 
@@ -272,6 +282,11 @@ class Placing:
 
     def arm(self, site: ProbeSite) -> None:
         self._ensure_rescue()
+        # Its page kept out of other tools' kernel uprobes first (shield.py): one that came
+        # and went over our int3 would take it with it. A program that refuses keeps the
+        # int3 all the same: nothing worse than before.
+        with contextlib.suppress(TargetError, InternalError):
+            self._cover(site.addr, 1)
         self._unoptimize_around(site.addr)
         original = self._original(site.addr, 1)[0]
         self._tracer.rescue.note_breakpoint(self._tracer.own_memories(), site.addr, original)

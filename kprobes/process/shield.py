@@ -1,4 +1,4 @@
-"""The pages our jumps are on, kept out of the kernel's uprobes: they are made writable.
+"""The pages our probes are on, kept out of the kernel's uprobes: they are made writable.
 
 Another tool that places a uprobe on a file (bpftrace, ``perf probe``, a tracefs uprobe, our
 own ``--backend uprobes``) has the kernel write its int3 into every process that maps the
@@ -6,25 +6,28 @@ file, over whatever that process holds at the offset. Over a jump of ours, the k
 steps the file's first instruction out of line and resumes after it, in the middle of our
 jump's displacement (SIGILL, SIGSEGV, a silently wrong register); when the uprobe goes, the
 kernel writes the file's first byte back in front of our jump's other four (``41 0b 37 b0 ff``
-at ``malloc``). Nothing tells either side: the kernel keeps no list of other patchers of user
-code.
+at ``malloc``). Over an int3 of ours, the kernel takes the hits (it finds its own uprobe at
+the address), and when the uprobe goes it writes the file's byte over our int3: our probe is
+gone without a word. Nothing tells either side: the kernel keeps no list of other patchers
+of user code.
 
 The kernel installs uprobes only in mappings that are not writable (``valid_vma`` in
 kernel/events/uprobes.c, on registration and on every mmap or split of a mapping). So before
-the first byte of a jump goes into a page of a file's mapping, the program makes that page
-``PROT_WRITE`` as well (an injected ``mprotect``, ``cover``); a uprobe registered from then on
-skips the page in this process, and one registered before it already has its int3 in the code,
-which the optimizer sees and refuses (jumpopt.py, and the bytes checked again once the page
-is covered). When no jump of ours is left on a page, its protection goes back as it was found
-(``uncover``): the mapping merges again, and the kernel installs in it any uprobe registered
-meanwhile, over the original bytes.
+the first int3 of ours goes into a page of a file's mapping, the program makes that page
+``PROT_WRITE`` as well (an injected ``mprotect``, ``cover``, once per page); a uprobe
+registered from then on skips the page in this process, and one registered before it already
+has its int3 in the code, which the planner and the optimizer see and refuse (plan.py,
+jumpopt.py, and the jump's five bytes read again once its pages are covered). At a clean end,
+once every byte of ours is back, the pages get their protection back (``uncover``): mapped
+from their file again where their bytes are the file's, so that the kernel installs in them
+any uprobe registered meanwhile.
 
-The price: while a jump is on a page, another tool's uprobes on that page do not fire in this
-process, and the page is writable and executable. A program that may not make such a page
-(``MemoryDenyWriteExecute``, ``PR_SET_MDWE``, an LSM) keeps the site on its int3: a trap is
-slower, but another tool's uprobe over it harms nothing. A tool killed with jumps in place
-leaves their pages writable, which keeps protecting the jumps it left (docs/decisions.md,
-"Our jumps are kept out of the kernel's uprobes").
+The price: while a probe of ours is on a page, another tool's uprobes on that page do not
+fire in this process, and the page is writable and executable. A program that may not make
+such a page (``MemoryDenyWriteExecute``, ``PR_SET_MDWE``, an LSM) keeps its int3s unshielded
+and gets no jump: a uprobe over an int3 takes our hits, but harms nothing. A tool killed with
+probes in place leaves their pages writable, which keeps protecting the jumps it left
+(docs/decisions.md, "Our probes are kept out of the kernel's uprobes").
 
 Rejected: copying the page into an anonymous mapping (no file, so no uprobe), which takes the
 page out of /proc/PID/maps' file mapping for every symbolizer; and watching for a foreign int3
@@ -70,17 +73,21 @@ def prot_of(perms: str) -> int:
     )
 
 
-def _remap(pid: int, m: Mapping, page: int, prot: int, call: Call, space: Tracee, sp: int) -> bool:
-    """Map ``page`` from its file again, if its bytes are the file's: True if it was."""
-    offset = m.offset + (page - m.start)
+def _remap(
+    pid: int, m: Mapping, run: list[int], prot: int, call: Call, space: Tracee, sp: int
+) -> bool:
+    """Map the pages ``run`` (consecutive, in ``m``) from their file again, if their bytes
+    are the file's, int3s aside: True if they were."""
+    start, size = run[0], len(run) * PAGE
+    offset = m.offset + (start - m.start)
     try:
         with open(f"/proc/{pid}/map_files/{m.start:x}-{m.end:x}", "rb") as f:
             f.seek(offset)
-            want = f.read(PAGE)
-        now = space.read(page, PAGE)
+            want = f.read(size)
+        now = space.read(start, size)
     except (OSError, TargetError):
         return False
-    if len(want) != PAGE or any(a != b and b != 0xCC for a, b in zip(want, now, strict=True)):
+    if len(want) != size or any(a != b and b != 0xCC for a, b in zip(want, now, strict=True)):
         return False  # someone else's bytes (a live patch): they stay
     if m.is_deleted:
         return False
@@ -93,11 +100,22 @@ def _remap(pid: int, m: Mapping, page: int, prot: int, call: Call, space: Tracee
         st = os.stat(f"/proc/{pid}/fd/{fd}")
         if st.st_ino != m.inode or f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}" != m.dev:
             return False  # another file by that name now
-        return call(NR_MMAP, page, PAGE, prot, _MAP_PRIVATE | _MAP_FIXED, fd, offset) == page
+        return call(NR_MMAP, start, size, prot, _MAP_PRIVATE | _MAP_FIXED, fd, offset) == start
     except OSError:
         return False
     finally:
         call(NR_CLOSE, fd)
+
+
+def _runs(pages: Iterable[int]) -> list[list[int]]:
+    """``pages`` in runs of consecutive pages."""
+    runs: list[list[int]] = []
+    for page in sorted(pages):
+        if runs and runs[-1][-1] + PAGE == page:
+            runs[-1].append(page)
+        else:
+            runs.append([page])
+    return runs
 
 
 def _mapping_at(maps: Iterable[Mapping], addr: int) -> Mapping | None:
@@ -108,18 +126,26 @@ def _mapping_at(maps: Iterable[Mapping], addr: int) -> Mapping | None:
 
 
 class Shield:
-    """The pages of each address space (by pid) made writable, with the protection they had."""
+    """The pages of each address space (by pid) made writable, with the protection they had,
+    and the reason a program refused it (asked once: it holds for the whole session)."""
 
     def __init__(self) -> None:
-        self._pages: dict[int, dict[int, int]] = {}
+        self._pages: dict[int, dict[int, tuple[int, int]]] = {}  # page → (prot, inode)
+        self._refused: dict[int, str] = {}
 
     def is_covered(self, pid: int, addr: int, length: int) -> bool:
         pages = self._pages.get(pid, {})
         return all(page in pages for page in pages_of(addr, length))
 
+    def refusal(self, pid: int) -> str | None:
+        """Why ``pid`` may not have writable code (its first ``mprotect`` failed), or None."""
+        return self._refused.get(pid)
+
     def cover(self, pid: int, addr: int, length: int, call: Call) -> str | None:
         """Make the pages of [addr, addr+length) in process ``pid`` writable through
         ``call``, the program's own ``mprotect``. None when done; else why they cannot be."""
+        if pid in self._refused:
+            return self._refused[pid]
         pages = self._pages.setdefault(pid, {})
         needed = [page for page in pages_of(addr, length) if page not in pages]
         if not needed:
@@ -133,49 +159,52 @@ class Shield:
             if m.is_file_backed and not prot & PROT_WRITE:
                 result = call(NR_MPROTECT, page, PAGE, prot | PROT_WRITE)
                 if result < 0:
-                    return (
-                        f"the program may not make its code at {page:#x} writable "
-                        f"({os.strerror(-result)}: MemoryDenyWriteExecute?), which keeps the "
-                        "kernel's uprobes of other tools off a jump"
+                    self._refused[pid] = (
+                        f"the program may not make its code writable ({os.strerror(-result)}: "
+                        "MemoryDenyWriteExecute?), which keeps other tools' kernel uprobes "
+                        "off a jump"
                     )
-            pages[page] = prot  # an anonymous page (JIT code) has no uprobes to keep off
+                    return self._refused[pid]
+            pages[page] = (prot, m.inode)  # an anonymous page (JIT code) has no uprobes
         return None
 
-    def free(self, pid: int, in_use: Callable[[], set[int]]) -> list[int]:
-        """The covered pages of ``pid`` not among ``in_use()``, the pages a jump of ours is
-        on (called only if a page is covered)."""
-        pages = self._pages.get(pid)
-        if not pages:
-            return []
-        busy = in_use()
-        return [page for page in pages if page not in busy]
+    def covered(self, pid: int) -> list[int]:
+        return list(self._pages.get(pid, {}))
 
     def uncover(self, pid: int, pages: Iterable[int], call: Call, space: Tracee, sp: int) -> None:
-        """Give ``pages`` of ``pid``, on which no jump of ours is left, the protection they
+        """Give ``pages`` of ``pid``, on which nothing of ours is left, the protection they
         had, through ``call`` in ``space`` (a held thread whose stack pointer is ``sp``).
 
-        A page whose bytes are the file's (int3s aside: a uprobe the kernel put in before
-        the page was covered puts it back) is mapped again from its file (``_remap``), so the
-        mapping merges with its neighbours and the kernel installs in it any uprobe
-        registered while it was covered. Another page gets its protection back by
-        ``mprotect``: the mapping stays in three pieces, and a uprobe registered meanwhile
-        stays out of it. A page whose mapping changed since (unmapped, mapped again) is left
-        as it is; a failure leaves the page writable, which harms nothing."""
+        Pages whose bytes are the file's (int3s aside: a uprobe the kernel put in before the
+        page was covered comes back) are mapped again from their file, each run of
+        consecutive ones at once (``_remap``): the kernel installs in them every uprobe
+        registered while they were covered. Another page gets its protection back by
+        ``mprotect``, and a uprobe registered meanwhile stays out of it. Either way the file's
+        mapping stays in pieces (a new mapping holds a ``struct file`` of its own, which the
+        kernel does not merge with the old one's). A page whose mapping changed since
+        (unmapped, mapped again) is left as it is; a failure leaves the page writable, which
+        harms nothing."""
         covered = self._pages.get(pid, {})
         maps = read_maps(pid)
+        back: dict[tuple[Mapping, int], list[int]] = {}
         for page in pages:
-            prot = covered.pop(page, None)
+            found = covered.pop(page, None)
             m = _mapping_at(maps, page)
-            if prot is None or m is None or not m.is_file_backed or prot & PROT_WRITE:
+            if found is None or m is None or not m.is_file_backed or found[1] != m.inode:
                 continue
-            if prot_of(m.perms) != prot | PROT_WRITE:
-                continue
-            if not _remap(pid, m, page, prot, call, space, sp):
-                call(NR_MPROTECT, page, PAGE, prot)
+            prot = found[0]
+            if not prot & PROT_WRITE and prot_of(m.perms) == prot | PROT_WRITE:
+                back.setdefault((m, prot), []).append(page)
+        for (m, prot), some in back.items():
+            for run in _runs(some):
+                if not _remap(pid, m, run, prot, call, space, sp):
+                    call(NR_MPROTECT, run[0], len(run) * PAGE, prot)
 
     def forget(self, pid: int | None = None) -> None:
         """The address space was replaced (exec) or released: nothing of ours is in it."""
         if pid is None:
             self._pages.clear()
+            self._refused.clear()
         else:
             self._pages.pop(pid, None)
+            self._refused.pop(pid, None)
