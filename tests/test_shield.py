@@ -177,3 +177,13 @@ def test_a_program_that_may_not_have_writable_code_keeps_its_trap(attach):
         if prog.poll() is None:
             prog.kill()
         prog.wait(timeout=30)
+
+
+def test_pages_protections_and_runs():
+    from kprobes.process import shield
+
+    assert shield.pages_of(0x1FFE, 5) == [0x1000, 0x2000]  # a jump across a page boundary
+    assert shield.pages_of(0x1000, 1) == [0x1000]
+    assert shield.prot_of("r-xp") == shield.PROT_READ | shield.PROT_EXEC
+    assert shield.prot_of("rwxp") == 7 and shield.prot_of("---p") == 0
+    assert shield._runs([0x5000, 0x1000, 0x2000, 0x4000]) == [[0x1000, 0x2000], [0x4000, 0x5000]]

@@ -156,7 +156,8 @@ class Shield:
             if m is None:
                 return f"the code at {page:#x} is not mapped"
             prot = prot_of(m.perms)
-            if m.is_file_backed and not prot & PROT_WRITE:
+            # A shared mapping ("r-xs", a JIT's memfd) takes no uprobe: nothing to keep off.
+            if m.is_file_backed and m.perms[3] == "p" and not prot & PROT_WRITE:
                 result = call(NR_MPROTECT, page, PAGE, prot | PROT_WRITE)
                 if result < 0:
                     self._refused[pid] = (
