@@ -101,4 +101,3 @@ def test_a_signal_handled_at_the_first_call_of_the_ending_is_only_noted(
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
     assert backend.steps == ["stop", "close"]
     assert session.ended_by == signum.name
-
