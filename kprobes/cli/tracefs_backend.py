@@ -1,0 +1,235 @@
+"""The kernel's uprobes and kprobes as a backend of the tracing commands, through tracefs
+(``kprobes.Uprobes``/``kprobes.Kernel``): ``--backend uprobes`` and ``--kernel``. How a
+session picks its backend, and the ptrace one, are in backends.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kprobes.cli.backends import UPROBES_BUFFER_KB, Backend, Placed, Sink
+from kprobes.cli.targets import command_argv
+from kprobes.core.probes import Kprobe
+from kprobes.core.retprobes import Kretprobe
+from kprobes.errors import ProbeError, ProbeRejected, SpecError, TargetError, TraceFsError
+from kprobes.process.launch import spawn
+from kprobes.process.target import Process
+from kprobes.spec import FileOffsetLocation, ProbeSpec, SymbolLocation
+from kprobes.tracefs.kernel import Kernel
+from kprobes.tracefs.target import TraceTarget
+from kprobes.tracefs.uprobes import Uprobes
+
+
+@dataclass(slots=True)
+class TracePlaced:
+    """One spec placed as a kernel probe event."""
+
+    spec: ProbeSpec
+    probe: Kprobe | Kretprobe
+    event: str
+    target: TraceTarget
+
+    @property
+    def name(self) -> str:
+        return self.event
+
+    @property
+    def hits(self) -> int:
+        """The hits of the processes traced: with ``-p``/``-c`` on uprobes, those recorded
+        for them; otherwise the kernel's count (for a file, every process that runs it)."""
+        target = self.target
+        if isinstance(target, Uprobes) and target.pid is not None:
+            return target.recorded_hits(self.event.rpartition("/")[2])
+        return self.probe.nhit
+
+    @property
+    def missed(self) -> int:
+        return self.probe.nmissed
+
+
+# Pages of the kernel's ring read per CPU at a time: a batch is printed whole before the
+# clock is looked at again, and 16 pages (~1,000 events) print in well under the
+# ``READ_AFTER_END`` an ending allows; 256 (the library's default) took seconds to print, so
+# ``-d`` and the signals ended a lagging run late on the kernel's backends.
+PAGES_PER_READ = 16
+
+
+class TraceFsBackend(Backend):
+    """The kernel's uprobes or kprobes, through tracefs (``kprobes.Uprobes``/``Kernel``)."""
+
+    skippable = (ProbeRejected, TraceFsError)
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        sink: Sink,
+        specs: Sequence[ProbeSpec],
+        *,
+        entry_times: bool = False,
+        patterns: Sequence[str] = (),
+    ) -> None:
+        super().__init__()
+        self.entry_times = entry_times
+        self._unread = 0
+        self._spawned: Process | None = None
+        group = _group_of(specs)
+        self.target: TraceTarget
+        if args.backend == "uprobes":
+            self.target = uprobes = self._open_uprobes(args, specs, patterns, sink, group)
+            uprobes.pages_per_read = PAGES_PER_READ
+            self.own_file = uprobes.main_file
+            if args.command is not None:
+                self.command_pid = self.target.pid
+            return
+        pid: int | None = args.pid
+        if args.command is not None:
+            self._spawned = spawn(command_argv(args))
+            pid = self.command_pid = self._spawned.pid
+        try:
+            self.target = Kernel(pid=pid, group=group, sink=sink)
+            self.target.pages_per_read = PAGES_PER_READ
+        except BaseException:
+            self._detach_spawned()
+            raise
+
+    @staticmethod
+    def _open_uprobes(
+        args: argparse.Namespace,
+        specs: Sequence[ProbeSpec],
+        patterns: Sequence[str],
+        sink: Sink,
+        group: str | None,
+    ) -> Uprobes:
+        if args.command is not None:
+            return Uprobes(
+                command=command_argv(args), group=group, sink=sink, buffer_kb=UPROBES_BUFFER_KB
+            )
+        if args.pid is not None:
+            return Uprobes(
+                pid=args.pid,
+                follow_forks=getattr(args, "follow_forks", False),
+                group=group,
+                sink=sink,
+                buffer_kb=UPROBES_BUFFER_KB,
+            )
+        path = _path_of(specs, patterns)
+        return Uprobes(path=path, group=group, sink=sink, buffer_kb=UPROBES_BUFFER_KB)
+
+    def _release(self) -> None:
+        """Let a ``-c`` command run on its own: the kernel probes it from now on."""
+        self._detach_spawned()
+        if isinstance(self.target, Uprobes):
+            self.target.start()
+
+    def _detach_spawned(self) -> None:
+        spawned, self._spawned = self._spawned, None
+        if spawned is not None:
+            spawned.detach()
+
+    def place(self, specs: Sequence[ProbeSpec]) -> list[Placed]:
+        done: list[TracePlaced] = []
+        try:
+            # Placed disabled, then enabled one right after the other: the entry and return
+            # probes of one command go live together, not a placing apart.
+            for spec in specs:
+                probe = self.target.place_spec(spec, entry_times=self.entry_times, disabled=True)
+                event = self.target.get_event_name(probe) or spec.effective_event
+                done.append(TracePlaced(spec, probe, f"{self.target.group}/{event}", self.target))
+            for placed in done:
+                if isinstance(placed.probe, Kretprobe):
+                    self.target.enable_kretprobe(placed.probe)
+                else:
+                    self.target.enable_kprobe(placed.probe)
+        except BaseException:
+            for placed in reversed(done):
+                with contextlib.suppress(ProbeError):
+                    if isinstance(placed.probe, Kretprobe):
+                        self.target.unregister_kretprobe(placed.probe)
+                    else:
+                        self.target.unregister_kprobe(placed.probe)
+            raise
+        self.placed += done
+        return list(done)
+
+    def functions(self, pattern: str) -> list[str]:
+        return self.target.function_names(pattern)
+
+    def run(self, timeout: float | None) -> bool:
+        self._release()  # every probe is placed once events are wanted
+        return self.target.run(timeout)
+
+    def close(self) -> None:
+        try:
+            self.target.close()
+        finally:
+            self._detach_spawned()
+
+    @property
+    def dropped(self) -> int:
+        """The kernel's count (per-CPU stats) once the buffer is gone or while it is there."""
+        return max(self.target.lost, self.target.session.lost_events(), 0)
+
+    @property
+    def unread(self) -> int:
+        return self._unread
+
+    def stop(self) -> None:
+        """Every event disabled in our instance (entries and returns alike): the kernel
+        records nothing more for us."""
+        for placed in self.placed:
+            probe = getattr(placed, "probe", None)
+            with contextlib.suppress(ProbeError, OSError):
+                if isinstance(probe, Kretprobe):
+                    self.target.disable_kretprobe(probe)
+                elif isinstance(probe, Kprobe):
+                    self.target.disable_kprobe(probe)
+
+    def read_rest(self, until: float) -> None:
+        try:
+            while time.monotonic() < until and self.target.poll():
+                pass
+        finally:
+            self.discard_backlog()
+
+    def discard_backlog(self) -> None:
+        """What the buffer still holds is counted (``entries`` of each CPU's stats) and
+        goes with the instance at ``close()``."""
+        if self.target.session.is_open:
+            self._unread = self.target.session.unread_events()
+
+
+def _group_of(specs: Sequence[ProbeSpec]) -> str | None:
+    """The one group the specs name (the session's event group), or None for our own."""
+    groups = {spec.group for spec in specs if spec.group is not None}
+    if len(groups) > 1:
+        raise SpecError(
+            "with a kernel backend every probe goes in one event group, and these name "
+            f"several: {', '.join(sorted(groups))}",
+            column=0,
+        )
+    return groups.pop() if groups else None
+
+
+def _path_of(specs: Sequence[ProbeSpec], patterns: Sequence[str]) -> str:
+    """The file that ``--backend uprobes`` without -p/-c probes: the one the specs name."""
+    paths = {p.rpartition(":")[0] for p in patterns if p.startswith("/")}
+    for spec in specs:
+        match spec.location:
+            case FileOffsetLocation(path=path):
+                paths.add(path)
+            case SymbolLocation(module=str() as module) if "/" in module:
+                paths.add(module)
+    if len(paths) != 1:
+        raise TargetError(
+            "--backend uprobes without -p or -c probes one file for every process that runs "
+            "it: name it in the specs as /PATH:SYMBOL (they name "
+            f"{len(paths) or 'no'} file{'s' if len(paths) != 1 else ''})",
+            errno=errno.EINVAL,
+        )
+    return os.path.realpath(paths.pop())
