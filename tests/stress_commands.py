@@ -208,26 +208,22 @@ class OtherTool:
     def __init__(self, target: Target, rng: random.Random, seconds: float) -> None:
         import support
 
-        root = support.tracefs_root()
-        if root is None:
-            raise OSError("no tracefs")
         with open(f"/proc/{target.proc.pid}/maps") as maps:
             libc = next(
                 line.split()[5]
                 for line in maps
                 if "/libc.so" in line and line.split()[2] == "00000000"
             )
-        vaddr = support.symbol(libc, "malloc", dynamic=True).value
         self.addr = support.runtime_address(target.proc.pid, libc, "malloc", dynamic=True)
-        self.pid, self.root = target.proc.pid, root
-        self.group = f"kptstress{os.getpid()}"
-        self.instance = root / "instances" / f"kpt_stress_{os.getpid()}"
-        self.instance.mkdir(exist_ok=True)
-        support._append(
-            root / "uprobe_events",
-            f"p:{self.group}/malloc {libc}:{support.file_offset(libc, vaddr):#x}\n",
-        )
-        self.enable = self.instance / "events" / self.group / "malloc" / "enable"
+        self.pid = target.proc.pid
+        self.uprobes = support.ForeignUprobes("stress")
+        try:
+            self.name = self.uprobes.define(
+                libc, support.symbol(libc, "malloc", dynamic=True).value
+            )
+        except BaseException:
+            self.uprobes.close()
+            raise
         self.wait_on = rng.uniform(0.0, seconds)
         self.wait_off = rng.uniform(0.0, 2 * seconds)
         self.stop = threading.Event()
@@ -243,28 +239,19 @@ class OtherTool:
             return False
 
     def _run(self) -> None:
-        import support
-
         while not self._ours_there():
             if self.stop.wait(0.005):
                 return
         if self.stop.wait(self.wait_on):
             return
-        support._append(self.enable, "1")
+        self.uprobes.enable(self.name)
         self.stop.wait(self.wait_off)
-        support._append(self.enable, "0")
+        self.uprobes.enable(self.name, False)
 
     def close(self) -> None:
-        import support
-
         self.stop.set()
         self.thread.join()
-        with contextlib.suppress(OSError):
-            support._append(self.enable, "0")
-        with contextlib.suppress(OSError):
-            support._append(self.root / "uprobe_events", f"-:{self.group}/malloc\n")
-        with contextlib.suppress(OSError):
-            self.instance.rmdir()
+        self.uprobes.close()
 
 
 def one_round(target: Target, rng: random.Random, tally: Tally, verbose: bool) -> None:

@@ -490,6 +490,59 @@ def kernel_uprobe_counts(
     return UprobeRun(counts, stdout, proc.returncode)
 
 
+class ForeignUprobes:
+    """Another tool's kernel uprobes (as bpftrace or ``perf probe`` places them), in a tracefs
+    instance of their own, named by ``tag``; OSError without tracefs. The kernel puts each
+    into every process that maps its file."""
+
+    def __init__(self, tag: str) -> None:
+        root = tracefs_root()
+        if root is None:
+            raise OSError("tracefs with uprobe_events is not available")
+        self.root = root
+        self.group = f"kpt{tag}{os.getpid()}"
+        self.instance = root / "instances" / f"kpt_{tag}_{os.getpid()}"
+        self.instance.mkdir(exist_ok=True)
+        _append(self.instance / "buffer_size_kb", "16384")
+        self.names: list[str] = []
+        self._made = 0
+
+    def define(self, path: Path | str, vaddr: int) -> str:
+        """A uprobe event at link-time address ``vaddr`` of ``path``, not enabled yet."""
+        self._made += 1
+        name = f"p{self._made}"
+        _append(
+            self.root / "uprobe_events",
+            f"p:{self.group}/{name} {path}:{file_offset(path, vaddr):#x}\n",
+        )
+        self.names.append(name)
+        return name
+
+    def enable(self, name: str, on: bool = True) -> None:
+        _append(self.instance / "events" / self.group / name / "enable", "1" if on else "0")
+
+    def remove(self, name: str) -> None:
+        """The uprobe goes, as when its tool ends."""
+        self.names.remove(name)
+        with contextlib.suppress(OSError):
+            self.enable(name, False)
+        _append(self.root / "uprobe_events", f"-:{self.group}/{name}\n")
+
+    def hits(self) -> int:
+        """The hits recorded so far, of every process (none dropped)."""
+        trace = (self.instance / "trace").read_text()
+        m = _ENTRIES.search(trace)
+        assert m is not None and m.group(1) == m.group(2), f"records dropped: {m and m[0]}"
+        return sum(1 for line in trace.splitlines() if _TRACE_LINE.match(line))
+
+    def close(self) -> None:
+        for name in list(self.names):
+            with contextlib.suppress(OSError):
+                self.remove(name)
+        with contextlib.suppress(OSError):
+            self.instance.rmdir()
+
+
 def runtime_address_of(pid: int, path: Path | str, vaddr: int) -> int:
     """Run-time address in ``pid`` of link-time address ``vaddr`` of the file ``path``."""
     if _elf_type(path) == "EXEC":

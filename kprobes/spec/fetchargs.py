@@ -78,6 +78,10 @@ RESERVED_FIELD_NAMES = frozenset(
 )
 
 _DENTRY_DEREFS = {"%pd": 2, "%pD": 3}
+"""``X:%pd`` is ``+0(+d_name.name(X)):string``; ``%pD`` goes through ``f_path.dentry`` first."""
+_DENTRY_EXPANSION = {"%pd": len("+0x0(+0x28()):string"), "%pD": len("+0x0(+0x28(+0x40())):string")}
+"""How much longer the kernel's expansion of ``X:%pd`` is than ``X`` (2-digit offsets)."""
+
 KPROBE_ONLY_TYPES = ("symbol", "symstr", "%pd", "%pD")
 
 
@@ -93,10 +97,6 @@ def valid_types(*, is_uprobe: bool) -> str:
         "b<width>@<offset>/<container> (a bitfield), TYPE[N] (an array)"
     )
 
-
-"""``X:%pd`` is ``+0(+d_name.name(X)):string``; ``%pD`` goes through ``f_path.dentry`` first."""
-_DENTRY_EXPANSION = {"%pd": len("+0x0(+0x28()):string"), "%pD": len("+0x0(+0x28(+0x40())):string")}
-"""How much longer the kernel's expansion of ``X:%pd`` is than ``X`` (2-digit offsets)."""
 
 _SYMBOL_START = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_.")
 _SYMBOL_CHARS = _SYMBOL_START | frozenset("0123456789$@")
