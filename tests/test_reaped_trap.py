@@ -14,6 +14,7 @@ iterations in a register and in memory; any wrong register shows as a BAD line a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -104,6 +105,74 @@ def test_the_tool_dies_holding_a_trap(popen, build, site, stall):
     assert driver.wait(10) == -signal.SIGKILL
     released(prog)
     finish_mallocs(prog)
+
+
+@pytest.mark.parametrize("stall", ["held", "reaped"])
+@pytest.mark.parametrize("site", ["malloc-entry", "boosted-pop"])
+def test_the_tool_dies_holding_a_trap_of_a_followed_child(popen, build, tmp_path, site, stall):
+    """As above, in a child that a followed shell ran (fork, then exec: a member of the
+    family, with an image and a rescue of its own, whose stops reach the tool through the
+    root's wait): the thread goes on from the probed instruction, and the program and the
+    shell finish right."""
+    # framed is the program's: pending, in the shell, until the child's exec maps it
+    specs = [s if s.startswith("libc:") else f"mallocs:{s}" for s in SITES[site][1]]
+    # past the startup of nice and of the program: a trap of a worker
+    kill_following(popen, build, tmp_path, "--stall", stall, "--after", 400, *specs)
+
+
+def test_the_tool_dies_setting_aside_a_trap_of_a_followed_child(popen, build, tmp_path):
+    """Killed right after the root reaped a member's trap while stopping its world (to place
+    or remove a probe): the member's thread was put back on its int3 first, and goes on
+    right."""
+    kill_following(
+        popen, build, tmp_path, "--cycle", "--stall", "aside", "--after", 5, "libc:malloc"
+    )
+
+
+def kill_following(popen: Any, build: Any, tmp_path: Path, *args: Any) -> None:
+    """``trap_until_killed.py --follow`` on a shell that runs the program as its child, killed
+    when it stalls; the program then runs on alone and must finish right, and the shell."""
+    script = tmp_path / "run.sh"
+    script.write_text(f"#!/bin/sh\nread go\nnice -n 10 {build('mallocs')} {THREADS}\nexit $?\n")
+    script.chmod(0o755)
+    shell = popen(
+        [script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # its group: the program too, killed whatever happens
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    driver = popen(
+        [sys.executable, DRIVERS / "trap_until_killed.py", shell.pid, "--follow", *args],
+        stdout=subprocess.PIPE,
+        env=env,
+    )
+    try:
+        assert support.read_line(driver.stdout.fileno(), 30) == b"ready\n"
+        shell.stdin.write(b"go\n")
+        shell.stdin.flush()
+        assert support.read_line(driver.stdout.fileno(), 30) == b"stalled\n"
+        driver.kill()
+        assert driver.wait(10) == -signal.SIGKILL
+        # (the tool may have stalled before the program said it was ready)
+        line = support.read_line(shell.stderr.fileno(), timeout=30)
+        assert line.startswith(b"mallocs ") and line.endswith(b" ready\n"), line
+        prog = int(line.split()[1])
+        support.wait_until(
+            lambda: not any(support.tracer_of(prog, t) for t in support.thread_ids(prog)),
+            10,
+            "the program's threads to be released",
+        )
+        time.sleep(0.3)
+        assert shell.poll() is None, f"the shell ended: status {shell.returncode}"
+        os.kill(prog, signal.SIGUSR1)
+        out, err = shell.communicate(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(shell.pid, signal.SIGKILL)
+    assert shell.returncode == 0, err.decode()[-2000:]
+    assert out == expected_output(), err.decode()[-2000:]
 
 
 @pytest.mark.deadline(240)

@@ -40,7 +40,7 @@ from kprobes.process.placement import Placement
 from kprobes.process.prepared import Prepared
 from kprobes.process.rescue import Rescue
 from kprobes.process.signals import SignalDelivery
-from kprobes.process.threads import Thread, ThreadState
+from kprobes.process.threads import RUNNING_STATES, Thread, ThreadState
 from kprobes.process.tracee import Tracee, TraceeKind
 from kprobes.process.trampoline import Trampoline
 from kprobes.process.trapguard import TrapGuard
@@ -192,6 +192,8 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
                 self._pump_family()
             if not self.live and not self.family:
                 break
+            if deadline is not None and time.monotonic() >= deadline:
+                return False  # between stops, also while they never cease
             if self.has_pending:
                 self._drain_pending()
             poll = self.ring_poll
@@ -212,9 +214,10 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
             try:
                 t = threads[tid]
             except KeyError:
-                if status == TRAP:
-                    self._reap(tid)
-                self._unowned(tid, status)
+                if status == TRAP and self._is_members_running(tid):
+                    self._unowned(tid, status)  # not reaped: the member's dispatch holds it
+                else:
+                    self._set_aside(tid, status)
                 if self.family:
                     self._pump_family()
                     if table.pending_error is not None:  # a member's handler, or end_run()
@@ -342,14 +345,45 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
                                 raise_error()
                             t.state = RUNNING
             else:
-                if status == TRAP:
-                    self._reap(tid)
                 self.dispatch(t, status)
             if table.pending_error is not None:
                 exc = table.take_error()
                 assert exc is not None
                 raise exc
         return True
+
+    def _is_members_running(self, tid: int) -> bool:
+        """``tid`` is a running thread of a member of the family: its trap is left unreaped
+        for the member's dispatch, which runs before this loop waits again
+        (``_pump_family``) and reaps it after step 0 (``_hold_trap``), as the root does."""
+        owner = _OWNERS.get(tid)
+        if owner is None or owner not in self.family:
+            return False
+        t = owner.threads.get(tid)
+        return t is not None and t.state in RUNNING_STATES
+
+    def _set_aside(self, tid: int, status: int) -> None:
+        """A stop of a thread this tracer does not own, passed on to its owner.
+
+        A trap is reaped here, so a running thread of another tracer that trapped on an
+        int3 of that tracer's is first put back on it (``_rewind_own_trap``) and let go: it
+        traps again and is seen then. Reaped one byte past the int3, it would resume there,
+        mid-instruction, should the tool die before its owner ran step 0 (``decisions.md``,
+        "the reaped-trap window")."""
+        if status == ev.SIGTRAP_STOP:
+            owner = _OWNERS.get(tid)
+            t = None if owner is None or owner is self else owner.threads.get(tid)
+            if (
+                owner is not None
+                and t is not None
+                and t.state in RUNNING_STATES
+                and owner._rewind_own_trap(t)
+            ):
+                self._reap(tid)
+                owner._resume_if_free(t)
+                return
+            self._reap(tid)
+        self._unowned(tid, status)
 
     def _unowned(self, tid: int, status: int) -> None:
         owner = _OWNERS.get(tid)
@@ -364,19 +398,22 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
     def dispatch(self, t: Thread, status: int) -> None:
         event = ev.decode(t.tid, status)
         match event:
-            case ev.Trap():
+            case ev.Trap():  # not reaped yet, if it came from the wait (ptrace.wait)
                 stepping = t.state is _STEPPING
                 t.to(_STOPPED)
                 self.placement.count(t)
                 regs = t.load_regs()
                 if stepping:
+                    self._reap(t.tid)
                     self._finish_step(t)
                     return
-                site = self.sites.get(regs.rip - 1)
+                addr = regs.rip - 1
+                site = self.sites.get(addr)
                 if site is not None and site.is_armed:
+                    self._hold_trap(t, site.ainsn, addr)
                     self._hit(t, site)
                 else:
-                    self._foreign_trap(t)
+                    self._foreign_trap(t, self._hold_trap(t, None, addr))
             case ev.Signal(signal=sig):
                 self._on_signal(t, sig)
             case ev.SyscallStop() if t.to_syscall_entry and t.state is _STEPPING:

@@ -64,6 +64,7 @@ class WorldStop:
     if TYPE_CHECKING:
 
         def _unowned(self, tid: int, status: int) -> None: ...
+        def _set_aside(self, tid: int, status: int) -> None: ...
         def dispatch(self, t: Thread, status: int) -> None: ...
         def drop_thread(self, thread: Thread) -> None: ...
         def add_thread(self, tracee: Tracee, tid: int, state: ThreadState) -> Thread: ...
@@ -171,9 +172,7 @@ class WorldStop:
                     continue
                 held = self.threads.get(tid)
                 if held is None:
-                    if status == ev.SIGTRAP_STOP:
-                        self._reap(tid)
-                    self._unowned(tid, status)
+                    self._set_aside(tid, status)
                     continue
                 self._hold(held, status)
         except BaseException:

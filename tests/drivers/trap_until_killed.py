@@ -1,6 +1,6 @@
 """A kprobes user with breakpoint probes only, which the tests kill with SIGKILL.
 
-    trap_until_killed.py PID [--stall WHERE --after K [--at SPEC]] SPEC...
+    trap_until_killed.py PID [--follow [--cycle]] [--stall WHERE --after K [--at SPEC]] SPEC...
 
 Attaches to PID and registers a kprobe (no handler, never optimized) at each SPEC,
 ``symbol`` or ``symbol+offset`` (``libc:malloc`` names a library's), prints ``ready`` and
@@ -10,9 +10,16 @@ just reaped (``waitpid``):
 
     held     the trap not reaped yet: the kernel still holds it (and delivers it if we die)
     reaped   the trap reaped: the kernel has dropped it, the thread goes on from its registers
+    aside    reaped by a tracer that does not own the thread (``Tracer._set_aside``: the root
+             stopping its world while a member's thread traps)
 
 With ``--at SPEC`` only the traps of threads whose rip (the kernel's, at that moment) is at
-SPEC's address count: where the tool puts a thread back on the int3 it trapped on.
+SPEC's address count: where the tool puts a thread back on the int3 it trapped on. With
+``--follow`` it follows PID's children (``follow_forks``, the probes pending where they are
+not mapped yet), and only the traps of processes other than PID count: a child that exec'd
+is a member of the family, whose stops reach the tool through the root's loop (family.py).
+``--cycle`` registers and unregisters one more probe (``libc:free``) all the time: each time,
+the root stops its world, and the members' traps meanwhile are the root's to set aside.
 
 Nothing here restores anything: SIGKILL gives it no chance. The program must carry on alone.
 """
@@ -27,6 +34,7 @@ import sys
 import time
 
 import kprobes
+from kprobes.process.tracer import Tracer
 
 PTRACE_PEEKUSER = 3
 RIP_OFFSET = 16 * 8  # struct user_regs_struct: rip is the 17th word
@@ -40,9 +48,11 @@ def probe(spec: str) -> kprobes.Kprobe:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("pid", type=int)
-    parser.add_argument("--stall", choices=("none", "held", "reaped"), default="none")
+    parser.add_argument("--stall", choices=("none", "held", "reaped", "aside"), default="none")
     parser.add_argument("--after", type=int, default=1)
     parser.add_argument("--at", default=None)
+    parser.add_argument("--follow", action="store_true")
+    parser.add_argument("--cycle", action="store_true")
     parser.add_argument("specs", nargs="+")
     opts = parser.parse_args()
     libc = ctypes.CDLL(None, use_errno=True)
@@ -59,6 +69,8 @@ def main() -> int:
         )
         if info is None or info.si_code != os.CLD_TRAPPED or info.si_status != signal.SIGTRAP:
             return False
+        if opts.follow and os.path.exists(f"/proc/{opts.pid}/task/{tid}"):
+            return False  # the root's own
         return not at or libc.ptrace(PTRACE_PEEKUSER, tid, RIP_OFFSET, None) == at
 
     def point() -> None:
@@ -77,19 +89,41 @@ def main() -> int:
         if was_trapped and opts.stall == "held":
             point()
         got = waitpid(pid, options)
-        if was_trapped and opts.stall == "reaped" and got[0] == pid:
+        if was_trapped and got[0] == pid and opts.stall == ("aside" if aside else "reaped"):
             point()
         return got
 
+    set_aside = Tracer._set_aside
+    aside = False
+
+    def setting_aside(self: Tracer, tid: int, status: int) -> None:
+        nonlocal aside
+        aside = True
+        try:
+            set_aside(self, tid, status)
+        finally:
+            aside = False
+
     os.waitpid = reaping
-    with kprobes.attach(opts.pid) as proc:
+    Tracer._set_aside = setting_aside  # type: ignore[method-assign]
+    with kprobes.attach(opts.pid, follow_forks=opts.follow, pending=opts.follow) as proc:
         kps = [probe(spec) for spec in opts.specs]
         proc.register_kprobes(kps)
         if opts.at is not None:
             (target,) = [kp for kp, spec in zip(kps, opts.specs, strict=True) if spec == opts.at]
             at = target.addr
         print("ready", flush=True)
-        proc.run()
+        if not opts.cycle:
+            proc.run()
+            return 0
+        extra: kprobes.Kprobe | None = None
+        while not proc.run(timeout=0.005):
+            if extra is None:
+                extra = kprobes.Kprobe(symbol="libc:free")
+                proc.register_kprobe(extra)
+            else:
+                proc.unregister_kprobe(extra)
+                extra = None
     return 0
 
 
