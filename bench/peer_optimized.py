@@ -27,7 +27,7 @@ enough to keep up with a loop that does nothing else: the tool hands records to 
 some µs each while the program writes one every few ns, so the record rows' N is chosen to
 fit the default ring (32 MiB: 174,762 three-slot or 524,288 one-slot records) and the notes
 say how many were dropped. A run is therefore the ring's first lap, whose hits fault its pages
-in (the program's mapping is not populated: process/optmemory.py), at some µs a 4 KiB page; the
+in (the program's mapping is not populated: process/fast/memory.py), at some µs a 4 KiB page; the
 floor's ``record-cold`` rows pay the same, its ``record`` rows do not. The harness runs this
 module as a separate process (so that it can be pinned)::
 

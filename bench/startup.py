@@ -1,7 +1,7 @@
 """``python -m bench.startup``: what following a program from its first instruction costs.
 
 A spawned program is stopped at the exit of its ``execve``; a probe on libc waits, and the
-loader's startup runs under ``PTRACE_SYSCALL`` until libc is mapped (process/following.py).
+loader's startup runs under ``PTRACE_SYSCALL`` until libc is mapped (process/following/pending.py).
 This times ``spawn`` + one pending ``libc:malloc`` probe + ``run()`` to the program's exit,
 median of ``--runs``, for a program that loads libc alone and one that loads five libraries.
 Compare with another checkout by running it with that checkout first on ``PYTHONPATH``.

@@ -25,9 +25,9 @@ from kprobes.arch.x86_64.regs import Regs
 from kprobes.core.probes import TRAP_HANDLER_EXCEPTION, Kprobe, ProbeFlags
 from kprobes.core.retprobes import Jprobe, Kretprobe, KretprobeInstance, Task
 from kprobes.model import BlacklistEntry, Event, EventArg, ProbeListing
-from kprobes.process.following import ProbeNotice
+from kprobes.process.fast.reader import Hit
+from kprobes.process.following.pending import ProbeNotice
 from kprobes.process.launch import attach, spawn
-from kprobes.process.records import Hit
 from kprobes.process.target import Process
 from kprobes.tracefs.kernel import Kernel
 from kprobes.tracefs.uprobes import Uprobes

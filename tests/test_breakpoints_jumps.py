@@ -8,7 +8,7 @@ from typing import Any, cast
 import pytest
 
 from kprobes.errors import InternalError
-from kprobes.process.breakpoints import Breakpoints
+from kprobes.process.engine.breakpoints import Breakpoints
 
 BASE = 0x1000
 CODE = bytes(range(0x40, 0x60))  # stand-in instructions

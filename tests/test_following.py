@@ -1,4 +1,4 @@
-"""Probes that follow the program's code (following.py): from its first instruction, through
+"""Probes that follow the program's code (pending.py): from its first instruction, through
 the loader's startup, dlopen and dlclose, and exec.
 
 The programs make the expected counts exact by construction: libplug.so's constructor calls
@@ -370,7 +370,7 @@ def test_sigkill_of_the_tool_following_a_tree_harms_no_process(build, plugin, tm
     """Each process of the tree has its own rescue (family.py): killed with SIGKILL while it
     follows a shell, its child and its exec'd image, the tool leaves every one able to finish
     as it would have unprobed."""
-    from kprobes.process.cleanup import read_state
+    from kprobes.process.survival.cleanup import read_state
 
     host = build("plughost")
     script = tmp_path / "tree.sh"

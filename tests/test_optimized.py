@@ -1,5 +1,5 @@
-"""Optimized count probes in live processes (process/optimizer.py): a jmp to a detour that counts
-in the program, no trap per hit.
+"""Optimized count probes in live processes (process/fast/optimizer.py): a jmp to a detour that
+counts in the program, no trap per hit.
 
 tests/programs/optimized.c calls work(t, i) N times from each of T threads, in rounds that
 wait for a byte on stdin between them, so the exact count is known and the tool can act

@@ -1,7 +1,7 @@
 """Optimized count probes are as faithful as traps (issue 12): real code, every boundary.
 
 A count probe with ``optimize=True`` is placed as an int3 and becomes a jump to a detour in the
-program (process/optimizer.py). Here every instruction boundary of real code gets one, and the
+program (process/fast/optimizer.py). Here every instruction boundary of real code gets one, and the
 program must not notice: its output is byte-identical to an unprobed run's, and every probe's
 ``nhit`` equals the kernel's own uprobe count at the same address (the reference tool).
 

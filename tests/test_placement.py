@@ -1,4 +1,4 @@
-"""CPU placement (process/placement.py): a thread that stops often runs on the tool's CPU,
+"""CPU placement (process/engine/cpus.py): a thread that stops often runs on the tool's CPU,
 one that stops rarely keeps every CPU it had, and every mask we changed comes back.
 
 These check the behaviour (which masks are set, when, and that they are given back), not the
@@ -22,8 +22,8 @@ import pytest
 import support
 
 import kprobes
-from kprobes.process import placement as placement_module
-from kprobes.process.placement import WINDOW, Placement
+from kprobes.process.engine import cpus as placement_module
+from kprobes.process.engine.cpus import WINDOW, Placement
 
 ALL = os.sched_getaffinity(0)
 needs_two_cpus = pytest.mark.skipif(
@@ -81,7 +81,7 @@ def idle() -> Iterator[Callable[[], Idle]]:
 
 
 class Clock:
-    """``time.monotonic_ns`` for placement.py, moved by hand."""
+    """``time.monotonic_ns`` for cpus.py, moved by hand."""
 
     def __init__(self) -> None:
         self.now = 1_000_000_000

@@ -1,4 +1,4 @@
-"""Optimized record probes: asynchronous handlers fed from the ring (process/records.py).
+"""Optimized record probes: asynchronous handlers fed from the ring (process/fast/reader.py).
 
 tests/programs/records.c calls note(s, p, t, i) from T threads with good pointers and, on
 known calls, bad ones (NULL, an address below mmap_min_addr, a string that runs into a

@@ -19,7 +19,7 @@ import support
 
 import kprobes
 from kprobes.linux import ptrace
-from kprobes.process import threads
+from kprobes.process.engine import threads
 
 pytestmark = pytest.mark.ptrace
 

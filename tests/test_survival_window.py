@@ -231,7 +231,7 @@ def test_our_frame_is_the_kernels(popen, build):
 
 def test_without_a_way_home_the_mapping_is_made_as_before(popen, build, monkeypatch):
     """No restorer in the program's code: the borrowed-syscall injection, rescue and all."""
-    from kprobes.process import selfrestore
+    from kprobes.process.inject import selfrestore
 
     monkeypatch.setattr(sigframe, "find_restorer", lambda code, base: None)
     used = []
@@ -250,7 +250,7 @@ def test_a_thread_lent_while_its_signal_came(popen, build, monkeypatch):
     """The only thread is held in the delivery of a signal of its own when the first probe
     is registered: it is lent for the mmap, gets the signal again at the end, stops on its
     delivery with its own siginfo, and the program's handler runs once."""
-    from kprobes.process import selfrestore
+    from kprobes.process.inject import selfrestore
 
     lent = []
     delivered = selfrestore._delivered_signal

@@ -4,7 +4,7 @@ Five bytes over a probed instruction cannot change at once for the program: a to
 between two writes, or an exception between them, used to leave the original first byte (or
 an int3) before the jump's four others, ``41 0b 47 1a 00`` at ``malloc``, and the threads that
 went through it died of SIGSEGV at ``malloc+2``. Now every jump site goes int3, the four
-bytes, the first byte (the kernel's ``text_poke_bp``; process/breakpoints.py), and what is
+bytes, the first byte (the kernel's ``text_poke_bp``; process/engine/breakpoints.py), and what is
 left at any instant is a whole instruction or an int3 followed by the old or the new four
 bytes, which the rescue in the program finishes alone (rescue.c).
 
@@ -44,7 +44,7 @@ from test_optimized_fidelity import (
 )
 
 import kprobes
-from kprobes.process.tracee import Tracee
+from kprobes.process.engine.tracee import Tracee
 
 pytestmark = pytest.mark.ptrace
 
@@ -365,7 +365,7 @@ def test_every_state_between_the_writes_is_one_the_rescue_finishes():
     """Armed, optimized, unoptimized (re-armed and not), disarmed, restored: each state the
     site goes through is a whole instruction or an int3 before the old or new 4 bytes (never
     ``41 0b 47 1a 00``), and one byte changes at a time unless only the 4 others change."""
-    from kprobes.process.breakpoints import Breakpoints
+    from kprobes.process.engine.breakpoints import Breakpoints
 
     mem = Memory(ORIGINAL)
     bps = Breakpoints()
@@ -393,7 +393,7 @@ def test_every_state_between_the_writes_is_one_the_rescue_finishes():
 def test_an_exception_after_a_step_puts_the_site_back(way, step):
     """KeyboardInterrupt after a step: the site goes back to what the bookkeeping says, by
     the same steps, and a disarm then restores the original bytes."""
-    from kprobes.process.breakpoints import Breakpoints
+    from kprobes.process.engine.breakpoints import Breakpoints
 
     mem = Memory(ORIGINAL)
     bps = Breakpoints()

@@ -26,7 +26,7 @@ import support
 from kernel_reference import TRACEFS, KernelReference, ReferenceRun, RefProbe
 from test_cli_trace import KPROBES
 
-from kprobes.process.cleanup import read_state
+from kprobes.process.survival.cleanup import read_state
 
 pytestmark = pytest.mark.ptrace
 

@@ -13,9 +13,9 @@ instance's pid filter takes its pid and the probes are placed on the files it wi
 (``Uprobes(command=...)``), then let go: the kernel counts it from its first instruction, and
 every process it starts (``event-fork``), as perf does. Our own backend follows the same tree:
 ``-c`` stops the command before its first instruction, and each child that execs becomes a
-process of its own with the specs placed again in its image (process/family.py). ``-p PID``
-follows that process, and with ``--follow-forks`` the processes it starts from then on. With
-``--kernel`` the command is started stopped by the Process target (``spawn``) and released,
+process of its own with the specs placed again in its image (process/following/family.py).
+``-p PID`` follows that process, and with ``--follow-forks`` the processes it starts from then
+on. With ``--kernel`` the command is started stopped by the Process target (``spawn``) and released,
 untraced, once the probes are placed. Either way its exit ends the session. Rejected
 alternative: starting it with ``subprocess`` and registering afterwards, which misses whatever
 it does first.
@@ -41,8 +41,8 @@ from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import InstancePool, Kretprobe, KretprobeInstance
 from kprobes.errors import ProbeError, ProbeRejected, TargetError
 from kprobes.model import Event
+from kprobes.process.specs import SpecTracer
 from kprobes.process.target import Process
-from kprobes.process.tracing import SpecTracer
 from kprobes.spec import ProbeSpec
 
 Sink = Callable[[Event], None]

@@ -17,7 +17,7 @@ from typing import Any
 
 from kprobes.cli.backends import add_backend_arguments
 from kprobes.errors import TargetError
-from kprobes.process.cleanup import read_state
+from kprobes.process.survival.cleanup import read_state
 from kprobes.tracefs.control import TraceFs
 from kprobes.tracefs.kernel import list_kprobes
 

@@ -2,7 +2,7 @@
 
 The kernel keeps this in kernel/kprobes.c (``optimize_kprobe``, ``unoptimize_kprobe``, the
 ``KPROBE_FLAG_OPTIMIZED`` bit and the optimizing and unoptimizing lists); the machine work of
-building detours and writing jumps is the target's (process/optimizer.py, as the kernel's
+building detours and writing jumps is the target's (process/fast/optimizer.py, as the kernel's
 arch/x86/kernel/kprobes/opt.c). A site is optimized when every probe on it asked for it, none
 has a handler that may change the program, the site is armed and optimization is on; the
 target then decides whether the code allows it, and a refusal is final for that code.
@@ -46,7 +46,7 @@ class SiteOpt:
     seen: int = 0  # the counter's value already added to the probes' nhit
     detour: int = 0  # where the current detour is (0 when not optimized)
     region_len: int = 0
-    record_id: int = 0  # a record site's id in its records (records.py), 0 for a count
+    record_id: int = 0  # a record site's id in its records (reader.py), 0 for a count
     plan: Any = None  # the captures that id's records hold (the target's)
 
     def to(self, state: OptState, reason: str = "") -> None:

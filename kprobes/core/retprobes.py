@@ -7,7 +7,7 @@ exception); a call that finds the pool empty is counted in ``nmissed`` and not h
 
 The pool and the probe objects are generic. How the return address is captured, where the
 trampoline is and how a thread's live instances are matched to a return belong to the target
-(``process/trampoline.py`` for the Process target).
+(``process/engine/trampoline.py`` for the Process target).
 
 A ``Jprobe`` is a kprobe at a function's entry whose handler is called with the function's
 arguments; it is registered through an entry kprobe (type ``j``) like the kernel's.

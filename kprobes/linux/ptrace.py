@@ -239,7 +239,7 @@ def waitpid(pid: int, options: int) -> tuple[int, int]:
 # zeroes ``exit_code``; ``exit_ptrace`` leaves it): a thread whose tracer dies before the reap
 # gets its SIGTRAP delivered, one whose tracer dies after resumes without it. So a trap stop
 # is only peeked at (``waitid(WNOWAIT)``) and reaped once the thread has been put in a state
-# that is right either way (process/tracer.py).
+# that is right either way (process/engine/tracer.py).
 TRAP_STOP: Final = (signal.SIGTRAP << 8) | 0x7F  # a signal-delivery stop of SIGTRAP
 _PEEK: Final = os.WEXITED | os.WSTOPPED | os.WNOWAIT | WALL
 _REAP: Final = os.WNOHANG | WALL
@@ -297,7 +297,7 @@ def unblock_sigchld() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
 
 
-# -- what a signal frame of our own needs (process/selfrestore.py) -------------------------
+# -- what a signal frame of our own needs (process/inject/selfrestore.py) -------------------------
 
 PTRACE_GETREGSET: Final = 0x4204
 PTRACE_GETSIGMASK: Final = 0x420A

@@ -20,12 +20,12 @@ from typing import IO, Any
 from kprobes.errors import TargetError
 from kprobes.linux import procfs, ptrace
 from kprobes.linux.childstart import restore_signals
-from kprobes.process import cleanup
-from kprobes.process.events import SYSCALL_TRAP
+from kprobes.process.engine.events import SYSCALL_TRAP
+from kprobes.process.engine.threads import ThreadState
+from kprobes.process.engine.tracee import Tracee, TraceeKind
+from kprobes.process.engine.tracer import Tracer
+from kprobes.process.survival import cleanup
 from kprobes.process.target import Process
-from kprobes.process.threads import ThreadState
-from kprobes.process.tracee import Tracee, TraceeKind
-from kprobes.process.tracer import Tracer
 
 OPTIONS = (
     ptrace.PTRACE_O_TRACECLONE
@@ -64,8 +64,8 @@ def spawn(
 
     Its executable and dynamic loader are mapped, its libraries are not yet: a probe on a
     library is pending (``pending=True``) and is placed the moment the loader maps it,
-    before any of its code runs (following.py). ``pin_hot_threads``: see
-    ``Process.pin_hot_threads`` (placement.py).
+    before any of its code runs (pending.py). ``pin_hot_threads``: see
+    ``Process.pin_hot_threads`` (cpus.py).
     """
     if not argv:
         raise TargetError("nothing to run: empty argv", errno=errno.EINVAL)
@@ -139,7 +139,7 @@ def _seize_spawned(
     thread.event_stopped = True
     thread.exec_landing = True
     tracer.hold_all = True
-    # Step 3: the new image's probes, and the loader's startup followed (following.py).
+    # Step 3: the new image's probes, and the loader's startup followed (pending.py).
     proc._on_syscall_stop(thread)
     cleanup.remember(proc)
     return proc

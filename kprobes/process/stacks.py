@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from kprobes.symbols.unwind import FoundBy, unwind
 
 if TYPE_CHECKING:
-    from kprobes.process.tracer import Tracer
+    from kprobes.process.engine.tracer import Tracer
     from kprobes.symbols.resolve import SymbolResolver
 
 

@@ -36,20 +36,21 @@ from kprobes.errors import (
 from kprobes.lifetime import uninterrupted
 from kprobes.linux import procfs
 from kprobes.model import BlacklistEntry, ProbeListing
-from kprobes.process import cleanup, jprobes
-from kprobes.process.detach import detach_all
-from kprobes.process.family import Family
-from kprobes.process.following import Following, LoaderWatch
-from kprobes.process.optimizer import Optimizing
-from kprobes.process.optmemory import ProgramMemory
-from kprobes.process.placing import Placing, ProbeLocation
-from kprobes.process.programcalls import ProgramCalls
-from kprobes.process.recording import Recording
+from kprobes.process.engine import jprobes
+from kprobes.process.engine.arming import Placing, ProbeLocation
+from kprobes.process.engine.tracee import Tracee
+from kprobes.process.engine.tracer import Tracer
+from kprobes.process.engine.trampoline import UNWIND_DONE, UNWIND_ENTRIES, UnwindGuard
+from kprobes.process.fast.memory import ProgramMemory
+from kprobes.process.fast.optimizer import Optimizing
+from kprobes.process.fast.recording import Recording
+from kprobes.process.following.family import Family
+from kprobes.process.following.pending import Following, LoaderWatch
+from kprobes.process.inject.program import ProgramCalls
 from kprobes.process.stacks import Backtraces
-from kprobes.process.tracee import Tracee
-from kprobes.process.tracer import Tracer
-from kprobes.process.trampoline import UNWIND_DONE, UNWIND_ENTRIES, UnwindGuard
-from kprobes.process.trapguard import TrapGuard
+from kprobes.process.survival import cleanup
+from kprobes.process.survival.detach import detach_all
+from kprobes.process.survival.trapguard import TrapGuard
 from kprobes.symbols.maps import read_maps
 from kprobes.symbols.resolve import SymbolResolver
 
@@ -197,7 +198,7 @@ class Process(
     @property
     def pin_hot_threads(self) -> bool:
         """Move a thread whose stops come faster than one every 100 µs onto the tool's CPU,
-        and the tool onto one CPU (placement.py): on by default. Each thread gets its own CPU
+        and the tool onto one CPU (cpus.py): on by default. Each thread gets its own CPU
         mask back when its stops slow down, when this is turned off, and at detach."""
         return self._tracer.placement.is_on
 
@@ -540,7 +541,7 @@ class Process(
                 how = f" (killed by signal {-code})"
         return TargetError(f"process {self.pid} has exited{how}", errno=errno.ESRCH)
 
-    # -- ArchHooks (the others in placing.py) ---------------------------------------------
+    # -- ArchHooks (the others in arming.py) ---------------------------------------------
 
     @contextmanager
     def batch(self) -> Iterator[None]:

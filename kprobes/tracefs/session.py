@@ -16,7 +16,7 @@ group with ``-:GROUP/EVENT`` (the kernel refuses to delete an enabled event with
 
 It runs from ``close()``, from the ``with`` block, from an ``atexit`` hook, and on SIGTERM and
 SIGHUP, which are turned into ``SystemExit`` in the main thread while a session is open (as
-``process/cleanup.py`` does for traced processes), so the interpreter unwinds through the
+``process/survival/cleanup.py`` does for traced processes), so the interpreter unwinds through the
 first two. SIGKILL cannot be caught: a later session removes what a killed one left behind
 (``remove_stale``), recognising it by the pid in the name being dead.
 """

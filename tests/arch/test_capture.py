@@ -9,7 +9,7 @@ of an array, a non-canonical address, a file's page past its end) from 1 and 4 t
 harness implements the fetch fixup convention itself, so that no tracer is involved. Each
 record's raw captures are compared with a model of the harness's memory at that call (what
 ``setup()`` wrote; every other address faults), and the records of real probe specs are
-evaluated as records.py does (``plan_captures``, ``Captured``, ``ArgFetcher``) and compared
+evaluated as reader.py does (``plan_captures``, ``Captured``, ``ArgFetcher``) and compared
 with the values the program passed: the optimized probe's event.
 """
 
@@ -59,8 +59,8 @@ from kprobes.arch.x86_64.record import CpuId, RecordAction, ThreadId
 from kprobes.arch.x86_64.regs import REG_INDEX, Regs
 from kprobes.errors import InternalError, TargetError
 from kprobes.model import ArgValue
-from kprobes.process.fastfetch import STRING_LIMIT, plan_captures
-from kprobes.process.fetch import ArgFetcher, Memory
+from kprobes.process.fetch.evaluate import ArgFetcher, Memory
+from kprobes.process.fetch.fast import STRING_LIMIT, plan_captures
 from kprobes.spec import parse
 
 MASK = (1 << 64) - 1
@@ -689,7 +689,7 @@ def test_captures_live(
         assert all(v == {8} for (_, k), v in seen.items() if k < 3)
 
 
-# ---- the event: real specs, evaluated as records.py does -----------------------------------
+# ---- the event: real specs, evaluated as reader.py does -----------------------------------
 
 SPECS = [
     "a=+0(%di):string b=+8(+16(%si)):u32",
@@ -768,7 +768,7 @@ def test_events_of_an_optimized_probe(
 
     # With the registers, as records.equip() has every asynchronous handler's probe.
     hits = run_inspect(harness, new_area, make_plan, threads, STRING_LIMIT, with_regs=True)
-    spec_plan = make_plan(hits.run.addrs)  # what records.py reads the record with
+    spec_plan = make_plan(hits.run.addrs)  # what reader.py reads the record with
     fetcher = ArgFetcher(spec, resolvers["data"], no_file)
     tids = {w.fsbase: 1000 + t for t, w in hits.done.workers.items()}
     for r in hits.records:

@@ -300,7 +300,7 @@ def test_record_writes_each_field_once_commit_last(
 
 
 def test_record_without_a_cpu_id_says_so() -> None:
-    """CpuId.NONE: the cpu field reads META_CPU_MASK (records.py gives cpu -1), not a CPU."""
+    """CpuId.NONE: the cpu field reads META_CPU_MASK (reader.py gives cpu -1), not a CPU."""
     action = RecordAction(1, LAYOUT.ring_at(AREA), with_regs=False, cpu_id=CpuId.NONE)
     text = [t for _, t in listing(build_detour(D, region_of(FP_PROLOGUE), action).code, D)]
     assert f"mov ecx, {sa.META_CPU_MASK:#x}" in text

@@ -381,7 +381,7 @@ def test_cpu_is_the_one_the_thread_runs_on(
 
 
 def test_no_cpu_reads_the_mask(harness: Harness, new_area: Callable[[sa.AreaLayout], Area]) -> None:
-    """Without rdpid or rdtscp the cpu field says so: META_CPU_MASK (records.py: cpu -1)."""
+    """Without rdpid or rdtscp the cpu field says so: META_CPU_MASK (reader.py: cpu -1)."""
     layout = sa.AreaLayout(ncounters=0, capacity=1 << 10)
     area = new_area(layout)
     run = launch(harness, "work", area, 1, 100)

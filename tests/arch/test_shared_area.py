@@ -417,7 +417,7 @@ _MAP_FIXED = 0x10
 
 def test_a_real_mirror_mapping() -> None:
     """The program's view: the file, then the ring's first MIRROR bytes again (one memfd
-    mapped twice, as optmemory.py has the program do); a record written as one run of bytes
+    mapped twice, as memory.py has the program do); a record written as one run of bytes
     past the ring's end lands at its start, and the tool, which maps the file once, reads it
     in two pieces."""
     libc = ctypes.CDLL(None, use_errno=True)

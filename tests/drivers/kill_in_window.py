@@ -1,4 +1,4 @@
-"""A kprobes user that SIGKILLs itself inside the rescue's own mmap (process/selfrestore.py).
+"""A kprobes user that SIGKILLs itself inside the rescue's own mmap (process/inject/selfrestore.py).
 
     kill_in_window.py WHERE attach PID SYMBOL
     kill_in_window.py WHERE spawn OUT SYMBOL -- ARGV...
@@ -44,8 +44,9 @@ from typing import Any
 
 import kprobes
 from kprobes.linux import ptrace
-from kprobes.process import following, programcalls, selfrestore
-from kprobes.process.events import SYSCALL_TRAP
+from kprobes.process.engine.events import SYSCALL_TRAP
+from kprobes.process.following import pending
+from kprobes.process.inject import program, selfrestore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import support  # tests/support.py, found through the line above
@@ -130,7 +131,7 @@ def install_hooks(where: str) -> None:
 
 def hold_rescue_until_libc() -> None:
     """No rescue before libc is mapped, and no rendezvous probe (see above)."""
-    ensure = programcalls.ProgramCalls._ensure_rescue
+    ensure = program.ProgramCalls._ensure_rescue
 
     def ensure_with_libc(self: Any) -> None:
         with open(f"/proc/{self.pid}/maps") as f:
@@ -138,11 +139,11 @@ def hold_rescue_until_libc() -> None:
                 ensure(self)
 
     def watch_nothing(self: Any) -> None:
-        if self._watch is following._Watch.NONE:
-            self._watch = following._Watch.PLACED  # follow the startup's syscalls
+        if self._watch is pending._Watch.NONE:
+            self._watch = pending._Watch.PLACED  # follow the startup's syscalls
 
-    programcalls.ProgramCalls._ensure_rescue = ensure_with_libc  # type: ignore[method-assign]
-    following.Following._watch_loader = watch_nothing  # type: ignore[method-assign]
+    program.ProgramCalls._ensure_rescue = ensure_with_libc  # type: ignore[method-assign]
+    pending.Following._watch_loader = watch_nothing  # type: ignore[method-assign]
 
 
 def attach(where: str, pid: int, symbol: str) -> int:

@@ -40,8 +40,8 @@ import time
 from typing import Any
 
 import kprobes
-from kprobes.process.breakpoints import Breakpoints, PokeStep
-from kprobes.process.tracee import Tracee
+from kprobes.process.engine.breakpoints import Breakpoints, PokeStep
+from kprobes.process.engine.tracee import Tracee
 
 STALLS = ("none", "patch", "unpatch", "patch-tail", "unpatch-int3", "unpatch-tail", "reaped")
 

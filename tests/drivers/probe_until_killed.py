@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 import kprobes
-from kprobes.process import inject
+from kprobes.process.inject import calls
 
 
 def main() -> int:
@@ -54,14 +54,14 @@ def main() -> int:
         point("post")
 
     if opts.stall == "inject":
-        original = inject._wait_for_trap
+        original = calls._wait_for_trap
 
         def waiting(thread: Any, *, stepping: bool) -> None:
             if not stepping:  # the rescue's stub: the thread runs our syscall now
                 point("inject")
             original(thread, stepping=stepping)
 
-        inject._wait_for_trap = waiting  # type: ignore[assignment]
+        calls._wait_for_trap = waiting  # type: ignore[assignment]
 
     with kprobes.attach(opts.pid) as proc:
         proc.register_kprobe(kprobes.Kprobe(symbol="rec", pre_handler=pre))

@@ -34,7 +34,7 @@ import sys
 import time
 
 import kprobes
-from kprobes.process.tracer import Tracer
+from kprobes.process.engine.tracer import Tracer
 
 PTRACE_PEEKUSER = 3
 RIP_OFFSET = 16 * 8  # struct user_regs_struct: rip is the 17th word

@@ -8,7 +8,7 @@
  * at the label work_flags_probe for work_flags.
  *
  * 1. Maps AREA_FILE (MAP_SHARED: the test reads the ring while we run) as the tool has the
- *    program map it (kprobes/process/optmemory.py): the file, then its ring's first MIRROR
+ *    program map it (kprobes/process/fast/memory.py): the file, then its ring's first MIRROR
  *    bytes again right after its end (MAP_FIXED), so that a record may run past the ring's
  *    end in one piece; and one RWX page for the detour, both within +-2 GiB of our code.
  *    Prints "func ADDR page ADDR area ADDR gap ADDR bus ADDR bias ADDR" (gap and bus: the bad

@@ -2,7 +2,7 @@
  * A program whose whole state is in use when a tool borrows its thread: the check that an
  * injected call's thread comes home with every register, its FPU and vector state, its
  * signal mask and its alternate signal stack, whether the tool puts them back or the thread
- * does it alone (the tool killed in the middle: kprobes/process/selfrestore.py).
+ * does it alone (the tool killed in the middle: kprobes/process/inject/selfrestore.py).
  *
  *   window MODE [MAX]
  *

@@ -3,7 +3,7 @@
 A record probe's fetch-args (``+0(%di):string``, ``+8(+16(%si)):u32``, ``$arg7``) run inside
 the program, in the detour, at the hit: there is no trap and the tool reads the record long
 after the registers and the memory have changed. So the detour *captures* everything the
-fetch would read, and the tool evaluates the very same fetch (process/fetch.py, the trap
+fetch would read, and the tool evaluates the very same fetch (process/fetch/evaluate.py, the trap
 tier's code) against the capture instead of the live program: ``Captured.regs`` and
 ``Captured.read``/``read_string`` serve the registers and the bytes that were there at the
 hit. One evaluator for both tiers: an event from an optimized probe is the event the trap

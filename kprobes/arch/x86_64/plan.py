@@ -125,7 +125,7 @@ class Plan:
     @property
     def is_syscall(self) -> bool:
         """A single-stepped ``syscall``: the one copy that may block, so the one whose held
-        signals must be sent again once it is inside the kernel (process/signals.py)."""
+        signals must be sent again once it is inside the kernel (process/engine/signals.py)."""
         return self.kind is PlanKind.SINGLESTEP and self.text == "syscall"
 
 

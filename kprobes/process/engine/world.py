@@ -1,0 +1,401 @@
+"""Stopping the world: hold every thread of the program, so that patches are made safely.
+
+Every running thread gets PTRACE_INTERRUPT and we wait until each has stopped. A thread that
+stops for another reason meanwhile (a hit, a signal, a clone) keeps that status as
+``pending`` and is handled by ``run()`` once the world runs again; nothing is lost or
+handled twice. A held thread is always in a state it can go on from by itself (see
+``_rewind_own_trap`` and rescue.py): the tool may die while it holds the world.
+
+``WorldStop`` is a part of ``Tracer`` (tracer.py), kept apart because it is a mechanism of
+its own; it relies on the tracer's bookkeeping declared below.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import TYPE_CHECKING
+
+from kprobes.arch.x86_64.plan import PlanKind
+from kprobes.arch.x86_64.regs import REG_INDEX
+from kprobes.arch.x86_64.rescue import put_back_mark
+from kprobes.errors import InternalError, TargetError
+from kprobes.linux import procfs, ptrace
+from kprobes.process.engine import events as ev
+from kprobes.process.engine.threads import RUNNING_STATES, Thread, ThreadState, siginfo_code
+from kprobes.process.engine.tracee import Tracee, TraceeKind
+from kprobes.process.fast.reader import POLL
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from kprobes.core.manager import ProbeManager
+    from kprobes.process.engine.breakpoints import Breakpoints
+    from kprobes.process.engine.prepared import Prepared
+    from kprobes.process.engine.trampoline import Trampoline
+    from kprobes.process.engine.xol import XolArea
+    from kprobes.process.survival.rescue import Rescue
+
+S = ThreadState
+_RIP = REG_INDEX["rip"]
+# A thread not stopped after STOP_WORLD_TIMEOUT is looked at in /proc (a stop whose report
+# was lost); one still running (not scheduled yet on a loaded machine, or in an
+# uninterruptible sleep) is waited for, up to STOP_WORLD_GIVE_UP in all.
+STOP_WORLD_TIMEOUT = 2.0
+STOP_WORLD_GIVE_UP = 120.0
+
+
+class WorldStop:
+    """stop_world / resume_world and what they hold, for ``Tracer``."""
+
+    threads: dict[int, Thread]
+    breakpoints: Breakpoints
+    trampoline: Trampoline
+    rescue: Rescue
+    xol: XolArea | None
+    hold_all: bool
+    has_pending: bool
+    inbox: list[tuple[int, int]]
+    manager: ProbeManager
+    main: Tracee | None
+    _stop_depth: int
+
+    if TYPE_CHECKING:
+
+        def _unowned(self, tid: int, status: int) -> None: ...
+        def _set_aside(self, tid: int, status: int) -> None: ...
+        def dispatch(self, t: Thread, status: int) -> None: ...
+        def drop_thread(self, thread: Thread) -> None: ...
+        def add_thread(self, tracee: Tracee, tid: int, state: ThreadState) -> Thread: ...
+        def _release(self, tracee: Tracee, *, clean: bool) -> None: ...
+
+    def held_thread(self) -> Thread:
+        """A thread of the program held still, for injection (prefer one no handler holds)."""
+        if self.main is None:
+            raise TargetError("the program has exited")
+        best: Thread | None = None
+        for thread in self.main.threads.values():
+            if thread.state is S.STOPPED and thread.pending is None:
+                if not thread.busy:
+                    return thread
+                best = best or thread
+        if best is None:
+            raise InternalError("no held thread: the world is not stopped")
+        return best
+
+    # -- waiting for a stop, and the stops held back -------------------------------------
+
+    def _wait(self, deadline: float | None) -> tuple[int, int]:
+        # The deadline first: a program whose threads stop as fast as we resume them would
+        # otherwise never let run(timeout) return.
+        if deadline is not None and time.monotonic() >= deadline:
+            return 0, 0
+        if self.inbox:
+            return self.inbox.pop(0)
+        if deadline is None:
+            try:
+                return ptrace.wait(-1, 0)
+            except ChildProcessError:
+                return 0, 0
+        return self._wait_until(deadline) or (0, 0)
+
+    @staticmethod
+    def _wait_until(until: float) -> tuple[int, int] | None:
+        """The next stop before ``until``; None when it passes, (0, 0) with no child left."""
+        ptrace.block_sigchld()
+        try:
+            while True:
+                try:
+                    tid, status = ptrace.wait(-1, ptrace.WNOHANG)
+                except ChildProcessError:
+                    return 0, 0
+                if tid:
+                    return tid, status
+                remaining = until - time.monotonic()
+                if remaining <= 0:
+                    return None
+                ptrace.sigchld_wait(remaining)
+        finally:
+            ptrace.unblock_sigchld()
+
+    def _wait_polling(self, deadline: float | None, poll: Callable[[], None]) -> tuple[int, int]:
+        """``_wait``, calling ``poll`` every ``POLL`` seconds while no thread stops (the
+        rings of record probes, reader.py); (0, 0) at the deadline or with no child left.
+        An exception a handler raised in ``poll`` is raised here, between stops."""
+        while True:
+            if self.inbox:
+                return self.inbox.pop(0)
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return 0, 0
+            stop = self._wait_until(now + POLL if deadline is None else min(now + POLL, deadline))
+            if stop is not None:
+                return stop
+            poll()
+            exc = self.manager.table.take_error()
+            if exc is not None:
+                raise exc
+
+    def _drain_pending(self) -> None:
+        self.has_pending = False
+        for thread in list(self.threads.values()):
+            if thread.pending is not None and not thread.busy:
+                status, thread.pending = thread.pending, None
+                thread.state = thread.pending_from
+                self.dispatch(thread, status)
+
+    # -- stopping the world ------------------------------------------------------------------
+
+    def stop_world(self) -> None:
+        """Hold every thread of every tracee; nested calls only count."""
+        self._stop_depth += 1
+        if self._stop_depth > 1:
+            return
+        for t in list(self.threads.values()):
+            if t.state in RUNNING_STATES and not t.interrupt_sent:
+                try:
+                    ptrace.interrupt(t.tid)
+                    t.interrupt_sent = True
+                except ProcessLookupError:
+                    self.drop_thread(t)
+        now = time.monotonic()
+        deadline, give_up = now + STOP_WORLD_TIMEOUT, now + STOP_WORLD_GIVE_UP
+        try:
+            while any(t.state in RUNNING_STATES for t in self.threads.values()):
+                tid, status = self._wait(deadline)
+                if tid == 0:
+                    now = time.monotonic()
+                    if self._assume_stopped(is_last_chance=now >= give_up):
+                        break
+                    deadline = min(now + STOP_WORLD_TIMEOUT, give_up)
+                    continue
+                held = self.threads.get(tid)
+                if held is None:
+                    self._set_aside(tid, status)
+                    continue
+                self._hold(held, status)
+        except BaseException:
+            self.resume_world()  # the threads held so far run again; the caller sees why
+            raise
+
+    def _reap(self, tid: int) -> None:
+        """Reap a trap stop ``ptrace.wait`` left (a status found instead comes next); a
+        no-op for one reaped already."""
+        late = ptrace.reap(tid)
+        if late is not None:
+            self.inbox.append((tid, late))
+
+    def _hold_trap(self, t: Thread, x: Prepared | None, addr: int) -> bytes | None:
+        """Step 0 of a trap at ``addr`` (``x``: its site's, None if no armed probe is
+        there), then the reap; the trap's siginfo when it was read (``_foreign_trap``).
+
+        Until the reap the kernel holds the trap, and delivers it to the program (to the
+        rescue) if the tool dies; after it, the trap is gone and the thread goes on from its
+        registers. Left one byte past an int3 of ours, it would run the middle of an
+        instruction (``decisions.md``, "the reaped-trap window"). So before the reap the
+        thread is put where both are right: in the slot (the rescue lets a trap in our pages
+        go on), or back on the probe's int3 (the rescue lets a trap that sits on an int3 of
+        ours go on, and it is taken again). A probe one byte on from another address we
+        patched is marked as well (``put_back_mark``): the rescue would take the trap for
+        that address's. The trampoline's int3 and the program's own traps need nothing
+        (the byte after the trampoline is an int3 too; the program's own trap, if the tool
+        dies, is lost as a signal the tool held is).
+        """
+        info = None
+        if x is not None:
+            if x.emulator is None:
+                if t.req.poke_user(x.slot_word) == -1:
+                    ptrace.raise_error()
+            else:
+                put_back(t, addr, addr - 1 in self.rescue.noted)
+        elif addr != self.trampoline.addr or not addr:
+            info = ptrace.getsiginfo(t.tid)
+            if siginfo_code(info) == ptrace.SI_KERNEL and self.breakpoints.is_stale_trap(addr):
+                put_back(t, addr, True)  # its byte is the program's again
+        self._reap(t.tid)
+        return info
+
+    def _hold(self, t: Thread, status: int) -> None:
+        """Record a stop that arrived while stopping the world (a trap's not reaped yet,
+        see ``ptrace.wait``: it is reaped here)."""
+        if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+            self.dispatch(t, status)
+            return
+        event = (status >> 16) & 0xFF
+        is_event_stop = event == ptrace.PTRACE_EVENT_STOP and os.WSTOPSIG(status) == signal.SIGTRAP
+        # Any stop of a thread ends our interrupt's claim on it: the kernel clears a pending
+        # PTRACE_INTERRUPT at every ptrace-stop ("any trap clears pending STOP trap").
+        sent, t.interrupt_sent = t.interrupt_sent, False
+        if is_event_stop and (sent or t.state is S.NEW):
+            was = t.state
+            was_new = was is S.NEW
+            t.to(S.STOPPED)
+            t.resume_stepping = was is S.STEPPING  # stopped before its step ended
+            t.event_stopped = True
+            if was in RUNNING_STATES and procfs.deliverable_signals(t.tracee.pid, t.tid):
+                # The interrupt overtook a signal the thread had just raised (an int3 of
+                # ours, a step, a fault): its trap is queued, not reported. Let it report
+                # it now (the thread dequeues it before running a single instruction), so
+                # that the stop is held as what it really is. Released or borrowed with
+                # the trap still queued, the thread would take it without us: SIGTRAP.
+                queued = self._report_queued(t)
+                if queued is None:
+                    self.drop_thread(t)
+                else:
+                    t.state = was
+                    self._hold(t, queued)
+                return
+            if was_new and t.tracee.kind is TraceeKind.RELEASE:
+                self._release(t.tracee, clean=True)
+            elif was_new and t.tracee.kind is TraceeKind.FORK:
+                self.breakpoints.sync(t.tracee)
+                self.trampoline.restore_child(t.tracee)
+            return
+        if status == ev.SIGTRAP_STOP:
+            rewound = self._rewind_own_trap(t)
+            self._reap(t.tid)
+            if rewound:
+                return
+        if event == ptrace.PTRACE_EVENT_CLONE and t.state is S.RUNNING:
+            # A new thread: take it in now (its first stop comes by itself), and let the
+            # creator finish its clone() and stop again at our interrupt. Held in the
+            # middle of the syscall it could not be lent for an injection (the kernel
+            # writes clone's result over the injected call's registers).
+            new_tid = ptrace.geteventmsg(t.tid)
+            if new_tid not in self.threads:
+                self.add_thread(t.tracee, new_tid, S.NEW)
+            try:
+                ptrace.cont(t.tid, 0)
+                ptrace.interrupt(t.tid)
+            except ProcessLookupError:
+                self.drop_thread(t)
+                return
+            t.interrupt_sent = True
+            return
+        t.pending_from = t.state
+        t.pending = status
+        self.has_pending = True
+        t.state = S.STOPPED
+
+    def _rewind_own_trap(self, t: Thread) -> bool:
+        """A thread that trapped on an int3 of ours while we stop the world: put it back on
+        the int3, as if it had not got there yet (it takes the trap again once resumed).
+
+        Held with rip past the int3, mid-instruction, the thread would resume there if the
+        tool died (the kernel drops the trap), and an injection or a detach would have to
+        know about the trap. Back on the int3, it is in a state it can go on from by itself:
+        the rescue handles the trap, or the restored byte runs, or we see the trap again.
+        Its stop is not reaped yet (``_hold`` reaps it): the kernel delivers the trap if
+        the tool dies before, and the rescue lets a trap on an int3 of ours, or in our
+        pages, go on (marked where it would take it for the address before, ``put_back``).
+        """
+        if siginfo_code(ptrace.getsiginfo(t.tid)) != ptrace.SI_KERNEL:
+            return False  # a single-step, or a SIGTRAP sent by someone
+        at = t.load_regs().rip - 1
+        stepping = t.state is S.STEPPING
+        if stepping:
+            x = t.step_prep
+            own = x is not None and x.kind is PlanKind.STEP and at == x.slot + x.plan.length
+        else:
+            own = at in self.breakpoints.ever_patched or (at == self.trampoline.addr and at != 0)
+        if not own:
+            return False
+        t.words[_RIP] = at
+        put_back(t, at, not stepping and at - 1 in self.rescue.noted)
+        t.state = S.STOPPED
+        t.resume_stepping = stepping
+        return True
+
+    def _report_queued(self, t: Thread) -> int | None:
+        """Resume ``t`` from its interrupt stop: the stop of its queued signal comes next
+        (None if the thread is gone)."""
+        try:
+            ptrace.cont(t.tid, 0)
+            return ptrace.wait(t.tid, 0)[1]
+        except (ProcessLookupError, ChildProcessError):
+            return None
+
+    def _assume_stopped(self, *, is_last_chance: bool) -> bool:
+        """Threads we did not hear from in time: trust /proc when it says they are stopped.
+        False when one is still running (it is waited for again), unless ``is_last_chance``.
+
+        Such a thread may sit in a stop whose report we took from the kernel and lost (an
+        exception, KeyboardInterrupt say, between ``waitpid`` and the code that records it):
+        its siginfo says which. A signal-delivery stop is held as if just reported (the trap
+        of one of our int3s is put back on its int3, another signal is delivered later);
+        left alone, the thread would resume past our int3, mid-instruction.
+        """
+        is_all = True
+        for t in list(self.threads.values()):
+            if t.state not in RUNNING_STATES:
+                continue
+            state = procfs.task_state(t.tracee.pid, t.tid)
+            if state == "":
+                self.drop_thread(t)
+                continue
+            if state not in "tT":
+                if is_last_chance or state in "ZX":  # a zombie never stops: as before
+                    raise TargetError(f"thread {t.tid} did not stop (state {state!r})")
+                is_all = False  # our interrupt stops it when it next runs
+                continue
+            try:
+                tid, status = ptrace.wait(t.tid, ptrace.WNOHANG)
+            except ChildProcessError:
+                tid = status = 0
+            if tid == t.tid:
+                self._hold(t, status)  # the report was late, not lost
+                continue
+            lost = _lost_stop(t.tid)
+            if lost is None:
+                t.state = S.STOPPED  # a group-stop or an event stop: nothing to redo
+                t.event_stopped = True
+            else:
+                self._hold(t, lost)
+        return is_all
+
+    def resume_world(self) -> None:
+        self._stop_depth -= 1
+        if self._stop_depth:
+            return
+        if self.xol is not None and self.xol.has_quarantine:
+            rips = []
+            for t in self.threads.values():
+                if t.state is S.STOPPED:
+                    rips.append(t.load_regs().rip if not t.busy else t.regs.rip)
+            self.xol.recycle(rips)
+        if self.hold_all:
+            return
+        for t in list(self.threads.values()):
+            if t.state is S.STOPPED and t.pending is None and not t.busy:
+                try:
+                    t.resume()
+                except ProcessLookupError:
+                    self.drop_thread(t)
+
+
+def put_back(t: Thread, addr: int, marked: bool) -> None:
+    """Set ``t``'s rip (the kernel's, not the view's) to ``addr``, the int3 it trapped on,
+    its trap not reaped yet. ``marked``: with the siginfo that tells the rescue so, should
+    the kernel deliver the trap (the rescue would otherwise take it for the trap of an
+    int3 at ``addr - 1``, an address we patched)."""
+    if marked:
+        ptrace.setsiginfo(t.tid, put_back_mark(addr))
+    word = t.rip_word
+    word.value = addr
+    if t.req.poke_user(word) == -1:
+        ptrace.raise_error()
+
+
+def _lost_stop(tid: int) -> int | None:
+    """The wait status of a signal-delivery stop ``tid`` is in, from its siginfo (None when
+    it is in another kind of stop)."""
+    try:
+        info = ptrace.getsiginfo(tid)
+    except OSError:
+        return None  # a group-stop has no siginfo
+    signo = int.from_bytes(info[0:4], "little")
+    code = siginfo_code(info)
+    if signo == signal.SIGTRAP and code > 0 and code >> 8:
+        return None  # a ptrace event stop (si_code = SIGTRAP | event << 8)
+    return (signo << 8) | 0x7F

@@ -1,0 +1,408 @@
+"""Jump optimization in a live process: the int3 of a count probe becomes a ``jmp`` to a detour.
+
+A probe registered with ``optimize=True`` and no handler is a *count*. It is placed as every
+probe is, with an int3; then, with the world stopped (at the end of every ``batch()``), the
+optimizer replaces the int3 by a 5-byte ``jmp`` to a detour (arch/x86_64/detour.py) that
+increments the probe's counter in a shared area and runs the displaced instructions: no trap,
+no tracer round trip. ``nhit`` is the trap hits plus the counter, read when the user can see
+it (``run()`` returns, ``list()``, each ``batch()``). This is the kernel's optimizer
+(kernel/kprobes.c, ``optimize_kprobe``/``unoptimize_kprobe``, arch/x86/kernel/kprobes/opt.c)
+without its delayed work: our "synchronize" is the stopped world, in which we see every
+thread's ``rip`` and can simply wait for the next stop when one is in the way.
+
+A probe with an ``async_handler`` is a *record*: its detour also writes a record of the hit
+in the shared ring (recording.py, reader.py). The shared areas and detour pages are
+memory.py's; the state machine of each site is core/optimizer.py's.
+
+**Safety** (the kernel's rules, DESIGN.md §3): patched only while every thread is held, none
+with ``rip`` strictly inside ``(A, A+len)``, none in the site's out-of-line slot (its jump back
+lands inside the region) or stepping it, no other probe inside the region, and no word in the
+64 KiB above any thread's stack pointer inside the region. A region holds no call, so no
+return address points inside it; that word would be the ``rip`` a signal frame saved, the
+handler still running, which ``rt_sigreturn`` would resume mid-jump. Rejected: unwinding
+every stack (slow, and frames without unwind tables are exactly where it fails); a word that
+only looks like such an address delays the jump to a later stop, no worse. A thread at ``A``
+itself runs the jmp. A refused *site* (``find_region``'s ``Refusal``, a detour out of reach)
+stays an int3 probe for good and ``list()`` says why; a site waiting on a thread is tried again
+at the next stop of the world. Unoptimizing writes the original bytes back (then the int3 if the
+probe stays a trap probe); a thread still in the detour finishes it and jumps back to
+``A+len``, an instruction boundary of the original code. Both ways the five bytes change in
+three writes, the kernel's ``text_poke_bp`` order (breakpoints.py), and the rescue knows the
+jump beforehand, so a tool killed between two writes leaves a site the program finishes
+alone (docs/decisions.md, "A jump is written and removed in three steps").
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final
+
+from kprobes.arch.x86_64 import shared_area as sa
+from kprobes.arch.x86_64.detour import build_detour
+from kprobes.arch.x86_64.jumpopt import Refusal, find_region
+from kprobes.arch.x86_64.plan import SLOT_SIZE
+from kprobes.core.optimizer import OptState, SiteOpt, why_no_jump
+from kprobes.errors import NotRelocatable, TargetError
+from kprobes.process.engine.threads import ThreadState
+from kprobes.process.fast.memory import RING_BYTES, DetourPage, SharedArea
+from kprobes.process.fast.reader import RingReader
+from kprobes.process.inject import calls
+from kprobes.process.survival.shield import Shield
+from kprobes.symbols.cfi import find_fde
+from kprobes.symbols.lsda import LsdaError, landing_pads
+from kprobes.symbols.maps import read_maps
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+    from kprobes.arch.x86_64.detour import Action
+    from kprobes.core.manager import ProbeManager
+    from kprobes.core.table import ProbeSite
+    from kprobes.process.engine.arming import ProbeLocation
+    from kprobes.process.engine.prepared import Prepared
+    from kprobes.process.engine.threads import Thread
+    from kprobes.process.engine.tracer import Tracer
+    from kprobes.symbols.maps import Mapping
+    from kprobes.symbols.resolve import SymbolResolver
+
+_COLD_PARTS: Final = 8  # foo.cold.0 .. foo.cold.7: older gcc's names of a function's parts
+STACK_SCAN: Final = 0x10000  # bytes above each thread's rsp searched for a saved rip
+_DETOUR_ALIGN: Final = 16
+JUMP_LEN: Final = 5
+
+
+class _Threads:
+    """Each held thread's rip and the sorted words above its stack pointer, read once per
+    sweep and only if a site gets that far."""
+
+    def __init__(self) -> None:
+        self._seen: list[tuple[int, int, list[int]]] | None = None
+
+    def get(self, tracer: Tracer) -> list[tuple[int, int, list[int]]]:
+        if self._seen is None:
+            self._seen = []
+            for t in tracer.threads.values():
+                if t.busy or t.state not in (ThreadState.STOPPED, ThreadState.GROUP_STOPPED):
+                    continue  # in a handler (see _in_the_way), or new: not run yet
+                try:
+                    regs = t.load_regs()
+                except ProcessLookupError:
+                    continue  # exiting (a joined thread's task outlives the join a while):
+                    # it runs no more code, and its exit is reported later
+                stack = t.tracee.read_some(regs.rsp & ~7, STACK_SCAN)
+                words = sorted(set(memoryview(stack[: len(stack) & ~7]).cast("Q")))
+                self._seen.append((t.tid, regs.rip, words))
+        return self._seen
+
+
+@dataclass(slots=True)
+class JumpState:
+    """What the optimizer keeps for one address space (forgotten at exec)."""
+
+    is_enabled: bool = True  # proc.optimization
+    ring_bytes: int = RING_BYTES
+    sites: dict[int, SiteOpt] = field(default_factory=dict)
+    areas: list[SharedArea] = field(default_factory=list)  # one per ±2 GiB neighbourhood
+    pages: list[DetourPage] = field(default_factory=list)
+    reader: RingReader | None = None  # the records of record probes (reader.py)
+    shield: Shield = field(default_factory=Shield)  # pages kept from the kernel's uprobes
+
+    def forget(self) -> None:
+        """The address space was replaced (exec): nothing of ours is in it any more."""
+        if self.reader is not None:
+            self.reader.drain()
+            self.reader.forget()
+        self.shield.forget()
+        self.sites.clear()
+        self.areas.clear()
+        self.pages.clear()
+
+    def counts(self) -> Iterator[tuple[int, int]]:
+        """(site address, hits counted in the program since the last call) of every site."""
+        for addr, so in self.sites.items():
+            if so.counter < 0:
+                continue
+            value = sa.read_counter(self.areas[so.area].view, so.counter)
+            if value != so.seen:
+                delta, so.seen = value - so.seen, value
+                yield addr, delta
+
+
+def _cannot_call(pid: int) -> Callable[..., int]:
+    def call(nr: int, *args: int) -> int:
+        raise TargetError(f"process {pid} (a followed child) shares this code")
+
+    return call
+
+
+class Optimizing:
+    """The optimizer, for ``Process``: optimize, unoptimize, and the counts."""
+
+    pid: int
+    _tracer: Tracer
+    _manager: ProbeManager
+
+    if TYPE_CHECKING:
+        from contextlib import AbstractContextManager
+
+        def _original(self, addr: int, size: int) -> bytes: ...
+        def _symbols(self) -> SymbolResolver: ...
+        def batch(self) -> AbstractContextManager[None]: ...
+        def _injection_thread(self) -> AbstractContextManager[Thread]: ...
+        def _find_syscall(self, maps: list[Mapping]) -> int: ...
+        def _drain_rings(self) -> None: ...
+        def _area(self, near: int) -> int: ...
+        def _detour_page(self, near: int) -> DetourPage: ...
+        def _action(self, site: ProbeSite, area: SharedArea, so: SiteOpt) -> Action | str: ...
+
+    @property
+    def optimization(self) -> bool:
+        """The document's ``debug.kprobes-optimization`` sysctl: False puts every optimized
+        probe back on its int3, True optimizes them again."""
+        return self._tracer.optimizer.is_enabled
+
+    @optimization.setter
+    def optimization(self, value: bool) -> None:
+        with self.batch():  # its end optimizes or unoptimizes every site
+            self._tracer.optimizer.is_enabled = bool(value)
+
+    # -- counts ----------------------------------------------------------------------------
+
+    def _collect_counts(self) -> None:
+        """Add the hits counted in the program to the probes' ``nhit`` (the records of
+        record probes are read apart: recording.py)."""
+        table = self._manager.table
+        for addr, delta in self._tracer.optimizer.counts():
+            site = table.get(addr)
+            for probe in site.active if site is not None else ():  # as a trap counts
+                probe.nhit += delta
+
+    # -- the sweep, at the end of every stop of the world --------------------------------
+
+    def _retry_optimizing(self) -> None:
+        """Stop the world once more if a site waits for a thread that was in its way (the
+        kernel's optimizer retries from its delayed work; we retry when ``run()`` returns)."""
+        state = self._tracer.optimizer
+        for site in self._manager.table:
+            so = state.sites.get(site.addr)
+            is_waiting = so is not None and so.state is OptState.TRAP
+            if is_waiting and why_no_jump(site, state.is_enabled) is None:
+                with self.batch():
+                    pass
+                return
+
+    def _optimize_sites(self) -> None:
+        """Bring every site to what it should be: a jump where asked and possible, else the
+        int3. The world is held here."""
+        state = self._tracer.optimizer
+        threads = _Threads()
+        for site in list(self._manager.table):
+            so = state.sites.get(site.addr)
+            why = why_no_jump(site, state.is_enabled)
+            if why is not None:
+                if so is not None and so.state is OptState.OPTIMIZED:
+                    self._unoptimize(site, rearm=site.is_armed)
+                if so is not None and so.state is OptState.TRAP:
+                    so.reason = why
+                continue
+            if so is None:
+                so = state.sites[site.addr] = SiteOpt()
+            if so.state is OptState.TRAP:
+                self._optimize(site, so, threads)
+
+    def _optimize(self, site: ProbeSite, so: SiteOpt, threads: _Threads) -> None:
+        """Replace the site's int3 by a jump to a new count detour, or say why not."""
+        assert self._tracer._stop_depth > 0, "optimizing needs the world stopped"
+        addr = site.addr
+        if addr not in self._tracer.breakpoints.armed:
+            so.reason = "no int3 to replace"
+            return
+        # Step 1: the region the jump displaces, from the original code only.
+        loc: ProbeLocation = site.location  # type: ignore[assignment]
+        code = self._original(loc.func_start, loc.func_size) if loc.func_size > 0 else b""
+        parts = self._other_parts(loc)
+        if isinstance(parts, str):
+            so.to(OptState.REFUSED, parts)
+            return
+        fragments, pads = parts
+        region = find_region(
+            code, loc.func_start, addr, loc.func_size, fragments=fragments, entries=pads
+        )
+        if isinstance(region, Refusal):
+            so.to(OptState.REFUSED, region.reason)
+            return
+        # Step 2: what may not be there while we patch.
+        why = self._in_the_way(site, region.end, threads)
+        if why is not None:
+            so.reason = why  # tried again at the next stop of the world
+            return
+        # Step 3: the pages the jump goes on kept out of other tools' uprobes (shield.py),
+        # then no int3 but ours found in the five bytes once they are.
+        why = self._shield_site(addr, region.original[:JUMP_LEN])
+        if why is not None:
+            so.to(OptState.REFUSED, why)
+            return
+        # Step 4: the counter, the action, then the detour, written before the jump to it.
+        try:
+            if so.counter < 0:
+                so.area = self._area(addr)
+                area = self._tracer.optimizer.areas[so.area]
+                so.counter, area.next_counter = area.next_counter, area.next_counter + 1
+                so.seen = sa.read_counter(area.view, so.counter)
+            area = self._tracer.optimizer.areas[so.area]
+            action = self._action(site, area, so)
+            if isinstance(action, str):
+                so.to(OptState.REFUSED, action)
+                return
+            page = self._detour_page(addr)
+            at = page.start + page.used
+            detour = build_detour(at, region, action)
+            page.used += -(-len(detour.code) // _DETOUR_ALIGN) * _DETOUR_ALIGN
+        except NotRelocatable as exc:  # out of reach (ERANGE), too large a detour (E2BIG)
+            so.to(OptState.REFUSED, str(exc))
+            return
+        except TargetError as exc:
+            so.reason = f"the program could not map the detour or the area: {exc}"
+            return
+        spaces = list(self._tracer.own_memories())
+        for space in spaces:
+            space.write(at, detour.code)
+        # Step 5: the jump over the int3 and the 4 bytes after it, in three writes (int3,
+        # the 4 bytes, the first byte: breakpoints.py), the rescue told first how to finish
+        # an int3 followed by the jump's 4 bytes should the tool die between two of them.
+        self._tracer.rescue.note_jump(spaces, addr, region.original[0], detour.patch)
+        self._tracer.breakpoints.patch_jump(spaces, addr, detour.patch, region.original[:5])
+        so.detour, so.region_len = at, region.length
+        so.to(OptState.OPTIMIZED)
+
+    def _shield_site(self, addr: int, original: bytes) -> str | None:
+        """Cover the jump's pages in every address space with a copy of the code (shield.py);
+        then the five bytes must be our int3 and the original four. Why not, or None."""
+        tracer = self._tracer
+        shield = tracer.optimizer.shield
+        for space in tracer.own_memories():
+            if not shield.is_covered(space.pid, addr, JUMP_LEN):
+                try:
+                    if space is not tracer.main:  # a followed fork child: as at the fork
+                        why = shield.cover(space.pid, addr, JUMP_LEN, _cannot_call(space.pid))
+                    else:
+                        why = self._cover(addr)
+                except TargetError as exc:
+                    why = f"its page could not be kept from other tools' uprobes: {exc}"
+                if why is not None:
+                    return why
+            if space.read(addr, JUMP_LEN) != b"\xcc" + original[1:]:
+                return (
+                    "another tool's breakpoint (a kernel uprobe?) came into the five bytes "
+                    "the jump would take"
+                )
+        return None
+
+    def _cover(self, addr: int, length: int = JUMP_LEN) -> str | None:
+        """``Shield.cover`` of the main image, by the program's own ``mprotect``: an
+        injection only for a page not covered yet, and none once the program refused."""
+        tracer = self._tracer
+        shield = tracer.optimizer.shield
+        assert tracer.main is not None
+        pid = tracer.main.pid
+        if shield.is_covered(pid, addr, length) or shield.refusal(pid) is not None:
+            return shield.refusal(pid)
+        with self._injection_thread() as thread:
+            insn = self._find_syscall(read_maps(self.pid))
+
+            def call(nr: int, *args: int) -> int:
+                return calls.run_syscall(thread, insn, nr, *args, rescue=tracer.rescue)
+
+            return shield.cover(pid, addr, length, call)
+
+    def _other_parts(self, loc: ProbeLocation) -> tuple[list[tuple[int, bytes]], list[int]] | str:
+        """The other parts of the probed function (gcc's ``foo.cold`` and ``foo.cold.N``; for
+        a probe in one of them, ``foo`` and the rest), whose jumps may enter the region, and
+        the landing pads of every part (the C++ unwinder enters there). A str says why they
+        cannot be known (an exception table this reader does not understand)."""
+        module = self._symbols().get_module_at(loc.addr)
+        found = None if module is None else module.image.function_at(loc.addr - module.bias)
+        if module is None or found is None:
+            return [], []
+        base = found[0].name.partition(".cold")[0]
+        names = [base, f"{base}.cold", *(f"{base}.cold.{n}" for n in range(_COLD_PARTS))]
+        fragments, pads = [], []
+        for name in names:
+            for sym in module.image.lookup_all(name):
+                if not sym.kind.is_function or sym.size <= 0:
+                    continue
+                start = module.bias + sym.value
+                if start != loc.func_start:
+                    fragments.append((start, self._original(start, sym.size)))
+                fde = find_fde(module.path, sym.value)
+                if fde is None or fde.lsda is None:
+                    continue
+                try:
+                    pads += [
+                        module.bias + pad for pad in landing_pads(module.path, fde.lsda, fde.start)
+                    ]
+                except LsdaError as exc:
+                    return f"its exception table cannot be read ({exc})"
+        return fragments, pads
+
+    def _unoptimize(self, site: ProbeSite, *, rearm: bool) -> None:
+        """Put the original bytes back, then the int3 if ``rearm``. The world is held."""
+        assert self._tracer._stop_depth > 0, "unoptimizing needs the world stopped"
+        so = self._tracer.optimizer.sites[site.addr]
+        self._collect_counts()
+        breakpoints = self._tracer.breakpoints
+        original = breakpoints.jumps[site.addr][1][0]
+        breakpoints.unpatch_jump(self._tracer.own_memories(), site.addr, rearm=rearm)
+        # An int3 there is the probe's own again (a tool killed before this write leaves a
+        # rescue that tells the two by the 4 bytes after it: the same outcome).
+        self._tracer.rescue.note_jump(self._tracer.own_memories(), site.addr, original, b"")
+        so.detour = 0
+        so.to(OptState.TRAP)
+
+    def _unoptimize_around(self, addr: int) -> None:
+        """A probe is being armed at ``addr``: an optimized region that covers it goes back to
+        its int3 first (the kernel unoptimizes a probe whose region another probe enters)."""
+        for start, so in self._tracer.optimizer.sites.items():
+            if so.state is OptState.OPTIMIZED and start < addr < start + so.region_len:
+                site = self._manager.table.get(start)
+                if site is not None:
+                    self._unoptimize(site, rearm=True)
+                    so.reason = f"another probe at {addr:#x} is inside the region"
+
+    def _in_the_way(self, site: ProbeSite, end: int, threads: _Threads) -> str | None:
+        """Why the region [site.addr, end) cannot be patched now, or None."""
+        addr = site.addr
+        for other in self._manager.table:
+            if addr < other.addr < end:
+                return f"another probe at {other.addr:#x} is inside the region"
+        x: Prepared | None = site.ainsn
+        slot = x.slot if x is not None else 0
+        for t in self._tracer.threads.values():
+            # A thread in a handler: its view keeps rip at the probe it is hitting.
+            if t.step_site is site or (t.busy and t.regs.rip == addr):
+                return "a thread was running this probe's trap (tried again at the next stop)"
+        for tid, rip, words in threads.get(self._tracer):
+            if addr < rip < end or (slot and slot <= rip < slot + SLOT_SIZE):
+                return f"thread {tid} was inside the region (tried again at the next stop)"
+            i = bisect.bisect_right(words, addr)
+            if i < len(words) and words[i] < end:
+                return (
+                    f"thread {tid}'s stack holds {words[i]:#x}, inside the region (a signal "
+                    "frame's rip?); tried again at the next stop"
+                )
+        return None
+
+    # -- listing ---------------------------------------------------------------------------
+
+    def _plan_of(self, site: ProbeSite) -> tuple[str, str]:
+        """(plan, why not optimized) for ``list()``."""
+        x: Prepared | None = site.ainsn
+        plan = x.kind.value if x is not None else ""
+        so = self._tracer.optimizer.sites.get(site.addr)
+        if so is not None and so.state is OptState.OPTIMIZED:
+            return "OPTIMIZED", ""
+        why = why_no_jump(site, self._tracer.optimizer.is_enabled)
+        if why is None:
+            why = so.reason if so is not None and so.reason else "not yet tried"
+        return plan, why

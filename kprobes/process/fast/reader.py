@@ -1,0 +1,320 @@
+"""Asynchronous handlers: the records of optimized probes read from the ring and handed over.
+
+A probe with an ``async_handler`` is optimized into a *record* probe (optimizer.py): each
+hit writes a record in the shared ring, in the program, and the tool reads the ring when it
+can (between stops, and every ``POLL`` seconds while ``run()`` waits) and calls the handler
+with a ``Hit``: the thread, the CPU, the time, the registers if the probe asked for them
+(read-only), and the fetch-args evaluated by the trap tier's own code against what the detour
+copied (fetch/fast.py). Where the probe cannot be optimized the same handler runs at its trap,
+with a ``Hit`` built from the live thread: one handler, two tiers, the same values.
+
+**Threads** are named by their thread pointer (fs base) in the record; the tool learns each
+thread's fs base at its first stop and when the first record probe is placed (every thread
+held), and reads the ring before a thread's exit is handled, so that a new thread that
+reuses the same TLS block is never given the records of the old one.
+
+**Drops**: a full ring makes the detour count a drop and write nothing (perf's lost
+events). ``RingReader.dropped`` is the total, and ``Process.dropped`` shows it.
+
+**A reader that lags** (a busy program writes records faster than Python hands them over)
+must not hold up whoever waits for it: a read stops between two records once ``until``
+(``time.monotonic()``) has passed, or once a handler ended the run, and keeps the records it
+had copied but not delivered for the next read, in order. ``discard()`` releases the rest
+unread and counts them (``unread``): what a command ended early says it never read.
+Rejected: reading the whole backlog before the end (a 32 MiB ring is 500,000 records, tens
+of seconds of Python on a loaded machine: ``-d 1`` once ran for minutes).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+from kprobes.arch.x86_64 import shared_area as sa
+from kprobes.arch.x86_64.capture import Captured, CapturePlan
+from kprobes.arch.x86_64.regs import REG_INDEX, Regs
+from kprobes.linux.tsc import TscClock
+from kprobes.model import EventArg
+from kprobes.process.fetch.evaluate import ArgFetcher, CpuReader, Memory
+from kprobes.process.fetch.fast import Resolver, data_resolver, file_resolver
+from kprobes.spec import SymbolLocation, parse
+
+if TYPE_CHECKING:
+    from kprobes.core.probes import Kprobe
+    from kprobes.core.table import ProbeSite, ProbeTable
+    from kprobes.spec import ProbeSpec
+    from kprobes.symbols.resolve import SymbolResolver
+
+POLL: Final = 0.002  # seconds between reads of the ring while run() waits for stops
+BATCH: Final = 16384  # records read by a poll: run(timeout) returns between batches
+CHECK_EVERY: Final = 32  # records delivered between two looks at the clock (``until``)
+SLICE: Final = 1024  # records copied at a time, then handed over
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """One hit of a probe, after the fact: what an asynchronous handler receives."""
+
+    tid: int
+    comm: str  # the thread's name
+    cpu: int
+    time: float  # time.monotonic() seconds
+    ip: int
+    regs: Regs | None  # read-only; None for a probe that did not ask for registers
+    args: tuple[EventArg, ...]
+
+    def arg(self, name: str) -> Any:
+        for a in self.args:
+            if a.name == name:
+                return a.value
+        raise KeyError(name)
+
+
+@dataclass(slots=True)
+class FastProbe:
+    """What a probe with an asynchronous handler needs on both tiers (``Kprobe.fast``)."""
+
+    spec: ProbeSpec
+    fetcher: ArgFetcher
+    with_regs: bool
+    memory: Memory  # the live program's, for the trap tier
+    resolvers: Resolver  # the spec's @symbol and file offsets, for the captures
+
+
+def trap_delivery(fp: FastProbe, cpu: CpuReader) -> Callable[[Kprobe, Any], None]:
+    """The trap tier's pre handler for an asynchronous handler: the same ``Hit``, built from
+    the live thread, handed over at once."""
+
+    def deliver(kp: Kprobe, regs: Any) -> None:
+        handler = kp.async_handler
+        assert handler is not None
+        tid = regs.tid
+        hit = Hit(
+            tid,
+            fp.memory.comm(tid),
+            cpu(tid),
+            time.monotonic(),
+            regs.ip,
+            regs.frozen() if fp.with_regs else None,
+            fp.fetcher.fetch(regs, fp.memory),
+        )
+        handler(kp, hit)
+
+    return deliver
+
+
+def equip(
+    kp: Kprobe, symbols: Callable[[], SymbolResolver], memory: Memory, cpu: CpuReader
+) -> None:
+    """Prepare a probe of the API with an ``async_handler``: its ``args`` parsed (a
+    SpecError names the column), how its fetch-args are evaluated on both tiers, and the
+    handler the trap tier runs for it."""
+    if kp.fast is not None or kp.async_handler is None:
+        return
+    where = kp.symbol or f"{kp.addr or 0:#x}"
+    if kp.symbol and kp.offset:
+        where += f"+{kp.offset:#x}"
+    spec = parse(" ".join(("p:kprobes/async", where, *kp.args)))
+    resolve_data = data_resolver(symbols)
+    loc = spec.location
+    path = loc.module if isinstance(loc, SymbolLocation) and loc.module else "/proc/self"
+    file_addr = file_resolver(symbols, path)
+    fetcher = ArgFetcher(spec, resolve_data, file_addr)
+    kp.fast = FastProbe(spec, fetcher, True, memory, (resolve_data, file_addr))
+    kp.async_trap = trap_delivery(kp.fast, cpu)
+
+
+@dataclass(slots=True)
+class RecordSite:
+    """A site optimized with a record action: its id in the records, and its captures."""
+
+    site: ProbeSite
+    plan: CapturePlan
+    with_regs: bool
+
+
+class RingReader:
+    """The rings of one address space, read in order of time, and the threads they name."""
+
+    def __init__(
+        self,
+        table: ProbeTable,
+        views: Callable[[], Iterable[memoryview]],
+        symbolize: Callable[[int], str],
+        comm: Callable[[int], str],
+    ) -> None:
+        self.table = table
+        self._areas = views
+        self.symbolize = symbolize
+        self.comm = comm
+        self.sites: dict[int, RecordSite] = {}  # record id → site
+        self.threads: dict[int, int] = {}  # fs base → tid
+        self.dropped = 0
+        self.delivered = 0
+        self.unread = 0  # records released without being read (discard)
+        # Reads stop between two records once time.monotonic() passes this (None: never).
+        self.until: float | None = None
+        self._kept: deque[sa.Record] = deque()  # copied, not delivered: the next read's first
+        # Called with an unknown thread pointer (a thread set its TLS after we last looked,
+        # as the loader does at startup): look at every thread again.
+        self.relearn: Callable[[], None] = lambda: None
+        self._draining = False
+        self.is_muted = False  # discard(): records are released unread from then on
+        self._clock: TscClock | None = None
+
+    @property
+    def is_active(self) -> bool:
+        return bool(self.sites)
+
+    @property
+    def is_draining(self) -> bool:
+        """Records are being handed over: an exception raised now (by a signal handler)
+        would lose the one in hand, neither delivered nor counted."""
+        return self._draining
+
+    def add_site(self, site: ProbeSite, plan: CapturePlan, with_regs: bool) -> int:
+        """A new record id for ``site`` (never reused: old records may still be in a ring)."""
+        if self._clock is None:
+            self._clock = TscClock()
+        rid = len(self.sites) + 1
+        self.sites[rid] = RecordSite(site, plan, with_regs)
+        return rid
+
+    def note_thread(self, fs_base: int, tid: int) -> None:
+        self.threads[fs_base] = tid
+        self.comm(tid)  # read now: the thread may be gone when its records are read
+
+    def forget(self) -> None:
+        """The address space was replaced (exec): its rings were read for the last time
+        (what a late read left in them is counted unread)."""
+        self.unread += len(self._kept)
+        self._kept.clear()
+        for view in self._areas():
+            self.unread += sa.skip_records(view)
+        self.sites.clear()
+        self.threads.clear()
+
+    # -- reading --------------------------------------------------------------------------
+
+    def drain(self, *, everything: bool = True) -> None:
+        """Read the rings and hand each record to its probes' handlers: a batch, or
+        ``everything`` written so far (at most one ring's worth more, were the program to
+        keep writing as fast as we read); either way no later than ``until``."""
+        if self._clock is None or self._draining:
+            return
+        if self.is_muted:
+            self.discard()
+            return
+        self._draining = True
+        try:
+            if self._kept and not self._deliver_kept():
+                return
+            # Read in slices, so that records are handed over as they are copied and the
+            # clock (and a handler's end of the run) is looked at often; a poll reads a
+            # batch of them, a full read the ring's worth.
+            most = max(self._capacities(), default=0) if everything else BATCH
+            for _ in range(1 + most // SLICE):
+                if self._is_late() or self.table.pending_error is not None:
+                    break
+                if self._drain(SLICE) < SLICE:
+                    break
+        finally:
+            self._draining = False
+
+    def discard(self) -> None:
+        """Nobody wants the records any more (the run was interrupted, or had its fill of
+        events): those not read yet, and all that come, are released unread and counted."""
+        self.is_muted = True
+        self.unread += len(self._kept)
+        self._kept.clear()
+        for view in self._areas():
+            self.dropped += sa.read_records(view, limit=0).dropped
+            self.unread += sa.skip_records(view)
+
+    def count_drops(self) -> int:
+        """``dropped``, up to date, without reading a record (a count must not wait for a
+        reader that lags)."""
+        if self._clock is not None:
+            for view in self._areas():
+                self.dropped += sa.read_records(view, limit=0).dropped
+        return self.dropped
+
+    def _is_late(self) -> bool:
+        return self.until is not None and time.monotonic() >= self.until
+
+    def _capacities(self) -> Iterable[int]:
+        return (sa.layout_of(view).capacity for view in self._areas())
+
+    def _drain(self, limit: int) -> int:
+        assert self._clock is not None
+        self._clock.sample()
+        batches = []
+        most = 0
+        for view in self._areas():
+            batch = sa.read_records(view, limit=limit)
+            self.dropped += batch.dropped
+            most = max(most, len(batch.records))
+            if batch.records:
+                batches.append(batch.records)
+        records: Iterable[sa.Record] = (
+            batches[0] if len(batches) == 1 else heapq.merge(*batches, key=lambda r: r.tsc)
+        )
+        self._kept.extend(records)
+        self._deliver_kept()
+        return most
+
+    def _deliver_kept(self) -> bool:
+        """The copied records, oldest first, until a handler ends the run or ``until``
+        passes (looked at every ``CHECK_EVERY`` records); True if none is left."""
+        kept = self._kept
+        deliver = self._deliver
+        table = self.table
+        while kept:
+            if self._is_late():
+                return False  # the rest wait for the next read, or for discard()
+            for _ in range(min(CHECK_EVERY, len(kept))):
+                if table.pending_error is not None:
+                    return False  # a handler ended the run
+                deliver(kept.popleft())
+        return True
+
+    def _deliver(self, record: sa.Record) -> None:
+        rs = self.sites.get(record.probe)
+        if rs is None:
+            return
+        assert self._clock is not None
+        captured = Captured(rs.plan, record.data)
+        tid = self.threads.get(record.thread)
+        if tid is None:
+            self.relearn()
+            tid = self.threads.setdefault(record.thread, 0)
+        regs = Regs(tid)
+        words = regs.words
+        if record.regs is not None:
+            for name, value in zip(sa.REG_ORDER, record.regs, strict=True):
+                words[REG_INDEX[name]] = value
+        for name, value in captured.regs.items():
+            words[REG_INDEX[name]] = value
+        words[REG_INDEX["rip"]] = rs.site.addr
+        words[REG_INDEX["fs_base"]] = record.thread
+        memory = Memory(captured.read, captured.read_string, self.symbolize, self.comm)
+        cpu = -1 if record.cpu == sa.META_CPU_MASK else record.cpu
+        when = self._clock.seconds(record.tsc)
+        snapshot = regs.frozen() if rs.with_regs else None
+        name = self.comm(tid)
+        for probe in rs.site.active:
+            handler = probe.async_handler
+            fp = probe.fast
+            if handler is None or fp is None:
+                continue
+            args = fp.fetcher.fetch(regs, memory)
+            hit = Hit(tid, name, cpu, when, rs.site.addr, snapshot, args)
+            self.delivered += 1
+            try:
+                handler(probe, hit)
+            except Exception as exc:  # raised from run(), as a trap handler's would be
+                self.table.park(exc)

@@ -1,0 +1,254 @@
+"""Record probes on a process: the action of a site whose probes have asynchronous handlers,
+the threads the records name, and the reading of the rings (reader.py has the reader).
+
+A probe with an ``async_handler`` is prepared at registration (``equip``: its
+``args`` parsed, its trap-tier handler built), so that it works on traps from the start; the
+optimizer then gives its site a record action where the code allows it: the captures of
+every such probe's fetch-args (fetch/fast.py), the registers if one of them wants them, and
+the counter that ``nhit`` reads.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kprobes.arch.x86_64 import shared_area as sa
+from kprobes.arch.x86_64.detour import Action, CountAction
+from kprobes.arch.x86_64.record import CpuId, RecordAction
+from kprobes.errors import InternalError, ProbeRejected, TargetError, UnsupportedOption
+from kprobes.process.engine.threads import ThreadState
+from kprobes.process.fast.reader import RingReader, equip
+from kprobes.process.fetch.evaluate import CommCache, CpuReader, Memory, Symbolizer
+from kprobes.process.fetch.fast import NotCapturable, plan_captures
+
+if TYPE_CHECKING:
+    from kprobes.core.manager import ProbeManager
+    from kprobes.core.optimizer import SiteOpt
+    from kprobes.core.probes import Kprobe
+    from kprobes.core.table import ProbeSite
+    from kprobes.process.engine.threads import Thread
+    from kprobes.process.engine.tracer import Tracer
+    from kprobes.process.fast.memory import SharedArea
+    from kprobes.symbols.resolve import SymbolResolver
+
+
+def _cpu_id() -> CpuId:
+    """rdpid where the CPU has it, else rdtscp (both read the CPU number Linux keeps in
+    TSC_AUX)."""
+    global _CPU_ID
+    if _CPU_ID is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((line for line in f if line.startswith("flags")), "").split()
+        except OSError:
+            flags = []
+        _CPU_ID = (
+            CpuId.RDPID if "rdpid" in flags else CpuId.RDTSCP if "rdtscp" in flags else CpuId.NONE
+        )
+    return _CPU_ID
+
+
+_CPU_ID: CpuId | None = None
+
+
+class Recording:
+    """Record probes, for ``Process``."""
+
+    pid: int
+    _tracer: Tracer
+    _manager: ProbeManager
+
+    if TYPE_CHECKING:
+
+        def _symbols(self) -> SymbolResolver: ...
+        def _activate_fetch_faults(self) -> bool: ...
+        def fetch(self, addr: int, size: int) -> bytes: ...
+        def fetch_string(self, addr: int, max_len: int = 4096) -> bytes: ...
+
+    def _equip_async(self, kps: Sequence[Kprobe]) -> None:
+        """Prepare the probes with an asynchronous handler (before anything is placed: a
+        wrong fetch-arg raises SpecError here). ``args`` without one would be evaluated for
+        nobody: refused (``UnsupportedOption``), never ignored."""
+        for kp in kps:
+            if kp.args and kp.async_handler is None:
+                raise UnsupportedOption(
+                    "Process",
+                    f"args={' '.join(kp.args)!r}",
+                    "Kprobe",
+                    "fetch-args are evaluated for the records of an async_handler; a "
+                    "pre_handler reads registers and memory itself (give an async_handler, "
+                    "or leave args out)",
+                )
+            if kp.async_handler is None or kp.fast is not None:
+                continue
+            if kp.pre_handler or kp.post_handler or kp.fault_handler:
+                raise ProbeRejected(
+                    "an async_handler sees hits after the fact: it does not go with a pre, "
+                    "post or fault handler (register two probes)",
+                    errno=errno.EINVAL,
+                )
+            reader = self._ring_reader()
+            memory = Memory(self.fetch, self.fetch_string, reader.symbolize, reader.comm)
+            equip(kp, self._symbols, memory, CpuReader(self.pid))
+
+    @property
+    def dropped(self) -> int:
+        """Records of optimized probes lost to a full ring (perf's lost events): their hits
+        are in ``nhit``, their handlers did not run."""
+        reader = self._tracer.optimizer.reader
+        return 0 if reader is None else reader.count_drops()
+
+    @property
+    def unread(self) -> int:
+        """Records of optimized probes released without being read (``discard_records``):
+        hits that are in ``nhit`` whose handlers never ran."""
+        reader = self._tracer.optimizer.reader
+        return 0 if reader is None else reader.unread
+
+    @property
+    def reading_deadline(self) -> float | None:
+        """A ``time.monotonic()`` after which every read of the rings (``run()``'s, a
+        detach's) stops between two records and leaves the rest for the next read or for
+        ``discard_records``: how a command keeps its deadline while its reader lags (None,
+        the default: every read hands over all that was written)."""
+        reader = self._tracer.optimizer.reader
+        return None if reader is None else reader.until
+
+    @reading_deadline.setter
+    def reading_deadline(self, value: float | None) -> None:
+        self._ring_reader().until = value
+
+    @property
+    def is_recording(self) -> bool:
+        """Some probe writes records into the rings (an optimized record probe)."""
+        reader = self._tracer.optimizer.reader
+        return reader is not None and reader.is_active
+
+    @property
+    def is_reading_records(self) -> bool:
+        """A read of the rings is handing records to their handlers (``sigint.py``: not a
+        moment to raise an exception; ``end_run`` stops the read between two records)."""
+        reader = self._tracer.optimizer.reader
+        return reader is not None and reader.is_draining
+
+    def read_records(self) -> None:
+        """Hand the records written so far to their handlers (until ``reading_deadline``),
+        outside ``run()``: what a command reads once it has disabled its probes. An
+        exception a handler raised is raised here."""
+        self._drain_rings()
+        exc = self._manager.table.take_error()
+        if exc is not None:
+            raise exc
+
+    @property
+    def ring_size(self) -> int:
+        """Bytes of each shared ring of records (set before the first record probe is
+        optimized; a power of two, at least 8 KiB)."""
+        return self._tracer.optimizer.ring_bytes
+
+    @ring_size.setter
+    def ring_size(self, value: int) -> None:
+        if self._tracer.optimizer.areas:
+            raise TargetError("the ring is in use: set ring_size before optimizing")
+        sa.AreaLayout(0, value // sa.SLOT)  # raises for a size that is not one
+        self._tracer.optimizer.ring_bytes = value
+
+    def _ring_reader(self) -> RingReader:
+        state = self._tracer.optimizer
+        if state.reader is None:
+            state.reader = RingReader(
+                self._manager.table,
+                lambda: [area.view for area in state.areas],
+                Symbolizer(lambda addr: self._symbols().locate_address(addr)),
+                CommCache(self.pid),
+            )
+        return state.reader
+
+    def _drain_rings(self) -> None:
+        """Every record written so far to its handlers (before a trap's event, at the end
+        of ``run()``, before the counts are read)."""
+        reader = self._tracer.optimizer.reader
+        if reader is not None:
+            reader.drain()
+
+    def discard_records(self) -> None:
+        """Drop the records of optimized probes not read yet (their handlers will not see
+        them): what a run that was interrupted, or had enough, leaves behind."""
+        reader = self._tracer.optimizer.reader
+        if reader is not None:
+            reader.discard()
+
+    def _poll_rings(self) -> None:
+        """One batch of records, while ``run()`` waits for stops."""
+        reader = self._tracer.optimizer.reader
+        if reader is not None:
+            reader.drain(everything=False)
+
+    def _learn_thread(self, t: Thread) -> None:
+        """A new thread's first stop: its thread pointer names it in records from now on
+        (records of an exited thread that had the same one are read first)."""
+        reader = self._tracer.optimizer.reader
+        if reader is not None and reader.is_active:
+            reader.drain()
+            reader.note_thread(t.load_regs().fs_base, t.tid)
+
+    def _action(self, site: ProbeSite, area: SharedArea, so: SiteOpt) -> Action | str:
+        """The site's action: a count, or a record if a probe has an asynchronous handler
+        (then also the count); a str says why the site cannot be optimized."""
+        counter = area.counter_addr(so.counter)
+        fast = [p.fast for p in site.probes if p.async_handler is not None]
+        if not fast:
+            return CountAction(counter)
+        try:
+            plan = plan_captures([(fp.spec, fp.resolvers) for fp in fast])
+        except NotCapturable as exc:
+            return str(exc)
+        if plan.reads_memory:
+            # A bad pointer must give (fault): the tracer fixes such faults, and the rescue
+            # once the tool is gone (faults.py). Without a rescue (seccomp) the program
+            # is no worse off than with our int3s, which need it as much.
+            self._activate_fetch_faults()
+        with_regs = any(fp.with_regs for fp in fast)
+        reader = self._ring_reader()
+        if not reader.is_active:
+            self._learn_all_threads(reader)
+        if so.record_id == 0 or so.plan != plan:
+            so.record_id, so.plan = reader.add_site(site, plan, with_regs), plan
+        try:
+            return RecordAction(
+                so.record_id,
+                area.layout.ring_at(area.addr),
+                with_regs=with_regs,
+                plan=plan,
+                cpu_id=_cpu_id(),
+                counter=counter,
+            )
+        except InternalError as exc:  # a record larger than the ring's mirror
+            return f"its fetch-args need too large a record: {exc}"
+
+    def _learn_all_threads(self, reader: RingReader) -> None:
+        self._note_threads(reader)
+        reader.relearn = self._relearn_threads
+        self._tracer.on_thread_start = self._learn_thread
+        self._tracer.ring_poll = self._poll_rings
+
+    def _note_threads(self, reader: RingReader) -> None:
+        """Every held thread's thread pointer (the world is stopped)."""
+        for t in self._tracer.threads.values():
+            if t.state in (ThreadState.STOPPED, ThreadState.GROUP_STOPPED) and not t.busy:
+                reader.note_thread(t.load_regs().fs_base, t.tid)
+
+    def _relearn_threads(self) -> None:
+        reader = self._tracer.optimizer.reader
+        if reader is None or not self._tracer.is_alive:
+            return
+        if self._tracer._stop_depth:
+            self._note_threads(reader)
+            return
+        self._tracer.stop_world()
+        try:
+            self._note_threads(reader)
+        finally:
+            self._tracer.resume_world()

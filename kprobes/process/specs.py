@@ -1,0 +1,224 @@
+"""Probe-language specs placed on a process: each hit becomes an ``Event``.
+
+A ``p`` spec becomes a ``Kprobe`` whose pre handler fetches the args and hands an event to
+the sink; an ``r`` (or ``%return``) spec becomes a ``Kretprobe`` whose entry handler keeps
+the entry timestamp and any ``$argN`` and whose return handler builds the return event
+``(caller+off/size <- func)``. The events are the same values the kernel targets produce, so
+the command line's outputs and aggregations do not know which target they came from.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kprobes.core.probes import Kprobe
+from kprobes.core.retprobes import Kretprobe, KretprobeInstance
+from kprobes.errors import ProbeRejected
+from kprobes.model import ArgValue, Event
+from kprobes.process.fast.reader import FastProbe, Hit, trap_delivery
+from kprobes.process.fetch.evaluate import ArgFetcher, CommCache, CpuReader, Memory, Symbolizer
+from kprobes.process.fetch.fast import data_resolver, file_resolver
+from kprobes.process.target import Process
+from kprobes.spec import AddressLocation, FileOffsetLocation, ProbeSpec, SymbolLocation
+
+Sink = Callable[[Event], None]
+_now = time.monotonic
+
+
+@dataclass(slots=True)
+class PlacedSpec:
+    """One spec and the probe that implements it on the process."""
+
+    spec: ProbeSpec
+    probe: Kprobe | Kretprobe
+    entry_time: dict[int, tuple[float, tuple[ArgValue, ...]]] = field(default_factory=dict)
+    counts_in_place: bool = False  # makes no events: its hits are the count
+
+    @property
+    def name(self) -> str:
+        return f"{self.spec.effective_group}/{self.spec.effective_event}"
+
+    @property
+    def hits(self) -> int:
+        return self.probe.nhit
+
+    @property
+    def missed(self) -> int:
+        """Hits whose handler could not run, plus (return probes) returns that were lost."""
+        if isinstance(self.probe, Kretprobe):
+            return self.probe.nmissed + self.probe.nabandoned
+        return self.probe.nmissed
+
+
+class SpecTracer:
+    """Places specs on one process and turns their hits into events for ``sink``."""
+
+    def __init__(
+        self, proc: Process, sink: Sink, *, optimize: bool = False, count_only: bool = False
+    ) -> None:
+        self.proc = proc
+        self.sink = sink
+        self.optimize = optimize  # entry specs as optimized record probes where possible
+        self.count_only = count_only  # entry specs only count their hits: no events
+        self.placed: list[PlacedSpec] = []
+        self.comm = CommCache(proc.pid)
+        self.cpu = CpuReader(proc.pid)
+        self.memory = Memory(proc.fetch, proc.fetch_string, self.symbolize, self.comm)
+        self._symbolizer = Symbolizer(lambda addr: proc._symbols().locate_address(addr))
+
+    # -- symbols -----------------------------------------------------------------------
+
+    def symbolize(self, addr: int) -> str:
+        """``func+0xoff/0xsize`` as the kernel's %pS prints it, else the hex address."""
+        return self._symbolizer(addr)
+
+    def _resolve_data(self, name: str) -> int:
+        return data_resolver(self.proc._symbols)(name)
+
+    def _file_address(self, path: str) -> Callable[[int], int]:
+        return file_resolver(self.proc._symbols, path)
+
+    # -- placing -----------------------------------------------------------------------
+
+    def build(self, spec: ProbeSpec) -> PlacedSpec:
+        """The probe for ``spec`` (not registered yet)."""
+        loc = spec.location
+        symbol: str | None = None
+        offset = 0
+        addr: int | None = None
+        path = ""
+        match loc:
+            case SymbolLocation(symbol=sym, offset=off, module=module):
+                symbol = f"{module}:{sym}" if module else sym
+                offset = off
+                path = module if module and "/" in module else ""
+            case AddressLocation(address=a):
+                addr = a
+            case FileOffsetLocation(path=p, offset=off):
+                addr = self._file_address(p)(off)
+                path = p
+            case None:
+                raise ProbeRejected("a delete command places no probe", errno=errno.EINVAL)
+        fetcher = ArgFetcher(spec, self._resolve_data, self._file_address(path or "/proc/self"))
+        group, event = spec.effective_group, spec.effective_event
+        pid = self.proc.pid
+        sink = self.sink
+        memory = self.memory
+        comm = self.comm
+        cpu = self.cpu
+        symbolize = self.symbolize
+        # Events of optimized probes wait in their ring; one made at a trap comes after them.
+        drain = self.proc._drain_rings
+        if not spec.is_return and self.count_only:
+            kp = Kprobe(symbol=symbol, offset=offset, addr=addr, optimize=self.optimize)
+            placed = PlacedSpec(spec, kp, counts_in_place=True)
+        elif not spec.is_return and self.optimize:
+
+            def on_hit(kp: Kprobe, hit: Hit) -> None:
+                drain()  # at a trap: the records written before it go first
+                tid = hit.tid
+                ip = hit.ip
+                sink(
+                    Event(
+                        group, event, pid, tid, hit.comm, hit.cpu, hit.time, ip, symbolize(ip),
+                        hit.args,
+                    )
+                )  # fmt: skip
+
+            kp = Kprobe(symbol=symbol, offset=offset, addr=addr, optimize=True)
+            kp.async_handler = on_hit
+            resolvers = (self._resolve_data, self._file_address(path or "/proc/self"))
+            fast = FastProbe(spec, fetcher, False, memory, resolvers)
+            kp.fast, kp.async_trap = fast, trap_delivery(fast, cpu)
+            placed = PlacedSpec(spec, kp)
+        elif not spec.is_return:
+
+            def pre_handler(kp: Kprobe, regs: Any) -> None:
+                drain()
+                tid = regs.tid
+                ip = regs.ip
+                sink(
+                    Event(
+                        group,
+                        event,
+                        pid,
+                        tid,
+                        comm(tid),
+                        cpu(tid),
+                        _now(),
+                        ip,
+                        symbolize(ip),
+                        fetcher.fetch(regs, memory),
+                    )
+                )
+
+            kp = Kprobe(symbol=symbol, offset=offset, addr=addr, pre_handler=pre_handler)
+            placed = PlacedSpec(spec, kp)
+        else:
+            placed_ref: list[PlacedSpec] = []
+
+            def entry_handler(ri: KretprobeInstance, regs: Any) -> None:
+                at_entry = fetcher.entry(regs, memory) if fetcher.has_entry_args else ()
+                placed_ref[0].entry_time[id(ri)] = (_now(), at_entry)
+
+            def handler(ri: KretprobeInstance, regs: Any) -> None:
+                drain()
+                start, at_entry = placed_ref[0].entry_time.pop(id(ri), (0.0, ()))
+                tid = regs.tid
+                ret = ri.ret_addr
+                func_ip = rp.addr or 0
+                sink(
+                    Event(
+                        group,
+                        event,
+                        pid,
+                        tid,
+                        comm(tid),
+                        cpu(tid),
+                        _now(),
+                        ret,
+                        symbolize(ret),
+                        fetcher.fetch(regs, memory, at_entry),
+                        is_return=True,
+                        func=symbolize(func_ip).split("+")[0],
+                        func_ip=func_ip,
+                        entry_timestamp=start,
+                    )
+                )
+
+            rp = Kretprobe(
+                symbol=symbol,
+                offset=offset,
+                addr=addr,
+                handler=handler,
+                entry_handler=entry_handler,
+                maxactive=spec.maxactive,
+            )
+            placed = PlacedSpec(spec, rp)
+            placed_ref.append(placed)
+        return placed
+
+    def place(self, specs: Sequence[ProbeSpec]) -> list[PlacedSpec]:
+        """Register every spec, all or nothing, in one stop of the program: its entry and
+        return probes go live together (``trace 'work' 'r work'`` once began with hundreds
+        of entries per thread that had no return, the return probe being armed a stop
+        later)."""
+        built = [self.build(spec) for spec in specs]
+        kprobes = [p.probe for p in built if isinstance(p.probe, Kprobe)]
+        kretprobes = [p.probe for p in built if isinstance(p.probe, Kretprobe)]
+        with self.proc.batch():
+            self.proc.register_kprobes(kprobes)
+            try:
+                self.proc.register_kretprobes(kretprobes)
+            except BaseException:
+                self.proc.unregister_kprobes(kprobes)
+                raise
+        self.placed += built
+        return built
+
+    def close(self) -> None:
+        self.cpu.close()
