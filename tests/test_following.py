@@ -441,3 +441,42 @@ def test_an_error_in_a_handler_run_for_a_child_is_raised_out_of_run(build, tmp_p
     finally:
         proc.detach()
     assert support.wait_child(proc.pid, timeout=30) == 0
+
+
+@pytest.mark.parametrize("kind", ["count", "record"])
+def test_an_optimized_probe_stays_one_in_a_child_that_execs(build, tmp_path, kind):
+    """The root's probes are copied into a child that execs (family.py) with all their
+    options: an optimized count or record probe is optimized there too, its hits and its
+    records reach the probe the user holds, and the records' handler is called with it."""
+    ticker = build("ticker")
+    argv = [str(ticker), "20", "20000"]  # work(0..19), 20 ms apart
+    out = tmp_path / "out"
+    with open(out, "wb") as f:
+        proc = kprobes.spawn(
+            ["/bin/sh", "-c", f"{' '.join(argv)}; true"], stdout=f, follow_forks=True
+        )
+    seen: list[tuple[kprobes.Kprobe, int]] = []
+    if kind == "count":
+        kp = kprobes.Kprobe(symbol="ticker:work", optimize=True)
+    else:
+        kp = kprobes.Kprobe(
+            symbol="ticker:work",
+            optimize=True,
+            async_handler=lambda probe, hit: seen.append((probe, hit.arg("i"))),
+            args="i=%di",
+        )
+    proc.register_kprobe(kp)
+    listings: list[str] = []
+    try:
+        while not proc.run(timeout=0.01):
+            for member in proc.members:
+                listings += [str(entry) for entry in member.list()]
+    finally:
+        proc.close()
+    assert proc.exit_code == 0
+    assert output(out) == support.reference_output(argv)
+    assert any("work" in line and "[OPTIMIZED]" in line for line in listings), listings
+    assert kp.nhit == 20
+    if kind == "record":
+        assert [probe for probe, _ in seen] == [kp] * 20
+        assert [i for _, i in seen] == list(range(20))

@@ -176,10 +176,39 @@ def _copy_root_probes(member: Process) -> None:
         member.register_kretprobes(rps)
 
 
+class _Copy(Kprobe):
+    """A root's probe in a member: the same options, handlers called with the original, and
+    every hit and miss counted on the original too (``nhit``/``nmissed`` pass their changes
+    on), so that an optimized count or record probe stays one in the member."""
+
+    def __init__(self, original: Kprobe, **options: Any) -> None:
+        self._original = original
+        self._hits = self._misses = 0
+        super().__init__(**options)
+
+    @property
+    def nhit(self) -> int:
+        return self._hits
+
+    @nhit.setter
+    def nhit(self, value: int) -> None:
+        self._original.nhit += value - self._hits
+        self._hits = value
+
+    @property
+    def nmissed(self) -> int:
+        return self._misses
+
+    @nmissed.setter
+    def nmissed(self, value: int) -> None:
+        self._original.nmissed += value - self._misses
+        self._misses = value
+
+
 def _kprobe_copy(kp: Kprobe) -> Kprobe:
     def pre(_copy: Kprobe, regs: Any) -> Any:
-        kp.nhit += 1
-        return kp.pre_handler(kp, regs) if kp.pre_handler is not None else None
+        assert kp.pre_handler is not None
+        return kp.pre_handler(kp, regs)
 
     def post(_copy: Kprobe, regs: Any, flags: int) -> None:
         assert kp.post_handler is not None
@@ -189,13 +218,21 @@ def _kprobe_copy(kp: Kprobe) -> Kprobe:
         assert kp.fault_handler is not None
         return kp.fault_handler(kp, regs, trapnr)
 
-    return Kprobe(
+    def on_record(_copy: Kprobe, hit: Any) -> None:
+        assert kp.async_handler is not None
+        kp.async_handler(kp, hit)
+
+    return _Copy(
+        kp,
         symbol=kp.symbol,
         offset=kp.offset,
-        pre_handler=pre,
+        pre_handler=pre if kp.pre_handler is not None else None,
         post_handler=post if kp.post_handler is not None else None,
         fault_handler=fault if kp.fault_handler is not None else None,
         disabled=kp.is_disabled,
+        optimize=kp.optimize,
+        async_handler=on_record if kp.async_handler is not None else None,
+        args=kp.args,
     )
 
 
