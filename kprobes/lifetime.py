@@ -1,22 +1,64 @@
-"""SIGTERM and SIGHUP unwind like an exception while any target holds patched state.
+"""Every live target is closed on every way out that can be caught; SIGTERM and SIGHUP unwind.
 
-Both targets (a traced process, a tracefs session) must undo what they did on every way out
-that can be caught. ``atexit`` and ``finally`` cover a normal end and exceptions; SIGTERM and
+Every target (a traced process, a tracefs session) must undo what it did on every way out
+that can be caught. ``finally`` and the ``with`` block cover exceptions; the ``atexit`` hook
+here closes whatever is still live when the interpreter ends, the newest first; SIGTERM and
 SIGHUP would kill the tool without running either, so while anything is held they raise
-``SystemExit`` instead. One registry serves every target, so that one target letting go
-never takes the handlers away from another that still holds state.
+``SystemExit`` instead. One registry (``remember``/``forget``) serves every target, so that
+one target letting go never takes the handlers away from another that still holds state.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import itertools
 import signal
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 CAUGHT: Final = (signal.SIGTERM, signal.SIGHUP)
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+_live: weakref.WeakValueDictionary[int, Closable] = weakref.WeakValueDictionary()
+_order = itertools.count()
+
+
+def remember(target: Closable) -> None:
+    """Close ``target`` at interpreter exit, and let SIGTERM/SIGHUP unwind to its ``close``."""
+    if not is_live(target):
+        _live[next(_order)] = target
+    hold_exit_signals(target)
+
+
+def forget(target: Closable) -> None:
+    for key, live in list(_live.items()):
+        if live is target:
+            del _live[key]
+    release_exit_signals(target)
+
+
+def is_live(target: Closable) -> bool:
+    return any(live is target for live in _live.values())
+
+
+@atexit.register
+def _close_everything() -> None:
+    for key in sorted(_live.keys(), reverse=True):
+        target = _live.get(key)
+        if target is not None:
+            with contextlib.suppress(Exception):
+                target.close()
+
+
 _holders: set[int] = set()
 _saved_handlers: dict[int, Any] = {}
 

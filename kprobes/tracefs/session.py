@@ -14,26 +14,23 @@ Removal runs in the reverse order of creation: close the readers, disable the ev
 removing the instance, which disables what is enabled in it), then delete each event of the
 group with ``-:GROUP/EVENT`` (the kernel refuses to delete an enabled event with EBUSY).
 
-It runs from ``close()``, from the ``with`` block, from an ``atexit`` hook, and on SIGTERM and
-SIGHUP, which are turned into ``SystemExit`` in the main thread while a session is open (as
-``process/survival/cleanup.py`` does for traced processes), so the interpreter unwinds through the
+It runs from ``close()``, from the ``with`` block, from the ``atexit`` hook, and on SIGTERM
+and SIGHUP, which are turned into ``SystemExit`` in the main thread while a session is open
+(one registry for every target: ``lifetime.py``), so the interpreter unwinds through the
 first two. SIGKILL cannot be caught: a later session removes what a killed one left behind
 (``remove_stale``), recognising it by the pid in the name being dead.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import errno as _errno
 import itertools
 import os
 import re
-import weakref
-from typing import Any, Final, Protocol
+from typing import Final
 
 from kprobes.errors import TraceFsError
-from kprobes.lifetime import hold_exit_signals, release_exit_signals
 from kprobes.tracefs.control import TraceFs, read_file
 from kprobes.tracefs.lines import line_names, removal_line
 
@@ -41,31 +38,6 @@ PREFIX: Final = "kprobes"
 _NAME = re.compile(rf"^{PREFIX}_(?P<pid>\d+)(?:_\d+)?$")
 _EVENT_FILES: Final = ("kprobe_events", "uprobe_events")
 _counter = itertools.count(1)
-
-
-class Closable(Protocol):
-    def close(self) -> None: ...
-
-
-_live: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def remember(target: Closable) -> None:
-    """Close ``target`` at interpreter exit, and let SIGTERM/SIGHUP unwind to its ``close``."""
-    _live.add(target)
-    hold_exit_signals(target)
-
-
-def forget(target: Closable) -> None:
-    _live.discard(target)
-    release_exit_signals(target)
-
-
-@atexit.register
-def _close_everything() -> None:
-    for target in list(_live):
-        with contextlib.suppress(Exception):
-            target.close()
 
 
 def session_name(pid: int | None = None) -> str:

@@ -39,6 +39,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from kprobes import lifetime
 from kprobes.core.probes import Kprobe, ProbeFlags
 from kprobes.core.retprobes import Jprobe, Kretprobe
 from kprobes.core.table import ProbeSite, ProbeTable
@@ -52,7 +53,6 @@ from kprobes.spec import (
     parse,
     render_arg,
 )
-from kprobes.tracefs import session as sessions
 from kprobes.tracefs.control import TraceFs
 from kprobes.tracefs.delivery import Delivery
 from kprobes.tracefs.entryclock import EntryClocks
@@ -112,13 +112,13 @@ class TraceTarget(Delivery):
         except BaseException:
             self._close_pidfd()
             raise
-        sessions.remember(self)
+        lifetime.remember(self)
         try:
             layout = PageLayout.parse(self.session.read("events", "header_page"))
             self._buffers = CpuBuffers(self.session.instance_dir, layout)
         except BaseException:
             self.session.close()
-            sessions.forget(self)
+            lifetime.forget(self)
             self._close_pidfd()
             raise
         self._layout = layout
@@ -503,7 +503,7 @@ class TraceTarget(Delivery):
             self._by_probe.clear()
             self._by_id.clear()
             self._builders.clear()
-            sessions.forget(self)
+            lifetime.forget(self)
             self._close_pidfd()
             self._after_close()
 

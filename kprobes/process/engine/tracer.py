@@ -192,10 +192,10 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
                 self._pump_family()
             if not self.live and not self.family:
                 break
-            if deadline is not None and time.monotonic() >= deadline:
-                return False  # between stops, also while they never cease
             if self.has_pending:
                 self._drain_pending()
+            if deadline is not None and time.monotonic() >= deadline:
+                return False  # between stops, also while they never cease
             poll = self.ring_poll
             if poll is not None:
                 tid, status = self._wait_polling(deadline, poll)

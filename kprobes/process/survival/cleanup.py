@@ -2,8 +2,9 @@
 
 While a ``Process`` is traced, SIGTERM and SIGHUP (whose default action would kill the tool
 without unwinding) are turned into ``SystemExit`` in the main thread, so the ``with`` block or
-``try/finally`` around the trace detaches as it does for Ctrl-C's ``KeyboardInterrupt``. An
-``atexit`` hook detaches whatever is still attached when the interpreter ends. Only SIGKILL
+``try/finally`` around the trace detaches as it does for Ctrl-C's ``KeyboardInterrupt``. The
+``atexit`` hook of ``lifetime.py`` detaches whatever is still attached when the interpreter
+ends. Only SIGKILL
 escapes; nothing can catch it.
 
 This module also publishes each traced process's probe list in a small state file so that
@@ -12,39 +13,25 @@ This module also publishes each traced process's probe list in a small state fil
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import json
 import os
 import tempfile
-import weakref
 from typing import TYPE_CHECKING
 
-from kprobes.lifetime import hold_exit_signals, release_exit_signals
+from kprobes import lifetime
 from kprobes.model import ProbeListing
 
 if TYPE_CHECKING:
     from kprobes.process.target import Process
 
-_live: weakref.WeakSet[Process] = weakref.WeakSet()
-
 
 def remember(proc: Process) -> None:
-    _live.add(proc)
-    hold_exit_signals(proc)
+    lifetime.remember(proc)
 
 
 def forget(proc: Process) -> None:
-    _live.discard(proc)
-    release_exit_signals(proc)
+    lifetime.forget(proc)
     remove_state(proc.pid)
-
-
-@atexit.register
-def _detach_everything() -> None:
-    for proc in list(_live):
-        with contextlib.suppress(Exception):
-            proc.close()
 
 
 # -- the state files behind `kprobes list -p PID` -----------------------------------------
@@ -66,7 +53,7 @@ def state_path(pid: int) -> str:
 
 
 def publish(proc: Process, listing: list[ProbeListing]) -> None:
-    if proc not in _live:
+    if not lifetime.is_live(proc):
         remove_state(proc.pid)
         return
     data = {"tracer": os.getpid(), "pid": proc.pid, "probes": [e.to_json() for e in listing]}
