@@ -332,7 +332,8 @@ def one_round(target: Target, rng: random.Random, tally: Tally, verbose: bool) -
         tally.failures.append(f"{what}: bytes of ours left after a clean end: {left[:5]}")
     pages = ours_now(target)
     if len(pages) > ours_allowed():
-        tally.failures.append(f"{what}: mappings of ours left after a clean end: {pages}")
+        said = [line for line in stderr.splitlines() if "stay in process" in line]
+        tally.failures.append(f"{what}: mappings of ours left after a clean end: {pages} {said}")
 
 
 def ours_allowed() -> int:

@@ -80,6 +80,7 @@ def test_clean_command_line_runs_leave_nothing_of_ours(popen, build):
         for command, *args in COMMANDS:
             result = support.cli(command, "-p", pid, *args, timeout=120)
             assert result.returncode == 0, result.stderr
+            assert "stay in process" not in result.stderr
             assert ours(pid) == [], (round_, command, args)
             assert shared_kib(pid) == 0, (round_, command, args)
             support.assert_untouched(pid, support.libc_path(build("allocs")))
@@ -112,6 +113,7 @@ def test_clean_api_sessions_leave_nothing_of_ours(popen, build):
             proc.run(timeout=0.5)
             assert ours(pid) != []  # the session did map pages of its own
         assert session in seen
+        assert proc.kept == []
         assert ours(pid) == []
         assert shared_kib(pid) == 0
     finish(prog)
@@ -152,6 +154,10 @@ def test_a_page_a_thread_may_return_into_stays_until_a_later_session(popen, buil
         page = slots[0]
         poke(pid, word, page.start + 0x40)
     assert ours(pid) == [f"{page.start:#x}-{page.end:#x} r-x"]
+    # and it says why: which thread, which word of its stack, pointing where
+    (why,) = proc.kept
+    assert why.startswith(f"out-of-line slots at {page.start:#x}: thread "), why
+    assert why.endswith(f"'s stack word at {word:#x} is {page.start + 0x40:#x}"), why
     for _ in range(2):  # still there: kept again, not added to
         one_session(pid)
         assert ours(pid) == [f"{page.start:#x}-{page.end:#x} r-x"]

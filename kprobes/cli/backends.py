@@ -157,6 +157,10 @@ class Backend(abc.ABC):
         """A line for a traced program that a signal killed while we traced it, else ""."""
         return ""
 
+    def left_behind(self) -> list[str]:
+        """After ``close``: what stays in the program and why (one line each)."""
+        return []
+
     @property
     def unread(self) -> int:
         """Events the probes recorded that were never read: the run ended first."""
@@ -311,6 +315,14 @@ class PtraceBackend(Backend):
         except ValueError:
             name = f"signal {-code}"
         return f"process {self.proc.pid} was killed by {name}"
+
+    def left_behind(self) -> list[str]:
+        return [
+            f"{len(proc.kept)} mapping(s) of ours stay in process {proc.pid}, given back by "
+            f"the next clean end: a thread may still return into them ({'; '.join(proc.kept)})"
+            for proc in self._procs()
+            if proc.kept
+        ]
 
     def set_reading_deadline(self, when: float | None) -> None:
         for proc in self._procs():

@@ -178,6 +178,8 @@ class Session:
                 finally:
                     try:
                         backend.close()
+                        for line in backend.left_behind():
+                            sys.stderr.write(f"kprobes: {line}\n")
                     finally:
                         backend.end_command()
                     if self._status:

@@ -109,6 +109,9 @@ class Process(
         # id(kretprobe) → where each block of its instances' rescue records starts
         self._records: dict[int, list[int]] = {}
         self._attached = True
+        # After close(): what kept pages of ours in the program (a thread may still return
+        # into them; the next clean end gives them back), one line each. Empty: none left.
+        self.kept: list[str] = []
         self._init_following(pending=pending)
         self._init_family()
 
@@ -175,7 +178,7 @@ class Process(
                 self._collect_counts()
                 if self._tracer.is_alive:
                     self._tracer.placement.release(list(self._tracer.threads))
-                    detach_all(self._tracer)
+                    self.kept = detach_all(self._tracer)
             finally:
                 self._finish()
 

@@ -44,8 +44,10 @@ _STACK_SCAN = 0x10000  # bytes above a thread's stack pointer searched for a sav
 _STOPPED = ThreadState.STOPPED
 
 
-def detach_all(tracer: Tracer) -> None:
+def detach_all(tracer: Tracer) -> list[str]:
+    """Steps 1-6 (above); what kept pages of ours in the program, one line each."""
     tracer.stop_world()
+    why_kept: list[str] = []
     try:
         # Step 2
         for tracee in list(tracer.tracees.values()):
@@ -95,9 +97,11 @@ def detach_all(tracer: Tracer) -> None:
                 _give_back(unmapping, last, rescue=True)
                 _let_go(last, 0)
                 tracer.drop_thread(last)
+        why_kept = unmapping.why_kept
     finally:
         for tracee in list(tracer.tracees.values()):
             tracer.drop_tracee(tracee)
+    return why_kept
 
 
 def _deactivate_rescue(tracer: Tracer, thread: Thread, *, keep_fetch_faults: bool) -> None:

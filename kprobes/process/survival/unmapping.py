@@ -188,6 +188,7 @@ class Unmapping:
         with contextlib.suppress(OSError, TargetError):
             self.pages += leftovers(tracer, self.pages)
         self.kept: set[OwnPages] = set()
+        self.why_kept: list[str] = []  # what kept each page: said at the end (Process.kept)
         self.unmapped: list[OwnPages] = []
         self._maps: list[Mapping] | None = None  # read once, at the first thread's look
 
@@ -208,9 +209,17 @@ class Unmapping:
             words += memoryview(stack[: len(stack) & ~7]).cast("Q").tolist()
         lo = min(p.start for p in self.pages)
         hi = max(p.end for p in self.pages)
-        for word in words:
-            if lo <= word < hi:
-                self.kept.update(p for p in self.pages if p.contains(word))
+        for k, word in enumerate(words):
+            if not lo <= word < hi:
+                continue
+            for pages in self.pages:
+                if pages.contains(word) and pages not in self.kept:
+                    self.kept.add(pages)
+                    where = "rip" if k == 0 else f"stack word at {(regs.rsp & ~7) + 8 * (k - 1):#x}"
+                    self.why_kept.append(
+                        f"{pages.kind.value} at {pages.start:#x}: thread {t.tid}'s {where} "
+                        f"is {word:#x}"
+                    )
 
     def _stack_top(self, t: Thread, sp: int) -> int:
         """The end of the mapping ``sp`` lies in: everything above ``sp`` in it is the live
@@ -254,6 +263,11 @@ class Unmapping:
         if thread.tracee is not self._tracer.main:
             return
         rescue = self._tracer.rescue
+        if rescue.is_active and rescue.is_installed:
+            self.why_kept.append(
+                "the rescue: still a signal handler of the program (a thread was let go "
+                "where a fetch of ours may still fault)"
+            )
         if rescue.is_active or not rescue.is_installed:
             return
         kept = self._closure()
