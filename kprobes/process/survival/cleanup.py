@@ -4,8 +4,7 @@ While a ``Process`` is traced, SIGTERM and SIGHUP (whose default action would ki
 without unwinding) are turned into ``SystemExit`` in the main thread, so the ``with`` block or
 ``try/finally`` around the trace detaches as it does for Ctrl-C's ``KeyboardInterrupt``. The
 ``atexit`` hook of ``lifetime.py`` detaches whatever is still attached when the interpreter
-ends. Only SIGKILL
-escapes; nothing can catch it.
+ends. Only SIGKILL escapes; nothing can catch it.
 
 This module also publishes each traced process's probe list in a small state file so that
 ``kprobes list -p PID`` can show it from another shell, like debugfs' ``kprobes/list``.
