@@ -32,12 +32,13 @@ from kprobes.core.table import ProbeSite
 from kprobes.errors import InternalError
 from kprobes.linux import ptrace
 from kprobes.process.engine import events as ev
+from kprobes.process.engine import owners
 from kprobes.process.engine.breakpoints import Breakpoints
 from kprobes.process.engine.cpus import Placement
 from kprobes.process.engine.lifecycle import Lifecycle
 from kprobes.process.engine.prepared import Prepared
 from kprobes.process.engine.signals import SignalDelivery
-from kprobes.process.engine.threads import RUNNING_STATES, Thread, ThreadState
+from kprobes.process.engine.threads import Thread, ThreadState
 from kprobes.process.engine.tracee import Tracee, TraceeKind
 from kprobes.process.engine.trampoline import Trampoline
 from kprobes.process.engine.world import WorldStop
@@ -57,12 +58,6 @@ _EMULATE = PlanKind.EMULATE
 _BOOST = PlanKind.BOOST
 _STEP = PlanKind.STEP
 _RIP = REG_INDEX["rip"]
-
-
-# Every tid traced by any Tracer in this process, so a status reaped by one loop reaches the
-# loop that owns the thread.
-_OWNERS: dict[int, Tracer] = {}
-_UNCLAIMED: dict[int, list[int]] = {}
 
 
 class Tracer(WorldStop, SignalDelivery, Lifecycle):
@@ -116,8 +111,7 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
     def add_thread(self, tracee: Tracee, tid: int, state: ThreadState) -> Thread:
         thread = tracee.add_thread(tid, state)
         self.threads[tid] = thread
-        _OWNERS[tid] = self
-        for status in _UNCLAIMED.pop(tid, []):
+        for status in owners.claim(self, tid):
             self.inbox.append((tid, status))
         return thread
 
@@ -127,8 +121,7 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
         self.threads.pop(thread.tid, None)
         thread.tracee.threads.pop(thread.tid, None)
         self.placement.forget(thread.tid)
-        if _OWNERS.get(thread.tid) is self:
-            del _OWNERS[thread.tid]
+        owners.release(self, thread.tid)
 
     def drop_tracee(self, tracee: Tracee) -> None:
         for thread in list(tracee.threads.values()):
@@ -214,7 +207,7 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
             try:
                 t = threads[tid]
             except KeyError:
-                if status == TRAP and self._is_members_running(tid):
+                if status == TRAP and owners.is_members_running(self, tid):
                     self._unowned(tid, status)  # not reaped: the member's dispatch holds it
                 else:
                     self._set_aside(tid, status)
@@ -352,46 +345,11 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
                 raise exc
         return True
 
-    def _is_members_running(self, tid: int) -> bool:
-        """``tid`` is a running thread of a member of the family: its trap is left unreaped
-        for the member's dispatch, which runs before this loop waits again
-        (``_pump_family``) and reaps it after step 0 (``_hold_trap``), as the root does."""
-        owner = _OWNERS.get(tid)
-        if owner is None or owner not in self.family:
-            return False
-        t = owner.threads.get(tid)
-        return t is not None and t.state in RUNNING_STATES
-
     def _set_aside(self, tid: int, status: int) -> None:
-        """A stop of a thread this tracer does not own, passed on to its owner.
-
-        A trap is reaped here, so a running thread of another tracer that trapped on an
-        int3 of that tracer's is first put back on it (``_rewind_own_trap``) and let go: it
-        traps again and is seen then. Reaped one byte past the int3, it would resume there,
-        mid-instruction, should the tool die before its owner ran step 0 (``decisions.md``,
-        "the reaped-trap window")."""
-        if status == ev.SIGTRAP_STOP:
-            owner = _OWNERS.get(tid)
-            t = None if owner is None or owner is self else owner.threads.get(tid)
-            if (
-                owner is not None
-                and t is not None
-                and t.state in RUNNING_STATES
-                and owner._rewind_own_trap(t)
-            ):
-                self._reap(tid)
-                owner._resume_if_free(t)
-                return
-            self._reap(tid)
-        self._unowned(tid, status)
+        owners.set_aside(self, tid, status)
 
     def _unowned(self, tid: int, status: int) -> None:
-        owner = _OWNERS.get(tid)
-        if owner is not None and owner is not self:
-            owner.inbox.append((tid, status))
-        else:
-            # A new thread or child whose clone/fork event we have not seen yet.
-            _UNCLAIMED.setdefault(tid, []).append(status)
+        owners.pass_on(self, tid, status)
 
     # -- dispatch --------------------------------------------------------------------------
 
