@@ -16,7 +16,7 @@ minute in the suite.) For the whole time, in a loop:
 * in every other round on ``malloc``, another tool's kernel uprobe (a tracefs event in an
   instance of its own, as bpftrace or ``perf probe`` places one) goes on the target's libc
   ``malloc`` once our command's int3 or jump is there, and off at another random moment: the
-  kernel writes its int3 into every process mapping libc (process/survival/shield.py).
+  kernel writes its int3 into every process mapping libc (process/fast/shield.py).
 
 What must hold, checked every round and at the end:
 

@@ -3,8 +3,8 @@ program's own faults reach it exactly as they would without us. Tool alive or SI
 
 tests/programs/fetchfault.c holds loads marked as detour code marks its fetches (r11 =
 FETCH_FAULT_MAGIC, r10 = where to go on), in its own text; the test declares that range as
-code of ours (``Process._note_own_code``, which ``_map_xol_page`` calls for every page it
-maps), as the optimizer's pages will be. ``_activate_fetch_faults`` is what the optimizer calls
+code of ours (``ProgramCalls.note_own_code``, which ``map_xol_page`` calls for every page it
+maps), as the optimizer's pages will be. ``activate_fetch_faults`` is what the optimizer calls
 before the first detour that fetches through a pointer: the rescue becomes the program's
 SIGSEGV and SIGBUS handler, for when the tool is dead.
 """
@@ -103,9 +103,9 @@ def run_with_tool(
     """The tool alive from "go" to the program's end: its output and exit code (the tool,
     its tracer and its parent, reaps it: -N for a signal)."""
     proc = attach(prog.pid)
-    proc._note_own_code(prog.start, prog.end)
+    proc._calls.note_own_code(prog.start, prog.end)
     if activate:
-        assert proc._activate_fetch_faults(), proc._tracer.rescue.unavailable
+        assert proc._calls.activate_fetch_faults(), proc._tracer.rescue.unavailable
         assert caught(prog.pid) & bits(SEGV, BUS) == bits(SEGV, BUS)
     prog.send()
     assert proc.run(timeout=60), "the program did not end"
@@ -178,7 +178,7 @@ def test_a_fetch_fault_held_at_detach_is_fixed_not_delivered(attach, fetchfault)
     the tool detaches: the fault is fixed there, not delivered to the program (SIG_DFL)."""
     prog = fetchfault("none", "fetch1")
     proc = attach(prog.pid)
-    proc._note_own_code(prog.start, prog.end)
+    proc._calls.note_own_code(prog.start, prog.end)
     prog.send()
     deadline = time.monotonic() + 30
     while task_state(prog.pid) != "t":  # stopped on the fault
@@ -252,8 +252,8 @@ def test_the_handlers_are_installed_when_asked_and_removed_at_detach(attach, fet
     proc = attach(prog.pid)
     proc.register_kprobe(kprobes.Kprobe(symbol="print_actions", pre_handler=lambda p, r: None))
     assert caught(prog.pid) == before | bits(signal.SIGTRAP)
-    proc._note_own_code(prog.start, prog.end)
-    assert proc._activate_fetch_faults()
+    proc._calls.note_own_code(prog.start, prog.end)
+    assert proc._calls.activate_fetch_faults()
     assert caught(prog.pid) == before | bits(signal.SIGTRAP, SEGV, BUS)
     proc.detach()
     assert caught(prog.pid) == before
@@ -266,8 +266,8 @@ def test_a_thread_left_in_our_code_keeps_the_rescue_after_detach(attach, fetchfa
     instead of killing the program."""
     prog = fetchfault("none", "inside")
     proc = attach(prog.pid)
-    proc._note_own_code(prog.start, prog.end)
-    assert proc._activate_fetch_faults()
+    proc._calls.note_own_code(prog.start, prog.end)
+    assert proc._calls.activate_fetch_faults()
     prog.send()
     assert prog.p.stdout is not None
     deadline = time.monotonic() + 30

@@ -85,7 +85,7 @@ def test_shared_area_is_one_memfd_seen_from_both_sides(spawn, optimized, tmp_pat
     proc = run.proc
     kp = kprobes.Kprobe(symbol="work", optimize=True)
     proc.register_kprobe(kp)
-    (area,) = proc._tracer.optimizer.areas
+    (area,) = proc._jumps.areas
     # No fd of ours is left in the program; its mapping of the memfd is.
     for fd in os.listdir(f"/proc/{proc.pid}/fd"):
         assert "kprobes" not in os.readlink(f"/proc/{proc.pid}/fd/{fd}")
@@ -239,7 +239,7 @@ def test_library_probes_get_an_area_of_their_own(spawn, optimized, tmp_path):
     run.proc.register_kprobes(kps)
     run.run_until("round 1")
     assert all(e.is_optimized for e in run.proc.list()), run.proc.list()
-    assert len(run.proc._tracer.optimizer.areas) == 2
+    assert len(run.proc._jumps.areas) == 2
     run.next_round()
     run.finish()
     assert [kp.nhit for kp in kps] == [8000, 8, 8]
@@ -314,10 +314,10 @@ def test_exec_leaves_nothing_and_the_new_image_is_optimized_again(spawn, optimiz
         proc = spawn(argv, stdout=f.fileno())
     kp = kprobes.Kprobe(symbol="work", optimize=True)
     proc.register_kprobe(kp)
-    (first,) = proc._tracer.optimizer.areas
+    (first,) = proc._jumps.areas
     assert proc.run(timeout=30) and proc.exit_code == 0
     assert kp.nhit == 2 * 2 * n
-    (area,) = proc._tracer.optimizer.areas  # the old image's was forgotten at exec
+    (area,) = proc._jumps.areas  # the old image's was forgotten at exec
     assert area is not first
     assert out.read_text().encode() == support.reference_output([str(a) for a in argv])
 

@@ -1,4 +1,4 @@
-"""Another tool's kernel uprobe on a function we jump-optimized (process/survival/shield.py).
+"""Another tool's kernel uprobe on a function we jump-optimized (process/fast/shield.py).
 
 The kernel writes a uprobe's int3 into every process that maps the probed file: over our jump
 it then steps the file's first instruction and resumes inside our jump's displacement, and
@@ -142,7 +142,7 @@ def test_a_program_that_may_not_have_writable_code_keeps_its_trap(attach):
 
 
 def test_pages_protections_and_runs():
-    from kprobes.process.survival import shield
+    from kprobes.process.fast import shield
 
     assert shield.pages_of(0x1FFE, 5) == [0x1000, 0x2000]  # a jump across a page boundary
     assert shield.pages_of(0x1000, 1) == [0x1000]

@@ -26,7 +26,6 @@ from __future__ import annotations
 import abc
 import argparse
 import contextlib
-import errno
 import os
 import signal
 import time
@@ -39,7 +38,7 @@ from kprobes.cli.sigint import is_in_trace_stop
 from kprobes.cli.targets import open_target
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import InstancePool, Kretprobe, KretprobeInstance
-from kprobes.errors import ProbeError, ProbeRejected, TargetError
+from kprobes.errors import ProbeError, ProbeRejected
 from kprobes.model import Event
 from kprobes.process.specs import SpecTracer
 from kprobes.process.target import Process
@@ -263,7 +262,7 @@ class PtraceBackend(Backend):
         except BaseException:
             self.proc.close()
             raise
-        self.proc.on_new_process = self._follow
+        self.proc.family.on_new_process = self._follow
         self.own_file = own_file(self.proc.pid)
 
     def _spec_tracer(self, proc: Process) -> SpecTracer:
@@ -294,10 +293,7 @@ class PtraceBackend(Backend):
         self._place(member, tracer, self.specs)
 
     def functions(self, pattern: str) -> list[str]:
-        module, sep, glob = pattern.rpartition(":")
-        found = self.proc._symbols().iter_functions(glob, module if sep else None)
-        names = dict.fromkeys(loc.symbol.name for loc in found if loc.symbol is not None)
-        return [f"{module}:{name}" if sep else name for name in names]
+        return self.proc.function_names(pattern)
 
     def _procs(self) -> list[Process]:
         return [self.proc, *(m.proc for m in self.members)]
@@ -386,26 +382,3 @@ class PtraceBackend(Backend):
             self.tracer.close()
             for member in self.members:
                 member.close()
-
-
-def open_backend(
-    args: argparse.Namespace,
-    sink: Sink,
-    specs: Sequence[ProbeSpec],
-    *,
-    entry_times: bool = False,
-    patterns: Sequence[str] = (),
-) -> Backend:
-    """The backend the options ask for (``--backend``/``--kernel``, ``-p``/``-c``);
-    ``patterns`` are the globs that will be placed too (``count``)."""
-    if args.backend == "ptrace":
-        if args.pid is None and args.command is None:
-            raise TargetError(
-                "the ptrace backend probes one process: give -p PID or -c CMD (or --kernel, "
-                "or --backend uprobes with /PATH:SYMBOL specs)",
-                errno=errno.EINVAL,
-            )
-        return PtraceBackend(args, sink)
-    from kprobes.cli.tracefs_backend import TraceFsBackend  # it builds on this module
-
-    return TraceFsBackend(args, sink, specs, entry_times=entry_times, patterns=patterns)

@@ -22,15 +22,17 @@ jumps in it).
 from __future__ import annotations
 
 import argparse
+import errno
 import re
 import sys
 import time
 from collections.abc import Callable, Sequence
 
-from kprobes.cli.backends import Backend, Placed, add_backend_arguments, open_backend
+from kprobes.cli.backends import Backend, Placed, PtraceBackend, Sink, add_backend_arguments
 from kprobes.cli.sigint import RunInterrupted, SafeInterrupt
 from kprobes.cli.targets import add_target_arguments, say_pending
-from kprobes.errors import SpecError
+from kprobes.cli.tracefs_backend import TraceFsBackend
+from kprobes.errors import SpecError, TargetError
 from kprobes.model import Event
 from kprobes.output.status import format_status, format_summary
 from kprobes.spec import FieldKind, ProbeSpec, compile_filter, parse, parse_filter
@@ -340,3 +342,24 @@ def _return_miss_hint(placed: Placed) -> str:
         f"hint: {placed.name} missed {placed.missed} calls: give more instances with rN in "
         "the probe line (latency: --maxactive N)\n"
     )
+
+
+def open_backend(
+    args: argparse.Namespace,
+    sink: Sink,
+    specs: Sequence[ProbeSpec],
+    *,
+    entry_times: bool = False,
+    patterns: Sequence[str] = (),
+) -> Backend:
+    """The backend the options ask for (``--backend``/``--kernel``, ``-p``/``-c``);
+    ``patterns`` are the globs that will be placed too (``count``)."""
+    if args.backend == "ptrace":
+        if args.pid is None and args.command is None:
+            raise TargetError(
+                "the ptrace backend probes one process: give -p PID or -c CMD (or --kernel, "
+                "or --backend uprobes with /PATH:SYMBOL specs)",
+                errno=errno.EINVAL,
+            )
+        return PtraceBackend(args, sink)
+    return TraceFsBackend(args, sink, specs, entry_times=entry_times, patterns=patterns)

@@ -133,14 +133,9 @@ def _seize_spawned(
         # A signal sent meanwhile: the new image gets it, as it would without us.
         ptrace.syscall_cont(pid, sig if status >> 16 == 0 else 0)
     proc = Process(pid, follow_forks=follow_forks, pending=pending)
-    tracer = proc._tracer
-    main = tracer.add_tracee(pid, TraceeKind.MAIN)
-    thread = tracer.add_thread(main, pid, ThreadState.STOPPED)
-    thread.event_stopped = True
-    thread.exec_landing = True
-    tracer.hold_all = True
-    # Step 3: the new image's probes, and the loader's startup followed (pending.py).
-    proc._on_syscall_stop(thread)
+    # Step 3: the new image's probes, and the loader's startup followed (pending.py); every
+    # thread held until the first run().
+    proc._land_at_exec(pid, hold=True)
     cleanup.remember(proc)
     return proc
 

@@ -29,6 +29,19 @@ Sink = Callable[[Event], None]
 _now = time.monotonic
 
 
+_SELF = "/proc/self"  # file offsets with no path are in the executable
+
+
+@dataclass(frozen=True, slots=True)
+class _Where:
+    """Where a spec's probe goes: a symbol (+offset), or an address; the file it names."""
+
+    symbol: str | None
+    offset: int
+    addr: int | None
+    path: str
+
+
 @dataclass(slots=True)
 class PlacedSpec:
     """One spec and the probe that implements it on the process."""
@@ -68,7 +81,7 @@ class SpecTracer:
         self.comm = CommCache(proc.pid)
         self.cpu = CpuReader(proc.pid)
         self.memory = Memory(proc.fetch, proc.fetch_string, self.symbolize, self.comm)
-        self._symbolizer = Symbolizer(lambda addr: proc._symbols().locate_address(addr))
+        self._symbolizer = Symbolizer(lambda addr: proc.symbols().locate_address(addr))
 
     # -- symbols -----------------------------------------------------------------------
 
@@ -77,130 +90,133 @@ class SpecTracer:
         return self._symbolizer(addr)
 
     def _resolve_data(self, name: str) -> int:
-        return data_resolver(self.proc._symbols)(name)
+        return data_resolver(self.proc.symbols)(name)
 
     def _file_address(self, path: str) -> Callable[[int], int]:
-        return file_resolver(self.proc._symbols, path)
+        return file_resolver(self.proc.symbols, path)
 
     # -- placing -----------------------------------------------------------------------
 
     def build(self, spec: ProbeSpec) -> PlacedSpec:
         """The probe for ``spec`` (not registered yet)."""
-        loc = spec.location
-        symbol: str | None = None
-        offset = 0
-        addr: int | None = None
-        path = ""
-        match loc:
+        where = self._where(spec)
+        fetcher = ArgFetcher(spec, self._resolve_data, self._file_address(where.path or _SELF))
+        if spec.is_return:
+            return self._return_probe(spec, where, fetcher)
+        if self.count_only:
+            kp = Kprobe(
+                symbol=where.symbol, offset=where.offset, addr=where.addr, optimize=self.optimize
+            )
+            return PlacedSpec(spec, kp, counts_in_place=True)
+        if self.optimize:
+            return self._record_probe(spec, where, fetcher)
+        return self._trap_probe(spec, where, fetcher)
+
+    def _where(self, spec: ProbeSpec) -> _Where:
+        match spec.location:
             case SymbolLocation(symbol=sym, offset=off, module=module):
-                symbol = f"{module}:{sym}" if module else sym
-                offset = off
                 path = module if module and "/" in module else ""
+                return _Where(f"{module}:{sym}" if module else sym, off, None, path)
             case AddressLocation(address=a):
-                addr = a
+                return _Where(None, 0, a, "")
             case FileOffsetLocation(path=p, offset=off):
-                addr = self._file_address(p)(off)
-                path = p
+                return _Where(None, 0, self._file_address(p)(off), p)
             case None:
                 raise ProbeRejected("a delete command places no probe", errno=errno.EINVAL)
-        fetcher = ArgFetcher(spec, self._resolve_data, self._file_address(path or "/proc/self"))
-        group, event = spec.effective_group, spec.effective_event
-        pid = self.proc.pid
-        sink = self.sink
-        memory = self.memory
-        comm = self.comm
-        cpu = self.cpu
-        symbolize = self.symbolize
+
+    def _record_probe(self, spec: ProbeSpec, where: _Where, fetcher: ArgFetcher) -> PlacedSpec:
+        """An entry spec as an optimized record probe: its events come from the ring."""
+        group, event, pid = spec.effective_group, spec.effective_event, self.proc.pid
+        sink, symbolize = self.sink, self.symbolize
         # Events of optimized probes wait in their ring; one made at a trap comes after them.
-        drain = self.proc._drain_rings
-        if not spec.is_return and self.count_only:
-            kp = Kprobe(symbol=symbol, offset=offset, addr=addr, optimize=self.optimize)
-            placed = PlacedSpec(spec, kp, counts_in_place=True)
-        elif not spec.is_return and self.optimize:
+        drain = self.proc.drain_records
 
-            def on_hit(kp: Kprobe, hit: Hit) -> None:
-                drain()  # at a trap: the records written before it go first
-                tid = hit.tid
-                ip = hit.ip
-                sink(
-                    Event(
-                        group, event, pid, tid, hit.comm, hit.cpu, hit.time, ip, symbolize(ip),
-                        hit.args,
-                    )
-                )  # fmt: skip
-
-            kp = Kprobe(symbol=symbol, offset=offset, addr=addr, optimize=True)
-            kp.async_handler = on_hit
-            resolvers = (self._resolve_data, self._file_address(path or "/proc/self"))
-            fast = FastProbe(spec, fetcher, False, memory, resolvers)
-            kp.fast, kp.async_trap = fast, trap_delivery(fast, cpu)
-            placed = PlacedSpec(spec, kp)
-        elif not spec.is_return:
-
-            def pre_handler(kp: Kprobe, regs: Any) -> None:
-                drain()
-                tid = regs.tid
-                ip = regs.ip
-                sink(
-                    Event(
-                        group,
-                        event,
-                        pid,
-                        tid,
-                        comm(tid),
-                        cpu(tid),
-                        _now(),
-                        ip,
-                        symbolize(ip),
-                        fetcher.fetch(regs, memory),
-                    )
+        def on_hit(kp: Kprobe, hit: Hit) -> None:
+            drain()  # at a trap: the records written before it go first
+            tid = hit.tid
+            ip = hit.ip
+            sink(
+                Event(
+                    group, event, pid, tid, hit.comm, hit.cpu, hit.time, ip, symbolize(ip),
+                    hit.args,
                 )
+            )  # fmt: skip
 
-            kp = Kprobe(symbol=symbol, offset=offset, addr=addr, pre_handler=pre_handler)
-            placed = PlacedSpec(spec, kp)
-        else:
-            placed_ref: list[PlacedSpec] = []
+        kp = Kprobe(symbol=where.symbol, offset=where.offset, addr=where.addr, optimize=True)
+        kp.async_handler = on_hit
+        resolvers = (self._resolve_data, self._file_address(where.path or _SELF))
+        fast = FastProbe(spec, fetcher, False, self.memory, resolvers)
+        kp.fast, kp.async_trap = fast, trap_delivery(fast, self.cpu)
+        return PlacedSpec(spec, kp)
 
-            def entry_handler(ri: KretprobeInstance, regs: Any) -> None:
-                at_entry = fetcher.entry(regs, memory) if fetcher.has_entry_args else ()
-                placed_ref[0].entry_time[id(ri)] = (_now(), at_entry)
+    def _trap_probe(self, spec: ProbeSpec, where: _Where, fetcher: ArgFetcher) -> PlacedSpec:
+        """An entry spec on traps: its event made in the handler."""
+        group, event, pid = spec.effective_group, spec.effective_event, self.proc.pid
+        sink, memory, comm, cpu, symbolize = (
+            self.sink,
+            self.memory,
+            self.comm,
+            self.cpu,
+            self.symbolize,
+        )
+        drain = self.proc.drain_records
 
-            def handler(ri: KretprobeInstance, regs: Any) -> None:
-                drain()
-                start, at_entry = placed_ref[0].entry_time.pop(id(ri), (0.0, ()))
-                tid = regs.tid
-                ret = ri.ret_addr
-                func_ip = rp.addr or 0
-                sink(
-                    Event(
-                        group,
-                        event,
-                        pid,
-                        tid,
-                        comm(tid),
-                        cpu(tid),
-                        _now(),
-                        ret,
-                        symbolize(ret),
-                        fetcher.fetch(regs, memory, at_entry),
-                        is_return=True,
-                        func=symbolize(func_ip).split("+")[0],
-                        func_ip=func_ip,
-                        entry_timestamp=start,
-                    )
+        def pre_handler(kp: Kprobe, regs: Any) -> None:
+            drain()
+            tid = regs.tid
+            ip = regs.ip
+            sink(
+                Event(
+                    group, event, pid, tid, comm(tid), cpu(tid), _now(), ip, symbolize(ip),
+                    fetcher.fetch(regs, memory),
                 )
+            )  # fmt: skip
 
-            rp = Kretprobe(
-                symbol=symbol,
-                offset=offset,
-                addr=addr,
-                handler=handler,
-                entry_handler=entry_handler,
-                maxactive=spec.maxactive,
-            )
-            placed = PlacedSpec(spec, rp)
-            placed_ref.append(placed)
-        return placed
+        kp = Kprobe(
+            symbol=where.symbol, offset=where.offset, addr=where.addr, pre_handler=pre_handler
+        )
+        return PlacedSpec(spec, kp)
+
+    def _return_probe(self, spec: ProbeSpec, where: _Where, fetcher: ArgFetcher) -> PlacedSpec:
+        """A return spec: a kretprobe whose entry handler keeps the time and entry args."""
+        group, event, pid = spec.effective_group, spec.effective_event, self.proc.pid
+        sink, memory, comm, cpu, symbolize = (
+            self.sink,
+            self.memory,
+            self.comm,
+            self.cpu,
+            self.symbolize,
+        )
+        drain = self.proc.drain_records
+        entry_time: dict[int, tuple[float, tuple[ArgValue, ...]]] = {}
+
+        def entry_handler(ri: KretprobeInstance, regs: Any) -> None:
+            at_entry = fetcher.entry(regs, memory) if fetcher.has_entry_args else ()
+            entry_time[id(ri)] = (_now(), at_entry)
+
+        def handler(ri: KretprobeInstance, regs: Any) -> None:
+            drain()
+            start, at_entry = entry_time.pop(id(ri), (0.0, ()))
+            tid = regs.tid
+            ret = ri.ret_addr
+            func_ip = rp.addr or 0
+            sink(
+                Event(
+                    group, event, pid, tid, comm(tid), cpu(tid), _now(), ret, symbolize(ret),
+                    fetcher.fetch(regs, memory, at_entry), is_return=True,
+                    func=symbolize(func_ip).split("+")[0], func_ip=func_ip, entry_timestamp=start,
+                )
+            )  # fmt: skip
+
+        rp = Kretprobe(
+            symbol=where.symbol,
+            offset=where.offset,
+            addr=where.addr,
+            handler=handler,
+            entry_handler=entry_handler,
+            maxactive=spec.maxactive,
+        )
+        return PlacedSpec(spec, rp, entry_time=entry_time)
 
     def place(self, specs: Sequence[ProbeSpec]) -> list[PlacedSpec]:
         """Register every spec, all or nothing, in one stop of the program: its entry and

@@ -5,7 +5,7 @@ process's own view of its files (its mount namespace; the mapped inode of a file
 since). A frame hooked by a kretprobe shows its real return address, asked of the trampoline,
 never the trampoline itself.
 
-``Backtraces`` is a part of ``Process`` (target.py), kept apart as a mechanism of its own.
+``Backtraces`` is a part of ``Process`` (target.py), which hands ``backtrace`` on.
 """
 
 from __future__ import annotations
@@ -17,20 +17,14 @@ from typing import TYPE_CHECKING, Any
 from kprobes.symbols.unwind import FoundBy, unwind
 
 if TYPE_CHECKING:
-    from kprobes.process.engine.tracer import Tracer
-    from kprobes.symbols.resolve import SymbolResolver
+    from kprobes.process.engine.attachment import Attachment
 
 
 class Backtraces:
     """``backtrace()`` for ``Process``."""
 
-    pid: int
-    _tracer: Tracer
-
-    if TYPE_CHECKING:
-
-        def _symbols(self) -> SymbolResolver: ...
-        def read(self, addr: int, size: int) -> bytes: ...
+    def __init__(self, program: Attachment) -> None:
+        self._program = program
 
     def backtrace(self, regs: Any, max_frames: int = 64) -> builtins.list[tuple[int, str]]:
         """The call stack of the thread whose registers are ``regs``, innermost first.
@@ -40,10 +34,9 @@ class Backtraces:
         hooked by a kretprobe shows its real return address, never the trampoline. Call it
         from a handler: the thread must be stopped where ``regs`` were taken.
         """
-
-        resolver = self._symbols()
-        tramp = self._tracer.trampoline
-        thread = self._tracer.threads.get(regs.tid)
+        program = self._program
+        pid, resolver, tramp = program.pid, program.symbols(), program.tracer.trampoline
+        thread = program.tracer.threads.get(regs.tid)
         refreshed = False
         files: dict[str, str] = {}
 
@@ -62,14 +55,14 @@ class Backtraces:
             path = files.get(module.path)
             if path is None:
                 first = module.mappings[0]
-                path = f"/proc/{self.pid}/map_files/{first.start:x}-{first.end:x}"
-                if not first.is_deleted and os.path.exists(f"/proc/{self.pid}/root{first.path}"):
-                    path = f"/proc/{self.pid}/root{first.path}"
+                path = f"/proc/{pid}/map_files/{first.start:x}-{first.end:x}"
+                if not first.is_deleted and os.path.exists(f"/proc/{pid}/root{first.path}"):
+                    path = f"/proc/{pid}/root{first.path}"
                 files[module.path] = path
             return path, module.bias
 
         def read_word(addr: int) -> int:
-            return int.from_bytes(self.read(addr, 8), "little")
+            return int.from_bytes(program.memory().read(addr, 8), "little")
 
         def real_return(slot: int, value: int) -> int:
             # The trampoline keys a hooked frame by the stack pointer after its return.

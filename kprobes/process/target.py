@@ -1,9 +1,15 @@
 """The Process target: Kprobes on a live process, with the mechanism run by us over ptrace.
 
-``Process`` is what users hold. It implements the core's ``ArchHooks`` (resolve, check,
-prepare, remove, arm, disarm, batch) on top of the event loop in ``tracer.py``, and the
-public API of the Kprobes document: register/unregister (single and batch), enable/disable,
-the ``enabled`` knob, ``list()`` in Appendix A's format, and ``blacklist()``.
+``Process`` is what users hold: the public API of the Kprobes document (register/unregister,
+single and batch; enable/disable; the ``enabled`` knob; ``list()`` in Appendix A's format;
+``blacklist()``), and the core's ``ArchHooks``. It does little itself: it assembles the
+parts, each a mechanism of its own that holds the others through written contracts
+(``docs/decisions.md``, "process/ in rooms"), and hands each call on to the part it is for:
+
+``Attachment`` (the program as every part sees it), ``Arming`` (the core's hooks),
+``ReturnProbes`` (engine/); ``ProgramCalls`` (inject/); ``DetourMemory``, ``Recording`` and
+``Optimizer`` over one ``JumpState`` (fast/); ``Following`` and the ``Family`` (following/);
+``Backtraces`` (stacks.py).
 
 ``launch.py`` starts (``spawn``) or seizes (``attach``) the program and hands over a Process.
 """
@@ -13,39 +19,33 @@ from __future__ import annotations
 import builtins
 import errno
 import functools
-import signal
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from kprobes.arch.x86_64.rescue import AREA_SIZE as RESCUE_SIZE
-from kprobes.arch.x86_64.rescue import RECORD_SIZE
 from kprobes.core.manager import ProbeManager
 from kprobes.core.probes import Kprobe
-from kprobes.core.retprobes import (
-    InstancePool,
-    Jprobe,
-    Kretprobe,
-    KretprobeInstance,
-    default_maxactive,
-)
-from kprobes.errors import (
-    ProbeRejected,
-    TargetError,
-)
+from kprobes.core.retprobes import Jprobe, Kretprobe, KretprobeInstance
+from kprobes.core.table import ProbeSite
+from kprobes.errors import ProbeRejected, TargetError
 from kprobes.lifetime import uninterrupted
-from kprobes.linux import procfs
 from kprobes.model import BlacklistEntry, ProbeListing
+from kprobes.process import listing
 from kprobes.process.engine import jprobes
-from kprobes.process.engine.arming import Placing, ProbeLocation
-from kprobes.process.engine.tracee import Tracee
+from kprobes.process.engine.arming import Arming, ProbeLocation
+from kprobes.process.engine.attachment import Attachment
+from kprobes.process.engine.rescue import Rescue
+from kprobes.process.engine.returns import ReturnProbes
+from kprobes.process.engine.threads import Thread, ThreadState
+from kprobes.process.engine.tracee import Tracee, TraceeKind
 from kprobes.process.engine.tracer import Tracer
-from kprobes.process.engine.trampoline import UNWIND_DONE, UNWIND_ENTRIES, UnwindGuard
-from kprobes.process.fast.memory import ProgramMemory
-from kprobes.process.fast.optimizer import Optimizing
+from kprobes.process.fast.memory import DetourMemory
+from kprobes.process.fast.optimizer import Optimizer
 from kprobes.process.fast.recording import Recording
+from kprobes.process.fast.state import JumpState
+from kprobes.process.fetch.faults import FetchFaults
 from kprobes.process.following.family import Family
-from kprobes.process.following.pending import Following, LoaderWatch
+from kprobes.process.following.pending import Following
 from kprobes.process.inject.program import ProgramCalls
 from kprobes.process.stacks import Backtraces
 from kprobes.process.survival import cleanup
@@ -69,7 +69,7 @@ def _says_when_gone(
         try:
             return method(self, *args, **kwargs)
         except (TargetError, ProcessLookupError, ChildProcessError) as exc:
-            gone = self._gone()
+            gone = self._program.gone()
             if gone is None or (isinstance(exc, TargetError) and str(exc) == str(gone)):
                 raise
             raise gone from exc
@@ -77,9 +77,7 @@ def _says_when_gone(
     return registering
 
 
-class Process(
-    Placing, ProgramCalls, Following, Family, Optimizing, Recording, ProgramMemory, Backtraces
-):
+class Process:
     """A traced program. Use ``spawn()`` or ``attach()`` to get one."""
 
     def __init__(
@@ -89,31 +87,49 @@ class Process(
         follow_forks: bool = False,
         pending: bool = False,
         pin_hot_threads: bool = True,
+        family: Family | None = None,
     ) -> None:
         self.pid = pid
         self.follow_forks = follow_forks
-        self._manager = ProbeManager(self)
-        self._tracer = Tracer(self._manager, follow_forks=follow_forks)
-        self._tracer.placement.is_on = pin_hot_threads
-        self._tracer.on_gone = self._publish
-        self._tracer.trap_guard = TrapGuard(
-            pid, lambda: self._find_syscall(read_maps(pid)), self._tracer.rescue
+        self._manager = manager = ProbeManager(self)
+        rescue = Rescue()
+        tracer = Tracer(
+            manager, follow_forks=follow_forks, rescue=rescue, fetch_faults=FetchFaults(rescue)
         )
-        self._resolver: SymbolResolver | None = None
-        self._user_blacklist: list[BlacklistEntry] = []
-        self._boundaries: dict[int, frozenset[int]] = {}
-        self._dead_int3s: dict[int, int] | None = None  # placing._left_int3s
-        self._ifuncs: dict[int, int] = {}
-        self._syscall_insn: int | None = None
-        self._unwind_guarded: set[int] = set()
-        # id(kretprobe) → where each block of its instances' rescue records starts
-        self._records: dict[int, list[int]] = {}
-        self._attached = True
+        self._tracer = tracer
+        tracer.placement.is_on = pin_hot_threads
+        # The parts, each given what it may use of the others (the module docstring).
+        self._program = program = Attachment(pid, tracer)
+        self._calls = calls = ProgramCalls(program)
+        tracer.trap_guard = TrapGuard(pid, lambda: calls.find_syscall(read_maps(pid)), rescue)
+        self._jumps = jumps = JumpState()
+        tracer.fast = jumps
+        self._recording = Recording(program, calls, jumps, manager.table)
+        memory = DetourMemory(program, calls, jumps)
+        self._optimizer = Optimizer(
+            program, calls, memory, self._recording, jumps, manager.table, self.batch
+        )
+        self._arming = Arming(
+            program, calls, manager.table, self._optimizer, lambda: self._following.is_starting
+        )
+        self._returns = ReturnProbes(program, calls, manager, self.batch)
+        self._following = Following(
+            program,
+            manager,
+            self._returns,
+            jumps,
+            batch=self.batch,
+            publish=self._publish,
+            forget_image=[program.forget_image, calls.forget_image, self._arming.forget_image],
+            pending=pending,
+        )
+        self._stacks = Backtraces(program)
+        self.family = Family(self) if family is None else family
+        tracer.on_gone = self._publish if family is None else self._member_gone
+        tracer.on_child_exec = self._adopt
         # After close(): what kept pages of ours in the program (a thread may still return
         # into them; the next clean end gives them back), one line each. Empty: none left.
         self.kept: list[str] = []
-        self._init_following(pending=pending)
-        self._init_family()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -124,7 +140,12 @@ class Process(
 
     @property
     def is_alive(self) -> bool:
-        return self._attached and self._tracer.is_alive
+        return self._program.is_attached and self._tracer.is_alive
+
+    @property
+    def is_attached(self) -> bool:
+        """Not closed yet (the program may have exited meanwhile: ``is_alive``)."""
+        return self._program.is_attached
 
     @property
     def threads(self) -> list[int]:
@@ -133,18 +154,18 @@ class Process(
 
     def run(self, timeout: float | None = None) -> bool:
         """Dispatch hits until the program exits (True) or ``timeout`` seconds pass (False)."""
-        if not self._attached:
+        if not self._program.is_attached:
             raise TargetError(f"process {self.pid} is detached")
         try:
             done = self._tracer.run(timeout)
-            self._drain_rings()  # the handlers have seen every hit before run() returns
+            self._recording.drain_rings()  # every hit handled before run() returns
             exc = self._manager.table.take_error()  # one an asynchronous handler raised
             if exc is not None:
                 raise exc
         finally:
-            self._collect_counts()
+            self._optimizer.collect_counts()
         if not done:
-            self._retry_optimizing()
+            self._optimizer.retry_optimizing()
         if done:
             self._finish()
         return done
@@ -167,18 +188,20 @@ class Process(
 
         The ending of every target (``Uprobes`` and ``Kernel`` close their sessions so);
         idempotent, and run by ``with`` on the way out. ``detach()`` is the same call."""
-        if not self._attached:
+        if not self._program.is_attached:
             return
         # Whole, whatever signal comes (lifetime.py): cut in two by the exception of one, it
         # left our bytes in the program with nobody to answer them.
         with uninterrupted():
             try:
-                self._detach_members()
-                self._drain_rings()
-                self._collect_counts()
+                if self.family.root is self:  # the members go first
+                    self.family.close_members()
+                    self._tracer.family.clear()
+                self._recording.drain_rings()
+                self._optimizer.collect_counts()
                 if self._tracer.is_alive:
                     self._tracer.placement.release(list(self._tracer.threads))
-                    self.kept = detach_all(self._tracer)
+                    self.kept = detach_all(self._tracer, self._jumps)
             finally:
                 self._finish()
 
@@ -213,14 +236,14 @@ class Process(
             placement.release(list(self._tracer.threads))
 
     def _finish(self) -> None:
-        if self._root is None:
+        if self.family.root is self:
             self._tracer.placement.close()
-        if self._attached:
+        if self._program.is_attached:
             # What the program counted and recorded by itself, to the probes first (a
             # member of a family ends here without a run() of its own).
-            self._drain_rings()
-            self._collect_counts()
-            self._attached = False
+            self._recording.drain_rings()
+            self._optimizer.collect_counts()
+            self._program.is_attached = False
             self._manager.mark_gone()
             cleanup.forget(self)
             self._publish()
@@ -237,41 +260,35 @@ class Process(
 
     # -- memory ----------------------------------------------------------------------------
 
-    def _memory(self) -> Tracee:
-        main = self._tracer.main
-        if main is None or not self._attached:
-            raise TargetError(f"process {self.pid} is not traced any more")
-        return main
-
     def read(self, addr: int, size: int) -> bytes:
-        return self._memory().read(addr, size)
+        return self._program.memory().read(addr, size)
 
     def write(self, addr: int, data: bytes) -> None:
-        self._memory().write(addr, bytes(data))
+        self._program.memory().write(addr, bytes(data))
 
     def read_string(self, addr: int, max_len: int = 4096) -> bytes:
-        return self._memory().read_string(addr, max_len)
+        return self._program.memory().read_string(addr, max_len)
 
     def fetch(self, addr: int, size: int) -> bytes:
         """``read`` as the program itself could read: a page it may not read (PROT_NONE)
         is a fault here, as in the kernel's fetch-args (``read`` sees through it)."""
-        return self._memory().read_as_program(addr, size)
+        return self._program.memory().read_as_program(addr, size)
 
     def fetch_string(self, addr: int, max_len: int = 4096) -> bytes:
-        return self._memory().read_string(addr, max_len, as_program=True)
+        return self._program.memory().read_string(addr, max_len, as_program=True)
 
     # -- the Kprobes API -------------------------------------------------------------------
 
     @_says_when_gone
     def register_kprobe(self, kp: Kprobe) -> None:
-        self._require_attached()
-        self._equip_async([kp])
+        self._program.require()
+        self._recording.equip_async([kp])
         self._manager.register(kp)
 
     @_says_when_gone
     def register_kprobes(self, kps: Sequence[Kprobe]) -> None:
-        self._require_attached()
-        self._equip_async(kps)
+        self._program.require()
+        self._recording.equip_async(kps)
         self._manager.register_many(kps)
 
     def unregister_kprobe(self, kp: Kprobe) -> None:
@@ -279,7 +296,7 @@ class Process(
 
     def unregister_kprobes(self, kps: Sequence[Kprobe]) -> None:
         self._manager.unregister_many(kps)
-        self._unregister_copies(list(kps))
+        self.family.unregister_copies(list(kps))
 
     def enable_kprobe(self, kp: Kprobe) -> None:
         self._manager.enable(kp)
@@ -295,35 +312,8 @@ class Process(
     @_says_when_gone
     def register_kretprobes(self, rps: Sequence[Kretprobe]) -> None:
         """Register return probes; a failure rolls back the ones already registered."""
-        self._require_attached()
-        for rp in rps:
-            if rp.data_size < 0:
-                raise ProbeRejected(f"data_size {rp.data_size} is negative", errno=errno.EINVAL)
-            if rp.is_registered:
-                raise ProbeRejected(f"{rp!r} is already registered", errno=errno.EINVAL)
-        with self.batch():
-            self._ensure_trampoline()
-            done: list[Kretprobe] = []
-            try:
-                for rp in rps:
-                    size = (
-                        rp.maxactive if rp.maxactive > 0 else default_maxactive(len(self.threads))
-                    )
-                    rp.pool = InstancePool(rp, size)
-                    self._give_records(rp, rp.pool.free)
-                    rp.kp.pre_handler = self._tracer.trampoline.entry_handler_for(rp)
-                    try:
-                        self._manager.register(rp.kp)
-                    except BaseException:
-                        rp.pool = None
-                        raise
-                    rp.nmissed = rp.nabandoned = rp.nhit = 0
-                    done.append(rp)
-                self._ensure_unwind_guard()
-            except BaseException:
-                for rp in reversed(done):
-                    self._unregister_kretprobe(rp)
-                raise
+        self._program.require()
+        self._returns.register(rps)
 
     def unregister_kretprobe(self, rp: Kretprobe) -> None:
         self.unregister_kretprobes([rp])
@@ -332,81 +322,23 @@ class Process(
         """Unregister; every frame still hooked for them gets its real return address back."""
         with self.batch():
             for rp in rps:
-                self._unregister_kretprobe(rp)
-        self._unregister_copies(list(rps))
-
-    def _unregister_kretprobe(self, rp: Kretprobe) -> None:
-        self._manager.unregister(rp.kp)
-        if self._attached and self._tracer.main is not None:
-            self._tracer.trampoline.unhook(list(self._tracer.threads.values()), rp)
-        for start in self._records.pop(id(rp), ()):
-            self._tracer.rescue.free_records(start)
-        rp.pool = None
+                self._returns.unregister(rp)
+        self.family.unregister_copies(list(rps))
 
     def equip_kretprobe_instances(
         self, rp: Kretprobe, instances: Sequence[KretprobeInstance]
     ) -> None:
-        """Instances that the pool of the registered ``rp`` made after its registration (the
-        command line's pools grow on demand) get what the target keeps for each: their
-        place in the rescue's return records, so that the frames they hook survive the
-        tool's death as the others do. Callable from a handler."""
+        """Instances the pool of the registered ``rp`` made since (pools that grow on demand)
+        get their place in the rescue's return records. Callable from a handler."""
         if rp.pool is None:
             raise ProbeRejected(f"{rp!r} is not registered", errno=errno.EINVAL)
-        self._give_records(rp, instances)
-
-    def _give_records(self, rp: Kretprobe, instances: Sequence[KretprobeInstance]) -> None:
-        """Each instance's place in the rescue's return records (``rescue.py``)."""
-        start = self._tracer.rescue.alloc_records(
-            self._tracer.own_memories(), len(instances), self._map_records
-        )
-        if not start:
-            return
-        self._records.setdefault(id(rp), []).append(start)
-        for i, ri in enumerate(instances):
-            ri.record = start + i * RECORD_SIZE
+        self._returns.give_records(rp, instances)
 
     def enable_kretprobe(self, rp: Kretprobe) -> None:
         self._manager.enable(rp.kp)
 
     def disable_kretprobe(self, rp: Kretprobe) -> None:
         self._manager.disable(rp.kp)
-
-    def _ensure_trampoline(self) -> None:
-        tramp = self._tracer.trampoline
-        if tramp.addr:
-            return
-        with self._world_held():  # the slot may need a new page, mapped by the program
-            self._ensure_rescue()
-            xol = self._xol()
-            near = xol.pages[0].start if xol.pages else self._symbols().main_module().start
-            slot = xol.alloc(near)
-            self._tracer.rescue.note_trampoline(self._tracer.own_memories(), slot)
-            for space in self._tracer.own_memories():
-                space.write(slot, b"\xcc")
-            tramp.addr = slot
-
-    def _ensure_unwind_guard(self) -> None:
-        """Probe the unwinder's entry points in every module that has them (see trampoline.py)."""
-        tramp = self._tracer.trampoline
-        resolver = self._symbols()
-        resolver.refresh()
-        for module in resolver.modules():
-            for name in UNWIND_ENTRIES + UNWIND_DONE:
-                sym = module.image.lookup(name)
-                if sym is None or not sym.kind.is_function:
-                    continue
-                addr = module.bias + sym.value
-                if addr in self._unwind_guarded:
-                    continue
-                on = tramp.on_unwound if name in UNWIND_DONE else tramp.on_unwind
-                kp = Kprobe(addr=addr, pre_handler=_guard_handler(on))
-                kp.owner = tramp.guard
-                try:
-                    self._manager.register(kp)
-                except ProbeRejected:
-                    continue  # an instruction we cannot run out of line: no guard there
-                self._unwind_guarded.add(addr)
-                tramp.guard_probes.append(kp)
 
     # -- jprobes ---------------------------------------------------------------------------
 
@@ -416,25 +348,15 @@ class Process(
     @_says_when_gone
     def register_jprobes(self, jps: Sequence[Jprobe]) -> None:
         """Register jprobes; a failure rolls back the ones already registered."""
-        self._require_attached()
-        with self.batch():
-            done: list[Jprobe] = []
-            try:
-                for jp in jps:
-                    if jp.is_registered:
-                        raise ProbeRejected(f"{jp!r} is already registered", errno=errno.EINVAL)
-                    loc = self.resolve(jp.kp)
-                    plan = jprobes.plan_jprobe(
-                        jp, loc.module_path, loc.addr - loc.bias, loc.display
-                    )
-                    jp.kp.pre_handler = jprobes.pre_handler_for(jp, plan, self._thread_memory)
-                    jp.plan = plan
-                    self._manager.register(jp.kp)
-                    done.append(jp)
-            except BaseException:
-                for jp in reversed(done):
-                    self._manager.unregister(jp.kp)
-                raise
+        self._program.require()
+        tracer = self._tracer
+        jprobes.register_jprobes(
+            jps,
+            self._manager,
+            self._arming.resolve,
+            lambda tid: tracer.threads[tid].tracee,
+            self.batch,
+        )
 
     def unregister_jprobe(self, jp: Jprobe) -> None:
         self._manager.unregister(jp.kp)
@@ -448,9 +370,6 @@ class Process(
     def disable_jprobe(self, jp: Jprobe) -> None:
         self._manager.disable(jp.kp)
 
-    def _thread_memory(self, tid: int) -> Tracee:
-        return self._tracer.threads[tid].tracee
-
     @property
     def enabled(self) -> bool:
         """Appendix A's ``enabled`` knob: False disarms every probe, keeping each one's state."""
@@ -461,118 +380,220 @@ class Process(
         self._manager.set_enabled(value)
 
     def list(self) -> builtins.list[ProbeListing]:
-        self._collect_counts()
-        out = []
-        for site in self._manager.table:
-            loc: ProbeLocation = site.location  # type: ignore[assignment]
-            plan, why = self._plan_of(site)
-            for probe in site.probes:
-                if isinstance(probe.owner, (UnwindGuard, LoaderWatch)):
-                    continue
-                out.append(
-                    ProbeListing(
-                        addr=site.addr,
-                        kind=probe.kind,
-                        where=loc.display,
-                        module=loc.module_name,
-                        is_gone=probe.is_gone,
-                        is_disabled=probe.is_disabled,
-                        plan=plan,
-                        why_not_optimized=why,
-                    )
-                )
-        for probe in self.iter_pending():
-            if isinstance(probe.owner, UnwindGuard):
-                continue
-            out.append(
-                ProbeListing(
-                    addr=0,
-                    kind=probe.kind,
-                    where=probe.symbol or f"{self._manager.requested_addr(probe) or 0:#x}",
-                    module="",
-                    is_gone=probe.is_gone,
-                    is_disabled=probe.is_disabled,
-                    plan="",
-                    is_pending=True,
-                )
-            )
-        return sorted(out, key=lambda e: e.addr)
+        """Appendix A's list: every probe placed here, then the pending ones (listing.py)."""
+        self._optimizer.collect_counts()
+        return listing.list_probes(
+            self._manager.table,
+            self.iter_pending(),
+            self._optimizer.plan_of,
+            self._manager.requested_addr,
+        )
 
     def blacklist(self) -> builtins.list[BlacklistEntry]:
-        out = list(self._user_blacklist)
-        xol = self._tracer.xol
-        if xol is not None:
-            for page in xol.pages:
-                out.append(BlacklistEntry(page.start, page.end, "kprobes out-of-line area"))
-        area = self._tracer.rescue.area
-        if area:
-            out.append(BlacklistEntry(area, area + RESCUE_SIZE, "kprobes rescue area"))
-        return out
+        """What may not be probed: our own pages, and what ``add_blacklist`` added."""
+        return self._arming.blacklist()
 
     def add_blacklist(self, start: int, end: int | None = None, reason: str = "user") -> None:
-        self._user_blacklist.append(BlacklistEntry(start, end or start + 1, reason))
+        self._arming.user_blacklist.append(BlacklistEntry(start, end or start + 1, reason))
 
-    def _require_attached(self) -> None:
-        if self._attached and self._tracer.main is not None:
-            return
-        if not self._attached and self._tracer.exit_code is None:
-            raise TargetError(f"process {self.pid} was detached", errno=errno.ESRCH)
-        raise self._exited()
+    def symbols(self) -> SymbolResolver:
+        """The program's symbols: its mapped ELF files, as this process sees them."""
+        return self._program.symbols()
 
-    def _gone(self) -> TargetError | None:
-        """The error for a registration the program did not wait for: it has exited
-        (None while it lives, or once it was detached: that error is said as it is)."""
-        if not self._attached:
-            return None
-        if (
-            self._tracer.main is not None
-            and self._tracer.exit_code is None
-            and procfs.task_state(self.pid, self.pid) not in ("", "Z", "X")
-        ):
-            return None
-        return self._exited()
+    def function_names(self, pattern: str) -> builtins.list[str]:
+        """Function names matching ``[MODULE:]GLOB`` in the mapped files, as on the tracefs
+        targets (``MODULE:`` kept in each name when it was given)."""
+        module, sep, glob = pattern.rpartition(":")
+        found = self._program.symbols().iter_functions(glob, module if sep else None)
+        names = dict.fromkeys(loc.symbol.name for loc in found if loc.symbol is not None)
+        return [f"{module}:{name}" if sep else name for name in names]
 
-    def _exited(self) -> TargetError:
-        code = self._tracer.exit_code
-        how = ""
-        if code is not None and code >= 0:
-            how = f" (exit status {code})"
-        elif code is not None:
-            try:
-                how = f" (killed by {signal.Signals(-code).name})"
-            except ValueError:
-                how = f" (killed by signal {-code})"
-        return TargetError(f"process {self.pid} has exited{how}", errno=errno.ESRCH)
+    def iter_probes(self) -> Iterator[Kprobe]:
+        """Every probe registered here, placed or pending (a kretprobe's or jprobe's entry
+        probe stands for it: its ``owner``)."""
+        return self._manager.iter_probes()
 
-    # -- ArchHooks (the others in arming.py) ---------------------------------------------
+    # -- the parts' own knobs, handed on ---------------------------------------------------
+
+    @property
+    def optimization(self) -> bool:
+        """The document's ``debug.kprobes-optimization`` sysctl: False puts every optimized
+        probe back on its int3, True optimizes them again."""
+        return self._optimizer.optimization
+
+    @optimization.setter
+    def optimization(self, value: bool) -> None:
+        self._optimizer.optimization = value
+
+    @property
+    def pending(self) -> bool:
+        """A probe on a library the program has not mapped yet waits for it (pending)
+        instead of failing with ENOENT. A name that can never match (no such file, no such
+        symbol in a named file) fails at once either way."""
+        return self._manager.allow_pending
+
+    @pending.setter
+    def pending(self, value: bool) -> None:
+        self._manager.allow_pending = bool(value)
+
+    def iter_pending(self) -> Iterator[Kprobe]:
+        """The registered probes that wait for their library (never mapped, or unmapped)."""
+        return self._following.iter_pending()
+
+    @property
+    def on_notice(self) -> Callable[[str], None]:
+        """Called with a line to say (a pending probe that stays pending...): warns by default."""
+        return self._following.on_notice
+
+    @on_notice.setter
+    def on_notice(self, value: Callable[[str], None]) -> None:
+        self._following.on_notice = value
+
+    def backtrace(self, regs: Any, max_frames: int = 64) -> builtins.list[tuple[int, str]]:
+        """The call stack of the thread whose registers are ``regs`` (stacks.py)."""
+        return self._stacks.backtrace(regs, max_frames)
+
+    # Record probes' rings and their reader (fast/recording.py says what each one means).
+
+    @property
+    def dropped(self) -> int:
+        """Records lost to a full ring (perf's lost events): in ``nhit``, not handled."""
+        return self._recording.dropped
+
+    @property
+    def unread(self) -> int:
+        """Records released unread (``discard_records``): in ``nhit``, not handled."""
+        return self._recording.unread
+
+    @property
+    def reading_deadline(self) -> float | None:
+        """A ``time.monotonic()`` at which reads of the rings stop (None: never)."""
+        return self._recording.reading_deadline
+
+    @reading_deadline.setter
+    def reading_deadline(self, value: float | None) -> None:
+        self._recording.reading_deadline = value
+
+    @property
+    def is_recording(self) -> bool:
+        return self._recording.is_recording
+
+    @property
+    def is_reading_records(self) -> bool:
+        return self._recording.is_reading_records
+
+    @property
+    def ring_size(self) -> int:
+        """Bytes of each shared ring of records (set before the first record probe)."""
+        return self._recording.ring_size
+
+    @ring_size.setter
+    def ring_size(self, value: int) -> None:
+        self._recording.ring_size = value
+
+    def read_records(self) -> None:
+        """Hand the records written so far to their handlers, outside ``run()``."""
+        self._recording.read_records()
+
+    def discard_records(self) -> None:
+        """Drop the records not read yet: their handlers will not see them."""
+        self._recording.discard_records()
+
+    def drain_records(self) -> None:
+        """Every record written so far to its handler, now (a handler's error waits)."""
+        self._recording.drain_rings()
+
+    # -- the family: followed children that exec (following/family.py) ---------------------
+
+    @property
+    def root(self) -> Process:
+        """The process the user holds, at the top of the family."""
+        root = self.family.root
+        assert isinstance(root, Process)
+        return root
+
+    @property
+    def members(self) -> builtins.list[Process]:
+        """(on the root) the members of the family still traced."""
+        return [m for m in self.family.members if isinstance(m, Process)]
+
+    def _land_at_exec(self, tid: int, *, hold: bool) -> Thread:
+        """The main thread ``tid`` stands held at the exit of ``execve``. Spawned (``hold``),
+        the image gets its probes now; adopted (family), once it is resumed (pending.py)."""
+        tracer = self._tracer
+        main = tracer.add_tracee(self.pid, TraceeKind.MAIN)
+        thread = tracer.add_thread(main, tid, ThreadState.STOPPED)
+        thread.event_stopped = True
+        thread.exec_landing = True
+        if hold:
+            tracer.hold_all = True
+            self._following.on_syscall_stop(thread)
+        else:
+            thread.trace_syscalls(True)
+        return thread
+
+    def _adopt(self, tracee: Tracee, t: Thread) -> bool:
+        """A followed child of ours has exec'd (``t`` is at its exec event): it becomes a
+        member of the family, with a tracer and an image of its own."""
+        root = self.root
+        self._tracer.drop_tracee(tracee)  # still traced by us; the member takes it over
+        member = Process(tracee.pid, follow_forks=True, pending=True, family=self.family)
+        member.on_notice = root.on_notice
+        member._tracer.placement = root._tracer.placement  # one tool, one CPU for the family
+        thread = member._land_at_exec(t.tid, hold=False)
+        member._following.first_image_hook = self.family.welcome(member, root.on_notice)
+        root._tracer.family.append(member._tracer)
+        cleanup.remember(member)
+        thread.resume()
+        return True
+
+    def _member_gone(self) -> None:
+        """A member's probes are gone: it exec'd again (published anew), or it exited
+        (finished: nothing of it is traced any more)."""
+        if self._tracer.main is None:
+            self._finish()
+            self.family.leave(self)
+        else:
+            self._publish()
+
+    # -- ArchHooks: the core's calls, handed on to arming ---------------------------------
+
+    def resolve(self, probe: Kprobe) -> ProbeLocation:
+        return self._arming.resolve(probe)
+
+    def check(self, probe: Kprobe, location: Any) -> None:
+        self._arming.check(probe, location)
+
+    def prepare(self, site: ProbeSite) -> None:
+        self._arming.prepare(site)
+
+    def remove(self, site: ProbeSite) -> None:
+        self._arming.remove(site)
+
+    def arm(self, site: ProbeSite) -> None:
+        self._arming.arm(site)
+
+    def disarm(self, site: ProbeSite) -> None:
+        self._arming.disarm(site)
+
+    def drop(self, site: ProbeSite) -> None:
+        self._arming.drop(site)
 
     @contextmanager
     def batch(self) -> Iterator[None]:
         tracer = self._tracer
-        if self._attached and tracer.main is not None:
+        if self._program.is_attached and tracer.main is not None:
             tracer.stop_world()
             try:
-                self._collect_counts()
-                self._watch_loader()
+                self._optimizer.collect_counts()
+                self._following.watch_loader()
                 yield
-                self._optimize_sites()
+                self._optimizer.optimize_sites()
             finally:
                 tracer.resume_world()
                 self._publish()
         else:
             yield
 
-    def _symbols(self) -> SymbolResolver:
-        if self._resolver is None:
-            self._resolver = SymbolResolver(self.pid)
-        return self._resolver
-
     def _publish(self) -> None:
         cleanup.publish(self, self.list() if self._tracer.main is not None else [])
-
-
-def _guard_handler(on: Callable[[Any], None]) -> Callable[[Kprobe, Any], None]:
-    def pre_handler(_kp: Kprobe, regs: Any) -> None:
-        on(regs)
-
-    return pre_handler

@@ -3,8 +3,8 @@
     fetch_until_killed.py PID START END [--no-activate]
 
 Attaches to PID (tests/programs/fetchfault.c), declares [START, END) as code of ours (as
-``_map_xol_page`` does for each detour page), makes the rescue the program's SIGSEGV and
-SIGBUS handler (``_activate_fetch_faults``, as the optimizer does before the first detour that
+``map_xol_page`` does for each detour page), makes the rescue the program's SIGSEGV and
+SIGBUS handler (``activate_fetch_faults``, as the optimizer does before the first detour that
 fetches through a pointer; not with ``--no-activate``), prints ``ready`` and dispatches stops
 until it is killed. Nothing here restores anything: SIGKILL gives it no chance.
 """
@@ -25,8 +25,8 @@ def main() -> int:
     parser.add_argument("--no-activate", action="store_true")
     opts = parser.parse_args()
     with kprobes.attach(opts.pid) as proc:
-        proc._note_own_code(opts.start, opts.end)
-        if not opts.no_activate and not proc._activate_fetch_faults():
+        proc._calls.note_own_code(opts.start, opts.end)
+        if not opts.no_activate and not proc._calls.activate_fetch_faults():
             print(f"no rescue: {proc._tracer.rescue.unavailable}", flush=True)
             return 1
         print("ready", flush=True)

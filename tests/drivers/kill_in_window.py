@@ -131,7 +131,7 @@ def install_hooks(where: str) -> None:
 
 def hold_rescue_until_libc() -> None:
     """No rescue before libc is mapped, and no rendezvous probe (see above)."""
-    ensure = program.ProgramCalls._ensure_rescue
+    ensure = program.ProgramCalls.ensure_rescue
 
     def ensure_with_libc(self: Any) -> None:
         with open(f"/proc/{self.pid}/maps") as f:
@@ -142,8 +142,8 @@ def hold_rescue_until_libc() -> None:
         if self._watch is pending._Watch.NONE:
             self._watch = pending._Watch.PLACED  # follow the startup's syscalls
 
-    program.ProgramCalls._ensure_rescue = ensure_with_libc  # type: ignore[method-assign]
-    pending.Following._watch_loader = watch_nothing  # type: ignore[method-assign]
+    program.ProgramCalls.ensure_rescue = ensure_with_libc  # type: ignore[method-assign]
+    pending.Following.watch_loader = watch_nothing  # type: ignore[method-assign]
 
 
 def attach(where: str, pid: int, symbol: str) -> int:

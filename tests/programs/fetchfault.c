@@ -2,7 +2,7 @@
  * Loads that follow the fetch fault convention of detour code (kprobes/arch/x86_64/abi.py:
  * r11 = FETCH_FAULT_MAGIC, r10 = where to go on if the load faults), in the program's own
  * text, for tests/test_fetch_faults.py. The test declares fetch_start..fetch_end as code of
- * kprobes' own (Process._note_own_code, as _map_xol_page does for a detour page).
+ * kprobes' own (ProgramCalls.note_own_code, as map_xol_page does for a detour page).
  *
  *   fetchfault OWN STEP...
  *

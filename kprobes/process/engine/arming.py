@@ -7,7 +7,9 @@ decoding from the function's start; not our own pages; not the blacklist), how t
 instruction runs out of line (its plan and slot, decided once), and the int3 itself, noted
 in the rescue first. Never from patched bytes: every decode reads through ``_original``.
 
-``Placing`` is a part of ``Process`` (target.py), kept apart as a mechanism of its own.
+``Arming`` is a part of ``Process`` (target.py), which hands the core's calls on to it. It
+knows the optimizer only as ``Jumps``, below: the fast tier depends on the engine, never the
+other way round.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import contextlib
 import errno
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kprobes.arch.x86_64.decode import check_boundary, iter_insns
 from kprobes.arch.x86_64.emulate import changes_rip_only, emulator_for
@@ -37,17 +39,17 @@ from kprobes.errors import (
     TargetError,
 )
 from kprobes.linux import ptrace
+from kprobes.model import BlacklistEntry
+from kprobes.process.engine.contracts import Injector
 from kprobes.process.engine.prepared import Prepared
-from kprobes.process.engine.xol import XolArea
 from kprobes.symbols.elf import SymbolKind
 from kprobes.symbols.maps import read_maps
 
 if TYPE_CHECKING:
-    from kprobes.core.manager import ProbeManager
-    from kprobes.model import BlacklistEntry
-    from kprobes.process.engine.tracee import Tracee
-    from kprobes.process.engine.tracer import Tracer
-    from kprobes.symbols.resolve import SymbolResolver
+    from collections.abc import Callable
+
+    from kprobes.core.table import ProbeTable
+    from kprobes.process.engine.attachment import Attachment
 
 _MAX_FUNC_DECODE = 1 << 20
 
@@ -64,33 +66,72 @@ class ProbeLocation:
     bias: int = 0  # runtime address = bias + the ELF file's virtual address
 
 
-class Placing:
-    """The arch hooks of ``Process``."""
+class Jumps(Protocol):
+    """What arming needs of the optimizer (fast/optimizer.py), which keeps the jumps."""
 
-    pid: int
-    _tracer: Tracer
-    _manager: ProbeManager
-    _boundaries: dict[int, frozenset[int]]
-    _dead_int3s: dict[int, int] | None
-    is_starting: bool
+    def unoptimize_around(self, addr: int) -> None:
+        """A probe goes to ``addr``: a jump whose region covers it goes back to its int3."""
+        ...
 
-    if TYPE_CHECKING:
+    def unoptimize(self, site: ProbeSite, *, rearm: bool) -> None:
+        """Put the site's original bytes back (then its int3 if ``rearm``); world held."""
+        ...
 
-        def _require_attached(self) -> None: ...
-        def _symbols(self) -> SymbolResolver: ...
-        def _memory(self) -> Tracee: ...
-        def _ifunc_target(self, resolver_addr: int) -> int: ...
-        def _ensure_rescue(self) -> None: ...
-        def _map_xol_page(self, near: int, size: int) -> int: ...
-        def blacklist(self) -> list[BlacklistEntry]: ...
-        def _unoptimize_around(self, addr: int) -> None: ...
-        def _cover(self, addr: int, length: int = ...) -> str | None: ...
-        def _collect_counts(self) -> None: ...
-        def _unoptimize(self, site: ProbeSite, *, rearm: bool) -> None: ...
+    def cover(self, addr: int, length: int) -> str | None:
+        """Keep the page(s) of [addr, addr+length) from other tools' uprobes; why not."""
+        ...
+
+    def collect_counts(self) -> None:
+        """Add what the program counted by itself to the probes' ``nhit``."""
+        ...
+
+    def forget_site(self, addr: int) -> None:
+        """The site left the probe table: its jump state goes with it."""
+        ...
+
+
+class Arming:
+    """The arch hooks of ``Process``: resolve, check, prepare, remove, arm, disarm, drop."""
+
+    def __init__(
+        self,
+        program: Attachment,
+        injector: Injector,
+        table: ProbeTable,
+        jumps: Jumps,
+        is_starting: Callable[[], bool],
+    ) -> None:
+        self._program = program
+        self.pid = program.pid
+        self._tracer = program.tracer
+        self._injector = injector
+        self._table = table
+        self._jumps = jumps
+        self._is_starting = is_starting  # the loader has not relocated the libraries yet
+        self.user_blacklist: list[BlacklistEntry] = []  # Process.add_blacklist's
+        self._boundaries: dict[int, frozenset[int]] = {}  # function → its instructions
+        self._dead_int3s: dict[int, int] | None = None  # _left_int3s
+
+    def forget_image(self) -> None:
+        """exec replaced the program's image: what was known of its code goes with it."""
+        self._boundaries.clear()
+        self._dead_int3s = None
+
+    def blacklist(self) -> list[BlacklistEntry]:
+        """Our own pages (the out-of-line area, the rescue), then the user's entries."""
+        out = list(self.user_blacklist)
+        xol = self._tracer.xol
+        if xol is not None:
+            for page in xol.pages:
+                out.append(BlacklistEntry(page.start, page.end, "kprobes out-of-line area"))
+        area = self._tracer.rescue.area
+        if area:
+            out.append(BlacklistEntry(area, area + RESCUE_SIZE, "kprobes rescue area"))
+        return out
 
     def resolve(self, probe: Kprobe) -> ProbeLocation:
-        self._require_attached()
-        resolver = self._symbols()
+        self._program.require()
+        resolver = self._program.symbols()
         if probe.addr is not None:
             addr = probe.addr + probe.offset
             if self._tracer.xol is not None and self._tracer.xol.contains(addr):
@@ -112,12 +153,12 @@ class Placing:
                 loc = resolver.resolve(probe.symbol, probe.offset)
         if loc.symbol is not None and loc.symbol.kind is SymbolKind.IFUNC:
             name = loc.symbol.name
-            if self.is_starting:  # its resolver cannot run in a library not relocated yet
+            if self._is_starting():  # its resolver cannot run in a library not relocated yet
                 raise NotMapped(
                     f"{name} is a GNU ifunc: it is placed once the loader has "
                     f"relocated {loc.module.name}"
                 )
-            impl = self._ifunc_target(loc.addr - loc.offset)
+            impl = self._injector.ifunc_target(loc.addr - loc.offset)
             try:
                 loc = resolver.locate_address(impl + loc.offset)
             except SymbolNotFound as exc:
@@ -158,7 +199,7 @@ class Placing:
                 errno=errno.EINVAL,
             )
         if isinstance(probe.owner, Jprobe):
-            site = self._manager.table.get(loc.addr)
+            site = self._table.get(loc.addr)
             if site is not None and any(isinstance(p.owner, Jprobe) for p in site.probes):
                 raise ProbeRejected(
                     f"{loc.display} already has a jprobe (one per function)", errno=errno.EEXIST
@@ -169,12 +210,12 @@ class Placing:
         if bounds is None:
             size = loc.func_size or (loc.addr - loc.func_start + 16)
             self._take_back_leftover_jumps(loc.func_start, min(size, _MAX_FUNC_DECODE))
-            code = self._original(loc.func_start, min(size, _MAX_FUNC_DECODE))
+            code = self._program.original(loc.func_start, min(size, _MAX_FUNC_DECODE))
             bounds = frozenset(i.addr for i in iter_insns(code, loc.func_start))
             if loc.func_size:
                 self._boundaries[loc.func_start] = bounds
         if loc.addr not in bounds:
-            code = self._original(loc.func_start, loc.addr - loc.func_start + 16)
+            code = self._program.original(loc.func_start, loc.addr - loc.func_start + 16)
             check_boundary(code, loc.func_start, loc.addr)
             raise NotABoundary(f"{loc.addr:#x} ({loc.display}) is not an instruction boundary")
 
@@ -186,7 +227,7 @@ class Placing:
         breakpoints = self._tracer.breakpoints
         if addr in breakpoints.ever_jumped or addr in breakpoints.ever_patched:
             return  # ours
-        memory = self._memory()
+        memory = self._program.memory()
         head = memory.read(addr, 5) if head is None else head
         is_int3 = head[0] == 0xCC
         if is_int3:
@@ -203,7 +244,7 @@ class Placing:
         """The int3s a dead kprobes left, by its rescue's table (rescue.left_breakpoints):
         read once a session (no other tool can place one while we trace the program)."""
         if self._dead_int3s is None:
-            memory, own = self._memory(), self._tracer.rescue.area
+            memory, own = self._program.memory(), self._tracer.rescue.area
             self._dead_int3s = {}
             for m in read_maps(self.pid):
                 if not m.path and m.end - m.start >= RESCUE_SIZE and m.start != own:
@@ -213,7 +254,7 @@ class Placing:
     def _take_back_leftover_jumps(self, start: int, size: int) -> None:
         """Every jump a dead kprobes left in the function at ``start`` is taken back before
         its code is decoded: one at another site would make the decode go astray."""
-        code = self._memory().read_some(start, size)
+        code = self._program.memory().read_some(start, size)
         for first in (b"\xe9", b"\xcc"):
             at = code.find(first)
             while 0 <= at <= len(code) - 5:
@@ -221,9 +262,9 @@ class Placing:
                 at = code.find(first, at + 1)
 
     def prepare(self, site: ProbeSite) -> None:
-        self._ensure_rescue()
+        self._injector.ensure_rescue()
         addr = site.addr
-        code = self._original(addr, 16)
+        code = self._program.original(addr, 16)
         plan = plan_instruction(code, addr, has_post_handler=site.has_post_handler)
         old: Prepared | None = site.ainsn
         if plan.kind is PlanKind.EMULATE:
@@ -238,7 +279,7 @@ class Placing:
                 addr_word=ptrace.Word(addr),
             )
         else:
-            xol = self._xol()
+            xol = self._injector.xol()
             slot = xol.alloc(addr)
             try:
                 body = build_slot(plan, code, slot)
@@ -270,7 +311,7 @@ class Placing:
             self._release_slot(old)
 
     def remove(self, site: ProbeSite) -> None:
-        self._tracer.optimizer.sites.pop(site.addr, None)
+        self._jumps.forget_site(site.addr)
         old: Prepared | None = site.ainsn
         if old is not None and old.slot:
             self._release_slot(old)
@@ -281,32 +322,24 @@ class Placing:
             self._tracer.xol.release(prepared.slot)
 
     def arm(self, site: ProbeSite) -> None:
-        self._ensure_rescue()
+        self._injector.ensure_rescue()
         # Its page kept out of other tools' kernel uprobes first (shield.py): one that came
         # and went over our int3 would take it with it. A program that refuses keeps the
         # int3 all the same: nothing worse than before.
         with contextlib.suppress(TargetError, InternalError):
-            self._cover(site.addr, 1)
-        self._unoptimize_around(site.addr)
-        original = self._original(site.addr, 1)[0]
+            self._jumps.cover(site.addr, 1)
+        self._jumps.unoptimize_around(site.addr)
+        original = self._program.original(site.addr, 1)[0]
         self._tracer.rescue.note_breakpoint(self._tracer.own_memories(), site.addr, original)
         self._tracer.breakpoints.arm(self._tracer.own_memories(), site.addr, original)
 
     def disarm(self, site: ProbeSite) -> None:
         if site.addr in self._tracer.breakpoints.jumps:
-            self._unoptimize(site, rearm=False)
+            self._jumps.unoptimize(site, rearm=False)
         elif site.addr in self._tracer.breakpoints.armed:
             self._tracer.breakpoints.disarm(self._tracer.own_memories(), site.addr)
 
     def drop(self, site: ProbeSite) -> None:
-        self._collect_counts()  # the counter goes with the code (exec, dlclose)
+        self._jumps.collect_counts()  # the counter goes with the code (exec, dlclose)
         self._tracer.breakpoints.drop(site.addr)
-        self._tracer.optimizer.sites.pop(site.addr, None)
-
-    def _original(self, addr: int, size: int) -> bytes:
-        return self._tracer.breakpoints.original(self._memory(), addr, size)
-
-    def _xol(self) -> XolArea:
-        if self._tracer.xol is None:
-            self._tracer.xol = XolArea(self._map_xol_page)
-        return self._tracer.xol
+        self._jumps.forget_site(site.addr)

@@ -44,6 +44,10 @@ from kprobes.linux import ptrace
 from kprobes.symbols.dwarf import Param, ParamKind, get_signature
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from kprobes.core.manager import ProbeManager
+    from kprobes.process.engine.arming import ProbeLocation
     from kprobes.process.engine.tracee import Tracee
 
 MAX_STACK_SIZE = 64  # bytes of stack mirrored, as the kernel's MAX_STACK_SIZE
@@ -409,3 +413,30 @@ def pre_handler_for(
 def describe(plan: JprobePlan) -> Sequence[str]:
     """``name@location`` per argument, for error messages and debugging."""
     return [f"{a.name}@{'+'.join(map(str, a.location.parts))}" for a in plan.args]
+
+
+def register_jprobes(
+    jps: Sequence[Jprobe],
+    manager: ProbeManager,
+    resolve: Callable[[Kprobe], ProbeLocation],
+    memory_of: Callable[[int], Tracee],
+    batch: Callable[[], AbstractContextManager[None]],
+) -> None:
+    """Register jprobes, each with its plan and entry handler; a failure rolls back the
+    ones already registered. ``memory_of(tid)``: the address space of a thread."""
+    with batch():
+        done: list[Jprobe] = []
+        try:
+            for jp in jps:
+                if jp.is_registered:
+                    raise ProbeRejected(f"{jp!r} is already registered", errno=errno.EINVAL)
+                loc = resolve(jp.kp)
+                plan = plan_jprobe(jp, loc.module_path, loc.addr - loc.bias, loc.display)
+                jp.kp.pre_handler = pre_handler_for(jp, plan, memory_of)
+                jp.plan = plan
+                manager.register(jp.kp)
+                done.append(jp)
+        except BaseException:
+            for jp in reversed(done):
+                manager.unregister(jp.kp)
+            raise

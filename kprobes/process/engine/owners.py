@@ -62,7 +62,7 @@ def is_members_running(tracer: Tracer, tid: int) -> bool:
 def set_aside(tracer: Tracer, tid: int, status: int) -> None:
     """A stop of a thread ``tracer`` does not own, reaped and passed on. A running thread of
     another tracer that trapped on an int3 of that tracer's is first put back on it
-    (``_rewind_own_trap``) and let go: it traps again, and is seen then."""
+    (``rewind_own_trap``) and let go: it traps again, and is seen then."""
     if status == ev.SIGTRAP_STOP:
         owner = _OWNERS.get(tid)
         t = None if owner is None or owner is tracer else owner.threads.get(tid)
@@ -70,10 +70,10 @@ def set_aside(tracer: Tracer, tid: int, status: int) -> None:
             owner is not None
             and t is not None
             and t.state in RUNNING_STATES
-            and owner._rewind_own_trap(t)
+            and owner.rewind_own_trap(t)
         ):
-            tracer._reap(tid)
-            owner._resume_if_free(t)
+            tracer.reap(tid)
+            owner.resume_if_free(t)
             return
-        tracer._reap(tid)
+        tracer.reap(tid)
     pass_on(tracer, tid, status)

@@ -29,11 +29,10 @@ from kprobes.process.engine.tracee import TraceeKind
 if TYPE_CHECKING:
     from kprobes.core.table import ProbeSite
     from kprobes.process.engine.breakpoints import Breakpoints
+    from kprobes.process.engine.contracts import FaultFixer, Guardian
+    from kprobes.process.engine.rescue import Rescue
     from kprobes.process.engine.trampoline import Trampoline
     from kprobes.process.engine.xol import XolArea
-    from kprobes.process.fetch.faults import FetchFaults
-    from kprobes.process.survival.rescue import Rescue
-    from kprobes.process.survival.trapguard import TrapGuard
 
 S = ThreadState
 _SYNC_FAULTS: dict[int, int] = {
@@ -49,14 +48,14 @@ class SignalDelivery:
 
     xol: XolArea | None
     slot_owner: dict[int, ProbeSite]
-    fetch_faults: FetchFaults
+    fetch_faults: FaultFixer
     rescue: Rescue
     hold_all: bool
     _stop_depth: int
     sites: dict[int, ProbeSite]
     breakpoints: Breakpoints
     trampoline: Trampoline
-    trap_guard: TrapGuard | None
+    trap_guard: Guardian | None
     guarding: bool
 
     if TYPE_CHECKING:
@@ -75,7 +74,7 @@ class SignalDelivery:
         regs = t.load_regs()
         if was is S.STEPPING:
             self._signal_while_stepping(t, sig)
-        elif self.fetch_faults.fix(t, sig, self.rescue):
+        elif self.fetch_faults.fix(t, sig):
             t.resume()  # without the signal: the fetch gives (fault)
         elif self.xol is not None and self.xol.contains(regs.rip):
             self._signal_in_slot(t, sig)

@@ -20,13 +20,11 @@ so that a blocking one is still interrupted (signals.py).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator
 
 from kprobes.arch.x86_64.plan import PlanKind, step_fixup
 from kprobes.arch.x86_64.regs import REG_INDEX
-from kprobes.arch.x86_64.rescue import put_back_mark
 from kprobes.core.manager import ProbeManager
 from kprobes.core.table import ProbeSite
 from kprobes.errors import InternalError
@@ -34,19 +32,17 @@ from kprobes.linux import ptrace
 from kprobes.process.engine import events as ev
 from kprobes.process.engine import owners
 from kprobes.process.engine.breakpoints import Breakpoints
+from kprobes.process.engine.contracts import FastTier, FaultFixer, Guardian
 from kprobes.process.engine.cpus import Placement
 from kprobes.process.engine.lifecycle import Lifecycle
 from kprobes.process.engine.prepared import Prepared
+from kprobes.process.engine.rescue import Rescue
 from kprobes.process.engine.signals import SignalDelivery
 from kprobes.process.engine.threads import Thread, ThreadState
 from kprobes.process.engine.tracee import Tracee, TraceeKind
 from kprobes.process.engine.trampoline import Trampoline
 from kprobes.process.engine.world import WorldStop
 from kprobes.process.engine.xol import XolArea
-from kprobes.process.fast.optimizer import JumpState
-from kprobes.process.fetch.faults import FetchFaults
-from kprobes.process.survival.rescue import Rescue
-from kprobes.process.survival.trapguard import TrapGuard
 
 S = ThreadState
 # Members looked up once: in CPython 3.11 reading an attribute of an Enum class goes through
@@ -60,8 +56,15 @@ _STEP = PlanKind.STEP
 _RIP = REG_INDEX["rip"]
 
 
-class Tracer(WorldStop, SignalDelivery, Lifecycle):
-    def __init__(self, manager: ProbeManager, *, follow_forks: bool) -> None:
+class Tracer(WorldStop, SignalDelivery):
+    def __init__(
+        self,
+        manager: ProbeManager,
+        *,
+        follow_forks: bool,
+        rescue: Rescue,
+        fetch_faults: FaultFixer,
+    ) -> None:
         self.manager = manager
         self.sites = manager.table.sites
         self.follow_forks = follow_forks
@@ -84,17 +87,18 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
         # A syscall stop (PTRACE_SYSCALL: the exit of execve, the loader's startup), for
         # the target to look at before the thread goes on.
         self.on_syscall: Callable[[Thread], None] = lambda t: None
-        self.trap_guard: TrapGuard | None = None
+        self.trap_guard: Guardian | None = None
         self.guarding = False  # the trap guard is armed: hits take the full path
         self.trampoline = Trampoline(self)
-        self.rescue = Rescue()  # what the program needs to carry on if the tool dies
-        self.fetch_faults = FetchFaults()  # our code's pages, where a fault may be a fetch's
-        self.optimizer = JumpState()  # optimized probes (optimizer.py)
+        self.rescue = rescue  # what the program needs to carry on if the tool dies
+        self.fetch_faults = fetch_faults  # our code's pages, where a fault may be a fetch's
+        self.fast: FastTier | None = None  # the optimized tier, once there is one (fast/)
         # Record probes (reader.py): their rings are read every POLL seconds while run()
         # waits, and a new thread's first stop tells which thread pointer it has.
         self.ring_poll: Callable[[], None] | None = None
         self.on_thread_start: Callable[[Thread], None] | None = None
         self.placement = Placement()  # hot threads on the tool's CPU (cpus.py)
+        self.lifecycle = Lifecycle(self)  # exit, exec, children, the family (lifecycle.py)
         self._stop_depth = 0
 
     # -- bookkeeping -----------------------------------------------------------------------
@@ -150,11 +154,11 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
     def run(self, timeout: float | None) -> bool:
         """Dispatch stops until the program is gone (True) or ``timeout`` passes (False).
 
-        The common stop, a hit of a probe with a one-stop plan and no post handler, is
-        finished here inline, and so is a return into the trampoline: three ptrace requests
-        (GETREGS; POKEUSER of rip, or SETREGS when a handler or the emulation changed another
-        register; CONT) made through the thread's bound requests, and nothing else that can
-        be left out. Every other stop is decoded and dispatched.
+        The common stop, a trap of a running thread, goes straight to ``_trap`` from the wait
+        status: a hit of a probe with a one-stop plan and no post handler is three ptrace
+        requests (GETREGS; POKEUSER of rip, or SETREGS when a handler or the emulation
+        changed another register; CONT) made through the thread's bound requests, and
+        nothing else that can be left out. Every other stop is decoded and dispatched.
         """
         if self.hold_all:
             self.hold_all = False
@@ -163,14 +167,8 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
                     thread.resume()
         deadline = None if timeout is None else time.monotonic() + timeout
         threads = self.threads
-        sites = self.sites
         table = self.manager.table
         wait = ptrace.wait
-        waitpid = os.waitpid
-        reap_options = ptrace.WNOHANG | ptrace.WALL
-        raise_error = ptrace.raise_error
-        trampoline = self.trampoline
-        rescue = self.rescue
         TRAP = ev.SIGTRAP_STOP
         RUNNING = _RUNNING
         STOPPED = _STOPPED
@@ -182,11 +180,11 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
         # to LOAD_METHOD, which 3.11 cannot specialise for a callable held in a slot.
         while True:
             if self.family and any(m.inbox or m.has_pending for m in self.family):
-                self._pump_family()
+                self.lifecycle.pump_family()
             if not self.live and not self.family:
                 break
             if self.has_pending:
-                self._drain_pending()
+                self.drain_pending()
             if deadline is not None and time.monotonic() >= deadline:
                 return False  # between stops, also while they never cease
             poll = self.ring_poll
@@ -202,17 +200,17 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
             if tid == 0:
                 if deadline is not None and time.monotonic() >= deadline:
                     return False
-                self._all_gone()
+                self.lifecycle.all_gone()
                 break
             try:
                 t = threads[tid]
             except KeyError:
                 if status == TRAP and owners.is_members_running(self, tid):
-                    self._unowned(tid, status)  # not reaped: the member's dispatch holds it
+                    self.take_unowned(tid, status)  # not reaped: the member's dispatch holds it
                 else:
                     self._set_aside(tid, status)
                 if self.family:
-                    self._pump_family()
+                    self.lifecycle.pump_family()
                     if table.pending_error is not None:  # a member's handler, or end_run()
                         exc = table.take_error()
                         assert exc is not None
@@ -220,123 +218,7 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
                 continue
             if status == TRAP and t.state is RUNNING:
                 t.state = STOPPED
-                t.stops_to_check -= 1
-                if not t.stops_to_check:
-                    self.placement.check(t)
-                req = t.req
-                request = req.getregs
-                if request() == -1:
-                    raise_error()
-                regs = t.regs
-                regs.dirty = False
-                w = t.words
-                addr = w[_RIP] - 1
-                site = sites.get(addr)
-                # The stop is not reaped yet (ptrace.wait): the kernel still holds the trap,
-                # which it delivers if the tool dies now. Reaped, it is gone, and the
-                # thread must by then be in a state it can go on from without it (see
-                # _hold_trap, which the other paths call).
-                if site is None or not site.is_armed:
-                    info = self._hold_trap(t, None, addr)
-                    if addr == trampoline.addr and addr and not self.guarding:
-                        # Step 1: pair the return (rip in the view: the real address); it
-                        # goes to the kernel before any handler runs, so that the thread
-                        # goes home by itself should the tool die in a handler.
-                        chain = trampoline.take_return(t)
-                        word = t.rip_word
-                        word.value = w[_RIP]
-                        poke_user = req.poke_user
-                        if poke_user(word) == -1:
-                            raise_error()
-                        # Step 2: the handlers.
-                        if chain:
-                            trampoline.report_return(t, chain)
-                            if regs.dirty:
-                                request = req.setregs
-                                if request() == -1:
-                                    raise_error()
-                        self._after_handler(t)
-                    else:
-                        self._foreign_trap(t, info)
-                elif t.skip_hit is not None or self.guarding:
-                    self._hold_trap(t, site.ainsn, addr)
-                    self._hit(t, site)
-                else:
-                    x: Prepared = site.ainsn
-                    emulator = x.emulator
-                    poke_user = req.poke_user
-                    # Step 0: a state right with the trap delivered or without it (see
-                    # _hold_trap), then the reap. A slot is one (the rescue lets a trap in
-                    # our pages go on); an emulated instruction goes back on its int3.
-                    if emulator is None:
-                        if poke_user(x.slot_word) == -1:
-                            raise_error()
-                    else:
-                        if addr - 1 in rescue.noted:  # the rescue would take it for that one's
-                            ptrace.setsiginfo(t.tid, put_back_mark(addr))
-                        if poke_user(x.addr_word) == -1:
-                            raise_error()
-                    got, late = waitpid(tid, reap_options)
-                    if got and late != TRAP:
-                        self.inbox.append((tid, late))
-                    # Step 1: before any handler runs, the kernel's registers become a state
-                    # the program can go on from by itself, should the tool die now (see
-                    # _make_safe and rescue.py): the slot, or the emulated instruction's
-                    # effect. Unless a handler writes a register or redirects, this is the
-                    # only write the hit needs (a slot's was step 0).
-                    if emulator is not None:
-                        if x.is_rip_only:
-                            emulator(w, t.tracee)
-                            word = t.rip_word
-                            word.value = w[_RIP]
-                            result = poke_user(word)
-                        else:  # the whole emulation now; the view keeps the state before it
-                            before = bytes(regs.buffer)
-                            emulator(w, t.tracee)
-                            request = req.setregs
-                            result = request()
-                            regs.buffer[:] = before
-                        if result == -1:
-                            raise_error()
-                    w[_RIP] = addr  # handlers see ip at the probed instruction
-                    # Step 2: the handlers.
-                    redirected = False
-                    if site.active:
-                        t.busy = True
-                        redirected = site.run_pre(regs)
-                        t.busy = False
-                    # Step 3: on, past the probed instruction.
-                    if (
-                        redirected
-                        or not x.is_one_stop
-                        or site.posts
-                        or t.pending is not None
-                        or t.state is not STOPPED
-                    ):
-                        self._finish_hit(t, site, redirected)
-                    else:
-                        result = 0
-                        if emulator is None:  # BOOST: the slot is in place
-                            if regs.dirty:
-                                w[_RIP] = x.slot
-                                request = req.setregs
-                                result = request()
-                            # else the view keeps rip at the probed address: the thread
-                            # runs on now, and its next stop reloads the view.
-                        elif regs.dirty:  # again, from the registers the handler left
-                            emulator(w, t.tracee)
-                            request = req.setregs
-                            result = request()
-                        # else the emulated state is in place
-                        if result == -1:
-                            raise_error()
-                        if t.held_signals:
-                            t.resume()
-                        else:
-                            request = req.cont
-                            if request() == -1:
-                                raise_error()
-                            t.state = RUNNING
+                self._trap(t)
             else:
                 self.dispatch(t, status)
             if table.pending_error is not None:
@@ -348,7 +230,7 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
     def _set_aside(self, tid: int, status: int) -> None:
         owners.set_aside(self, tid, status)
 
-    def _unowned(self, tid: int, status: int) -> None:
+    def take_unowned(self, tid: int, status: int) -> None:
         owners.pass_on(self, tid, status)
 
     # -- dispatch --------------------------------------------------------------------------
@@ -357,21 +239,15 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
         event = ev.decode(t.tid, status)
         match event:
             case ev.Trap():  # not reaped yet, if it came from the wait (ptrace.wait)
-                stepping = t.state is _STEPPING
-                t.to(_STOPPED)
-                self.placement.count(t)
-                regs = t.load_regs()
-                if stepping:
-                    self._reap(t.tid)
+                if t.state is _STEPPING:
+                    t.to(_STOPPED)
+                    self.placement.count(t)
+                    t.load_regs()
+                    self.reap(t.tid)
                     self._finish_step(t)
                     return
-                addr = regs.rip - 1
-                site = self.sites.get(addr)
-                if site is not None and site.is_armed:
-                    self._hold_trap(t, site.ainsn, addr)
-                    self._hit(t, site)
-                else:
-                    self._foreign_trap(t, self._hold_trap(t, None, addr))
+                t.to(_STOPPED)
+                self._trap(t)
             case ev.Signal(signal=sig):
                 self._on_signal(t, sig)
             case ev.SyscallStop() if t.to_syscall_entry and t.state is _STEPPING:
@@ -385,18 +261,18 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
                     self.on_syscall(t)
                 finally:
                     t.busy = False
-                self._resume_if_free(t)
+                self.resume_if_free(t)
             case ev.Exited(code=code):
-                self._on_exit(t, code)
+                self.lifecycle.on_exit(t, code)
             case ev.Killed(signal=sig):
-                self._on_exit(t, -sig)
+                self.lifecycle.on_exit(t, -sig)
             case ev.NewThread():
                 t.to(S.STOPPED)
                 new_tid = ptrace.geteventmsg(t.tid)
                 self.placement.on_new_task(t.tid, new_tid, is_thread=True)
                 if new_tid not in self.threads:
                     self.add_thread(t.tracee, new_tid, S.NEW)
-                self._resume_if_free(t)
+                self.resume_if_free(t)
             case ev.Forked(is_vfork=is_vfork):
                 t.to(S.STOPPED)
                 child = ptrace.geteventmsg(t.tid)
@@ -410,9 +286,9 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
                     if t.rets and kind is not TraceeKind.VFORK:
                         tracee.inherited_returns = self.trampoline.snapshot(t)
                     self.add_thread(tracee, child, S.NEW)
-                self._resume_if_free(t)
+                self.resume_if_free(t)
             case ev.Exec():
-                self._on_exec(t)
+                self.lifecycle.on_exec(t)
             case ev.GroupStop():
                 t.to(S.GROUP_STOPPED)
                 t.interrupt_sent = False
@@ -430,69 +306,121 @@ class Tracer(WorldStop, SignalDelivery, Lifecycle):
                 if was_new and self.on_thread_start is not None:
                     self.on_thread_start(t)
                 if was_new and t.tracee.kind is not TraceeKind.MAIN:
-                    self._first_stop_of_child(t)
+                    self.lifecycle.first_stop_of_child(t)
                 else:
-                    self._resume_if_free(t)
+                    self.resume_if_free(t)
             case ev.OtherEvent():
                 t.to(S.STOPPED)
-                self._resume_if_free(t)
+                self.resume_if_free(t)
 
-    def _resume_if_free(self, t: Thread) -> None:
+    def resume_if_free(self, t: Thread) -> None:
         if not (self.hold_all or self._stop_depth or t.busy):
             t.resume()
 
     # -- hits ------------------------------------------------------------------------------
 
-    def _hit(self, t: Thread, site: ProbeSite) -> None:
-        """``t`` stopped on the int3 of ``site``; its registers are loaded."""
+    def _trap(self, t: Thread) -> None:
+        """``t`` (just marked stopped) trapped: on an int3 of a probe (a hit), into the
+        trampoline (a return), or on a trap that is not ours. Its stop is not reaped yet
+        (``ptrace.wait``): the kernel still holds the trap, which it delivers if the tool
+        dies now. Reaped, it is gone, and the thread must by then be in a state it can go on
+        from without it (``_hold_trap``, step 0 of each path)."""
+        t.stops_to_check -= 1
+        if not t.stops_to_check:
+            self.placement.check(t)
+        request = t.req.getregs
+        if request() == -1:
+            ptrace.raise_error()
+        t.regs.dirty = False
+        addr = t.words[_RIP] - 1
+        site = self.sites.get(addr)
+        if site is not None and site.is_armed:
+            self._hit(t, site, addr)
+        else:  # a return into the trampoline, or a trap that is not ours (signals.py)
+            self._foreign_trap(t, self._hold_trap(t, None, addr))
+
+    def _hit(self, t: Thread, site: ProbeSite, addr: int) -> None:
+        """``t`` stopped on the int3 of ``site`` at ``addr``, its registers loaded: the hit,
+        the one place its rules are written (a one-stop plan finishes here).
+
+        Step 1 makes the kernel's registers, before any handler runs, a state the program
+        can go on from by itself should the tool die (rescue.py; the kernel drops the trap
+        of a thread whose tracer dies: it resumes mid-instruction): the slot (step 0 wrote
+        it), or the emulated instruction's effect. A handler that writes registers has the
+        emulation done again from them; one that redirects has its registers written over
+        it (a push's store below the stack pointer stays: the instruction's own). Unless a
+        handler writes a register or redirects, step 1 is the only write the hit needs.
+        """
+        x: Prepared = site.ainsn
+        req = t.req
         regs = t.regs
-        addr = site.addr
-        self._make_safe(t, site.ainsn, addr)
-        skip = t.skip_hit
+        w = t.words
+        # Step 0: a state right with the trap delivered or without it, then the reap.
+        self._hold_trap(t, x, addr)
+        # Step 1: safe before the handlers; the view keeps the state before the emulation.
+        emulator = x.emulator
+        if emulator is not None:
+            if x.is_rip_only:
+                emulator(w, t.tracee)
+                word = t.rip_word
+                word.value = w[_RIP]
+                poke = req.poke_user
+                result = poke(word)
+            else:
+                before = bytes(regs.buffer)
+                emulator(w, t.tracee)
+                setregs = req.setregs
+                result = setregs()
+                regs.buffer[:] = before
+            if result == -1:
+                ptrace.raise_error()
+        w[_RIP] = addr  # handlers see ip at the probed instruction
+        # Step 2: the handlers, unless they ran already for this execution (a rep not done).
         redirected = False
+        skip = t.skip_hit
         if skip is not None and skip == (addr, regs.rsp):
-            t.skip_hit = None  # the handlers already ran for this execution
+            t.skip_hit = None
         elif site.active:
             t.busy = True
             try:
                 redirected = site.run_pre(regs)
             finally:
                 t.busy = False
-        if self.trap_guard is not None and self.trap_guard.is_armed:
+        if self.guarding and self.trap_guard is not None and self.trap_guard.is_armed:
             self.trap_guard.repair(t)
-        self._finish_hit(t, site, redirected)
-
-    def _make_safe(self, t: Thread, x: Prepared, addr: int) -> None:
-        """Step 1 of every hit (see ``run()``): the kernel's registers become a state the
-        program can go on from by itself before any handler runs; the view keeps rip at the
-        probed instruction, as handlers see it.
-
-        The kernel drops the trap a thread was stopped for when its tracer dies (measured:
-        the thread resumes at the int3's next byte, mid-instruction). So the thread is sent
-        to the slot, or given the emulated instruction's effect, before the handlers run; a
-        handler that writes registers has the emulation done again from them, and one that
-        redirects has its registers written over it (a push's or call's store below the
-        stack pointer stays: memory the probed instruction was about to write anyway).
-        """
-        w = t.words
-        w[_RIP] = addr
-        if x.emulator is None:
-            w[_RIP] = x.slot
-        elif not x.is_rip_only:  # the whole emulation; the view keeps the state before it
-            before = bytes(t.regs.buffer)
-            x.emulator(w, t.tracee)
-            t.store_regs()
-            t.regs.buffer[:] = before
+        # Step 3: on, past the probed instruction: at once for a one-stop plan.
+        if (
+            redirected
+            or not x.is_one_stop
+            or site.posts
+            or t.pending is not None
+            or t.state is not _STOPPED
+            or self.hold_all
+        ):
+            self._finish_hit(t, site, redirected)
             return
+        if regs.dirty:  # the handler wrote registers: on from them
+            if emulator is None:  # BOOST: in the slot
+                w[_RIP] = x.slot
+            else:  # the emulation again
+                emulator(w, t.tracee)
+            setregs = req.setregs
+            if setregs() == -1:
+                ptrace.raise_error()
+        # else the slot or the emulated state is in place (the view keeps rip at the
+        # probed address: the thread's next stop reloads the view)
+        if t.held_signals:
+            t.resume()
         else:
-            x.emulator(w, t.tracee)
-        t.store_rip()
-        w[_RIP] = addr
+            cont = req.cont
+            if cont() == -1:
+                ptrace.raise_error()
+            t.state = _RUNNING
 
     def _finish_hit(self, t: Thread, site: ProbeSite, redirected: bool) -> None:
-        """Run the probed instruction out of line (unless a pre handler redirected).
-
-        ``_make_safe`` wrote the slot's address already where there is a slot.
+        """Step 3 of a hit (``_hit``) that is not finished at once: a redirection, a post
+        handler, a plan that needs a second stop, or a thread a handler left held. Step 0
+        wrote the slot's address already where there is a slot.
         """
         if redirected:
             t.store_regs()

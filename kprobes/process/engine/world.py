@@ -4,7 +4,7 @@ Every running thread gets PTRACE_INTERRUPT and we wait until each has stopped. A
 stops for another reason meanwhile (a hit, a signal, a clone) keeps that status as
 ``pending`` and is handled by ``run()`` once the world runs again; nothing is lost or
 handled twice. A held thread is always in a state it can go on from by itself (see
-``_rewind_own_trap`` and rescue.py): the tool may die while it holds the world.
+``rewind_own_trap`` and rescue.py): the tool may die while it holds the world.
 
 ``WorldStop`` is a part of ``Tracer`` (tracer.py), kept apart because it is a mechanism of
 its own; it relies on the tracer's bookkeeping declared below.
@@ -25,17 +25,17 @@ from kprobes.linux import procfs, ptrace
 from kprobes.process.engine import events as ev
 from kprobes.process.engine.threads import RUNNING_STATES, Thread, ThreadState, siginfo_code
 from kprobes.process.engine.tracee import Tracee, TraceeKind
-from kprobes.process.fast.reader import POLL
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from kprobes.core.manager import ProbeManager
     from kprobes.process.engine.breakpoints import Breakpoints
+    from kprobes.process.engine.lifecycle import Lifecycle
     from kprobes.process.engine.prepared import Prepared
+    from kprobes.process.engine.rescue import Rescue
     from kprobes.process.engine.trampoline import Trampoline
     from kprobes.process.engine.xol import XolArea
-    from kprobes.process.survival.rescue import Rescue
 
 S = ThreadState
 _RIP = REG_INDEX["rip"]
@@ -44,6 +44,7 @@ _RIP = REG_INDEX["rip"]
 # uninterruptible sleep) is waited for, up to STOP_WORLD_GIVE_UP in all.
 STOP_WORLD_TIMEOUT = 2.0
 STOP_WORLD_GIVE_UP = 120.0
+POLL = 0.002  # seconds between two polls (the record probes' rings) while run() waits
 
 
 class WorldStop:
@@ -59,16 +60,16 @@ class WorldStop:
     inbox: list[tuple[int, int]]
     manager: ProbeManager
     main: Tracee | None
+    lifecycle: Lifecycle
     _stop_depth: int
 
     if TYPE_CHECKING:
 
-        def _unowned(self, tid: int, status: int) -> None: ...
+        def take_unowned(self, tid: int, status: int) -> None: ...
         def _set_aside(self, tid: int, status: int) -> None: ...
         def dispatch(self, t: Thread, status: int) -> None: ...
         def drop_thread(self, thread: Thread) -> None: ...
         def add_thread(self, tracee: Tracee, tid: int, state: ThreadState) -> Thread: ...
-        def _release(self, tracee: Tracee, *, clean: bool) -> None: ...
 
     def held_thread(self) -> Thread:
         """A thread of the program held still, for injection (prefer one no handler holds)."""
@@ -137,7 +138,7 @@ class WorldStop:
             if exc is not None:
                 raise exc
 
-    def _drain_pending(self) -> None:
+    def drain_pending(self) -> None:
         self.has_pending = False
         for thread in list(self.threads.values()):
             if thread.pending is not None and not thread.busy:
@@ -146,6 +147,11 @@ class WorldStop:
                 self.dispatch(thread, status)
 
     # -- stopping the world ------------------------------------------------------------------
+
+    @property
+    def is_world_stopped(self) -> bool:
+        """Every thread is held (inside a ``stop_world``/``resume_world`` pair)."""
+        return self._stop_depth > 0
 
     def stop_world(self) -> None:
         """Hold every thread of every tracee; nested calls only count."""
@@ -179,7 +185,7 @@ class WorldStop:
             self.resume_world()  # the threads held so far run again; the caller sees why
             raise
 
-    def _reap(self, tid: int) -> None:
+    def reap(self, tid: int) -> None:
         """Reap a trap stop ``ptrace.wait`` left (a status found instead comes next); a
         no-op for one reaped already."""
         late = ptrace.reap(tid)
@@ -213,7 +219,7 @@ class WorldStop:
             info = ptrace.getsiginfo(t.tid)
             if siginfo_code(info) == ptrace.SI_KERNEL and self.breakpoints.is_stale_trap(addr):
                 put_back(t, addr, True)  # its byte is the program's again
-        self._reap(t.tid)
+        self.reap(t.tid)
         return info
 
     def _hold(self, t: Thread, status: int) -> None:
@@ -247,14 +253,14 @@ class WorldStop:
                     self._hold(t, queued)
                 return
             if was_new and t.tracee.kind is TraceeKind.RELEASE:
-                self._release(t.tracee, clean=True)
+                self.lifecycle.release(t.tracee, clean=True)
             elif was_new and t.tracee.kind is TraceeKind.FORK:
                 self.breakpoints.sync(t.tracee)
                 self.trampoline.restore_child(t.tracee)
             return
         if status == ev.SIGTRAP_STOP:
-            rewound = self._rewind_own_trap(t)
-            self._reap(t.tid)
+            rewound = self.rewind_own_trap(t)
+            self.reap(t.tid)
             if rewound:
                 return
         if event == ptrace.PTRACE_EVENT_CLONE and t.state is S.RUNNING:
@@ -278,7 +284,7 @@ class WorldStop:
         self.has_pending = True
         t.state = S.STOPPED
 
-    def _rewind_own_trap(self, t: Thread) -> bool:
+    def rewind_own_trap(self, t: Thread) -> bool:
         """A thread that trapped on an int3 of ours while we stop the world: put it back on
         the int3, as if it had not got there yet (it takes the trap again once resumed).
 

@@ -9,7 +9,7 @@ records into a ring that fills and then only counts drops: harmless. Rejected: a
 mapping read through ``/proc/PID/mem`` (a syscall per read, and the ring needs a real shared
 mapping).
 
-**Detours** are cut from pages the program maps for us (``_map_xol_page``, the out-of-line
+**Detours** are cut from pages the program maps for us (``map_xol_page``, the out-of-line
 pages' mapper), bump-allocated and never freed or reused while the tool is attached: a thread
 may be inside one long after its probe went back to an int3. A clean end unmaps them, and the
 areas, where no thread can be (``unmapping.py``). The area and the detours must lie within
@@ -21,7 +21,6 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from kprobes.arch.x86_64 import shared_area as sa
@@ -29,18 +28,15 @@ from kprobes.arch.x86_64.detour import DETOUR_MAX
 from kprobes.errors import NotRelocatable, TargetError
 from kprobes.linux.syscalls import NR_CLOSE, NR_FTRUNCATE, NR_MEMFD_CREATE, NR_MMAP
 from kprobes.process.engine.xol import MARK_SIZE, REACH, candidate_addresses
+from kprobes.process.fast.state import DetourPage, JumpState, SharedArea
 from kprobes.process.inject import calls
 from kprobes.symbols.maps import read_maps
 
 if TYPE_CHECKING:
-    from contextlib import AbstractContextManager
-
-    from kprobes.process.engine.threads import Thread
-    from kprobes.process.engine.tracer import Tracer
-    from kprobes.symbols.maps import Mapping
+    from kprobes.process.engine.attachment import Attachment
+    from kprobes.process.inject.program import ProgramCalls
 
 NCOUNTERS: Final = 1024
-RING_BYTES: Final = 32 << 20  # per area; pages are the program's only once written
 PAGES_SIZE: Final = 0x10000  # detour pages are mapped 64 KiB at a time
 AREA_NAME: Final = b"kprobes-area\0"
 _MFD_CLOEXEC: Final = 1
@@ -48,81 +44,55 @@ _MAP_FIXED_NOREPLACE: Final = 0x100000
 _MAP_FIXED: Final = 0x10
 
 
-@dataclass(slots=True)
-class SharedArea:
-    """The program's memfd as the tool maps it, and where the program mapped it."""
+class DetourMemory:
+    """Detour pages and shared areas in the program, for the optimizer."""
 
-    addr: int
-    layout: sa.AreaLayout
-    mapping: mmap.mmap
-    next_counter: int = 0
+    def __init__(self, program: Attachment, injector: ProgramCalls, state: JumpState) -> None:
+        self.pid = program.pid
+        self._tracer = program.tracer
+        self._injector = injector
+        self._state = state
 
-    @property
-    def view(self) -> memoryview:
-        return memoryview(self.mapping)
-
-    def counter_addr(self, index: int) -> int:
-        return self.addr + self.layout.counter_offset(index)
-
-
-@dataclass(slots=True)
-class DetourPage:
-    start: int
-    used: int
-
-
-class ProgramMemory:
-    """Detour pages and shared areas in the program, for ``Process``."""
-
-    pid: int
-    _tracer: Tracer
-
-    if TYPE_CHECKING:
-
-        def _map_xol_page(self, near: int, size: int) -> int: ...
-        def _find_syscall(self, maps: list[Mapping]) -> int: ...
-        def _injection_thread(self) -> AbstractContextManager[Thread]: ...
-
-    def _detour_page(self, near: int) -> DetourPage:
+    def detour_page(self, near: int) -> DetourPage:
         """A page of ours within reach of ``near`` with room for the largest detour."""
-        pages = self._tracer.optimizer.pages
+        pages = self._state.pages
         for page in pages:
             if abs(page.start - near) <= REACH and page.used + DETOUR_MAX <= PAGES_SIZE - MARK_SIZE:
                 return page
-        pages.append(DetourPage(self._map_xol_page(near, PAGES_SIZE), 0))
+        pages.append(DetourPage(self._injector.map_xol_page(near, PAGES_SIZE), 0))
         return pages[-1]
 
-    def _alloc_detour(self, near: int, size: int = DETOUR_MAX) -> int:
+    def alloc_detour(self, near: int, size: int = DETOUR_MAX) -> int:
         """A never-reused piece of an executable page of ours within reach of ``near``."""
-        pages = self._tracer.optimizer.pages
+        pages = self._state.pages
         for page in pages:
             if abs(page.start - near) <= REACH and page.used + size <= PAGES_SIZE - MARK_SIZE:
                 at = page.start + page.used
                 page.used += size
                 return at
-        start = self._map_xol_page(near, PAGES_SIZE)
+        start = self._injector.map_xol_page(near, PAGES_SIZE)
         pages.append(DetourPage(start, size))
         return start
 
-    def _area(self, near: int) -> int:
+    def area(self, near: int) -> int:
         """A shared area with a free counter within reach of ``near`` (its index), made by
         the program when there is none."""
-        areas = self._tracer.optimizer.areas
+        areas = self._state.areas
         for i, area in enumerate(areas):
             if abs(area.addr - near) <= REACH and area.next_counter < area.layout.ncounters:
                 return i
-        areas.append(self._make_area(near))
+        areas.append(self.make_area(near))
         return len(areas) - 1
 
-    def _make_area(self, near: int) -> SharedArea:
-        layout = sa.AreaLayout(NCOUNTERS, self._tracer.optimizer.ring_bytes // sa.SLOT)
-        name = self._alloc_detour(near, 64)
+    def make_area(self, near: int) -> SharedArea:
+        layout = sa.AreaLayout(NCOUNTERS, self._state.ring_bytes // sa.SLOT)
+        name = self.alloc_detour(near, 64)
         for space in self._tracer.own_memories():
             space.write(name, AREA_NAME)
         rescue = self._tracer.rescue
-        with self._injection_thread() as thread:
+        with self._injector.injection_thread() as thread:
             maps = read_maps(self.pid)
-            insn = self._find_syscall(maps)
+            insn = self._injector.find_syscall(maps)
 
             def call(nr: int, *args: int) -> int:
                 return calls.run_syscall(thread, insn, nr, *args, rescue=rescue)

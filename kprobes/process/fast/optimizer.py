@@ -35,7 +35,6 @@ alone (docs/decisions.md, "A jump is written and removed in three steps").
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
 from kprobes.arch.x86_64 import shared_area as sa
@@ -45,26 +44,24 @@ from kprobes.arch.x86_64.plan import SLOT_SIZE
 from kprobes.core.optimizer import OptState, SiteOpt, why_no_jump
 from kprobes.errors import NotRelocatable, TargetError
 from kprobes.process.engine.threads import ThreadState
-from kprobes.process.fast.memory import RING_BYTES, DetourPage, SharedArea
-from kprobes.process.fast.reader import RingReader
 from kprobes.process.inject import calls
-from kprobes.process.survival.shield import Shield
 from kprobes.symbols.cfi import find_fde
 from kprobes.symbols.lsda import LsdaError, landing_pads
 from kprobes.symbols.maps import read_maps
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable
+    from contextlib import AbstractContextManager
 
-    from kprobes.arch.x86_64.detour import Action
-    from kprobes.core.manager import ProbeManager
-    from kprobes.core.table import ProbeSite
+    from kprobes.core.table import ProbeSite, ProbeTable
     from kprobes.process.engine.arming import ProbeLocation
+    from kprobes.process.engine.attachment import Attachment
     from kprobes.process.engine.prepared import Prepared
-    from kprobes.process.engine.threads import Thread
     from kprobes.process.engine.tracer import Tracer
-    from kprobes.symbols.maps import Mapping
-    from kprobes.symbols.resolve import SymbolResolver
+    from kprobes.process.fast.memory import DetourMemory
+    from kprobes.process.fast.recording import Recording
+    from kprobes.process.fast.state import JumpState
+    from kprobes.process.inject.program import ProgramCalls
 
 _COLD_PARTS: Final = 8  # foo.cold.0 .. foo.cold.7: older gcc's names of a function's parts
 STACK_SCAN: Final = 0x10000  # bytes above each thread's rsp searched for a saved rip
@@ -96,39 +93,6 @@ class _Threads:
         return self._seen
 
 
-@dataclass(slots=True)
-class JumpState:
-    """What the optimizer keeps for one address space (forgotten at exec)."""
-
-    is_enabled: bool = True  # proc.optimization
-    ring_bytes: int = RING_BYTES
-    sites: dict[int, SiteOpt] = field(default_factory=dict)
-    areas: list[SharedArea] = field(default_factory=list)  # one per ±2 GiB neighbourhood
-    pages: list[DetourPage] = field(default_factory=list)
-    reader: RingReader | None = None  # the records of record probes (reader.py)
-    shield: Shield = field(default_factory=Shield)  # pages kept from the kernel's uprobes
-
-    def forget(self) -> None:
-        """The address space was replaced (exec): nothing of ours is in it any more."""
-        if self.reader is not None:
-            self.reader.drain()
-            self.reader.forget()
-        self.shield.forget()
-        self.sites.clear()
-        self.areas.clear()
-        self.pages.clear()
-
-    def counts(self) -> Iterator[tuple[int, int]]:
-        """(site address, hits counted in the program since the last call) of every site."""
-        for addr, so in self.sites.items():
-            if so.counter < 0:
-                continue
-            value = sa.read_counter(self.areas[so.area].view, so.counter)
-            if value != so.seen:
-                delta, so.seen = value - so.seen, value
-                yield addr, delta
-
-
 def _cannot_call(pid: int) -> Callable[..., int]:
     def call(nr: int, *args: int) -> int:
         raise TargetError(f"process {pid} (a followed child) shares this code")
@@ -136,73 +100,80 @@ def _cannot_call(pid: int) -> Callable[..., int]:
     return call
 
 
-class Optimizing:
-    """The optimizer, for ``Process``: optimize, unoptimize, and the counts."""
+class Optimizer:
+    """The optimizer, for ``Process``: optimize, unoptimize, and the counts. It is what
+    arming knows as its ``Jumps`` (engine/arming.py)."""
 
-    pid: int
-    _tracer: Tracer
-    _manager: ProbeManager
+    def __init__(
+        self,
+        program: Attachment,
+        injector: ProgramCalls,
+        memory: DetourMemory,
+        recording: Recording,
+        state: JumpState,
+        table: ProbeTable,
+        batch: Callable[[], AbstractContextManager[None]],
+    ) -> None:
+        self._program = program
+        self.pid = program.pid
+        self._tracer = program.tracer
+        self._injector = injector
+        self._memory = memory
+        self._recording = recording
+        self._state = state
+        self._table = table
+        self._batch = batch  # Process.batch: the world held, the sweep at its end
 
-    if TYPE_CHECKING:
-        from contextlib import AbstractContextManager
-
-        def _original(self, addr: int, size: int) -> bytes: ...
-        def _symbols(self) -> SymbolResolver: ...
-        def batch(self) -> AbstractContextManager[None]: ...
-        def _injection_thread(self) -> AbstractContextManager[Thread]: ...
-        def _find_syscall(self, maps: list[Mapping]) -> int: ...
-        def _drain_rings(self) -> None: ...
-        def _area(self, near: int) -> int: ...
-        def _detour_page(self, near: int) -> DetourPage: ...
-        def _action(self, site: ProbeSite, area: SharedArea, so: SiteOpt) -> Action | str: ...
+    def forget_site(self, addr: int) -> None:
+        self._state.forget_site(addr)
 
     @property
     def optimization(self) -> bool:
         """The document's ``debug.kprobes-optimization`` sysctl: False puts every optimized
         probe back on its int3, True optimizes them again."""
-        return self._tracer.optimizer.is_enabled
+        return self._state.is_enabled
 
     @optimization.setter
     def optimization(self, value: bool) -> None:
-        with self.batch():  # its end optimizes or unoptimizes every site
-            self._tracer.optimizer.is_enabled = bool(value)
+        with self._batch():  # its end optimizes or unoptimizes every site
+            self._state.is_enabled = bool(value)
 
     # -- counts ----------------------------------------------------------------------------
 
-    def _collect_counts(self) -> None:
+    def collect_counts(self) -> None:
         """Add the hits counted in the program to the probes' ``nhit`` (the records of
         record probes are read apart: recording.py)."""
-        table = self._manager.table
-        for addr, delta in self._tracer.optimizer.counts():
+        table = self._table
+        for addr, delta in self._state.counts():
             site = table.get(addr)
             for probe in site.active if site is not None else ():  # as a trap counts
                 probe.nhit += delta
 
     # -- the sweep, at the end of every stop of the world --------------------------------
 
-    def _retry_optimizing(self) -> None:
+    def retry_optimizing(self) -> None:
         """Stop the world once more if a site waits for a thread that was in its way (the
         kernel's optimizer retries from its delayed work; we retry when ``run()`` returns)."""
-        state = self._tracer.optimizer
-        for site in self._manager.table:
+        state = self._state
+        for site in self._table:
             so = state.sites.get(site.addr)
             is_waiting = so is not None and so.state is OptState.TRAP
             if is_waiting and why_no_jump(site, state.is_enabled) is None:
-                with self.batch():
+                with self._batch():
                     pass
                 return
 
-    def _optimize_sites(self) -> None:
+    def optimize_sites(self) -> None:
         """Bring every site to what it should be: a jump where asked and possible, else the
         int3. The world is held here."""
-        state = self._tracer.optimizer
+        state = self._state
         threads = _Threads()
-        for site in list(self._manager.table):
+        for site in list(self._table):
             so = state.sites.get(site.addr)
             why = why_no_jump(site, state.is_enabled)
             if why is not None:
                 if so is not None and so.state is OptState.OPTIMIZED:
-                    self._unoptimize(site, rearm=site.is_armed)
+                    self.unoptimize(site, rearm=site.is_armed)
                 if so is not None and so.state is OptState.TRAP:
                     so.reason = why
                 continue
@@ -213,14 +184,14 @@ class Optimizing:
 
     def _optimize(self, site: ProbeSite, so: SiteOpt, threads: _Threads) -> None:
         """Replace the site's int3 by a jump to a new count detour, or say why not."""
-        assert self._tracer._stop_depth > 0, "optimizing needs the world stopped"
+        assert self._tracer.is_world_stopped, "optimizing needs the world stopped"
         addr = site.addr
         if addr not in self._tracer.breakpoints.armed:
             so.reason = "no int3 to replace"
             return
         # Step 1: the region the jump displaces, from the original code only.
         loc: ProbeLocation = site.location  # type: ignore[assignment]
-        code = self._original(loc.func_start, loc.func_size) if loc.func_size > 0 else b""
+        code = self._program.original(loc.func_start, loc.func_size) if loc.func_size > 0 else b""
         parts = self._other_parts(loc)
         if isinstance(parts, str):
             so.to(OptState.REFUSED, parts)
@@ -246,16 +217,16 @@ class Optimizing:
         # Step 4: the counter, the action, then the detour, written before the jump to it.
         try:
             if so.counter < 0:
-                so.area = self._area(addr)
-                area = self._tracer.optimizer.areas[so.area]
+                so.area = self._memory.area(addr)
+                area = self._state.areas[so.area]
                 so.counter, area.next_counter = area.next_counter, area.next_counter + 1
                 so.seen = sa.read_counter(area.view, so.counter)
-            area = self._tracer.optimizer.areas[so.area]
-            action = self._action(site, area, so)
+            area = self._state.areas[so.area]
+            action = self._recording.action(site, area, so)
             if isinstance(action, str):
                 so.to(OptState.REFUSED, action)
                 return
-            page = self._detour_page(addr)
+            page = self._memory.detour_page(addr)
             at = page.start + page.used
             detour = build_detour(at, region, action)
             page.used += -(-len(detour.code) // _DETOUR_ALIGN) * _DETOUR_ALIGN
@@ -280,14 +251,14 @@ class Optimizing:
         """Cover the jump's pages in every address space with a copy of the code (shield.py);
         then the five bytes must be our int3 and the original four. Why not, or None."""
         tracer = self._tracer
-        shield = tracer.optimizer.shield
+        shield = self._state.shield
         for space in tracer.own_memories():
             if not shield.is_covered(space.pid, addr, JUMP_LEN):
                 try:
                     if space is not tracer.main:  # a followed fork child: as at the fork
                         why = shield.cover(space.pid, addr, JUMP_LEN, _cannot_call(space.pid))
                     else:
-                        why = self._cover(addr)
+                        why = self.cover(addr)
                 except TargetError as exc:
                     why = f"its page could not be kept from other tools' uprobes: {exc}"
                 if why is not None:
@@ -299,17 +270,17 @@ class Optimizing:
                 )
         return None
 
-    def _cover(self, addr: int, length: int = JUMP_LEN) -> str | None:
+    def cover(self, addr: int, length: int = JUMP_LEN) -> str | None:
         """``Shield.cover`` of the main image, by the program's own ``mprotect``: an
         injection only for a page not covered yet, and none once the program refused."""
         tracer = self._tracer
-        shield = tracer.optimizer.shield
+        shield = self._state.shield
         assert tracer.main is not None
         pid = tracer.main.pid
         if shield.is_covered(pid, addr, length) or shield.refusal(pid) is not None:
             return shield.refusal(pid)
-        with self._injection_thread() as thread:
-            insn = self._find_syscall(read_maps(self.pid))
+        with self._injector.injection_thread() as thread:
+            insn = self._injector.find_syscall(read_maps(self.pid))
 
             def call(nr: int, *args: int) -> int:
                 return calls.run_syscall(thread, insn, nr, *args, rescue=tracer.rescue)
@@ -321,7 +292,7 @@ class Optimizing:
         a probe in one of them, ``foo`` and the rest), whose jumps may enter the region, and
         the landing pads of every part (the C++ unwinder enters there). A str says why they
         cannot be known (an exception table this reader does not understand)."""
-        module = self._symbols().get_module_at(loc.addr)
+        module = self._program.symbols().get_module_at(loc.addr)
         found = None if module is None else module.image.function_at(loc.addr - module.bias)
         if module is None or found is None:
             return [], []
@@ -334,7 +305,7 @@ class Optimizing:
                     continue
                 start = module.bias + sym.value
                 if start != loc.func_start:
-                    fragments.append((start, self._original(start, sym.size)))
+                    fragments.append((start, self._program.original(start, sym.size)))
                 fde = find_fde(module.path, sym.value)
                 if fde is None or fde.lsda is None:
                     continue
@@ -346,11 +317,11 @@ class Optimizing:
                     return f"its exception table cannot be read ({exc})"
         return fragments, pads
 
-    def _unoptimize(self, site: ProbeSite, *, rearm: bool) -> None:
+    def unoptimize(self, site: ProbeSite, *, rearm: bool) -> None:
         """Put the original bytes back, then the int3 if ``rearm``. The world is held."""
-        assert self._tracer._stop_depth > 0, "unoptimizing needs the world stopped"
-        so = self._tracer.optimizer.sites[site.addr]
-        self._collect_counts()
+        assert self._tracer.is_world_stopped, "unoptimizing needs the world stopped"
+        so = self._state.sites[site.addr]
+        self.collect_counts()
         breakpoints = self._tracer.breakpoints
         original = breakpoints.jumps[site.addr][1][0]
         breakpoints.unpatch_jump(self._tracer.own_memories(), site.addr, rearm=rearm)
@@ -360,20 +331,20 @@ class Optimizing:
         so.detour = 0
         so.to(OptState.TRAP)
 
-    def _unoptimize_around(self, addr: int) -> None:
+    def unoptimize_around(self, addr: int) -> None:
         """A probe is being armed at ``addr``: an optimized region that covers it goes back to
         its int3 first (the kernel unoptimizes a probe whose region another probe enters)."""
-        for start, so in self._tracer.optimizer.sites.items():
+        for start, so in self._state.sites.items():
             if so.state is OptState.OPTIMIZED and start < addr < start + so.region_len:
-                site = self._manager.table.get(start)
+                site = self._table.get(start)
                 if site is not None:
-                    self._unoptimize(site, rearm=True)
+                    self.unoptimize(site, rearm=True)
                     so.reason = f"another probe at {addr:#x} is inside the region"
 
     def _in_the_way(self, site: ProbeSite, end: int, threads: _Threads) -> str | None:
         """Why the region [site.addr, end) cannot be patched now, or None."""
         addr = site.addr
-        for other in self._manager.table:
+        for other in self._table:
             if addr < other.addr < end:
                 return f"another probe at {other.addr:#x} is inside the region"
         x: Prepared | None = site.ainsn
@@ -395,14 +366,14 @@ class Optimizing:
 
     # -- listing ---------------------------------------------------------------------------
 
-    def _plan_of(self, site: ProbeSite) -> tuple[str, str]:
+    def plan_of(self, site: ProbeSite) -> tuple[str, str]:
         """(plan, why not optimized) for ``list()``."""
         x: Prepared | None = site.ainsn
         plan = x.kind.value if x is not None else ""
-        so = self._tracer.optimizer.sites.get(site.addr)
+        so = self._state.sites.get(site.addr)
         if so is not None and so.state is OptState.OPTIMIZED:
             return "OPTIMIZED", ""
-        why = why_no_jump(site, self._tracer.optimizer.is_enabled)
+        why = why_no_jump(site, self._state.is_enabled)
         if why is None:
             why = so.reason if so is not None and so.reason else "not yet tried"
         return plan, why

@@ -2,7 +2,7 @@
 
 A probe with an ``async_handler`` is optimized into a *record* probe (optimizer.py): each
 hit writes a record in the shared ring, in the program, and the tool reads the ring when it
-can (between stops, and every ``POLL`` seconds while ``run()`` waits) and calls the handler
+can (between stops, and every ``world.POLL`` seconds while ``run()`` waits) and calls the handler
 with a ``Hit``: the thread, the CPU, the time, the registers if the probe asked for them
 (read-only), and the fetch-args evaluated by the trap tier's own code against what the detour
 copied (fetch/fast.py). Where the probe cannot be optimized the same handler runs at its trap,
@@ -49,7 +49,6 @@ if TYPE_CHECKING:
     from kprobes.spec import ProbeSpec
     from kprobes.symbols.resolve import SymbolResolver
 
-POLL: Final = 0.002  # seconds between reads of the ring while run() waits for stops
 BATCH: Final = 16384  # records read by a poll: run(timeout) returns between batches
 CHECK_EVERY: Final = 32  # records delivered between two looks at the clock (``until``)
 SLICE: Final = 1024  # records copied at a time, then handed over

@@ -24,14 +24,13 @@ from kprobes.process.fetch.evaluate import CommCache, CpuReader, Memory, Symboli
 from kprobes.process.fetch.fast import NotCapturable, plan_captures
 
 if TYPE_CHECKING:
-    from kprobes.core.manager import ProbeManager
     from kprobes.core.optimizer import SiteOpt
     from kprobes.core.probes import Kprobe
-    from kprobes.core.table import ProbeSite
+    from kprobes.core.table import ProbeSite, ProbeTable
+    from kprobes.process.engine.attachment import Attachment
     from kprobes.process.engine.threads import Thread
-    from kprobes.process.engine.tracer import Tracer
-    from kprobes.process.fast.memory import SharedArea
-    from kprobes.symbols.resolve import SymbolResolver
+    from kprobes.process.fast.state import JumpState, SharedArea
+    from kprobes.process.inject.program import ProgramCalls
 
 
 def _cpu_id() -> CpuId:
@@ -54,20 +53,29 @@ _CPU_ID: CpuId | None = None
 
 
 class Recording:
-    """Record probes, for ``Process``."""
+    """Record probes, for ``Process``: their preparation, their actions, their reader."""
 
-    pid: int
-    _tracer: Tracer
-    _manager: ProbeManager
+    def __init__(
+        self,
+        program: Attachment,
+        injector: ProgramCalls,
+        state: JumpState,
+        table: ProbeTable,
+    ) -> None:
+        self._program = program
+        self.pid = program.pid
+        self._tracer = program.tracer
+        self._injector = injector
+        self._state = state
+        self._table = table
 
-    if TYPE_CHECKING:
+    def _fetch(self, addr: int, size: int) -> bytes:
+        return self._program.memory().read_as_program(addr, size)
 
-        def _symbols(self) -> SymbolResolver: ...
-        def _activate_fetch_faults(self) -> bool: ...
-        def fetch(self, addr: int, size: int) -> bytes: ...
-        def fetch_string(self, addr: int, max_len: int = 4096) -> bytes: ...
+    def _fetch_string(self, addr: int, max_len: int = 4096) -> bytes:
+        return self._program.memory().read_string(addr, max_len, as_program=True)
 
-    def _equip_async(self, kps: Sequence[Kprobe]) -> None:
+    def equip_async(self, kps: Sequence[Kprobe]) -> None:
         """Prepare the probes with an asynchronous handler (before anything is placed: a
         wrong fetch-arg raises SpecError here). ``args`` without one would be evaluated for
         nobody: refused (``UnsupportedOption``), never ignored."""
@@ -89,22 +97,22 @@ class Recording:
                     "post or fault handler (register two probes)",
                     errno=errno.EINVAL,
                 )
-            reader = self._ring_reader()
-            memory = Memory(self.fetch, self.fetch_string, reader.symbolize, reader.comm)
-            equip(kp, self._symbols, memory, CpuReader(self.pid))
+            reader = self.ring_reader()
+            memory = Memory(self._fetch, self._fetch_string, reader.symbolize, reader.comm)
+            equip(kp, self._program.symbols, memory, CpuReader(self.pid))
 
     @property
     def dropped(self) -> int:
         """Records of optimized probes lost to a full ring (perf's lost events): their hits
         are in ``nhit``, their handlers did not run."""
-        reader = self._tracer.optimizer.reader
+        reader = self._state.reader
         return 0 if reader is None else reader.count_drops()
 
     @property
     def unread(self) -> int:
         """Records of optimized probes released without being read (``discard_records``):
         hits that are in ``nhit`` whose handlers never ran."""
-        reader = self._tracer.optimizer.reader
+        reader = self._state.reader
         return 0 if reader is None else reader.unread
 
     @property
@@ -113,32 +121,32 @@ class Recording:
         detach's) stops between two records and leaves the rest for the next read or for
         ``discard_records``: how a command keeps its deadline while its reader lags (None,
         the default: every read hands over all that was written)."""
-        reader = self._tracer.optimizer.reader
+        reader = self._state.reader
         return None if reader is None else reader.until
 
     @reading_deadline.setter
     def reading_deadline(self, value: float | None) -> None:
-        self._ring_reader().until = value
+        self.ring_reader().until = value
 
     @property
     def is_recording(self) -> bool:
         """Some probe writes records into the rings (an optimized record probe)."""
-        reader = self._tracer.optimizer.reader
+        reader = self._state.reader
         return reader is not None and reader.is_active
 
     @property
     def is_reading_records(self) -> bool:
         """A read of the rings is handing records to their handlers (``sigint.py``: not a
         moment to raise an exception; ``end_run`` stops the read between two records)."""
-        reader = self._tracer.optimizer.reader
+        reader = self._state.reader
         return reader is not None and reader.is_draining
 
     def read_records(self) -> None:
         """Hand the records written so far to their handlers (until ``reading_deadline``),
         outside ``run()``: what a command reads once it has disabled its probes. An
         exception a handler raised is raised here."""
-        self._drain_rings()
-        exc = self._manager.table.take_error()
+        self.drain_rings()
+        exc = self._table.take_error()
         if exc is not None:
             raise exc
 
@@ -146,55 +154,55 @@ class Recording:
     def ring_size(self) -> int:
         """Bytes of each shared ring of records (set before the first record probe is
         optimized; a power of two, at least 8 KiB)."""
-        return self._tracer.optimizer.ring_bytes
+        return self._state.ring_bytes
 
     @ring_size.setter
     def ring_size(self, value: int) -> None:
-        if self._tracer.optimizer.areas:
+        if self._state.areas:
             raise TargetError("the ring is in use: set ring_size before optimizing")
         sa.AreaLayout(0, value // sa.SLOT)  # raises for a size that is not one
-        self._tracer.optimizer.ring_bytes = value
+        self._state.ring_bytes = value
 
-    def _ring_reader(self) -> RingReader:
-        state = self._tracer.optimizer
+    def ring_reader(self) -> RingReader:
+        state = self._state
         if state.reader is None:
             state.reader = RingReader(
-                self._manager.table,
+                self._table,
                 lambda: [area.view for area in state.areas],
-                Symbolizer(lambda addr: self._symbols().locate_address(addr)),
+                Symbolizer(lambda addr: self._program.symbols().locate_address(addr)),
                 CommCache(self.pid),
             )
         return state.reader
 
-    def _drain_rings(self) -> None:
+    def drain_rings(self) -> None:
         """Every record written so far to its handlers (before a trap's event, at the end
         of ``run()``, before the counts are read)."""
-        reader = self._tracer.optimizer.reader
+        reader = self._state.reader
         if reader is not None:
             reader.drain()
 
     def discard_records(self) -> None:
         """Drop the records of optimized probes not read yet (their handlers will not see
         them): what a run that was interrupted, or had enough, leaves behind."""
-        reader = self._tracer.optimizer.reader
+        reader = self._state.reader
         if reader is not None:
             reader.discard()
 
-    def _poll_rings(self) -> None:
+    def poll_rings(self) -> None:
         """One batch of records, while ``run()`` waits for stops."""
-        reader = self._tracer.optimizer.reader
+        reader = self._state.reader
         if reader is not None:
             reader.drain(everything=False)
 
-    def _learn_thread(self, t: Thread) -> None:
+    def learn_thread(self, t: Thread) -> None:
         """A new thread's first stop: its thread pointer names it in records from now on
         (records of an exited thread that had the same one are read first)."""
-        reader = self._tracer.optimizer.reader
+        reader = self._state.reader
         if reader is not None and reader.is_active:
             reader.drain()
             reader.note_thread(t.load_regs().fs_base, t.tid)
 
-    def _action(self, site: ProbeSite, area: SharedArea, so: SiteOpt) -> Action | str:
+    def action(self, site: ProbeSite, area: SharedArea, so: SiteOpt) -> Action | str:
         """The site's action: a count, or a record if a probe has an asynchronous handler
         (then also the count); a str says why the site cannot be optimized."""
         counter = area.counter_addr(so.counter)
@@ -209,9 +217,9 @@ class Recording:
             # A bad pointer must give (fault): the tracer fixes such faults, and the rescue
             # once the tool is gone (faults.py). Without a rescue (seccomp) the program
             # is no worse off than with our int3s, which need it as much.
-            self._activate_fetch_faults()
+            self._injector.activate_fetch_faults()
         with_regs = any(fp.with_regs for fp in fast)
-        reader = self._ring_reader()
+        reader = self.ring_reader()
         if not reader.is_active:
             self._learn_all_threads(reader)
         if so.record_id == 0 or so.plan != plan:
@@ -231,8 +239,8 @@ class Recording:
     def _learn_all_threads(self, reader: RingReader) -> None:
         self._note_threads(reader)
         reader.relearn = self._relearn_threads
-        self._tracer.on_thread_start = self._learn_thread
-        self._tracer.ring_poll = self._poll_rings
+        self._tracer.on_thread_start = self.learn_thread
+        self._tracer.ring_poll = self.poll_rings
 
     def _note_threads(self, reader: RingReader) -> None:
         """Every held thread's thread pointer (the world is stopped)."""
@@ -241,10 +249,10 @@ class Recording:
                 reader.note_thread(t.load_regs().fs_base, t.tid)
 
     def _relearn_threads(self) -> None:
-        reader = self._tracer.optimizer.reader
+        reader = self._state.reader
         if reader is None or not self._tracer.is_alive:
             return
-        if self._tracer._stop_depth:
+        if self._tracer.is_world_stopped:
             self._note_threads(reader)
             return
         self._tracer.stop_world()

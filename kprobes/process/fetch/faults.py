@@ -43,8 +43,8 @@ from kprobes.process.inject import calls
 
 if TYPE_CHECKING:
     from kprobes.arch.x86_64.regs import Regs
+    from kprobes.process.engine.rescue import Rescue
     from kprobes.process.engine.threads import Thread
-    from kprobes.process.survival.rescue import Rescue
 
 FAULT_SIGNALS: Final = frozenset({signal.SIGSEGV, signal.SIGBUS})
 _BUS_MCEERR_AO: Final = 5  # a machine check reported later, not the fault of an instruction
@@ -55,7 +55,8 @@ class FetchFaults:
     """Our executable pages in one address space (followed fork children have copies), and
     the fetch faults taken in them while the tool lives."""
 
-    def __init__(self) -> None:
+    def __init__(self, rescue: Rescue) -> None:
+        self._rescue = rescue  # the program's SIGSEGV/SIGBUS handler once the tool is dead
         self._starts: list[int] = []  # sorted, disjoint ranges [start, end)
         self._ends: list[int] = []
 
@@ -89,7 +90,7 @@ class FetchFaults:
             return None  # sent by a process (kill, tgkill, sigqueue), or not a fault
         return regs.r10
 
-    def fix(self, t: Thread, sig: int, rescue: Rescue) -> bool:
+    def fix(self, t: Thread, sig: int) -> bool:
         """``t`` is in the signal-delivery stop of ``sig``, its registers loaded: if the
         signal is a fetch fault of ours, send the thread on at r10 (True; the caller resumes
         it without the signal)."""
@@ -102,6 +103,7 @@ class FetchFaults:
         t.store_regs()
         # Step 2: the kernel's reset of the action, if the thread blocked the signal.
         bit = 1 << (sig - 1)
+        rescue = self._rescue
         if rescue.is_fetch_faults_active and not procfs.caught_signals(t.tracee.pid) & bit:
             scratch = calls.scratch_below(regs.rsp, _SIGACTION_ROOM)
             if rescue.retake_fetch_fault(

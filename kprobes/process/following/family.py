@@ -8,7 +8,8 @@ family of the process the user holds (the *root*), adopted at its exec event:
 
 - the root's tracer lets go of the child's threads without detaching them (they stay traced
   by this tool: a ptrace relationship belongs to the tracing thread, not to a Tracer object),
-  and the member's tracer takes them, stopped at the exec;
+  and the member's tracer takes them, stopped at the exec (``Process`` builds the member:
+  ``target.py``'s ``_adopt``; this module keeps the family's books);
 - at the exit of ``execve`` (pending.py's new image) the member gets its probes:
   ``on_new_process(member)`` registers what the user wants there. By default, a copy of each
   of the root's probes given by symbol, whose handlers are the root's: the counts and the
@@ -26,120 +27,76 @@ tracee's stops are reported to the thread that traces it: one loop must see them
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe, KretprobeInstance
 from kprobes.errors import ProbeError
-from kprobes.process.engine.threads import Thread, ThreadState
-from kprobes.process.engine.tracee import Tracee, TraceeKind
-from kprobes.process.survival import cleanup
 
-if TYPE_CHECKING:
-    from kprobes.core.manager import ProbeManager
-    from kprobes.process.engine.tracer import Tracer
-    from kprobes.process.target import Process
 
-NewProcessHook = Callable[["Process"], None]
+class Member(Protocol):
+    """What the family needs of each of its processes (a ``Process``)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def is_attached(self) -> bool: ...
+
+    @property
+    def family(self) -> Family: ...
+
+    def iter_probes(self) -> Iterable[Kprobe]: ...
+    def register_kprobes(self, kps: Sequence[Kprobe]) -> None: ...
+    def register_kretprobes(self, rps: Sequence[Kretprobe]) -> None: ...
+    def unregister_kprobes(self, kps: Sequence[Kprobe]) -> None: ...
+    def unregister_kretprobes(self, rps: Sequence[Kretprobe]) -> None: ...
+    def close(self) -> None: ...
+
+
+NewProcessHook = Callable[[Any], None]  # on_new_process(member), member a Process
 
 
 class Family:
-    """The members of a followed process tree, for ``Process`` (the root holds them)."""
+    """The members of a followed process tree: held by the root, and by every member."""
 
-    pid: int
-    follow_forks: bool
-    _tracer: Tracer
-    _manager: ProbeManager
+    def __init__(self, root: Member) -> None:
+        self.root = root
+        self.members: list[Member] = []  # the members still traced
+        self.on_new_process: NewProcessHook = copy_root_probes
+        self._copies: dict[int, list[tuple[Member, Kprobe | Kretprobe]]] = {}
 
-    if TYPE_CHECKING:
+    def welcome(self, member: Member, on_notice: Callable[[str], None]) -> Callable[[], None]:
+        """``member`` joins: what to run at its first image (``on_new_process``, once)."""
+        self.members.append(member)
+        hook = self.on_new_process
 
-        def register_kprobes(self, kps: list[Kprobe]) -> None: ...
-        def register_kretprobes(self, rps: list[Kretprobe]) -> None: ...
-        def unregister_kprobes(self, kps: list[Kprobe]) -> None: ...
-        def unregister_kretprobes(self, rps: list[Kretprobe]) -> None: ...
-        def close(self) -> None: ...
-        def on_notice(self, message: str) -> None: ...
-        def _finish(self) -> None: ...
-        def _publish(self) -> None: ...
+        def first_image() -> None:
+            try:
+                hook(member)
+            except ProbeError as exc:
+                on_notice(f"process {member.pid}: its probes could not be placed: {exc}")
 
-    def _init_family(self) -> None:
-        self._root: Process | None = None  # None: this is the root
-        self.members: list[Process] = []  # (on the root) the members still traced
-        self.on_new_process: NewProcessHook = _copy_root_probes
-        self._first_image_hook: Callable[[], None] | None = None
-        self._copies: dict[int, list[tuple[Process, Kprobe | Kretprobe]]] = {}
-        self._tracer.on_child_exec = self._adopt
+        return first_image
 
-    @property
-    def root(self) -> Process:
-        """The process the user holds, at the top of the family."""
-        return self._root if self._root is not None else self  # type: ignore[return-value]
+    def leave(self, member: Member) -> None:
+        """``member`` exited: nothing of it is traced any more (a long run may start
+        thousands of them: the family keeps the live ones)."""
+        if member in self.members:
+            self.members.remove(member)
+        for copies in self._copies.values():
+            copies[:] = [(m, c) for m, c in copies if m is not member]
 
-    # -- adoption ---------------------------------------------------------------------------
+    def copy(self, member: Member, original: Kprobe | Kretprobe, copy: Kprobe | Kretprobe) -> None:
+        """``copy`` stands for ``original`` in ``member`` (and goes when it is unregistered)."""
+        self._copies.setdefault(id(original), []).append((member, copy))
 
-    def _adopt(self, tracee: Tracee, t: Thread) -> bool:
-        """A followed child of ours has exec'd (``t`` is at its exec event): it becomes a
-        member with a tracer and an image of its own."""
-        from kprobes.process.target import Process  # a part of Process: imported late
-
-        root = self.root
-        pid = tracee.pid
-        self._tracer.drop_tracee(tracee)  # still traced by us; the member takes it over
-        member = Process(pid, follow_forks=True, pending=True)
-        member._root = root
-        member.on_notice = root.on_notice
-        member.on_new_process = root.on_new_process
-        tracer = member._tracer
-        tracer.on_gone = member._member_gone
-        tracer.placement = root._tracer.placement  # one tool, one CPU for the whole family
-        main = tracer.add_tracee(pid, TraceeKind.MAIN)
-        thread = tracer.add_thread(main, t.tid, ThreadState.STOPPED)
-        thread.event_stopped = True
-        thread.exec_landing = True  # its probes at the exit of execve (pending.py)
-        thread.trace_syscalls(True)
-        hook = root.on_new_process
-        member._first_image_hook = lambda: hook(member)
-        root.members.append(member)
-        root._tracer.family.append(tracer)
-        cleanup.remember(member)
-        thread.resume()
-        return True
-
-    def _member_gone(self) -> None:
-        """A member's probes are gone: it exec'd again (published anew), or it exited
-        (finished: nothing of it is traced any more)."""
-        if self._tracer.main is None:
-            self._finish()
-            root = self.root
-            if self in root.members:  # a long run may start thousands: keep the live ones
-                root.members.remove(self)
-            for copies in root._copies.values():
-                copies[:] = [(m, c) for m, c in copies if m is not self]
-        else:
-            self._publish()
-
-    def _take_first_image_hook(self) -> None:
-        """Run ``on_new_process`` for this member, once, at its first image."""
-        hook, self._first_image_hook = self._first_image_hook, None
-        if hook is None:
-            return
-        try:
-            hook()
-        except ProbeError as exc:
-            self.on_notice(f"process {self.pid}: its probes could not be placed: {exc}")
-
-    def _copy(self, original: Kprobe | Kretprobe, copy: Kprobe | Kretprobe) -> None:
-        """``copy`` stands for ``original`` in a member (and goes when it is unregistered)."""
-        self.root._copies.setdefault(id(original), []).append((self, copy))  # type: ignore[arg-type]
-
-    # -- the root's probes, in the members ------------------------------------------------
-
-    def _unregister_copies(self, originals: list[Kprobe] | list[Kretprobe]) -> None:
+    def unregister_copies(self, originals: Sequence[Kprobe] | Sequence[Kretprobe]) -> None:
         """The root's probes are unregistered: so are their copies in the members."""
         for original in originals:
-            for member, copy in self.root._copies.pop(id(original), []):
-                if not member._attached:
+            for member, copy in self._copies.pop(id(original), []):
+                if not member.is_attached:
                     continue
                 with contextlib.suppress(ProbeError):
                     if isinstance(copy, Kretprobe):
@@ -147,29 +104,28 @@ class Family:
                     else:
                         member.unregister_kprobes([copy])
 
-    def _detach_members(self) -> None:
+    def close_members(self) -> None:
         for member in self.members:
             with contextlib.suppress(ProbeError, OSError):
                 member.close()
-        self._tracer.family.clear()
 
 
-def _copy_root_probes(member: Process) -> None:
+def copy_root_probes(member: Member) -> None:
     """The default ``on_new_process``: the root's probes given by symbol, in ``member``, with
     the root's handlers (and counts)."""
-    root = member.root
+    family = member.family
     kps: list[Kprobe] = []
     rps: list[Kretprobe] = []
-    for probe in list(root._manager.iter_probes()):
+    for probe in list(family.root.iter_probes()):
         owner = probe.owner
         if probe.symbol is None:
             continue  # an address means nothing in another image; nor do internal probes
         if isinstance(owner, Kretprobe):
             rps.append(_kretprobe_copy(owner))
-            member._copy(owner, rps[-1])
+            family.copy(member, owner, rps[-1])
         elif owner is None:  # a jprobe's arguments are bound to the root's image: not copied
             kps.append(_kprobe_copy(probe))
-            member._copy(probe, kps[-1])
+            family.copy(member, probe, kps[-1])
     if kps:
         member.register_kprobes(kps)
     if rps:

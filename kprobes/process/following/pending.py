@@ -25,19 +25,18 @@ loaded and unloaded in between), and the loader's ``RT_CONSISTENT`` at startup a
 comes after relocation, so ifunc resolvers and the loader's own calls into a library would
 be missed where the kernel counts them).
 
-``Following`` is a part of ``Process`` (target.py), kept apart as a mechanism of its own.
+``Following`` is a part of ``Process`` (target.py); the tracer calls it at every syscall stop.
 """
 
 from __future__ import annotations
 
 import enum
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from kprobes.core.probes import Kprobe
-from kprobes.core.retprobes import Kretprobe, KretprobeInstance
 from kprobes.errors import ProbeRejected, TargetError
 from kprobes.linux import procfs
 from kprobes.linux.syscalls import NR_MMAP
@@ -45,10 +44,10 @@ from kprobes.process.engine.trampoline import UnwindGuard
 
 if TYPE_CHECKING:
     from kprobes.core.manager import ProbeManager
+    from kprobes.process.engine.attachment import Attachment
+    from kprobes.process.engine.returns import ReturnProbes
     from kprobes.process.engine.threads import Thread
-    from kprobes.process.engine.tracee import Tracee
-    from kprobes.process.engine.tracer import Tracer
-    from kprobes.symbols.resolve import SymbolResolver
+    from kprobes.process.fast.state import JumpState
 
 AT_BASE = 7  # auxv: where the program interpreter (the dynamic loader) is loaded
 RT_CONSISTENT = 0  # r_debug.r_state: the link map is complete and stable
@@ -80,29 +79,29 @@ def _warn(message: str) -> None:
 class Following:
     """What keeps probes placed while the program's code comes and goes, for ``Process``."""
 
-    pid: int
-    _tracer: Tracer
-    _manager: ProbeManager
-    _resolver: SymbolResolver | None
-    _unwind_guarded: set[int]
-    _records: dict[int, list[int]]
-    _syscall_insn: int | None
-    _ifuncs: dict[int, int]
-    _boundaries: dict[int, frozenset[int]]
-    _dead_int3s: dict[int, int] | None
-
-    if TYPE_CHECKING:
-
-        def _symbols(self) -> SymbolResolver: ...
-        def _memory(self) -> Tracee: ...
-        def _publish(self) -> None: ...
-        def _ensure_unwind_guard(self) -> None: ...
-        def _ensure_trampoline(self) -> None: ...
-        def _give_records(self, rp: Kretprobe, instances: list[KretprobeInstance]) -> None: ...
-        def _take_first_image_hook(self) -> None: ...
-        def batch(self) -> AbstractContextManager[None]: ...
-
-    def _init_following(self, *, pending: bool) -> None:
+    def __init__(
+        self,
+        program: Attachment,
+        manager: ProbeManager,
+        returns: ReturnProbes,
+        jumps: JumpState,
+        *,
+        batch: Callable[[], AbstractContextManager[None]],
+        publish: Callable[[], None],
+        forget_image: Sequence[Callable[[], None]],
+        pending: bool,
+    ) -> None:
+        self._program = program
+        self.pid = program.pid
+        self._tracer = program.tracer
+        self._manager = manager
+        self._returns = returns
+        self._jumps = jumps
+        self._batch = batch  # Process.batch
+        self._publish = publish  # Process's probe list, for cleanup (cleanup.py)
+        self._forget_image = forget_image  # what the other parts knew of an old image
+        # A member of a family (family.py) gets its root's probes with its first image.
+        self.first_image_hook: Callable[[], None] | None = None
         self._manager.allow_pending = pending
         self._watch = _Watch.NONE
         self._r_debug = 0
@@ -110,7 +109,7 @@ class Following:
         self.is_starting = False  # the loader is mapping and relocating the startup libraries
         self._noticed: set[tuple[int, str]] = set()
         self.on_notice: Callable[[str], None] = _warn
-        self._tracer.on_syscall = self._on_syscall_stop
+        self._tracer.on_syscall = self.on_syscall_stop
 
     @property
     def pending(self) -> bool:
@@ -129,7 +128,7 @@ class Following:
 
     # -- the loader's rendezvous ----------------------------------------------------------
 
-    def _watch_loader(self) -> None:
+    def watch_loader(self) -> None:
         """Probe the loader's ``_dl_debug_state`` in this image (once per image)."""
         if self._watch is not _Watch.NONE:
             return
@@ -138,7 +137,7 @@ class Following:
             base = procfs.read_auxv(self.pid).get(AT_BASE, 0)
         except OSError:
             return
-        module = self._symbols().get_module_at(base) if base else None
+        module = self._program.symbols().get_module_at(base) if base else None
         if module is None:
             return  # a static program: nothing is loaded behind its back
         state = module.image.lookup("_dl_debug_state")
@@ -156,21 +155,21 @@ class Following:
         self._watch = _Watch.PLACED
 
     def _on_loader_hit(self, _probe: Kprobe, _regs: Any) -> None:
-        data = self._memory().read(self._r_debug + _R_STATE, 4)
+        data = self._program.memory().read(self._r_debug + _R_STATE, 4)
         if int.from_bytes(data, "little") != RT_CONSISTENT:
             return  # RT_ADD, RT_DELETE: the change is under way
         self.is_starting = False  # relocated: ifunc resolvers may run now
-        self._follow_maps()
+        self.follow_maps()
         main = self._tracer.main
         for thread in main.threads.values() if main is not None else ():
             thread.trace_syscalls(False)  # the startup's libraries are all in
 
     # -- code that came or went ------------------------------------------------------------
 
-    def _follow_maps(self) -> None:
+    def follow_maps(self) -> None:
         """The program mapped or unmapped code: take out the sites whose code went, place
         the pending probes whose library came."""
-        resolver = self._symbols()
+        resolver = self._program.symbols()
         resolver.refresh()
 
         def is_unmapped(site: Any) -> bool:
@@ -179,14 +178,14 @@ class Following:
             module = resolver.get_module_at(site.addr)
             return module is None or module.bias != site.location.bias
 
-        with self.batch():
+        with self._batch():
             for probe in self._manager.unmap(is_unmapped):
                 if probe.addr is None and probe.location is not None:
-                    self._unwind_guarded.discard(probe.location.addr)
+                    self._returns.forget_guard(probe.location.addr)
             for probe, exc in self._manager.resolve_pending():
                 self._notice(probe, f"pending probe {probe.symbol} stays pending: {exc}")
             if self._tracer.trampoline.addr:
-                self._ensure_unwind_guard()  # libgcc_s and the like come late
+                self._returns.ensure_unwind_guard()  # libgcc_s and the like come late
 
     def _notice(self, probe: Kprobe, message: str) -> None:
         key = (id(probe), message)
@@ -197,7 +196,7 @@ class Following:
     def _wants_thread_pointer(self, t: Thread) -> bool:
         """Record probes name threads by their thread pointer, which the loader sets only
         after the exec (``arch_prctl``): note it at the first syscall stop that has it."""
-        reader = self._tracer.optimizer.reader
+        reader = self._jumps.reader
         if reader is None or not reader.is_active:
             return False
         fs_base = t.regs.fs_base
@@ -205,7 +204,7 @@ class Following:
             reader.note_thread(fs_base, t.tid)
         return not fs_base
 
-    def _on_syscall_stop(self, t: Thread) -> None:
+    def on_syscall_stop(self, t: Thread) -> None:
         """A syscall stop: the exit of ``execve`` (a new image), or of an ``mmap`` of code
         while the loader starts the program; the others pass."""
         if t.exec_landing:
@@ -227,7 +226,7 @@ class Following:
             and not regs.r10 & _MAP_ANONYMOUS  # code from a file, not a JIT's page
             and result < (1 << 64) - _MAX_ERRNO  # not an error; at the entry rax is -ENOSYS
         ):
-            self._follow_maps()
+            self.follow_maps()
 
     def _is_waiting(self) -> bool:
         """Some probe given by symbol waits for its library."""
@@ -236,14 +235,11 @@ class Following:
     def _new_image(self, t: Thread) -> None:
         """``t`` stands at the exit of ``execve``: place every probe the new image allows,
         and follow its loader's startup."""
-        # What we knew of the old image: its code, its syscall instruction, its ifuncs.
-        self._resolver = None
-        self._syscall_insn = None
-        self._ifuncs.clear()
-        self._boundaries.clear()
-        self._dead_int3s = None
-        if self._tracer.trap_guard is not None:
-            self._tracer.trap_guard.saved = None  # exec reset the program's handlers
+        # What we knew of the old image: its symbols, its code, its syscall instruction, its
+        # ifuncs, its trampoline and guards.
+        for forget in self._forget_image:
+            forget()
+        self._returns.forget_image()
         self._tracer.guarding = False
         self._watch = _Watch.NONE
         self._watch_probe = None
@@ -252,12 +248,13 @@ class Following:
         own = [p for p in self._manager.pending if isinstance(p.owner, (LoaderWatch, UnwindGuard))]
         for probe in own:
             self._manager.pending.remove(probe)
-        self._unwind_guarded.clear()
         try:
-            with self.batch():
-                self._take_first_image_hook()  # a member's probes (family.py)
-                self._reequip_return_probes()
-                self._watch_loader()
+            with self._batch():
+                hook, self.first_image_hook = self.first_image_hook, None
+                if hook is not None:
+                    hook()  # a member's probes (family.py)
+                self._returns.reequip()
+                self.watch_loader()
                 for probe, exc in self._manager.resolve_pending():
                     self._notice(probe, f"pending probe {probe.symbol} stays pending: {exc}")
         except TargetError as exc:
@@ -265,17 +262,3 @@ class Following:
         self.is_starting = self._watch is _Watch.PLACED
         t.trace_syscalls(self.is_starting)
         self._publish()
-
-    def _reequip_return_probes(self) -> None:
-        """A new image has no trampoline and no rescue records: give the return probes
-        waiting to be placed in it both again (every instance is free after an exec)."""
-        retprobes = {
-            id(p.owner): p.owner for p in self._manager.pending if isinstance(p.owner, Kretprobe)
-        }
-        if not retprobes:
-            return
-        self._records.clear()
-        self._ensure_trampoline()
-        for rp in retprobes.values():
-            if rp.pool is not None:
-                self._give_records(rp, list(rp.pool.free))

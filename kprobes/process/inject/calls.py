@@ -42,7 +42,7 @@ from kprobes.process.engine.events import SIGTRAP_STOP
 from kprobes.process.engine.threads import RIP_OFFSET, Thread, ThreadState, siginfo_code
 
 if TYPE_CHECKING:
-    from kprobes.process.survival.rescue import Rescue
+    from kprobes.process.engine.rescue import Rescue
 
 _SAFE_STACK_GAP = 512  # beyond the 128-byte red zone, kept clear of the thread's frame
 _SCRATCH_GAP = 4096  # scratch memory lies this far below the stack pointer, and more

@@ -5,7 +5,8 @@ ifunc resolver must run in the program to say which implementation it picked. Ea
 one thread, held while the world is stopped (``calls.py`` saves and restores it). Which
 thread may be lent, and what to say when none can be, is decided here.
 
-``ProgramCalls`` is a part of ``Process`` (target.py), kept apart as a mechanism of its own.
+``ProgramCalls`` is a part of ``Process`` (target.py); the parts that need the program to
+run something for them (arming, the fast tier) hold it.
 """
 
 from __future__ import annotations
@@ -26,33 +27,40 @@ from kprobes.process.inject import calls, selfrestore
 from kprobes.symbols.maps import Mapping, read_maps
 
 if TYPE_CHECKING:
+    from kprobes.process.engine.attachment import Attachment
+    from kprobes.process.engine.rescue import Syscall
     from kprobes.process.engine.tracee import Tracee
-    from kprobes.process.engine.tracer import Tracer
-    from kprobes.process.survival.rescue import Syscall
 
 _MAP_FIXED_NOREPLACE = 0x100000
 _SIGACTION_ROOM = 64  # scratch for the struct sigaction an injected rt_sigaction reads
 
 
 class ProgramCalls:
-    """Injected calls into the program, for ``Process``."""
+    """Injected calls into the program, for the parts of ``Process`` that need one."""
 
-    pid: int
-    _tracer: Tracer
-    _syscall_insn: int | None
-    _ifuncs: dict[int, int]
+    def __init__(self, program: Attachment) -> None:
+        self._program = program
+        self.pid = program.pid
+        self._tracer = program.tracer
+        self._syscall_insn: int | None = None
+        self._ifuncs: dict[int, int] = {}  # resolver → the implementation it picked
 
-    if TYPE_CHECKING:
+    def forget_image(self) -> None:
+        """exec replaced the program's image: its syscall instruction and ifuncs too."""
+        self._syscall_insn = None
+        self._ifuncs.clear()
 
-        def _memory(self) -> Tracee: ...
-        def _xol(self) -> XolArea: ...
-        def _require_attached(self) -> None: ...
+    def xol(self) -> XolArea:
+        """The out-of-line area, its pages mapped by the program as they are needed."""
+        if self._tracer.xol is None:
+            self._tracer.xol = XolArea(self.map_xol_page)
+        return self._tracer.xol
 
-    def _map_xol_page(self, near: int, size: int) -> int:
+    def map_xol_page(self, near: int, size: int) -> int:
         """Have the program mmap an executable page in a free gap within reach of ``near``."""
-        with self._injection_thread() as thread:
+        with self.injection_thread() as thread:
             maps = read_maps(self.pid)
-            insn = self._find_syscall(maps)
+            insn = self.find_syscall(maps)
             for cand in candidate_addresses(maps, near, size):
                 rescue = self._tracer.rescue
                 result = calls.run_syscall(
@@ -68,8 +76,8 @@ class ProgramCalls:
                     rescue=rescue,
                 )
                 if result == cand:
-                    self._memory().write(cand, b"\xcc" * size)
-                    self._note_own_code(cand, cand + size)
+                    self._program.memory().write(cand, b"\xcc" * size)
+                    self.note_own_code(cand, cand + size)
                     return cand
                 if result >= 0:  # munmap: wrong place
                     calls.run_syscall(thread, insn, NR_MUNMAP, result, size, rescue=rescue)
@@ -82,11 +90,11 @@ class ProgramCalls:
             errno=errno.ERANGE,
         )
 
-    def _find_syscall(self, maps: list[Mapping]) -> int:
+    def find_syscall(self, maps: list[Mapping]) -> int:
         """The address of an existing ``syscall`` instruction (0f 05) in the program."""
         if self._syscall_insn is not None:
             return self._syscall_insn
-        mem = self._memory()
+        mem = self._program.memory()
         ordered = sorted(
             (m for m in maps if "x" in m.perms and m.path not in ("[vsyscall]", "")),
             key=lambda m: (m.path != "[vdso]", "libc" not in m.path),
@@ -100,14 +108,14 @@ class ProgramCalls:
                     return start + at
         raise TargetError("no syscall instruction found in the program's code")
 
-    def _ifunc_target(self, resolver_addr: int) -> int:
+    def ifunc_target(self, resolver_addr: int) -> int:
         """Run a GNU ifunc resolver in the program: the implementation it picks."""
         impl = self._ifuncs.get(resolver_addr)
         if impl is None:
-            with self._world_held():
-                self._ensure_rescue()
-                trap = self._xol().ensure_page(resolver_addr).start
-                with self._injection_thread() as thread:
+            with self.world_held():
+                self.ensure_rescue()
+                trap = self.xol().ensure_page(resolver_addr).start
+                with self.injection_thread() as thread:
                     impl = calls.call_function(
                         thread, resolver_addr, trap, rescue=self._tracer.rescue
                     )
@@ -115,9 +123,9 @@ class ProgramCalls:
         return impl
 
     @contextmanager
-    def _world_held(self) -> Iterator[None]:
+    def world_held(self) -> Iterator[None]:
         """Every thread held for the block (a nested stop of the world only counts)."""
-        self._require_attached()
+        self._program.require()
         self._tracer.stop_world()
         try:
             yield
@@ -125,7 +133,7 @@ class ProgramCalls:
             self._tracer.resume_world()
 
     @contextmanager
-    def _injection_thread(self) -> Iterator[Thread]:
+    def injection_thread(self) -> Iterator[Thread]:
         """A thread held still to run code for us (an ``mmap``, an ifunc resolver).
 
         The world is held here, whoever the caller is. In a held world a thread may have
@@ -141,7 +149,7 @@ class ProgramCalls:
         Rejected: failing the registration (the user can do nothing about it), or running
         the pending stop's handlers from here, in the middle of a registration.
         """
-        with self._world_held():
+        with self.world_held():
             tracer = self._tracer
             try:
                 thread = tracer.held_thread()
@@ -180,14 +188,14 @@ class ProgramCalls:
             )
         raise InternalError("no held thread to run code in: every thread is in an event stop")
 
-    def _ensure_rescue(self) -> None:
+    def ensure_rescue(self) -> None:
         """Give the program its rescue before anything of ours goes in (``rescue.py``)."""
         rescue = self._tracer.rescue
         if rescue.is_installed or rescue.unavailable or self._tracer.main is None:
             return
         # A program that cannot have it (a seccomp filter refusing mmap or rt_sigaction) is
         # still probed, as before the rescue existed: only the tool's death would hurt it.
-        with self._injection_thread() as thread:
+        with self.injection_thread() as thread:
             try:
                 rescue.install(
                     list(self._tracer.own_memories()),
@@ -197,16 +205,16 @@ class ProgramCalls:
             except TargetError as exc:
                 rescue.unavailable = str(exc)
 
-    def _note_own_code(self, start: int, end: int) -> None:
+    def note_own_code(self, start: int, end: int) -> None:
         """Executable code of ours at [start, end) (an out-of-line or detour page): the rescue
         knows it, and a fault of a fetch of ours in it gives ``(fault)`` (faults.py).
 
-        ``_map_xol_page`` notes each page it maps; tests note code of their own with it.
+        ``map_xol_page`` notes each page it maps; tests note code of their own with it.
         """
         self._tracer.fetch_faults.note_code(start, end)
         self._tracer.rescue.note_page(self._tracer.own_memories(), start, end)
 
-    def _activate_fetch_faults(self) -> bool:
+    def activate_fetch_faults(self) -> bool:
         """Before the first detour that may fault on a fetch goes in: make the rescue the
         program's SIGSEGV and SIGBUS handler too, so that the program survives such a fault
         when the tool is dead (while it lives, the tracer fixes it anyway). Once per address
@@ -219,11 +227,11 @@ class ProgramCalls:
         rescue = self._tracer.rescue
         if rescue.is_fetch_faults_active:
             return True
-        with self._world_held():
-            self._ensure_rescue()
+        with self.world_held():
+            self.ensure_rescue()
             if not rescue.is_installed:
                 return False
-            with self._injection_thread() as thread:
+            with self.injection_thread() as thread:
                 try:
                     rescue.activate_fetch_faults(*self._rescue_calls(thread))
                 except TargetError:
@@ -242,9 +250,9 @@ class ProgramCalls:
             calls.scratch_below(sp, _SIGACTION_ROOM),
         )
 
-    def _map_records(self, size: int) -> int:
+    def map_records(self, size: int) -> int:
         """More room for the rescue's return records (many large kretprobe pools)."""
-        with self._injection_thread() as thread:
+        with self.injection_thread() as thread:
             result = calls.run_syscall(
                 thread,
                 0,
@@ -270,7 +278,7 @@ class ProgramCalls:
         if way is not None:
             result = selfrestore.run_syscall(thread, way, NR_MMAP, *args)
         else:
-            insn = self._find_syscall(read_maps(self.pid))
+            insn = self.find_syscall(read_maps(self.pid))
             result = calls.run_syscall(thread, insn, NR_MMAP, *args)
         if result < 0:
             raise TargetError(f"mmap of the rescue area failed: {os.strerror(-result)}")

@@ -1,2 +1,2 @@
-"""The program survives us: the rescue that finishes a hit if the tool dies, the trap guard,
-the shield from other tools' uprobes, detach, cleanup at every way out, our pages given back."""
+"""The program survives us: the trap guard, detach, cleanup at every way out, our pages
+given back. (The rescue's tables are the engine's, which notes every patch in them first.)"""

@@ -15,20 +15,26 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kprobes import lifetime
 from kprobes.model import ProbeListing
 
-if TYPE_CHECKING:
-    from kprobes.process.target import Process
+
+class Traced(Protocol):
+    """What cleanup needs of a traced process (a ``Process``)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def close(self) -> None: ...
 
 
-def remember(proc: Process) -> None:
+def remember(proc: Traced) -> None:
     lifetime.remember(proc)
 
 
-def forget(proc: Process) -> None:
+def forget(proc: Traced) -> None:
     lifetime.forget(proc)
     remove_state(proc.pid)
 
@@ -51,7 +57,7 @@ def state_path(pid: int) -> str:
     return os.path.join(state_dir(), f"{pid}.json")
 
 
-def publish(proc: Process, listing: list[ProbeListing]) -> None:
+def publish(proc: Traced, listing: list[ProbeListing]) -> None:
     if not lifetime.is_live(proc):
         remove_state(proc.pid)
         return

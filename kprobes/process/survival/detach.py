@@ -35,8 +35,9 @@ from kprobes.process.engine import events as ev
 from kprobes.process.engine.threads import Thread, ThreadState
 from kprobes.process.engine.tracee import Tracee, TraceeKind
 from kprobes.process.engine.tracer import Tracer
+from kprobes.process.fast.shield import Shield, pages_of
+from kprobes.process.fast.state import JumpState
 from kprobes.process.inject import calls
-from kprobes.process.survival.shield import pages_of
 from kprobes.process.survival.unmapping import Unmapping, leave_detours
 
 SLOT_SIZE = 32
@@ -44,7 +45,7 @@ _STACK_SCAN = 0x10000  # bytes above a thread's stack pointer searched for a sav
 _STOPPED = ThreadState.STOPPED
 
 
-def detach_all(tracer: Tracer) -> list[str]:
+def detach_all(tracer: Tracer, jumps: JumpState) -> list[str]:
     """Steps 1-6 (above); what kept pages of ours in the program, one line each."""
     tracer.stop_world()
     why_kept: list[str] = []
@@ -56,7 +57,7 @@ def detach_all(tracer: Tracer) -> list[str]:
         # Step 2b: every live frame we hooked gets its real return address back.
         tracer.trampoline.unhook(list(tracer.threads.values()))
         # Step 2c: no thread left inside a detour, where possible (unmapping.py).
-        leave_detours(tracer)
+        leave_detours(tracer, jumps)
         # Step 3
         for slot, prepared in tracer.slot_history.items():
             if prepared.kind in (PlanKind.STEP, PlanKind.SINGLESTEP):
@@ -72,7 +73,7 @@ def detach_all(tracer: Tracer) -> list[str]:
         # own SIGTRAP action back in place of the rescue (rescue.py) once every other thread
         # is gone, and nothing of ours is left to trap on.
         last: Thread | None = None
-        unmapping = Unmapping(tracer)
+        unmapping = Unmapping(tracer, jumps)
         inside = False  # a thread was let go in detour code that may still fault on a fetch
         while tracer.threads:
             for thread in list(tracer.threads.values()):
@@ -91,7 +92,7 @@ def detach_all(tracer: Tracer) -> list[str]:
             if last is not None and len(tracer.threads) == 1:
                 inside = inside or _may_fetch(tracer, last)
                 unmapping.look_at(last)
-                _uncover(tracer, last)
+                _uncover(tracer, jumps.shield, last)
                 _give_back(unmapping, last, rescue=False)  # Step 6
                 _deactivate_rescue(tracer, last, keep_fetch_faults=inside)
                 _give_back(unmapping, last, rescue=True)
@@ -120,12 +121,12 @@ def _deactivate_rescue(tracer: Tracer, thread: Thread, *, keep_fetch_faults: boo
         )
 
 
-def _uncover(tracer: Tracer, thread: Thread) -> None:
+def _uncover(tracer: Tracer, shield: Shield, thread: Thread) -> None:
     """Step 6: the pages our int3s and jumps were on get the protection they had (shield.py),
     through ``thread`` (held, sent home), all but a page where a byte of ours could not be
     taken back; without the rescue's stub to run it on, they stay writable, which harms
     nothing."""
-    rescue, shield = tracer.rescue, tracer.optimizer.shield
+    rescue = tracer.rescue
     pid = thread.tracee.pid
     if not rescue.is_installed or not shield.covered(pid):
         return
@@ -255,7 +256,7 @@ def _send_home(tracer: Tracer, t: Thread) -> int | None:
                 sig = signal.SIGTRAP  # the program's own
         elif event == 0 and os.WIFSTOPPED(status):
             sig = os.WSTOPSIG(status)
-            if tracer.fetch_faults.fix(t, sig, tracer.rescue):
+            if tracer.fetch_faults.fix(t, sig):
                 sig = 0  # a fetch of ours hit a bad pointer: on past it
                 rip = regs.rip
         elif event in (

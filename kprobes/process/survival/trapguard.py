@@ -20,9 +20,9 @@ from collections.abc import Callable
 from kprobes.errors import TargetError
 from kprobes.linux import procfs
 from kprobes.linux.syscalls import NR_RT_SIGACTION
+from kprobes.process.engine.rescue import Rescue
 from kprobes.process.engine.threads import Thread
 from kprobes.process.inject import calls
-from kprobes.process.survival.rescue import Rescue
 
 _SIGACTION_SIZE = 32  # handler, flags, restorer, mask (the kernel's struct)
 _SIGSET_SIZE = 8
@@ -52,6 +52,10 @@ class TrapGuard:
         """After a hit: if our trap reset the program's SIGTRAP handler, put it back."""
         if self.saved is not None and not catches_sigtrap(self.pid):
             self._sigaction(thread, self.saved)
+
+    def forget(self) -> None:
+        """exec reset the program's handlers: nothing saved is the program's any more."""
+        self.saved = None
 
     def _sigaction(self, thread: Thread, new: bytes | None) -> bytes:
         # The thread's loaded view, not a reload: a pre handler's unsaved register writes are

@@ -49,6 +49,7 @@ from kprobes.symbols.maps import Mapping, read_maps
 if TYPE_CHECKING:
     from kprobes.process.engine.threads import Thread
     from kprobes.process.engine.tracer import Tracer
+    from kprobes.process.fast.state import JumpState
 
 STACK_SCAN: Final = 0x800000  # at most, bytes above a thread's stack pointer searched
 AREA_PATH: Final = "/memfd:" + AREA_NAME.rstrip(b"\0").decode()
@@ -78,14 +79,13 @@ class OwnPages:
         return self.start <= addr < self.end
 
 
-def own_pages(tracer: Tracer) -> list[OwnPages]:
+def own_pages(tracer: Tracer, jumps: JumpState) -> list[OwnPages]:
     """Every mapping this session made in the program's address space."""
     pages: list[OwnPages] = []
     if tracer.xol is not None:
         pages += [OwnPages(p.start, p.end, PageKind.SLOTS) for p in tracer.xol.pages]
-    opt = tracer.optimizer
-    pages += [OwnPages(p.start, p.start + PAGES_SIZE, PageKind.DETOURS) for p in opt.pages]
-    pages += [OwnPages(a.addr, a.addr + a.layout.map_size, PageKind.AREA) for a in opt.areas]
+    pages += [OwnPages(p.start, p.start + PAGES_SIZE, PageKind.DETOURS) for p in jumps.pages]
+    pages += [OwnPages(a.addr, a.addr + a.layout.map_size, PageKind.AREA) for a in jumps.areas]
     rescue = tracer.rescue
     if rescue.is_installed:
         area = rescue.area
@@ -94,7 +94,7 @@ def own_pages(tracer: Tracer) -> list[OwnPages]:
     return pages
 
 
-def leave_detours(tracer: Tracer) -> None:
+def leave_detours(tracer: Tracer, jumps: JumpState) -> None:
     """Step every held thread that is inside a detour out of it (every jump is gone: no
     thread goes in again), so that its page, and the areas, can go.
 
@@ -106,7 +106,7 @@ def leave_detours(tracer: Tracer) -> None:
     keeps its pages. Rejected: letting the world run a moment and stopping it again (an
     interrupt asked for at once is taken before the thread runs a single instruction).
     """
-    detours = [p for p in own_pages(tracer) if p.kind is PageKind.DETOURS]
+    detours = [p for p in own_pages(tracer, jumps) if p.kind is PageKind.DETOURS]
     if not detours:
         return
     for t in list(tracer.threads.values()):
@@ -182,9 +182,9 @@ def _outside(start: int, end: int, ours: list[OwnPages]) -> list[tuple[int, int]
 class Unmapping:
     """What one clean end gives back: our pages, less those a thread was let go in."""
 
-    def __init__(self, tracer: Tracer) -> None:
+    def __init__(self, tracer: Tracer, jumps: JumpState) -> None:
         self._tracer = tracer
-        self.pages = own_pages(tracer)
+        self.pages = own_pages(tracer, jumps)
         with contextlib.suppress(OSError, TargetError):
             self.pages += leftovers(tracer, self.pages)
         self.kept: set[OwnPages] = set()

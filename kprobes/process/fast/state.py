@@ -1,0 +1,81 @@
+"""What the fast tier keeps for one address space: its sites, its memory, its reader.
+
+One ``JumpState`` per ``Process`` (a followed child that execs has its own), shared by the
+tier's three parts (``memory.py``'s detour pages and areas, ``recording.py``'s reader,
+``optimizer.py``'s sites) and read by the clean end (``survival/``) that gives it all back.
+exec forgets it. It is also what the engine knows of the tier (``contracts.FastTier``).
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Final
+
+from kprobes.arch.x86_64 import shared_area as sa
+from kprobes.core.optimizer import SiteOpt
+from kprobes.process.fast.reader import RingReader
+from kprobes.process.fast.shield import Shield
+
+RING_BYTES: Final = 32 << 20  # per area; pages are the program's only once written
+
+
+@dataclass(slots=True)
+class SharedArea:
+    """The program's memfd as the tool maps it, and where the program mapped it."""
+
+    addr: int
+    layout: sa.AreaLayout
+    mapping: mmap.mmap
+    next_counter: int = 0
+
+    @property
+    def view(self) -> memoryview:
+        return memoryview(self.mapping)
+
+    def counter_addr(self, index: int) -> int:
+        return self.addr + self.layout.counter_offset(index)
+
+
+@dataclass(slots=True)
+class DetourPage:
+    start: int
+    used: int
+
+
+@dataclass(slots=True)
+class JumpState:
+    """What the optimizer keeps for one address space (forgotten at exec)."""
+
+    is_enabled: bool = True  # proc.optimization
+    ring_bytes: int = RING_BYTES
+    sites: dict[int, SiteOpt] = field(default_factory=dict)
+    areas: list[SharedArea] = field(default_factory=list)  # one per ±2 GiB neighbourhood
+    pages: list[DetourPage] = field(default_factory=list)
+    reader: RingReader | None = None  # the records of record probes (reader.py)
+    shield: Shield = field(default_factory=Shield)  # pages kept from the kernel's uprobes
+
+    def forget(self) -> None:
+        """The address space was replaced (exec): nothing of ours is in it any more."""
+        if self.reader is not None:
+            self.reader.drain()
+            self.reader.forget()
+        self.shield.forget()
+        self.sites.clear()
+        self.areas.clear()
+        self.pages.clear()
+
+    def counts(self) -> Iterator[tuple[int, int]]:
+        """(site address, hits counted in the program since the last call) of every site."""
+        for addr, so in self.sites.items():
+            if so.counter < 0:
+                continue
+            value = sa.read_counter(self.areas[so.area].view, so.counter)
+            if value != so.seen:
+                delta, so.seen = value - so.seen, value
+                yield addr, delta
+
+    def forget_site(self, addr: int) -> None:
+        """The site at ``addr`` left the probe table: its counter goes with it."""
+        self.sites.pop(addr, None)
