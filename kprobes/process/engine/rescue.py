@@ -122,7 +122,7 @@ class Rescue:
         (to hand the program's own traps on) and ``deactivate`` finds it.
         """
         new_at = self.area + layout.HEADER + layout.H_NEW_ACTION
-        old = _sigaction(mem, syscall, scratch, signal.SIGTRAP, new_at)
+        old = sigaction(mem, syscall, scratch, signal.SIGTRAP, new_at)
         mem.write(self.area + layout.HEADER + layout.H_OLD, old)
         self.is_trap_active = True
 
@@ -139,11 +139,11 @@ class Rescue:
         taken: list[int] = []
         try:
             for index, sig in enumerate(layout.FAULT_SIGNALS):
-                own = _sigaction(mem, syscall, scratch, sig, 0)
+                own = sigaction(mem, syscall, scratch, sig, 0)
                 mem.write(base + layout.H_OLD_FAULT + index * layout.SIGACTION_SIZE, own)
                 new_at = base + layout.H_NEW_FAULT + index * layout.SIGACTION_SIZE
                 mem.write(new_at, layout.fault_sigaction(self.area, own))
-                _sigaction(mem, syscall, scratch, sig, new_at)
+                sigaction(mem, syscall, scratch, sig, new_at)
                 taken.append(index)
         except TargetError:
             for index in reversed(taken):
@@ -163,12 +163,12 @@ class Rescue:
         """
         if not self.is_fetch_faults_active:
             return False
-        handler, _, restorer, _ = struct.unpack("<QQQQ", _sigaction(mem, syscall, scratch, sig, 0))
+        handler, _, restorer, _ = struct.unpack("<QQQQ", sigaction(mem, syscall, scratch, sig, 0))
         if handler != 0 or restorer != layout.restorer(self.area):
             return False
         index = layout.FAULT_SIGNALS.index(sig)
         new_at = self.area + layout.HEADER + layout.H_NEW_FAULT + index * layout.SIGACTION_SIZE
-        _sigaction(mem, syscall, scratch, sig, new_at)
+        sigaction(mem, syscall, scratch, sig, new_at)
         return True
 
     def deactivate(self, syscall: Syscall, *, keep_fetch_faults: bool = False) -> None:
@@ -331,9 +331,10 @@ class Rescue:
         mem.write(self.area + layout.HEADER + layout.H_INJECT_TRAP, layout.word(0))
 
 
-def _sigaction(mem: Tracee, syscall: Syscall, scratch: int, sig: int, new_at: int) -> bytes:
-    """``rt_sigaction(sig, new_at, scratch)`` in the program: its action before (``new_at``
-    0: only read it)."""
+def sigaction(mem: Tracee, syscall: Syscall, scratch: int, sig: int, new_at: int) -> bytes:
+    """``rt_sigaction(sig, new_at, scratch)`` in the program, through ``syscall``: its action
+    before (``new_at`` 0: only read it). The one signal-action injection (the rescue's and
+    the trap guard's)."""
     result = syscall(NR_RT_SIGACTION, sig, new_at, scratch, _SIGSET_SIZE)
     if result < 0:
         name = signal.Signals(sig).name

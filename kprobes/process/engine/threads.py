@@ -49,6 +49,7 @@ _STEPPING = S.STEPPING
 
 _RIP = REG_INDEX["rip"]
 RIP_OFFSET = _RIP * 8  # rip in struct user, whose first member is the registers
+STACK_SCAN = 0x10000  # bytes above a stack pointer searched for a saved rip (stack_words)
 
 
 class Thread:
@@ -116,6 +117,12 @@ class Thread:
         if state not in _ALLOWED[self.state]:
             raise InternalError(f"thread {self.tid}: {self.state.value} -> {state.value}")
         self.state = state
+
+    def stack_words(self, rsp: int, size: int = STACK_SCAN) -> memoryview:
+        """The 8-byte words in ``size`` bytes from ``rsp`` up (fewer where the stack ends):
+        where a return address, or the rip a signal frame saved, would be found."""
+        data = self.tracee.read_some(rsp & ~7, size)
+        return memoryview(data[: len(data) & ~7]).cast("Q")
 
     def load_regs(self) -> Regs:
         getregs = self.req.getregs  # not self.req.getregs(): see Tracer.run

@@ -64,7 +64,6 @@ if TYPE_CHECKING:
     from kprobes.process.inject.program import ProgramCalls
 
 _COLD_PARTS: Final = 8  # foo.cold.0 .. foo.cold.7: older gcc's names of a function's parts
-STACK_SCAN: Final = 0x10000  # bytes above each thread's rsp searched for a saved rip
 _DETOUR_ALIGN: Final = 16
 JUMP_LEN: Final = 5
 
@@ -87,8 +86,7 @@ class _Threads:
                 except ProcessLookupError:
                     continue  # exiting (a joined thread's task outlives the join a while):
                     # it runs no more code, and its exit is reported later
-                stack = t.tracee.read_some(regs.rsp & ~7, STACK_SCAN)
-                words = sorted(set(memoryview(stack[: len(stack) & ~7]).cast("Q")))
+                words = sorted(set(t.stack_words(regs.rsp)))
                 self._seen.append((t.tid, regs.rip, words))
         return self._seen
 

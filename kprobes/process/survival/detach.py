@@ -28,7 +28,7 @@ import os
 import signal
 
 from kprobes.arch.x86_64.encode import jmp_rel32
-from kprobes.arch.x86_64.plan import PlanKind
+from kprobes.arch.x86_64.plan import SLOT_SIZE, PlanKind
 from kprobes.errors import InternalError, TargetError
 from kprobes.linux import ptrace
 from kprobes.process.engine import events as ev
@@ -40,8 +40,6 @@ from kprobes.process.fast.state import JumpState
 from kprobes.process.inject import calls
 from kprobes.process.survival.unmapping import Unmapping, leave_detours
 
-SLOT_SIZE = 32
-_STACK_SCAN = 0x10000  # bytes above a thread's stack pointer searched for a saved rip
 _STOPPED = ThreadState.STOPPED
 
 
@@ -189,8 +187,7 @@ def _may_fetch(tracer: Tracer, t: Thread) -> bool:
     regs = t.regs
     if fetches_there(regs.rip):
         return True
-    stack = t.tracee.read_some(regs.rsp & ~7, _STACK_SCAN)
-    return any(fetches_there(word) for word in memoryview(stack[: len(stack) & ~7]).cast("Q"))
+    return any(fetches_there(word) for word in t.stack_words(regs.rsp))
 
 
 def _home(tracer: Tracer, rip: int) -> int:

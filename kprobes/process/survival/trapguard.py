@@ -19,13 +19,11 @@ from collections.abc import Callable
 
 from kprobes.errors import TargetError
 from kprobes.linux import procfs
-from kprobes.linux.syscalls import NR_RT_SIGACTION
-from kprobes.process.engine.rescue import Rescue
+from kprobes.process.engine.rescue import Rescue, sigaction
 from kprobes.process.engine.threads import Thread
 from kprobes.process.inject import calls
 
 _SIGACTION_SIZE = 32  # handler, flags, restorer, mask (the kernel's struct)
-_SIGSET_SIZE = 8
 
 
 def catches_sigtrap(pid: int) -> bool:
@@ -62,21 +60,16 @@ class TrapGuard:
         # in it, and run_syscall puts the view back as it found it.
         mem = thread.tracee
         scratch = calls.scratch_below(thread.regs.rsp, 2 * _SIGACTION_SIZE)
-        old_at = scratch + _SIGACTION_SIZE
         new_at = 0
         if new is not None:
-            mem.write(scratch, new)
-            new_at = scratch
-        result = calls.run_syscall(
-            thread,
-            self._syscall_insn(),
-            NR_RT_SIGACTION,
-            signal.SIGTRAP,
-            new_at,
-            old_at,
-            _SIGSET_SIZE,
-            rescue=self._rescue,
-        )
-        if result < 0:
-            raise TargetError(f"rt_sigaction(SIGTRAP) in process {self.pid} failed ({result})")
-        return mem.read(old_at, _SIGACTION_SIZE)
+            new_at = scratch + _SIGACTION_SIZE
+            mem.write(new_at, new)
+
+        def syscall(nr: int, *args: int) -> int:
+            insn = self._syscall_insn()
+            return calls.run_syscall(thread, insn, nr, *args, rescue=self._rescue)
+
+        try:
+            return sigaction(mem, syscall, scratch, signal.SIGTRAP, new_at)
+        except TargetError as exc:
+            raise TargetError(f"process {self.pid}: {exc}") from exc

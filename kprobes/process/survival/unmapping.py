@@ -205,8 +205,7 @@ class Unmapping:
         words = [regs.rip]
         with contextlib.suppress(TargetError, ProcessLookupError):
             top = min(self._stack_top(t, regs.rsp), regs.rsp + STACK_SCAN)
-            stack = t.tracee.read_some(regs.rsp & ~7, top - (regs.rsp & ~7))
-            words += memoryview(stack[: len(stack) & ~7]).cast("Q").tolist()
+            words += t.stack_words(regs.rsp, top - (regs.rsp & ~7)).tolist()
         lo = min(p.start for p in self.pages)
         hi = max(p.end for p in self.pages)
         for k, word in enumerate(words):
