@@ -26,7 +26,7 @@ from typing import Final
 from iced_x86 import Code, Instruction, MemoryOperand, Register, Register_
 
 from kprobes.arch.x86_64 import shared_area as area
-from kprobes.arch.x86_64.capture import CapturePlan, emit_captures
+from kprobes.arch.x86_64.capture import CapturePlan, LoadReg, emit_captures
 from kprobes.arch.x86_64.detour import (
     EFLAGS,
     Block,
@@ -105,11 +105,39 @@ class RecordAction:
         return True
 
     def emit(self, block: Block, frame: Frame, probe_addr: int) -> None:
+        """Reserve a place in the ring (Steps 1-2), fill it (3-5), commit it (6); a full ring
+        jumps to Step 7 and writes nothing."""
+        rcx, rbx, rsi = (_GPRS[r] for r in ("rcx", "rbx", "rsi"))
+        if self.counter is not None:
+            block.add(Instruction.create_mem(Code.INC_RM64, rip_operand(self.counter)), lock=True)
+        self._emit_reserve(block)
+        self._emit_header(block)
+        load_reg = _register_loader(frame, probe_addr)
+        # Step 4: the registers block.
+        if self.with_regs:
+            for name in area.REG_ORDER:
+                if name in frame.words or name in ("rip", "eflags", "rsp"):
+                    load_reg(block, name, rcx)
+                    block.add(mov_store(rbx, area.rec_reg(name), rcx))
+                else:
+                    block.add(mov_store(rbx, area.rec_reg(name), _GPRS[name]))
+        # Step 5: the fetch-args' captures.
+        emit_captures(block, self.plan, rbx, self.data_offset, load_reg)
+        # Step 6: the commit word, last.
+        block.add(Instruction.create_reg_u64(Code.MOV_R64_IMM64, rcx, area.COMMIT_TAG + 1))
+        block.add(Instruction.create_reg_reg(Code.ADD_R64_RM64, rcx, rsi))
+        block.add(mov_store(rbx, area.REC_COMMIT, rcx))
+        block.branch(Code.JMP_REL32_64, "done")
+        # Step 7: the ring is full: count the drop, write nothing.
+        block.label("full")
+        block.add(Instruction.create_mem(Code.INC_RM64, rip_operand(self.ring.drops)), lock=True)
+        block.label("done")
+
+    def _emit_reserve(self, block: Block) -> None:
+        """Steps 1-2: a ticket in rsi and its record in rbx, or a jump to "full"."""
         ring = self.ring
         rax, rcx, rdx, rbx, rsi = (_GPRS[r] for r in ("rax", "rcx", "rdx", "rbx", "rsi"))
         k = self.slots
-        if self.counter is not None:
-            block.add(Instruction.create_mem(Code.INC_RM64, rip_operand(self.counter)), lock=True)
         # Step 1: reserve tickets rax .. rax+k-1 if the ring has room (see shared_area.py).
         block.add(Instruction.create_reg_mem(Code.MOV_R64_RM64, rax, rip_operand(ring.head)))
         block.label("retry")
@@ -132,6 +160,10 @@ class RecordAction:
         block.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, rax, 6))  # * SLOT
         block.add(Instruction.create_reg_mem(Code.LEA_R64_M, rbx, rip_operand(ring.ring)))
         block.add(Instruction.create_reg_reg(Code.ADD_R64_RM64, rbx, rax))
+
+    def _emit_header(self, block: Block) -> None:
+        """The header of the record at rbx (its place from Step 2); clobbers rax, rcx, rdx."""
+        rax, rcx, rdx, rbx = (_GPRS[r] for r in ("rax", "rcx", "rdx", "rbx"))
         # Step 3: the header: thread, time, then meta (probe id, slots, cpu, registers).
         if self.thread_id is ThreadId.FSBASE:
             block.add(Instruction.create_reg(Code.RDFSBASE_R64, rcx))
@@ -154,46 +186,30 @@ class RecordAction:
         if self.cpu_id is not CpuId.NONE:  # TSC_AUX: the node above the CPU's 12 bits
             block.add(Instruction.create_reg_u32(Code.AND_RM32_IMM32, Register.ECX, 0xFFF))
         block.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, rcx, area.META_CPU_SHIFT))
-        meta = self.probe_id | k << area.META_SLOTS_SHIFT
+        meta = self.probe_id | self.slots << area.META_SLOTS_SHIFT
         if self.with_regs:
             meta |= area.META_REGS
         block.add(Instruction.create_reg_u64(Code.MOV_R64_IMM64, rax, meta))
         block.add(Instruction.create_reg_reg(Code.OR_R64_RM64, rcx, rax))
         block.add(mov_store(rbx, area.REC_META, rcx))
 
-        def load_reg(b: Block, name: str, into: Register_) -> None:
-            """The program's value of ``name`` at the probe, into ``into``."""
-            if name == "rsp":
-                b.add(
-                    Instruction.create_reg_mem(
-                        Code.LEA_R64_M, into, at(Register.RSP, frame.probe_rsp)
-                    )
-                )
-            elif name == "rip":
-                b.add(Instruction.create_reg_mem(Code.LEA_R64_M, into, rip_operand(probe_addr)))
-            elif name == "eflags":
-                b.add(mov_load(into, Register.RSP, frame.offset(EFLAGS)))
-            elif name in frame.words:
-                b.add(mov_load(into, Register.RSP, frame.offset(name)))
-            elif _GPRS[name] != into:
-                b.add(Instruction.create_reg_reg(Code.MOV_R64_RM64, into, _GPRS[name]))
 
-        # Step 4: the registers block.
-        if self.with_regs:
-            for name in area.REG_ORDER:
-                if name in frame.words or name in ("rip", "eflags", "rsp"):
-                    load_reg(block, name, rcx)
-                    block.add(mov_store(rbx, area.rec_reg(name), rcx))
-                else:
-                    block.add(mov_store(rbx, area.rec_reg(name), _GPRS[name]))
-        # Step 5: the fetch-args' captures.
-        emit_captures(block, self.plan, rbx, self.data_offset, load_reg)
-        # Step 6: the commit word, last.
-        block.add(Instruction.create_reg_u64(Code.MOV_R64_IMM64, rcx, area.COMMIT_TAG + 1))
-        block.add(Instruction.create_reg_reg(Code.ADD_R64_RM64, rcx, rsi))
-        block.add(mov_store(rbx, area.REC_COMMIT, rcx))
-        block.branch(Code.JMP_REL32_64, "done")
-        # Step 7: the ring is full: count the drop, write nothing.
-        block.label("full")
-        block.add(Instruction.create_mem(Code.INC_RM64, rip_operand(ring.drops)), lock=True)
-        block.label("done")
+def _register_loader(frame: Frame, probe_addr: int) -> LoadReg:
+    """``load_reg`` for this detour's captures: a register it saved is read from ``frame``."""
+
+    def load_reg(b: Block, name: str, into: Register_) -> None:
+        """The program's value of ``name`` at the probe, into ``into``."""
+        if name == "rsp":
+            b.add(
+                Instruction.create_reg_mem(Code.LEA_R64_M, into, at(Register.RSP, frame.probe_rsp))
+            )
+        elif name == "rip":
+            b.add(Instruction.create_reg_mem(Code.LEA_R64_M, into, rip_operand(probe_addr)))
+        elif name == "eflags":
+            b.add(mov_load(into, Register.RSP, frame.offset(EFLAGS)))
+        elif name in frame.words:
+            b.add(mov_load(into, Register.RSP, frame.offset(name)))
+        elif _GPRS[name] != into:
+            b.add(Instruction.create_reg_reg(Code.MOV_R64_RM64, into, _GPRS[name]))
+
+    return load_reg
