@@ -161,88 +161,113 @@ def _evaluate(
 
     What compilers and glibc write in CFI is covered: the PLT's CFA expression (registers,
     literals, arithmetic and comparison) and the signal frame's ``breg7 N; deref``. ``push``
-    is the CFA, which register rules start with on the stack.
+    is the CFA, which register rules start with on the stack. Operations come in three
+    groups: those that push an operand (``_operand``), those that work on the stack
+    (``_operate``) and the jumps (``_jump``).
     """
     stack: list[int] = [] if push is None else [push]
     pos = steps = 0
-
-    def pop() -> int:
-        if not stack:
-            raise _Stop(StopReason.UNSUPPORTED)
-        return stack.pop()
-
-    def register(number: int) -> int:
-        value = regs.get(number)
-        if value is None:
-            raise _Stop(StopReason.UNKNOWN_REGISTER)
-        return value
-
     while pos < len(code):
         steps += 1
         if steps > _MAX_EXPR_STEPS:
             raise _Stop(StopReason.UNSUPPORTED)  # a branch loop
         op = code[pos]
         pos += 1
-        if 0x30 <= op <= 0x4F:  # lit0..lit31
-            stack.append(op - 0x30)
-        elif 0x70 <= op <= 0x8F:  # breg0..breg31
-            offset, pos = _sleb(code, pos)
-            stack.append((register(op - 0x70) + offset) & _MASK64)
-        elif op == 0x92:  # bregx
-            number, pos = _uleb(code, pos)
-            offset, pos = _sleb(code, pos)
-            stack.append((register(number) + offset) & _MASK64)
-        elif op in _CONSTANTS:
-            size, is_signed = _CONSTANTS[op]
-            if pos + size > len(code):
-                raise _Stop(StopReason.UNSUPPORTED)
-            value = int.from_bytes(code[pos : pos + size], "little", signed=is_signed)
-            stack.append(value & _MASK64)
-            pos += size
-        elif op == 0x10:  # constu
-            value, pos = _uleb(code, pos)
-            stack.append(value & _MASK64)
-        elif op == 0x11:  # consts
-            value, pos = _sleb(code, pos)
-            stack.append(value & _MASK64)
-        elif op in _BINARY:
-            b, a = pop(), pop()
-            stack.append(_BINARY[op](a, b) & _MASK64)
-        elif op == 0x23:  # plus_uconst
-            value, pos = _uleb(code, pos)
-            stack.append((pop() + value) & _MASK64)
-        elif op == 0x06:  # deref
-            stack.append(read_word(pop()) & _MASK64)
-        elif op == 0x12:  # dup
-            value = pop()
-            stack += [value, value]
-        elif op == 0x13:  # drop
-            pop()
-        elif op == 0x14:  # over
-            if len(stack) < 2:
-                raise _Stop(StopReason.UNSUPPORTED)
-            stack.append(stack[-2])
-        elif op == 0x16:  # swap
-            b, a = pop(), pop()
-            stack += [b, a]
-        elif op == 0x1F:  # neg
-            stack.append(-pop() & _MASK64)
-        elif op == 0x20:  # not
-            stack.append(~pop() & _MASK64)
-        elif op in (0x2F, 0x28):  # skip, bra
-            if pos + 2 > len(code):
-                raise _Stop(StopReason.UNSUPPORTED)
-            jump = int.from_bytes(code[pos : pos + 2], "little", signed=True)
-            pos += 2
-            if op == 0x2F or pop() != 0:
-                pos += jump
-                if not 0 <= pos <= len(code):
-                    raise _Stop(StopReason.UNSUPPORTED)
-        elif op == 0x96:  # nop
+        if op == 0x96:  # nop
             continue
+        if op in (0x2F, 0x28):  # skip, bra
+            pos = _jump(op, code, pos, stack)
+            continue
+        operand = _operand(op, code, pos, regs)
+        if operand is not None:
+            value, pos = operand
+            stack.append(value & _MASK64)
         else:
+            pos = _operate(op, code, pos, stack, read_word)
+    return _pop(stack)
+
+
+def _operand(op: int, code: bytes, pos: int, regs: Mapping[int, int]) -> tuple[int, int] | None:
+    """For an operation that pushes a value read from the expression or a register (the
+    literals, constants and base registers): that value and where the next operation starts.
+    None for any other operation."""
+    if 0x30 <= op <= 0x4F:  # lit0..lit31
+        return op - 0x30, pos
+    if 0x70 <= op <= 0x8F:  # breg0..breg31
+        offset, pos = _sleb(code, pos)
+        return _register_value(regs, op - 0x70) + offset, pos
+    if op == 0x92:  # bregx
+        number, pos = _uleb(code, pos)
+        offset, pos = _sleb(code, pos)
+        return _register_value(regs, number) + offset, pos
+    if op in _CONSTANTS:
+        size, is_signed = _CONSTANTS[op]
+        if pos + size > len(code):
             raise _Stop(StopReason.UNSUPPORTED)
-    return pop()
+        return int.from_bytes(code[pos : pos + size], "little", signed=is_signed), pos + size
+    if op == 0x10:  # constu
+        return _uleb(code, pos)
+    if op == 0x11:  # consts
+        return _sleb(code, pos)
+    return None
+
+
+def _operate(op: int, code: bytes, pos: int, stack: list[int], read_word: ReadWord) -> int:
+    """Apply an operation on the stack (arithmetic, comparison, deref, stack moves); returns
+    where the next operation starts. An operation not known here stops the walk."""
+    if op in _BINARY:
+        b, a = _pop(stack), _pop(stack)
+        stack.append(_BINARY[op](a, b) & _MASK64)
+    elif op == 0x23:  # plus_uconst
+        value, pos = _uleb(code, pos)
+        stack.append((_pop(stack) + value) & _MASK64)
+    elif op == 0x06:  # deref
+        stack.append(read_word(_pop(stack)) & _MASK64)
+    elif op == 0x12:  # dup
+        value = _pop(stack)
+        stack += [value, value]
+    elif op == 0x13:  # drop
+        _pop(stack)
+    elif op == 0x14:  # over
+        if len(stack) < 2:
+            raise _Stop(StopReason.UNSUPPORTED)
+        stack.append(stack[-2])
+    elif op == 0x16:  # swap
+        b, a = _pop(stack), _pop(stack)
+        stack += [b, a]
+    elif op == 0x1F:  # neg
+        stack.append(-_pop(stack) & _MASK64)
+    elif op == 0x20:  # not
+        stack.append(~_pop(stack) & _MASK64)
+    else:
+        raise _Stop(StopReason.UNSUPPORTED)
+    return pos
+
+
+def _jump(op: int, code: bytes, pos: int, stack: list[int]) -> int:
+    """Where ``skip`` (always) or ``bra`` (when the popped value is not 0) goes on."""
+    if pos + 2 > len(code):
+        raise _Stop(StopReason.UNSUPPORTED)
+    jump = int.from_bytes(code[pos : pos + 2], "little", signed=True)
+    pos += 2
+    if op == 0x2F or _pop(stack) != 0:
+        pos += jump
+        if not 0 <= pos <= len(code):
+            raise _Stop(StopReason.UNSUPPORTED)
+    return pos
+
+
+def _pop(stack: list[int]) -> int:
+    if not stack:
+        raise _Stop(StopReason.UNSUPPORTED)
+    return stack.pop()
+
+
+def _register_value(regs: Mapping[int, int], number: int) -> int:
+    value = regs.get(number)
+    if value is None:
+        raise _Stop(StopReason.UNKNOWN_REGISTER)
+    return value
 
 
 # -- the walk ------------------------------------------------------------------------------
