@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 from collections import Counter
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
@@ -45,90 +46,115 @@ def run(args: argparse.Namespace) -> int:
     # count in place (an optimized probe counts in the program, with no record at all).
     args.count_only = args.filter is None and args.max_events is None
     patterns = [t for t in args.targets if _is_pattern(t)]
-    specs = [parse_spec(t) for t in args.targets if not _is_pattern(t)]
+    texts = [t for t in args.targets if not _is_pattern(t)]
+    specs = [parse_spec(t) for t in texts]
     session = Session(args, specs)
     session.verb = "counted"
-    counts: Counter[str] = Counter()
-    label: dict[str, str] = {}  # event name -> what the table shows
-    file_of: dict[str, str | None] = {}  # event name -> the file it names (None: the own)
-    for text, spec in zip((t for t in args.targets if not _is_pattern(t)), specs, strict=True):
-        label[spec.effective_event] = text
-        file_of[spec.effective_event] = _file_named(spec)
-    skipped: list[str] = []
+    tally = _Tally(args, session, patterns, zip(texts, specs, strict=True))
+    session.prepare = tally.prepare
+    session.patterns = patterns
+    session.handle = tally.handle
+    session.refresh = tally.take_hits  # the status line's and the summary's events are the hits
+    if args.interval:
+        session.interval = args.interval
+        session.on_interval = tally.tick
+    session.run()
+    tally.finish()
+    sys.stderr.write(session.summary())
+    return 0
 
-    def prepare(backend: Backend) -> None:
-        expand(backend)
-        _name_files(label, file_of, backend.own_file)
 
-    def expand(backend: Backend) -> None:
-        for pattern in patterns:
+class _Tally:
+    """The counts of one ``count`` command, by row, and what each row is called.
+
+    The session drives it: ``prepare`` places the patterns' probes, ``handle`` counts an
+    event, ``take_hits`` adds the hits of probes that count in place, ``tick`` prints an
+    interval's table; ``finish`` prints the last one.
+    """
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        session: Session,
+        patterns: list[str],
+        specs: Iterable[tuple[str, ProbeSpec]],
+    ) -> None:
+        self.args = args
+        self.session = session
+        self.patterns = patterns
+        self.counts: Counter[str] = Counter()
+        self.label: dict[str, str] = {}  # event name -> what the table shows
+        self.file_of: dict[str, str | None] = {}  # event name -> the file it names (None: the own)
+        for text, spec in specs:
+            self.label[spec.effective_event] = text
+            self.file_of[spec.effective_event] = _file_named(spec)
+        self.skipped: list[str] = []
+        # Hits of in-place counters already counted, by placed probe (a followed child's copy of
+        # a spec has the same name as the root's).
+        self.shown: Counter[int] = Counter()
+
+    def prepare(self, backend: Backend) -> None:
+        self.expand(backend)
+        _name_files(self.label, self.file_of, backend.own_file)
+
+    def expand(self, backend: Backend) -> None:
+        for pattern in self.patterns:
             found = backend.functions(pattern)
             if not found:
                 raise SpecError(f"no function matches {pattern!r}", column=0, text=pattern)
             for where in found:
-                if session.interrupted:
+                if self.session.interrupted:
                     return  # SIGINT: count what is placed so far
                 spec: ProbeSpec = parse_spec(where)
                 try:
                     (placed,) = backend.place([spec])
                 except backend.skippable as exc:
-                    skipped.append(f"{where}: {exc}")
+                    self.skipped.append(f"{where}: {exc}")
                     continue
                 event = placed.name.rpartition("/")[2]
-                module, _, label[event] = where.rpartition(":")
-                file_of[event] = module or None
+                module, _, self.label[event] = where.rpartition(":")
+                self.file_of[event] = module or None
 
-    def handle(ev: Event) -> None:
-        counts[label.get(ev.event, ev.event)] += 1
+    def handle(self, ev: Event) -> None:
+        self.counts[self.label.get(ev.event, ev.event)] += 1
 
-    # Hits of in-place counters already counted, by placed probe (a followed child's copy of
-    # a spec has the same name as the root's).
-    shown: Counter[int] = Counter()
-
-    def take_hits() -> None:
+    def take_hits(self) -> None:
         """Probes that make no events (count_only): add their hits since the last call."""
-        for p in session.placed:
+        shown = self.shown
+        for p in self.session.placed:
             if getattr(p, "counts_in_place", False):
                 new, shown[id(p)] = p.hits - shown[id(p)], p.hits
                 event = p.name.rpartition("/")[2]
-                counts[label.get(event, event)] += new
-                session.events += new  # each hit is an event counted
+                self.counts[self.label.get(event, event)] += new
+                self.session.events += new  # each hit is an event counted
 
-    def table(when: datetime | None = None) -> str:
-        if args.json:
-            return format_counts_json(counts, when=when)
-        return format_counts(counts)
+    def table(self, when: datetime | None = None) -> str:
+        if self.args.json:
+            return format_counts_json(self.counts, when=when)
+        return format_counts(self.counts)
 
-    def tick() -> None:
-        take_hits()
+    def tick(self) -> None:
+        self.take_hits()
         now = datetime.now()
-        if not args.json:
+        if not self.args.json:
             sys.stdout.write("\n" + format_interval_header(now) + "\n")
-        sys.stdout.write(table(now))
+        sys.stdout.write(self.table(now))
         sys.stdout.flush()
-        counts.clear()
+        self.counts.clear()
 
-    session.prepare = prepare
-    session.patterns = patterns
-    session.handle = handle
-    session.refresh = take_hits  # the status line's and the summary's events are the hits
-    if args.interval:
-        session.interval = args.interval
-        session.on_interval = tick
-    session.run()
-    if not args.interval:
-        take_hits()
-    for line in skipped:
-        sys.stderr.write(f"skipped {line}\n")
-    for p in session.placed:  # every placed probe appears, with 0 if it never hit
-        event = p.name.rpartition("/")[2]
-        counts.setdefault(label.get(event, event), 0)
-    if args.interval:
-        tick()
-    else:
-        sys.stdout.write(table())
-    sys.stderr.write(session.summary())
-    return 0
+    def finish(self) -> None:
+        """The end: the skipped functions, then the last table, every placed probe in it."""
+        if not self.args.interval:
+            self.take_hits()
+        for line in self.skipped:
+            sys.stderr.write(f"skipped {line}\n")
+        for p in self.session.placed:  # every placed probe appears, with 0 if it never hit
+            event = p.name.rpartition("/")[2]
+            self.counts.setdefault(self.label.get(event, event), 0)
+        if self.args.interval:
+            self.tick()
+        else:
+            sys.stdout.write(self.table())
 
 
 def _file_named(spec: ProbeSpec) -> str | None:
