@@ -358,6 +358,8 @@ class TraceTarget(Delivery):
         default: str = "",
         hidden: bool = False,
     ) -> None:
+        """Steps 0 to 6 of the module docstring, in a straight line; a failure after Step 4
+        deletes the line written, and the probe is then not registered."""
         if not self.session.is_open:
             raise TraceFsError("this session is closed", errno=_errno.ESHUTDOWN)
         kp = entry_of(probe)
@@ -375,17 +377,7 @@ class TraceTarget(Delivery):
             if why is not None:
                 raise ProbeRejected(f"fetch-arg {arg!r}: {why}", errno=_errno.EINVAL)
         # Step 3: the event's name and line.
-        taken = {reg.event for reg in self._by_probe.values()}
-        if event:
-            if not EVENT_NAME.match(event) or event in taken:
-                raise ProbeRejected(
-                    f"event name {event!r} is not a C identifier or is already used",
-                    errno=_errno.EEXIST if event in taken else _errno.EINVAL,
-                )
-        elif default and EVENT_NAME.match(default) and default not in taken:
-            event = default
-        else:
-            event = event_name_for("r" if is_return else "p", point.display, taken)
+        event = self._event_name(event, default, point, is_return)
         maxactive = self._maxactive(probe) if isinstance(probe, Kretprobe) else 0
         command = Command.RETPROBE if is_return else Command.PROBE
         line = probe_line(command, self.group, event, point.place, args, maxactive=maxactive)
@@ -395,24 +387,7 @@ class TraceTarget(Delivery):
         self.fs.append_line(self.events_file, line, owner=self.group)
         try:
             # Step 5: the record layout.
-            fmt = EventFormat.parse(
-                self.fs.read("events", self.group, event, "format"), group=self.group
-            )
-            reg.id = fmt.id
-            reg.arg_names = tuple(f.name for f in fmt.arg_fields)
-            reg.arg_types = fmt.arg_types
-            reg.comm_index = next((i for i, a in enumerate(args) if is_comm(a)), -1)
-            plan = EventPlan(
-                group=self.group,
-                event=event,
-                location="" if is_return else point.describe,
-                is_return=is_return,
-                func=point.symbol if is_return else "",
-                arg_names=reg.arg_names,
-                arg_types=reg.arg_types,
-                comm_index=reg.comm_index,
-            )
-            reg.build = compile_builder(fmt, plan, self._lookups)
+            self._compile_decoder(reg, args, is_return)
             # Step 6: armed in our instance.
             if not kp.is_disabled:
                 self.session.set_event_enabled(event, True)
@@ -423,6 +398,52 @@ class TraceTarget(Delivery):
                     self.events_file, removal_line(self.group, event), owner=self.group
                 )
             raise
+        self._add_to_tables(reg)
+
+    def _event_name(self, event: str, default: str, point: ProbePoint, is_return: bool) -> str:
+        """Step 3's name: the one asked for, else ``default`` if free, else one made from the
+        place; a name asked for that is no C identifier or is taken is refused."""
+        taken = {reg.event for reg in self._by_probe.values()}
+        if event:
+            if not EVENT_NAME.match(event) or event in taken:
+                raise ProbeRejected(
+                    f"event name {event!r} is not a C identifier or is already used",
+                    errno=_errno.EEXIST if event in taken else _errno.EINVAL,
+                )
+            return event
+        if default and EVENT_NAME.match(default) and default not in taken:
+            return default
+        return event_name_for("r" if is_return else "p", point.display, taken)
+
+    def _compile_decoder(self, reg: Registration, args: tuple[str, ...], is_return: bool) -> None:
+        """Step 5: ``reg``'s event as the kernel defined it (its format file), and the builder
+        that turns its records into ``Event`` values."""
+        point = reg.point
+        fmt = EventFormat.parse(
+            self.fs.read("events", self.group, reg.event, "format"), group=self.group
+        )
+        reg.id = fmt.id
+        reg.arg_names = tuple(f.name for f in fmt.arg_fields)
+        reg.arg_types = fmt.arg_types
+        reg.comm_index = next((i for i, a in enumerate(args) if is_comm(a)), -1)
+        plan = EventPlan(
+            group=self.group,
+            event=reg.event,
+            location="" if is_return else point.describe,
+            is_return=is_return,
+            func=point.symbol if is_return else "",
+            arg_names=reg.arg_names,
+            arg_types=reg.arg_types,
+            comm_index=reg.comm_index,
+        )
+        reg.build = compile_builder(fmt, plan, self._lookups)
+
+    def _add_to_tables(self, reg: Registration) -> None:
+        """A registered probe's bookkeeping: its site, its counts from zero, and the tables
+        that find it by probe and its records by event id."""
+        probe, point, build = reg.probe, reg.point, reg.build
+        assert build is not None  # compiled at Step 5
+        kp = entry_of(probe)
         site = ProbeSite(self._table, point.addr, point)
         site.probes.append(kp)
         site.ainsn = reg
@@ -435,7 +456,7 @@ class TraceTarget(Delivery):
             probe.nhit = probe.nmissed = 0
         self._by_id[reg.id] = reg
         self._by_probe[id(probe)] = reg
-        self._builders[reg.id] = reg.build
+        self._builders[reg.id] = build
 
     def _unregister_many(self, probes: Iterable[AnyProbe]) -> None:
         probes = list(probes)
