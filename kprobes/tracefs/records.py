@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import gc
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Final, Literal
@@ -146,26 +146,9 @@ def builder_source(
     layout, slots = record_struct(fmt, wanted)
     if "common_pid" not in slots:
         raise ValueError(f"{fmt.name}: the format has no common_pid")
-    # The names the unpacked values are given, in struct order.
-    targets = [""] * sum(s.stop - s.start for s in slots.values())
-    targets[slots["common_pid"].start] = "tid"
     ip_field = "__probe_ret_ip" if "__probe_ret_ip" in slots else "__probe_ip"
-    if ip_field in slots:
-        targets[slots[ip_field].start] = "ip"
-    if "__probe_func" in slots:
-        targets[slots["__probe_func"].start] = "func_ip"
-    for k, f in enumerate(arg_fields):
-        where = slots.get(f.name)
-        if where is None:
-            continue
-        if f.count:
-            for j in range(where.stop - where.start):
-                targets[where.start + j] = f"a{k}_{j}"
-        else:
-            targets[where.start] = f"a{k}"
-
     lines = ["def build(page, start, ts, cpu):"]
-    unpacked = ", ".join(targets)
+    unpacked = ", ".join(_unpacked_names(arg_fields, slots, ip_field))
     lines.append(f"    {unpacked}, = unpack(page, start)")
     if ip_field not in slots:
         lines.append("    ip = 0")
@@ -179,7 +162,42 @@ def builder_source(
         "        if not who:",
         "            return None",
     ]
-    for k, (f, typ) in enumerate(zip(arg_fields, plan.arg_types, strict=True)):
+    lines += _argument_lines(arg_fields, plan.arg_types, slots, symbolize)
+    lines += _event_lines(plan, len(arg_fields))
+    return "\n".join(lines) + "\n", layout
+
+
+def _unpacked_names(
+    arg_fields: Sequence[Field], slots: Mapping[str, slice], ip_field: str
+) -> list[str]:
+    """The names the unpacked values are given, in struct order ("" for one not used)."""
+    targets = [""] * sum(s.stop - s.start for s in slots.values())
+    targets[slots["common_pid"].start] = "tid"
+    if ip_field in slots:
+        targets[slots[ip_field].start] = "ip"
+    if "__probe_func" in slots:
+        targets[slots["__probe_func"].start] = "func_ip"
+    for k, f in enumerate(arg_fields):
+        where = slots.get(f.name)
+        if where is None:
+            continue
+        if f.count:
+            for j in range(where.stop - where.start):
+                targets[where.start + j] = f"a{k}_{j}"
+        else:
+            targets[where.start] = f"a{k}"
+    return targets
+
+
+def _argument_lines(
+    arg_fields: Sequence[Field],
+    arg_types: Sequence[str],
+    slots: Mapping[str, slice],
+    symbolize: bool,
+) -> list[str]:
+    """Source turning each argument's unpacked value(s) into its value, as ``aK``."""
+    lines: list[str] = []
+    for k, (f, typ) in enumerate(zip(arg_fields, arg_types, strict=True)):
         var = f"a{k}"
         where = slots.get(f.name)
         if where is None:
@@ -198,6 +216,12 @@ def builder_source(
             lines.append(f"    {var} = ({items},)")
         elif typ == "symbol" and symbolize:
             lines.append(f"    {var} = symbolize({var})")
+    return lines
+
+
+def _event_lines(plan: EventPlan, arg_count: int) -> list[str]:
+    """Source making the ``Event``: a return probe's location, the comm, then the value."""
+    lines: list[str] = []
     if plan.is_return:
         lines += [
             "    location = place_get(ip)",
@@ -209,12 +233,12 @@ def builder_source(
         lines.append(f"    comm = {comm_var} if {comm_var}.__class__ is str else who[1]")
     else:
         lines.append("    comm = who[1]")
-    args = "".join(f"new(EventArg, (n{k}, t{k}, a{k})), " for k in range(len(arg_fields)))
+    args = "".join(f"new(EventArg, (n{k}, t{k}, a{k})), " for k in range(arg_count))
     lines.append(
         "    return new(Event, (group, event, who[0], tid, comm, cpu, ts / 1e9, ip, location, "
         f"({args}), {plan.is_return}, func, func_ip, 0.0))"
     )
-    return "\n".join(lines) + "\n", layout
+    return lines
 
 
 def compile_builder(fmt: EventFormat, plan: EventPlan, lookups: Lookups) -> Builder:
@@ -257,76 +281,103 @@ def decode_pages(
     A record whose ``common_type`` has a builder becomes its event; one with a watcher is
     handed to it, in page order, before the records after it are decoded; others are skipped.
     """
-    events: list[Event] = []
-    append = events.append
-    get_builder = builders.get
-    get_watcher = (watchers or {}).get
-    ts_at, commit_at, data_at = layout.timestamp_offset, layout.commit_offset, layout.data_offset
-    read_commit = _U64 if layout.commit_size == 8 else _U32
-    lost = 0
-    cpus_seen = -1  # the one cpu with events so far; -2 once there are two
     collecting = gc.isenabled()
     if collecting:
         gc.disable()
     try:
-        for cpu, page in pages:
-            before = len(events)
-            ts = _U64(page, ts_at)[0]
-            commit = read_commit(page, commit_at)[0]
-            size = commit & COMMIT_MASK
-            if commit & MISSED_EVENTS:
-                if commit & MISSED_STORED and data_at + size + 8 <= len(page):
-                    lost += _U64(page, data_at + size)[0]
-                else:
-                    lost -= 1
-            end = min(data_at + size, len(page))
-            if end + 2 > len(page):
-                page += b"\0\0"  # a header is read with the two bytes after it
-            last = end - 4  # the last place a record header can start
-            pos = data_at
-            while pos <= last:
-                header, common_type = _HEADER_AND_TYPE(page, pos)
-                type_len = header & 0x1F
-                if 0 < type_len <= 28:  # data of type_len * 4 bytes
-                    ts += header >> 5
-                    start = pos + 4
-                    pos = start + (type_len << 2)
-                elif type_len == 0:  # data with its length in the next word
-                    length = _U32(page, pos + 4)[0]
-                    if length < 4:
-                        break  # corrupt; never produced by the kernel
-                    ts += header >> 5
-                    start = pos + 8
-                    pos += 4 + length
-                    common_type = page[start] | page[start + 1] << 8
-                elif type_len == PADDING:
-                    if header >> 5 == 0:
-                        break  # the rest of the page is padding
-                    pos += 4 + _U32(page, pos + 4)[0]
-                    continue
-                elif type_len == TIME_EXTEND:
-                    ts += (_U32(page, pos + 4)[0] << 27) | header >> 5
-                    pos += 8
-                    continue
-                else:  # TIME_STAMP: the absolute time
-                    ts = ((_U32(page, pos + 4)[0] << 27) | header >> 5) | (ts & _TS_MSB)
-                    pos += 8
-                    continue
-                build = get_builder(common_type)
-                if build is not None:
-                    event = build(page, start, ts, cpu)
-                    if event is not None:
-                        append(event)
-                else:
-                    watcher = get_watcher(common_type)
-                    if watcher is not None:
-                        watcher(page, start)
-            if len(events) > before and cpus_seen != cpu:
-                cpus_seen = cpu if cpus_seen == -1 else -2
-        if cpus_seen == -2:
+        events, lost, needs_merge = _walk_pages(pages, layout, builders, watchers or {})
+        if needs_merge:
             # Each CPU's events are in order; merge them (a stable sort: ties keep page order).
             events.sort(key=_BY_TIME)
     finally:
         if collecting:
             gc.enable()
     return events, lost
+
+
+def _walk_pages(
+    pages: Iterable[tuple[int, bytes]],
+    layout: PageLayout,
+    builders: dict[int, Builder],
+    watchers: dict[int, Watcher],
+) -> tuple[list[Event], int, bool]:
+    """``decode_pages``'s one pass: the events of each page in page order, the count lost,
+    and whether they came from more than one CPU (then they are yet to be merged).
+
+    The loop over a page's records is the hot path and stays inline, in this one function:
+    a function call per record would be paid by every event. Only what a page rarely holds
+    (a count of lost events, a time record) is handed to a function.
+    """
+    events: list[Event] = []
+    append = events.append
+    get_builder = builders.get
+    get_watcher = watchers.get
+    ts_at, commit_at, data_at = layout.timestamp_offset, layout.commit_offset, layout.data_offset
+    read_commit = _U64 if layout.commit_size == 8 else _U32
+    lost = 0
+    cpus_seen = -1  # the one cpu with events so far; -2 once there are two
+    for cpu, page in pages:
+        before = len(events)
+        ts = _U64(page, ts_at)[0]
+        commit = read_commit(page, commit_at)[0]
+        size = commit & COMMIT_MASK
+        if commit & MISSED_EVENTS:
+            lost += _missed(page, commit, data_at + size)
+        end = min(data_at + size, len(page))
+        if end + 2 > len(page):
+            page += b"\0\0"  # a header is read with the two bytes after it
+        last = end - 4  # the last place a record header can start
+        pos = data_at
+        while pos <= last:
+            header, common_type = _HEADER_AND_TYPE(page, pos)
+            type_len = header & 0x1F
+            if 0 < type_len <= 28:  # data of type_len * 4 bytes
+                ts += header >> 5
+                start = pos + 4
+                pos = start + (type_len << 2)
+            elif type_len == 0:  # data with its length in the next word
+                length = _U32(page, pos + 4)[0]
+                if length < 4:
+                    break  # corrupt; never produced by the kernel
+                ts += header >> 5
+                start = pos + 8
+                pos += 4 + length
+                common_type = page[start] | page[start + 1] << 8
+            elif type_len == PADDING:
+                if header >> 5 == 0:
+                    break  # the rest of the page is padding
+                pos += 4 + _U32(page, pos + 4)[0]
+                continue
+            else:  # TIME_EXTEND or TIME_STAMP: two words, no data
+                ts = _time_record(page, pos, header, ts)
+                pos += 8
+                continue
+            build = get_builder(common_type)
+            if build is not None:
+                event = build(page, start, ts, cpu)
+                if event is not None:
+                    append(event)
+            else:
+                watcher = get_watcher(common_type)
+                if watcher is not None:
+                    watcher(page, start)
+        if len(events) > before and cpus_seen != cpu:
+            cpus_seen = cpu if cpus_seen == -1 else -2
+    return events, lost, cpus_seen == -2
+
+
+def _missed(page: bytes, commit: int, data_end: int) -> int:
+    """The count of events the kernel lost before a page whose commit word says it lost some:
+    the count stored after the data, or -1 when there is none."""
+    if commit & MISSED_STORED and data_end + 8 <= len(page):
+        count: int = _U64(page, data_end)[0]
+        return count
+    return -1
+
+
+def _time_record(page: bytes, pos: int, header: int, ts: int) -> int:
+    """The time after the TIME_EXTEND (a delta) or TIME_STAMP (the absolute time) at ``pos``."""
+    value: int = (_U32(page, pos + 4)[0] << 27) | header >> 5
+    if header & 0x1F == TIME_EXTEND:
+        return ts + value
+    return value | (ts & _TS_MSB)
