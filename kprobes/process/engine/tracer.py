@@ -41,7 +41,7 @@ from kprobes.process.engine.signals import SignalDelivery
 from kprobes.process.engine.threads import Thread, ThreadState
 from kprobes.process.engine.tracee import Tracee, TraceeKind
 from kprobes.process.engine.trampoline import Trampoline
-from kprobes.process.engine.world import WorldStop
+from kprobes.process.engine.world import WorldStop, put_back
 from kprobes.process.engine.xol import XolArea
 
 S = ThreadState
@@ -337,28 +337,30 @@ class Tracer(WorldStop, SignalDelivery):
         if site is not None and site.is_armed:
             self._hit(t, site, addr)
         else:  # a return into the trampoline, or a trap that is not ours (signals.py)
-            self._foreign_trap(t, self._hold_trap(t, None, addr))
+            self._foreign_trap(t, self._hold_trap(t, addr))
 
     def _hit(self, t: Thread, site: ProbeSite, addr: int) -> None:
-        """``t`` stopped on the int3 of ``site`` at ``addr``, its registers loaded: the hit,
-        the one place its rules are written (a one-stop plan finishes here).
-
-        Step 1 makes the kernel's registers, before any handler runs, a state the program
-        can go on from by itself should the tool die (rescue.py; the kernel drops the trap
-        of a thread whose tracer dies: it resumes mid-instruction): the slot (step 0 wrote
-        it), or the emulated instruction's effect. A handler that writes registers has the
-        emulation done again from them; one that redirects has its registers written over
-        it (a push's store below the stack pointer stays: the instruction's own). Unless a
-        handler writes a register or redirects, step 1 is the only write the hit needs.
+        """``t`` stopped on the int3 of ``site`` at ``addr``, registers loaded: the hit, the
+        one place its rules are written (a one-stop plan finishes here). Step 1 makes the
+        kernel's registers a state the program goes on from by itself should the tool die
+        (rescue.py): the slot, or the emulation's effect; a handler's register writes or
+        redirection are written over it after. Without those, it is the hit's one write.
         """
         x: Prepared = site.ainsn
         req = t.req
         regs = t.regs
         w = t.words
-        # Step 0: a state right with the trap delivered or without it, then the reap.
-        self._hold_trap(t, x, addr)
-        # Step 1: safe before the handlers; the view keeps the state before the emulation.
+        # Step 0: before the reap, a state right with the trap delivered or without it
+        # (world.py's _hold_trap says why): the slot, or back on the probe's int3.
         emulator = x.emulator
+        if emulator is None:
+            poke = req.poke_user
+            if poke(x.slot_word) == -1:
+                ptrace.raise_error()
+        else:
+            put_back(t, addr, addr - 1 in self.rescue.noted)
+        self.reap(t.tid)
+        # Step 1: safe before the handlers; the view keeps the state before the emulation.
         if emulator is not None:
             if x.is_rip_only:
                 emulator(w, t.tracee)

@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from kprobes.core.manager import ProbeManager
     from kprobes.process.engine.breakpoints import Breakpoints
     from kprobes.process.engine.lifecycle import Lifecycle
-    from kprobes.process.engine.prepared import Prepared
     from kprobes.process.engine.rescue import Rescue
     from kprobes.process.engine.trampoline import Trampoline
     from kprobes.process.engine.xol import XolArea
@@ -195,30 +194,24 @@ class WorldStop:
         if got and late != _TRAP_STOP:
             self.inbox.append((tid, late))
 
-    def _hold_trap(self, t: Thread, x: Prepared | None, addr: int) -> bytes | None:
-        """Step 0 of a trap at ``addr`` (``x``: its site's, None if no armed probe is
-        there), then the reap; the trap's siginfo when it was read (``_foreign_trap``).
+    def _hold_trap(self, t: Thread, addr: int) -> bytes | None:
+        """Step 0 of a trap at ``addr`` where no armed probe is (a probe's is ``_hit``'s
+        step 0), then the reap; the trap's siginfo when it was read (``_foreign_trap``).
 
         Until the reap the kernel holds the trap, and delivers it to the program (to the
         rescue) if the tool dies; after it, the trap is gone and the thread goes on from its
         registers. Left one byte past an int3 of ours, it would run the middle of an
         instruction (``decisions.md``, "the reaped-trap window"). So before the reap the
-        thread is put where both are right: in the slot (the rescue lets a trap in our pages
-        go on), or back on the probe's int3 (the rescue lets a trap that sits on an int3 of
-        ours go on, and it is taken again). A probe one byte on from another address we
-        patched is marked as well (``put_back_mark``): the rescue would take the trap for
-        that address's. The trampoline's int3 and the program's own traps need nothing
-        (the byte after the trampoline is an int3 too; the program's own trap, if the tool
-        dies, is lost as a signal the tool held is).
+        thread is put where both are right: for a probe's trap, in the slot (the rescue lets
+        a trap in our pages go on), or back on the probe's int3 (the rescue lets a trap that
+        sits on an int3 of ours go on, and it is taken again; ``put_back``). Here, a stale
+        trap (an int3 removed before its trap was seen) goes back on its byte, the program's
+        again. The trampoline's int3 and the program's own traps need nothing (the byte
+        after the trampoline is an int3 too; the program's own trap, if the tool dies, is
+        lost as a signal the tool held is).
         """
         info = None
-        if x is not None:
-            if x.emulator is None:
-                if t.req.poke_user(x.slot_word) == -1:
-                    ptrace.raise_error()
-            else:
-                put_back(t, addr, addr - 1 in self.rescue.noted)
-        elif addr != self.trampoline.addr or not addr:
+        if addr != self.trampoline.addr or not addr:
             info = ptrace.getsiginfo(t.tid)
             if siginfo_code(info) == ptrace.SI_KERNEL and self.breakpoints.is_stale_trap(addr):
                 put_back(t, addr, True)  # its byte is the program's again
@@ -385,9 +378,10 @@ class WorldStop:
 
 def put_back(t: Thread, addr: int, marked: bool) -> None:
     """Set ``t``'s rip (the kernel's, not the view's) to ``addr``, the int3 it trapped on,
-    its trap not reaped yet. ``marked``: with the siginfo that tells the rescue so, should
-    the kernel deliver the trap (the rescue would otherwise take it for the trap of an
-    int3 at ``addr - 1``, an address we patched)."""
+    its trap not reaped yet (step 0 of an emulated probe's hit, and of a stale trap).
+    ``marked``: with the siginfo that tells the rescue so, should the kernel deliver the
+    trap (the rescue would otherwise take it for the trap of an int3 at ``addr - 1``, an
+    address we patched)."""
     if marked:
         ptrace.setsiginfo(t.tid, put_back_mark(addr))
     word = t.rip_word
