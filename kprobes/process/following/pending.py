@@ -111,17 +111,6 @@ class Following:
         self.on_notice: Callable[[str], None] = _warn
         self._tracer.on_syscall = self.on_syscall_stop
 
-    @property
-    def pending(self) -> bool:
-        """A probe on a library the program has not mapped yet waits for it (pending)
-        instead of failing with ENOENT. A name that can never match (no such file, no such
-        symbol in a named file) fails at once either way."""
-        return self._manager.allow_pending
-
-    @pending.setter
-    def pending(self, value: bool) -> None:
-        self._manager.allow_pending = bool(value)
-
     def iter_pending(self) -> Iterator[Kprobe]:
         """The registered probes that wait for their library (never mapped, or unmapped)."""
         return (p for p in self._manager.pending if not isinstance(p.owner, LoaderWatch))
