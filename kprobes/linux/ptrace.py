@@ -247,7 +247,7 @@ _REAP: Final = os.WNOHANG | WALL
 
 def wait(pid: int, options: int) -> tuple[int, int]:
     """``waitpid(pid, options)`` (pid -1: any), except that a SIGTRAP stop (``TRAP_STOP``)
-    is left unreaped: the caller makes the thread safe, then calls ``reap``."""
+    is left unreaped: the caller makes the thread safe, then reaps it (``WorldStop.reap``)."""
     tid, status = peek(pid, options)
     if tid and status != TRAP_STOP:
         got, reaped = os.waitpid(tid, _REAP)
@@ -275,13 +275,6 @@ def peek(pid: int, options: int) -> tuple[int, int]:
     else:  # CLD_TRAPPED, CLD_STOPPED: value is the whole exit_code (event << 8 | signal)
         status = (value << 8) | 0x7F
     return info.si_pid, status
-
-
-def reap(tid: int) -> int | None:
-    """Reap the trap stop ``wait`` left; another status found instead (the thread died
-    meanwhile) is returned, for the caller to handle."""
-    got, status = os.waitpid(tid, _REAP)
-    return status if got and status != TRAP_STOP else None
 
 
 def sigchld_wait(timeout: float) -> None:

@@ -189,7 +189,7 @@ class WorldStop:
     def reap(self, tid: int) -> None:
         """Reap a trap stop ``ptrace.wait`` left (a status found instead comes next); a
         no-op for one reaped already."""
-        # ptrace.reap's wait, made here: this is on every hit's path (one Python call less).
+        # waitpid itself, not through a helper of ptrace.py: this is on every hit's path.
         got, late = os.waitpid(tid, _REAP)
         if got and late != _TRAP_STOP:
             self.inbox.append((tid, late))
