@@ -11,7 +11,7 @@ A probe whose handler only looks (``async_handler``, with fetch-args in the prob
 is jump-optimized where its site allows it: no trap per hit, the handler runs after the fact:
 
     kp = kprobes.Kprobe(symbol="libc:malloc", optimize=True, args="size=%di",
-                        async_handler=lambda p, hit: print(hit.tid, hit.arg("size")))
+                        async_handler=lambda p, event: print(event.tid, event.arg("size")))
 
 The kernel's own kprobes and uprobes, through tracefs, take the same probes and spec lines:
 
@@ -25,12 +25,13 @@ from kprobes.arch.x86_64.regs import Regs
 from kprobes.core.probes import TRAP_HANDLER_EXCEPTION, Kprobe, ProbeFlags
 from kprobes.core.retprobes import Jprobe, Kretprobe, KretprobeInstance, Task
 from kprobes.model import BlacklistEntry, Event, EventArg, ProbeListing
-from kprobes.process.fast.reader import Hit
 from kprobes.process.following.pending import ProbeNotice
 from kprobes.process.launch import attach, spawn
 from kprobes.process.target import Process
 from kprobes.tracefs.kernel import Kernel
 from kprobes.tracefs.uprobes import Uprobes
+
+Hit = Event  # what an async_handler receives: the one after-the-fact type, by its old name
 
 __version__ = "0.1.0"
 

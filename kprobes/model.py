@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from kprobes.arch.x86_64.regs import Regs
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +105,13 @@ class EventArg(NamedTuple):
 
 
 class Event(NamedTuple):
-    """One probe hit, the same value for every target (Process, Kernel, Uprobes).
+    """One probe hit, after the fact: the same value for every target (Process, Kernel,
+    Uprobes) and every tier (a trap, a jump-optimized record, the kernel's ring buffer).
+
+    Every handler that sees a hit after the fact receives one: ``async_handler(probe,
+    event)`` on every target, and the kernel targets' other handlers (their probes are
+    read-only). A synchronous handler (``pre_handler(probe, regs)`` on ``Process``) gets the
+    live, writable ``Regs`` instead. ``kprobes.Hit`` is another name of this class.
 
     ``timestamp`` is in seconds, from the same clock for every event of one session
     (CLOCK_MONOTONIC for the Process target, the trace clock for the kernel's). ``location``
@@ -131,6 +140,9 @@ class Event(NamedTuple):
     func: str = ""
     func_ip: int = 0
     entry_timestamp: float = 0.0  # return events: when the call was entered (0.0 if unknown)
+    # A read-only copy of the registers at the hit, for a Process probe whose handler asked
+    # for them (``async_handler`` of the API); None otherwise.
+    regs: Regs | None = None
 
     @property
     def name(self) -> str:

@@ -86,7 +86,7 @@ def test_every_hit_reaches_the_handler_with_its_values(spawn, records, tmp_path,
         ) or threads == 1
         assert {h.comm for h in mine} == {"records"}
         assert all(0 <= h.cpu < ncpu for h in mine)
-        times = [h.time for h in mine]
+        times = [h.timestamp for h in mine]
         assert times == sorted(times) and times[0] <= time.monotonic()
         assert all(h.ip == kp.addr and h.regs.rdx == t and h.regs.rcx == h.arg("i") for h in mine)
     assert len({mine[0].tid for mine in by_thread.values()}) == threads

@@ -322,7 +322,7 @@ class PtraceBackend(Backend):
 
     def set_reading_deadline(self, when: float | None) -> None:
         for proc in self._procs():
-            proc.reading_deadline = when
+            proc.records.reading_deadline = when
 
     @property
     def dropped(self) -> int:
@@ -338,21 +338,21 @@ class PtraceBackend(Backend):
         probes has nothing left to read: its probes go at ``close()``, in one stop."""
         for proc in self._procs():
             proc.take_pending_error()  # the run is over: what was to end it is not wanted
-            if proc.is_alive and proc.is_recording:
+            if proc.is_alive and proc.records.is_recording:
                 with contextlib.suppress(ProbeError, OSError):
                     proc.enabled = False
 
     def read_rest(self, until: float) -> None:
         try:
             for proc in self._procs():
-                proc.reading_deadline = until
-                proc.read_records()
+                proc.records.reading_deadline = until
+                proc.records.read_records()
         finally:
             self.discard_backlog()
 
     def discard_backlog(self) -> None:
         for proc in self._procs():
-            proc.discard_records()
+            proc.records.discard_records()
 
     def placement_notes(self) -> list[str]:
         """One line per entry probe that asked for a jump and keeps its breakpoint."""
@@ -373,7 +373,7 @@ class PtraceBackend(Backend):
 
     def is_mid_hit(self) -> bool:
         """A stop being handled, or a record of the rings (an exception would lose it)."""
-        return self.proc.is_reading_records or is_in_trace_stop(self.proc.pid)
+        return self.proc.records.is_reading_records or is_in_trace_stop(self.proc.pid)
 
     def close(self) -> None:
         try:

@@ -9,8 +9,11 @@ kernel's ``KPROBE_FLAG_*`` are read through ``kprobe_gone()`` and ``kprobe_disab
 from __future__ import annotations
 
 import enum
+import errno
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
+
+from kprobes.errors import ProbeRejected
 
 if TYPE_CHECKING:
     from kprobes.core.table import ProbeSite
@@ -59,15 +62,17 @@ class Kprobe:
     counted in the program, with no trap, and ``nhit`` shows them. A probe with an
     ``async_handler`` is a *record*: each hit writes a record (registers, and the fetch-args
     ``args`` in the probe language, e.g. ``"size=%di name=+0(%si):string"``, evaluated at the
-    hit) that the target reads later and hands to ``async_handler(probe, hit)`` with a
-    read-only snapshot: the handler cannot change the program, so no trap is needed. Where the
+    hit) that the target reads later and hands to ``async_handler(probe, event)`` as a
+    read-only ``Event``: the handler cannot change the program, so no trap is needed. Where the
     site cannot be optimized, the same handler runs at a trap with the same snapshot. A
     probe with a pre, post or fault handler (which may change registers) keeps the breakpoint;
     ``list()`` says why a probe is not optimized.
 
-    A target that cannot honour one of these options (the kernel's tracefs targets take no
-    ``optimize``, ``async_handler`` or ``args``) refuses the probe with ``UnsupportedOption``
-    naming itself and the option; none is ever ignored.
+    ``async_handler`` and ``args`` mean the same on every target: the kernel's tracefs
+    targets hand it the ``Event`` their ring buffer recorded with those fetch-args. A target
+    that cannot honour an option (the kernel's tracefs targets take no ``optimize``)
+    refuses the probe with ``UnsupportedOption`` naming itself and the option; none is ever
+    ignored.
     """
 
     kind = "k"
@@ -127,3 +132,29 @@ class Kprobe:
         if self.is_pending:
             state = "pending"
         return f"<{type(self).__name__} {where} {state} nhit={self.nhit} nmissed={self.nmissed}>"
+
+
+def take_args(kp: Kprobe, args: Sequence[str]) -> None:
+    """Fetch-args given to a register call become the probe's ``args`` (every target takes
+    them either way); given both ways, and different, they are refused."""
+    if not args:
+        return
+    given = tuple(args)
+    if kp.args and kp.args != given:
+        raise ProbeRejected(
+            f"fetch-args given twice, differently: {' '.join(kp.args)!r} on the probe and "
+            f"{' '.join(given)!r} to the register call (give them once)",
+            errno=errno.EINVAL,
+        )
+    kp.args = given
+
+
+def check_handlers(kp: Kprobe) -> None:
+    """The one rule on a probe's handlers every target applies: an ``async_handler`` sees
+    hits after the fact, which a pre, post or fault handler on the same probe would not."""
+    if kp.async_handler is not None and (kp.pre_handler or kp.post_handler or kp.fault_handler):
+        raise ProbeRejected(
+            "an async_handler sees hits after the fact: it does not go with a pre, post or "
+            "fault handler (register two probes)",
+            errno=errno.EINVAL,
+        )

@@ -13,19 +13,23 @@ import errno
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe, KretprobeInstance
-from kprobes.errors import ProbeRejected
+from kprobes.errors import ProbeRejected, SpecError
 from kprobes.model import ArgValue, Event
-from kprobes.process.fast.reader import FastProbe, Hit, trap_delivery
+from kprobes.process.fast.reader import FastProbe, trap_delivery
 from kprobes.process.fetch.evaluate import ArgFetcher, CommCache, CpuReader, Memory, Symbolizer
 from kprobes.process.fetch.fast import data_resolver, file_resolver
-from kprobes.process.target import Process
-from kprobes.spec import AddressLocation, FileOffsetLocation, ProbeSpec, SymbolLocation
+from kprobes.spec import AddressLocation, FileOffsetLocation, ProbeSpec, SymbolLocation, parse
+
+if TYPE_CHECKING:
+    from kprobes.process.target import Process
 
 Sink = Callable[[Event], None]
+# A probe line's own handler (Process.add): handler(kp, event), or handler(ri, event).
+LineHandler = Callable[[Any, Event], Any]
 _now = time.monotonic
 
 
@@ -97,20 +101,21 @@ class SpecTracer:
 
     # -- placing -----------------------------------------------------------------------
 
-    def build(self, spec: ProbeSpec) -> PlacedSpec:
-        """The probe for ``spec`` (not registered yet)."""
+    def build(self, spec: ProbeSpec, handler: LineHandler | None = None) -> PlacedSpec:
+        """The probe for ``spec`` (not registered yet); its events go to ``handler`` with
+        the probe (or, for a return, its instance) if one is given, else to the sink."""
         where = self._where(spec)
         fetcher = ArgFetcher(spec, self._resolve_data, self._file_address(where.path or _SELF))
         if spec.is_return:
-            return self._return_probe(spec, where, fetcher)
+            return self._return_probe(spec, where, fetcher, handler)
         if self.count_only:
             kp = Kprobe(
                 symbol=where.symbol, offset=where.offset, addr=where.addr, optimize=self.optimize
             )
             return PlacedSpec(spec, kp, counts_in_place=True)
         if self.optimize:
-            return self._record_probe(spec, where, fetcher)
-        return self._trap_probe(spec, where, fetcher)
+            return self._record_probe(spec, where, fetcher, handler)
+        return self._trap_probe(spec, where, fetcher, handler)
 
     def _where(self, spec: ProbeSpec) -> _Where:
         match spec.location:
@@ -124,32 +129,35 @@ class SpecTracer:
             case None:
                 raise ProbeRejected("a delete command places no probe", errno=errno.EINVAL)
 
-    def _record_probe(self, spec: ProbeSpec, where: _Where, fetcher: ArgFetcher) -> PlacedSpec:
-        """An entry spec as an optimized record probe: its events come from the ring."""
-        group, event, pid = spec.effective_group, spec.effective_event, self.proc.pid
-        sink, symbolize = self.sink, self.symbolize
+    def _record_probe(
+        self, spec: ProbeSpec, where: _Where, fetcher: ArgFetcher, handler: LineHandler | None
+    ) -> PlacedSpec:
+        """An entry spec as an optimized record probe: its events come from the ring, made
+        by the reader (or, where the site keeps its trap, at the trap) ready to hand over."""
+        sink = self.sink
         # Events of optimized probes wait in their ring; one made at a trap comes after them.
-        drain = self.proc.drain_records
+        drain = self.proc.records.drain_rings
 
-        def on_hit(kp: Kprobe, hit: Hit) -> None:
+        def on_hit(kp: Kprobe, event: Event) -> None:
             drain()  # at a trap: the records written before it go first
-            tid = hit.tid
-            ip = hit.ip
-            sink(
-                Event(
-                    group, event, pid, tid, hit.comm, hit.cpu, hit.time, ip, symbolize(ip),
-                    hit.args,
-                )
-            )  # fmt: skip
+            if handler is None:
+                sink(event)
+            else:
+                handler(kp, event)
 
         kp = Kprobe(symbol=where.symbol, offset=where.offset, addr=where.addr, optimize=True)
         kp.async_handler = on_hit
         resolvers = (self._resolve_data, self._file_address(where.path or _SELF))
-        fast = FastProbe(spec, fetcher, False, self.memory, resolvers)
+        fast = FastProbe(
+            spec, fetcher, False, self.memory, resolvers, self.proc.pid,
+            spec.effective_group, spec.effective_event,
+        )  # fmt: skip
         kp.fast, kp.async_trap = fast, trap_delivery(fast, self.cpu)
         return PlacedSpec(spec, kp)
 
-    def _trap_probe(self, spec: ProbeSpec, where: _Where, fetcher: ArgFetcher) -> PlacedSpec:
+    def _trap_probe(
+        self, spec: ProbeSpec, where: _Where, fetcher: ArgFetcher, handler: LineHandler | None
+    ) -> PlacedSpec:
         """An entry spec on traps: its event made in the handler."""
         group, event, pid = spec.effective_group, spec.effective_event, self.proc.pid
         sink, memory, comm, cpu, symbolize = (
@@ -159,25 +167,29 @@ class SpecTracer:
             self.cpu,
             self.symbolize,
         )
-        drain = self.proc.drain_records
+        drain = self.proc.records.drain_rings
 
         def pre_handler(kp: Kprobe, regs: Any) -> None:
             drain()
             tid = regs.tid
             ip = regs.ip
-            sink(
-                Event(
-                    group, event, pid, tid, comm(tid), cpu(tid), _now(), ip, symbolize(ip),
-                    fetcher.fetch(regs, memory),
-                )
+            made = Event(
+                group, event, pid, tid, comm(tid), cpu(tid), _now(), ip, symbolize(ip),
+                fetcher.fetch(regs, memory),
             )  # fmt: skip
+            if handler is None:
+                sink(made)
+            else:
+                handler(kp, made)
 
         kp = Kprobe(
             symbol=where.symbol, offset=where.offset, addr=where.addr, pre_handler=pre_handler
         )
         return PlacedSpec(spec, kp)
 
-    def _return_probe(self, spec: ProbeSpec, where: _Where, fetcher: ArgFetcher) -> PlacedSpec:
+    def _return_probe(
+        self, spec: ProbeSpec, where: _Where, fetcher: ArgFetcher, handler: LineHandler | None
+    ) -> PlacedSpec:
         """A return spec: a kretprobe whose entry handler keeps the time and entry args."""
         group, event, pid = spec.effective_group, spec.effective_event, self.proc.pid
         sink, memory, comm, cpu, symbolize = (
@@ -187,32 +199,34 @@ class SpecTracer:
             self.cpu,
             self.symbolize,
         )
-        drain = self.proc.drain_records
+        drain = self.proc.records.drain_rings
         entry_time: dict[int, tuple[float, tuple[ArgValue, ...]]] = {}
 
         def entry_handler(ri: KretprobeInstance, regs: Any) -> None:
             at_entry = fetcher.entry(regs, memory) if fetcher.has_entry_args else ()
             entry_time[id(ri)] = (_now(), at_entry)
 
-        def handler(ri: KretprobeInstance, regs: Any) -> None:
+        def on_return(ri: KretprobeInstance, regs: Any) -> None:
             drain()
             start, at_entry = entry_time.pop(id(ri), (0.0, ()))
             tid = regs.tid
             ret = ri.ret_addr
             func_ip = rp.addr or 0
-            sink(
-                Event(
-                    group, event, pid, tid, comm(tid), cpu(tid), _now(), ret, symbolize(ret),
-                    fetcher.fetch(regs, memory, at_entry), is_return=True,
-                    func=symbolize(func_ip).split("+")[0], func_ip=func_ip, entry_timestamp=start,
-                )
+            made = Event(
+                group, event, pid, tid, comm(tid), cpu(tid), _now(), ret, symbolize(ret),
+                fetcher.fetch(regs, memory, at_entry), is_return=True,
+                func=symbolize(func_ip).split("+")[0], func_ip=func_ip, entry_timestamp=start,
             )  # fmt: skip
+            if handler is None:
+                sink(made)
+            else:
+                handler(ri, made)
 
         rp = Kretprobe(
             symbol=where.symbol,
             offset=where.offset,
             addr=where.addr,
-            handler=handler,
+            handler=on_return,
             entry_handler=entry_handler,
             maxactive=spec.maxactive,
         )
@@ -224,6 +238,19 @@ class SpecTracer:
         of entries per thread that had no return, the return probe being armed a stop
         later)."""
         built = [self.build(spec) for spec in specs]
+        self._register(built)
+        return built
+
+    def add(self, text: str, handler: LineHandler | None = None) -> Kprobe | Kretprobe:
+        """Place the probe ``text`` describes (a probe line), its events to ``handler``."""
+        spec = parse(text)
+        if spec.is_delete:
+            raise SpecError("a delete command places no probe", column=0, text=text)
+        placed = self.build(spec, handler)
+        self._register([placed])
+        return placed.probe
+
+    def _register(self, built: Sequence[PlacedSpec]) -> None:
         kprobes = [p.probe for p in built if isinstance(p.probe, Kprobe)]
         kretprobes = [p.probe for p in built if isinstance(p.probe, Kretprobe)]
         with self.proc.batch():
@@ -234,7 +261,6 @@ class SpecTracer:
                 self.proc.unregister_kprobes(kprobes)
                 raise
         self.placed += built
-        return built
 
     def close(self) -> None:
         self.cpu.close()

@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import builtins
 import errno
-import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, ParamSpec
 
 from kprobes.core.manager import ProbeManager
-from kprobes.core.probes import Kprobe
+from kprobes.core.probes import Kprobe, take_args
 from kprobes.core.retprobes import Jprobe, Kretprobe, KretprobeInstance
 from kprobes.core.table import ProbeSite
-from kprobes.errors import ProbeRejected, TargetError
+from kprobes.errors import ProbeRejected, TargetError, UnsupportedOption
 from kprobes.lifetime import uninterrupted
-from kprobes.model import BlacklistEntry, ProbeListing
+from kprobes.model import BlacklistEntry, Event, ProbeListing
 from kprobes.process import listing
 from kprobes.process.engine import jprobes
 from kprobes.process.engine.arming import Arming, ProbeLocation
@@ -47,6 +46,7 @@ from kprobes.process.fetch.faults import FetchFaults
 from kprobes.process.following.family import Family
 from kprobes.process.following.pending import Following
 from kprobes.process.inject.program import ProgramCalls
+from kprobes.process.specs import LineHandler, SpecTracer
 from kprobes.process.stacks import Backtraces
 from kprobes.process.survival import cleanup
 from kprobes.process.survival.detach import detach_all
@@ -55,26 +55,10 @@ from kprobes.symbols.maps import read_maps
 from kprobes.symbols.resolve import SymbolResolver
 
 _P = ParamSpec("_P")
-_R = TypeVar("_R")
 
 
-def _says_when_gone(
-    method: Callable[Concatenate[Process, _P], _R],
-) -> Callable[Concatenate[Process, _P], _R]:
-    """A registration that fails because the program exited meanwhile (before it, or in
-    the middle, whatever step noticed) says that, in one line, as a ``TargetError``."""
-
-    @functools.wraps(method)
-    def registering(self: Process, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        try:
-            return method(self, *args, **kwargs)
-        except (TargetError, ProcessLookupError, ChildProcessError) as exc:
-            gone = self._program.gone()
-            if gone is None or (isinstance(exc, TargetError) and str(exc) == str(gone)):
-                raise
-            raise gone from exc
-
-    return registering
+def _nobody(_event: Event) -> None:
+    """Where the events of a probe line added without a handler go."""
 
 
 class Process:
@@ -130,6 +114,7 @@ class Process:
         # After close(): what kept pages of ours in the program (a thread may still return
         # into them; the next clean end gives them back), one line each. Empty: none left.
         self.kept: list[str] = []
+        self._lines: SpecTracer | None = None  # the probes add() placed
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -204,6 +189,8 @@ class Process:
                     self.kept = detach_all(self._tracer, self._jumps)
             finally:
                 self._finish()
+                if self._lines is not None:
+                    self._lines.close()
 
     def detach(self) -> None:
         """``close()``, by the name ptrace gives it: the same call, kept for callers of it."""
@@ -279,17 +266,36 @@ class Process:
 
     # -- the Kprobes API -------------------------------------------------------------------
 
-    @_says_when_gone
-    def register_kprobe(self, kp: Kprobe) -> None:
-        self._program.require()
-        self._recording.equip_async([kp])
-        self._manager.register(kp)
+    def register_kprobe(self, kp: Kprobe, args: Sequence[str] = (), *, event: str = "") -> None:
+        """Register ``kp``; ``args`` and ``event`` as on every target: the fetch-args and
+        the name of the events its ``async_handler`` receives (else ``kp.args``, and the
+        kernel's default name)."""
+        take_args(kp, args)
+        self.register_kprobes([kp], events={kp: event} if event else None)
 
-    @_says_when_gone
-    def register_kprobes(self, kps: Sequence[Kprobe]) -> None:
-        self._program.require()
-        self._recording.equip_async(kps)
-        self._manager.register_many(kps)
+    def register_kprobes(
+        self,
+        kps: Sequence[Kprobe],
+        args: Mapping[Kprobe, Sequence[str]] | None = None,
+        *,
+        events: Mapping[Kprobe, str] | None = None,
+    ) -> None:
+        """Register every probe or none (``args``: fetch-args by probe, as ``kp.args``)."""
+        with self._program.registering():
+            for kp in kps:
+                take_args(kp, (args or {}).get(kp, ()))
+            self._recording.equip_async(kps, events or {})
+            self._manager.register_many(kps)
+
+    def add(self, text: str, handler: LineHandler | None = None) -> Kprobe | Kretprobe:
+        """Register a probe written as a probe line, as on every target (``"r:work
+        ret=$retval:s64"``; a ``SpecError`` names the column). Its events, named and
+        fetched as the line says, go to ``handler(kp, event)`` (a return's to
+        ``handler(ri, event)``) after the fact; an entry is jump-optimized where its site
+        allows. Returns the probe (unregister it as any other)."""
+        if self._lines is None:
+            self._lines = SpecTracer(self, _nobody, optimize=True)
+        return self._lines.add(text, handler)
 
     def unregister_kprobe(self, kp: Kprobe) -> None:
         self._manager.unregister(kp)
@@ -306,14 +312,21 @@ class Process:
 
     # -- return probes ---------------------------------------------------------------------
 
-    def register_kretprobe(self, rp: Kretprobe) -> None:
+    def register_kretprobe(
+        self, rp: Kretprobe, args: Sequence[str] = (), *, event: str = ""
+    ) -> None:
+        """Register a return probe. Its handler runs at the return with the live registers:
+        fetch-args and an event name (the tracefs targets' events) are refused here."""
+        if args or event:
+            why = "its handler runs at the return with the live registers: read them there"
+            option = f"args={' '.join(args)!r}" if args else f"event={event!r}"
+            raise UnsupportedOption("Process", option, "Kretprobe", why)
         self.register_kretprobes([rp])
 
-    @_says_when_gone
     def register_kretprobes(self, rps: Sequence[Kretprobe]) -> None:
         """Register return probes; a failure rolls back the ones already registered."""
-        self._program.require()
-        self._returns.register(rps)
+        with self._program.registering():
+            self._returns.register(rps)
 
     def unregister_kretprobe(self, rp: Kretprobe) -> None:
         self.unregister_kretprobes([rp])
@@ -345,18 +358,17 @@ class Process:
     def register_jprobe(self, jp: Jprobe) -> None:
         self.register_jprobes([jp])
 
-    @_says_when_gone
     def register_jprobes(self, jps: Sequence[Jprobe]) -> None:
         """Register jprobes; a failure rolls back the ones already registered."""
-        self._program.require()
         tracer = self._tracer
-        jprobes.register_jprobes(
-            jps,
-            self._manager,
-            self._arming.resolve,
-            lambda tid: tracer.threads[tid].tracee,
-            self.batch,
-        )
+        with self._program.registering():
+            jprobes.register_jprobes(
+                jps,
+                self._manager,
+                self._arming.resolve,
+                lambda tid: tracer.threads[tid].tracee,
+                self.batch,
+            )
 
     def unregister_jprobe(self, jp: Jprobe) -> None:
         self._manager.unregister(jp.kp)
@@ -466,23 +478,6 @@ class Process:
         return self._recording.unread
 
     @property
-    def reading_deadline(self) -> float | None:
-        """A ``time.monotonic()`` at which reads of the rings stop (None: never)."""
-        return self._recording.reading_deadline
-
-    @reading_deadline.setter
-    def reading_deadline(self, value: float | None) -> None:
-        self._recording.reading_deadline = value
-
-    @property
-    def is_recording(self) -> bool:
-        return self._recording.is_recording
-
-    @property
-    def is_reading_records(self) -> bool:
-        return self._recording.is_reading_records
-
-    @property
     def ring_size(self) -> int:
         """Bytes of each shared ring of records (set before the first record probe)."""
         return self._recording.ring_size
@@ -491,17 +486,11 @@ class Process:
     def ring_size(self, value: int) -> None:
         self._recording.ring_size = value
 
-    def read_records(self) -> None:
-        """Hand the records written so far to their handlers, outside ``run()``."""
-        self._recording.read_records()
-
-    def discard_records(self) -> None:
-        """Drop the records not read yet: their handlers will not see them."""
-        self._recording.discard_records()
-
-    def drain_records(self) -> None:
-        """Every record written so far to its handler, now (a handler's error waits)."""
-        self._recording.drain_rings()
+    @property
+    def records(self) -> Recording:
+        """The rings' reader, for a caller that paces it (the command line): its
+        ``reading_deadline``, ``read_records()``, ``discard_records()``, ``drain_rings()``."""
+        return self._recording
 
     # -- the family: followed children that exec (following/family.py) ---------------------
 

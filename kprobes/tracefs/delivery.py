@@ -167,6 +167,8 @@ class Delivery:
                     ri.ret_addr = event.ip
                     probe.handler(ri, event)
             else:
+                if probe.async_handler is not None:
+                    probe.async_handler(probe, event)
                 if probe.pre_handler is not None:
                     probe.pre_handler(probe, event)
                 if probe.post_handler is not None:

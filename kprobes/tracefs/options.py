@@ -1,14 +1,17 @@
 """What the kernel's tracefs probes cannot do, refused before anything is written.
 
 The probe objects are the same on every target (``core/``), and some of their options need
-code of ours in the probed thread or a mechanism of our own: a jump-optimized detour
-(``optimize``), a record read after the fact (``async_handler`` with its ``args``), a handler
-at each call's entry (a kretprobe's ``entry_handler``, a jprobe's ``entry``), an instance
-pool (``maxactive`` on the kernel's uretprobes, which keep none). The kernel's kprobes and
-uprobes, driven through ``kprobe_events``/``uprobe_events``, run none of that: they record an
-event that Python decodes later. A probe asking for one of these is refused here with
-``UnsupportedOption`` (EINVAL) naming the target and the option, before Step 1 of
-registration, so that nothing is registered.
+code of ours in the probed thread or a mechanism of our own: a jump-optimized detour of ours
+(``optimize``), a handler at each call's entry (a kretprobe's ``entry_handler``, a jprobe's
+``entry``), an instance pool (``maxactive`` on the kernel's uretprobes, which keep none). The
+kernel's kprobes and uprobes, driven through ``kprobe_events``/``uprobe_events``, run none of
+that: they record an event that Python decodes later. A probe asking for one of these is
+refused here with ``UnsupportedOption`` (EINVAL) naming the target and the option, before
+Step 1 of registration, so that nothing is registered.
+
+What these targets do honour as every target does: ``args`` on the probe (its fetch-args, or
+given to the register call) and an ``async_handler(probe, event)``, which is what all their
+handlers are: called after the fact with the ``Event``.
 
 Rejected: ignoring them, as these targets did until issue 19. A probe registered with
 ``optimize=True`` and an ``async_handler`` then ran no handler at all, and its caller had no
@@ -17,7 +20,7 @@ way to know; a refusal says which target to use instead.
 
 from __future__ import annotations
 
-from kprobes.core.probes import Kprobe
+from kprobes.core.probes import Kprobe, check_handlers
 from kprobes.core.retprobes import Jprobe, Kretprobe
 from kprobes.errors import UnsupportedOption
 
@@ -52,21 +55,7 @@ def _check_kprobe(target: str, kp: Kprobe, *, is_kernel: bool) -> None:
             "jump-optimized probes)"
         )
         raise UnsupportedOption(target, "optimize=True", "Kprobe", why)
-    if kp.async_handler is not None:
-        raise UnsupportedOption(
-            target,
-            "async_handler",
-            "Kprobe",
-            "its events reach Python after the fact already: give the handler as "
-            "pre_handler(kp, event)",
-        )
-    if kp.args:
-        raise UnsupportedOption(
-            target,
-            f"args={' '.join(kp.args)!r}",
-            "Kprobe",
-            f"fetch-args go to the registration: {target}.register_kprobe(kp, args)",
-        )
+    check_handlers(kp)
 
 
 def _check_kretprobe(target: str, rp: Kretprobe, *, is_kernel: bool) -> None:

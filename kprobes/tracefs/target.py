@@ -18,7 +18,9 @@ merges the CPUs by timestamp and hands each ``Event`` to the probe's handler (th
 probes are read-only, as the document says of optimized probes: a handler sees the fetched
 values, never live registers):
 
-    Kprobe      pre_handler(kp, event), then post_handler(kp, event, 0)
+    Kprobe      async_handler(kp, event), as on every target; pre_handler(kp, event),
+                then post_handler(kp, event, 0), called the same way (these probes are
+                read-only: no handler here sees live registers)
     Kretprobe   handler(ri, event); ri.task is the thread, ri.ret_addr where it returned to
 
 and to ``sink(event)`` if one was given. A handler that raises is offered to the probe's
@@ -40,7 +42,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from kprobes import lifetime
-from kprobes.core.probes import Kprobe, ProbeFlags
+from kprobes.core.probes import Kprobe, ProbeFlags, take_args
 from kprobes.core.retprobes import Jprobe, Kretprobe
 from kprobes.core.table import ProbeSite, ProbeTable
 from kprobes.errors import ProbeError, ProbeRejected, SpecError, TargetError, TraceFsError
@@ -219,8 +221,11 @@ class TraceTarget(Delivery):
     # -- registration ------------------------------------------------------------------------
 
     def register_kprobe(self, kp: Kprobe, args: Sequence[str] = (), *, event: str = "") -> None:
-        """Register ``kp`` with fetch-args in the kernel's syntax (``"fd=%di:s32"``)."""
-        self._register(kp, tuple(args), event)
+        """Register ``kp`` with fetch-args in the kernel's syntax (``"fd=%di:s32"``), given
+        here or as the probe's ``args``, as an event named ``event`` (else the kernel's
+        default)."""
+        take_args(kp, args)
+        self._register(kp, kp.args, event)
 
     def register_kprobes(
         self, kps: Sequence[Kprobe], args: Mapping[Kprobe, Sequence[str]] | None = None
@@ -336,12 +341,18 @@ class TraceTarget(Delivery):
     def _register_many(
         self, probes: Sequence[AnyProbe], args: Mapping[Any, Sequence[str]] | None
     ) -> None:
+        given: dict[int, tuple[str, ...]] = {}
         for probe in probes:  # all of them before any is written
             check_options(type(self).__name__, probe, is_kernel=self.is_kernel)
+            words = tuple((args or {}).get(probe, ()))
+            if isinstance(probe, Kprobe):
+                take_args(probe, words)
+                words = probe.args
+            given[id(probe)] = words
         done: list[AnyProbe] = []
         try:
             for probe in probes:
-                self._register(probe, tuple((args or {}).get(probe, ())), "")
+                self._register(probe, given[id(probe)], "")
                 done.append(probe)
         except BaseException:
             for probe in reversed(done):

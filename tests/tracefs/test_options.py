@@ -37,20 +37,6 @@ REFUSED: dict[str, tuple[str, Callable[[], Any], str, str]] = {
         "Uprobes cannot honour optimize=True on a Kprobe: the kernel's uprobes place their own "
         "breakpoint (use Process for jump-optimized probes)",
     ),
-    "async_handler": (
-        "register_kprobe",
-        lambda: Kprobe(symbol="work", async_handler=_nothing),
-        "async_handler",
-        "Uprobes cannot honour async_handler on a Kprobe: its events reach Python after the "
-        "fact already: give the handler as pre_handler(kp, event)",
-    ),
-    "args": (
-        "register_kprobe",
-        lambda: Kprobe(symbol="work", args="x=%di:s64", pre_handler=_nothing),
-        "args",
-        "Uprobes cannot honour args='x=%di:s64' on a Kprobe: fetch-args go to the "
-        "registration: Uprobes.register_kprobe(kp, args)",
-    ),
     "entry_handler": (
         "register_kretprobe",
         lambda: Kretprobe(symbol="work", handler=_nothing, entry_handler=_nothing),
@@ -146,15 +132,6 @@ def test_a_definition_line_with_maxactive_is_refused_on_uprobes(
             "kprobes by itself where it can",
         ),
         (
-            Kprobe(symbol="vfs_read", async_handler=_nothing),
-            "Kernel cannot honour async_handler on a Kprobe",
-        ),
-        (
-            Kprobe(symbol="vfs_read", args=("a=%di", "b=%si")),
-            "Kernel cannot honour args='a=%di b=%si' on a Kprobe: fetch-args go to the "
-            "registration: Kernel.register_kprobe(kp, args)",
-        ),
-        (
             Kretprobe(symbol="vfs_read", entry_handler=_nothing),
             "Kernel cannot honour entry_handler on a Kretprobe",
         ),
@@ -169,8 +146,10 @@ def test_the_kernels_reasons(probe: Any, start_of_message: str) -> None:
 
 
 def test_what_the_kernel_honours_passes() -> None:
-    """The kernel's kretprobes have a pool (``r8:``); plain probes and handlers are events."""
+    """The kernel's kretprobes have a pool (``r8:``); plain probes and handlers are events;
+    fetch-args on the probe and an async_handler are every target's."""
     for probe in (
+        Kprobe(symbol="vfs_read", async_handler=_nothing, args=("a=%di", "b=%si")),
         Kretprobe(symbol="vfs_read", maxactive=8, data_size=8, handler=_nothing),
         Kprobe(symbol="vfs_read", pre_handler=_nothing, post_handler=_nothing, disabled=True),
     ):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import errno
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from kprobes.errors import TargetError
 from kprobes.linux import procfs
@@ -57,6 +59,20 @@ class Attachment:
         if not self.is_attached and self.tracer.exit_code is None:
             raise TargetError(f"process {self.pid} was detached", errno=errno.ESRCH)
         raise self.exited()
+
+    @contextmanager
+    def registering(self) -> Iterator[None]:
+        """Around a registration: the program must be there (``require``), and one that
+        fails because the program exited meanwhile (before it, or in the middle, whatever
+        step noticed) says that, in one line, as a ``TargetError``."""
+        self.require()
+        try:
+            yield
+        except (TargetError, ProcessLookupError, ChildProcessError) as exc:
+            gone = self.gone()
+            if gone is None or (isinstance(exc, TargetError) and str(exc) == str(gone)):
+                raise
+            raise gone from exc
 
     def gone(self) -> TargetError | None:
         """The error for a registration the program did not wait for: it has exited

@@ -3,10 +3,11 @@
 A probe with an ``async_handler`` is optimized into a *record* probe (optimizer.py): each
 hit writes a record in the shared ring, in the program, and the tool reads the ring when it
 can (between stops, and every ``world.POLL`` seconds while ``run()`` waits) and calls the handler
-with a ``Hit``: the thread, the CPU, the time, the registers if the probe asked for them
-(read-only), and the fetch-args evaluated by the trap tier's own code against what the detour
-copied (fetch/fast.py). Where the probe cannot be optimized the same handler runs at its trap,
-with a ``Hit`` built from the live thread: one handler, two tiers, the same values.
+with an ``Event`` (model.py, what every target hands over after the fact): the thread, the
+CPU, the time, the place, the fetch-args evaluated by the trap tier's own code against what
+the detour copied (fetch/fast.py), and the registers if the probe asked for them (read-only).
+Where the probe cannot be optimized the same handler runs at its trap, with an ``Event``
+built from the live thread: one handler, two tiers, the same values.
 
 **Threads** are named by their thread pointer (fs base) in the record; the tool learns each
 thread's fs base at its first stop and when the first record probe is placed (every thread
@@ -38,7 +39,7 @@ from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64.capture import Captured, CapturePlan
 from kprobes.arch.x86_64.regs import REG_INDEX, Regs
 from kprobes.linux.tsc import TscClock
-from kprobes.model import EventArg
+from kprobes.model import Event
 from kprobes.process.fetch.evaluate import ArgFetcher, CpuReader, Memory
 from kprobes.process.fetch.fast import Resolver, data_resolver, file_resolver
 from kprobes.spec import SymbolLocation, parse
@@ -54,25 +55,6 @@ CHECK_EVERY: Final = 32  # records delivered between two looks at the clock (``u
 SLICE: Final = 1024  # records copied at a time, then handed over
 
 
-@dataclass(frozen=True, slots=True)
-class Hit:
-    """One hit of a probe, after the fact: what an asynchronous handler receives."""
-
-    tid: int
-    comm: str  # the thread's name
-    cpu: int
-    time: float  # time.monotonic() seconds
-    ip: int
-    regs: Regs | None  # read-only; None for a probe that did not ask for registers
-    args: tuple[EventArg, ...]
-
-    def arg(self, name: str) -> Any:
-        for a in self.args:
-            if a.name == name:
-                return a.value
-        raise KeyError(name)
-
-
 @dataclass(slots=True)
 class FastProbe:
     """What a probe with an asynchronous handler needs on both tiers (``Kprobe.fast``)."""
@@ -82,48 +64,63 @@ class FastProbe:
     with_regs: bool
     memory: Memory  # the live program's, for the trap tier
     resolvers: Resolver  # the spec's @symbol and file offsets, for the captures
+    pid: int  # the process the events are of
+    group: str = "kprobes"  # the events' names (``Event.group``/``Event.event``)
+    event: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.event:
+            self.event = self.spec.effective_event
 
 
 def trap_delivery(fp: FastProbe, cpu: CpuReader) -> Callable[[Kprobe, Any], None]:
-    """The trap tier's pre handler for an asynchronous handler: the same ``Hit``, built from
-    the live thread, handed over at once."""
+    """The trap tier's pre handler for an asynchronous handler: the same ``Event``, built
+    from the live thread, handed over at once."""
+    group, event, pid, memory, fetch = fp.group, fp.event, fp.pid, fp.memory, fp.fetcher.fetch
+    comm, symbolize, with_regs = memory.comm, memory.symbolize, fp.with_regs
 
     def deliver(kp: Kprobe, regs: Any) -> None:
         handler = kp.async_handler
         assert handler is not None
         tid = regs.tid
-        hit = Hit(
-            tid,
-            fp.memory.comm(tid),
-            cpu(tid),
-            time.monotonic(),
-            regs.ip,
-            regs.frozen() if fp.with_regs else None,
-            fp.fetcher.fetch(regs, fp.memory),
-        )
-        handler(kp, hit)
+        ip = regs.ip
+        handler(
+            kp,
+            Event(
+                group, event, pid, tid, comm(tid), cpu(tid), time.monotonic(), ip,
+                symbolize(ip), fetch(regs, memory),
+                regs=regs.frozen() if with_regs else None,
+            ),
+        )  # fmt: skip
 
     return deliver
 
 
 def equip(
-    kp: Kprobe, symbols: Callable[[], SymbolResolver], memory: Memory, cpu: CpuReader
+    kp: Kprobe,
+    symbols: Callable[[], SymbolResolver],
+    memory: Memory,
+    cpu: CpuReader,
+    *,
+    pid: int,
+    event: str = "",
 ) -> None:
     """Prepare a probe of the API with an ``async_handler``: its ``args`` parsed (a
     SpecError names the column), how its fetch-args are evaluated on both tiers, and the
-    handler the trap tier runs for it."""
+    handler the trap tier runs for it. Its events are named ``kprobes/EVENT``: ``event``,
+    else the kernel's default for the place (``p_work_0``)."""
     if kp.fast is not None or kp.async_handler is None:
         return
     where = kp.symbol or f"{kp.addr or 0:#x}"
     if kp.symbol and kp.offset:
         where += f"+{kp.offset:#x}"
-    spec = parse(" ".join(("p:kprobes/async", where, *kp.args)))
+    spec = parse(" ".join((f"p:kprobes/{event}" if event else "p", where, *kp.args)))
     resolve_data = data_resolver(symbols)
     loc = spec.location
     path = loc.module if isinstance(loc, SymbolLocation) and loc.module else "/proc/self"
     file_addr = file_resolver(symbols, path)
     fetcher = ArgFetcher(spec, resolve_data, file_addr)
-    kp.fast = FastProbe(spec, fetcher, True, memory, (resolve_data, file_addr))
+    kp.fast = FastProbe(spec, fetcher, True, memory, (resolve_data, file_addr), pid)
     kp.async_trap = trap_delivery(kp.fast, cpu)
 
 
@@ -305,15 +302,20 @@ class RingReader:
         when = self._clock.seconds(record.tsc)
         snapshot = regs.frozen() if rs.with_regs else None
         name = self.comm(tid)
+        ip = rs.site.addr
+        location = self.symbolize(ip)
         for probe in rs.site.active:
             handler = probe.async_handler
             fp = probe.fast
             if handler is None or fp is None:
                 continue
             args = fp.fetcher.fetch(regs, memory)
-            hit = Hit(tid, name, cpu, when, rs.site.addr, snapshot, args)
+            event = Event(
+                fp.group, fp.event, fp.pid, tid, name, cpu, when, ip, location, args,
+                regs=snapshot if fp.with_regs else None,
+            )  # fmt: skip
             self.delivered += 1
             try:
-                handler(probe, hit)
+                handler(probe, event)
             except Exception as exc:  # raised from run(), as a trap handler's would be
                 self.table.park(exc)

@@ -10,14 +10,14 @@ the counter that ``nhit`` reads.
 
 from __future__ import annotations
 
-import errno
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64.detour import Action, CountAction
 from kprobes.arch.x86_64.record import CpuId, RecordAction
-from kprobes.errors import InternalError, ProbeRejected, TargetError, UnsupportedOption
+from kprobes.core.probes import check_handlers
+from kprobes.errors import InternalError, TargetError, UnsupportedOption
 from kprobes.process.engine.threads import ThreadState
 from kprobes.process.fast.reader import RingReader, equip
 from kprobes.process.fetch.evaluate import CommCache, CpuReader, Memory, Symbolizer
@@ -75,31 +75,29 @@ class Recording:
     def _fetch_string(self, addr: int, max_len: int = 4096) -> bytes:
         return self._program.memory().read_string(addr, max_len, as_program=True)
 
-    def equip_async(self, kps: Sequence[Kprobe]) -> None:
+    def equip_async(self, kps: Sequence[Kprobe], events: Mapping[Kprobe, str]) -> None:
         """Prepare the probes with an asynchronous handler (before anything is placed: a
-        wrong fetch-arg raises SpecError here). ``args`` without one would be evaluated for
-        nobody: refused (``UnsupportedOption``), never ignored."""
+        wrong fetch-arg raises SpecError here), their events named as ``events`` says.
+        ``args`` or an event name without one would be for nobody: refused
+        (``UnsupportedOption``), never ignored."""
         for kp in kps:
-            if kp.args and kp.async_handler is None:
+            check_handlers(kp)
+            if kp.async_handler is None and (kp.args or kp in events):
+                option = f"args={' '.join(kp.args)!r}" if kp.args else f"event={events[kp]!r}"
+                what = "fetch-args are evaluated" if kp.args else "events are made"
                 raise UnsupportedOption(
                     "Process",
-                    f"args={' '.join(kp.args)!r}",
+                    option,
                     "Kprobe",
-                    "fetch-args are evaluated for the records of an async_handler; a "
-                    "pre_handler reads registers and memory itself (give an async_handler, "
-                    "or leave args out)",
+                    f"{what} for the records of an async_handler; a pre_handler reads "
+                    "registers and memory itself (give an async_handler, or leave them out)",
                 )
             if kp.async_handler is None or kp.fast is not None:
                 continue
-            if kp.pre_handler or kp.post_handler or kp.fault_handler:
-                raise ProbeRejected(
-                    "an async_handler sees hits after the fact: it does not go with a pre, "
-                    "post or fault handler (register two probes)",
-                    errno=errno.EINVAL,
-                )
             reader = self.ring_reader()
             memory = Memory(self._fetch, self._fetch_string, reader.symbolize, reader.comm)
-            equip(kp, self._program.symbols, memory, CpuReader(self.pid))
+            cpu = CpuReader(self.pid)
+            equip(kp, self._program.symbols, memory, cpu, pid=self.pid, event=events.get(kp, ""))
 
     @property
     def dropped(self) -> int:

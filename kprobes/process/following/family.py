@@ -27,7 +27,7 @@ tracee's stops are reported to the thread that traces it: one loop must see them
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from kprobes.core.probes import Kprobe
@@ -48,7 +48,13 @@ class Member(Protocol):
     def family(self) -> Family: ...
 
     def iter_probes(self) -> Iterable[Kprobe]: ...
-    def register_kprobes(self, kps: Sequence[Kprobe]) -> None: ...
+    def register_kprobes(
+        self,
+        kps: Sequence[Kprobe],
+        args: Mapping[Kprobe, Sequence[str]] | None = None,
+        *,
+        events: Mapping[Kprobe, str] | None = None,
+    ) -> None: ...
     def register_kretprobes(self, rps: Sequence[Kretprobe]) -> None: ...
     def unregister_kprobes(self, kps: Sequence[Kprobe]) -> None: ...
     def unregister_kretprobes(self, rps: Sequence[Kretprobe]) -> None: ...
@@ -116,6 +122,7 @@ def copy_root_probes(member: Member) -> None:
     family = member.family
     kps: list[Kprobe] = []
     rps: list[Kretprobe] = []
+    events: dict[Kprobe, str] = {}  # the events of an async_handler keep their name
     for probe in list(family.root.iter_probes()):
         owner = probe.owner
         if probe.symbol is None:
@@ -126,8 +133,10 @@ def copy_root_probes(member: Member) -> None:
         elif owner is None:  # a jprobe's arguments are bound to the root's image: not copied
             kps.append(_kprobe_copy(probe))
             family.copy(member, probe, kps[-1])
+            if probe.fast is not None:
+                events[kps[-1]] = probe.fast.event
     if kps:
-        member.register_kprobes(kps)
+        member.register_kprobes(kps, events=events)
     if rps:
         member.register_kretprobes(rps)
 
