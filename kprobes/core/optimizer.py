@@ -66,8 +66,6 @@ def why_no_jump(site: ProbeSite, is_enabled: bool) -> str | None:
             return "another probe here did not ask for a jump"
         if p.owner is not None or p.pre_handler or p.post_handler or p.fault_handler:
             return "a probe here has a handler that may change the program, which runs at a trap"
-        if p.async_handler is not None and p.fast is None:
-            return "its asynchronous handler was not prepared"
     if not site.is_armed:
         return "disabled"
     if not is_enabled:

@@ -105,9 +105,6 @@ class Kprobe:
         self.location: Location | None = None
         self.site: ProbeSite | None = None  # set while registered; core-private
         self.owner: Any = None  # the Kretprobe or Jprobe this entry probe belongs to
-        self.fast: Any = None  # the target's state for async_handler; core never reads it
-        # What runs at a trap for async_handler (the target builds it; no redirection).
-        self.async_trap: Callable[[Kprobe, Any], None] | None = None
 
     @property
     def is_registered(self) -> bool:

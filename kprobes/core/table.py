@@ -14,7 +14,7 @@ then raises it out of ``run()``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kprobes.core.probes import TRAP_HANDLER_EXCEPTION, Kprobe, Location
@@ -53,7 +53,9 @@ class ProbeSite:
         redirected = False
         for p in self.active:
             p.nhit += 1
-            handler = p.pre_handler or p.async_trap
+            handler = p.pre_handler
+            if handler is None and p.async_handler is not None:
+                handler = self.table.run_async
             if handler is not None:
                 try:
                     if handler(p, regs):
@@ -106,6 +108,9 @@ class ProbeTable:
     def __init__(self) -> None:
         self.sites: dict[int, ProbeSite] = {}
         self.pending_error: BaseException | None = None
+        # How the target runs a probe's async_handler at a trap (the process target: the
+        # same event its records make, built from the live thread); None: not at a trap.
+        self.run_async: Callable[[Kprobe, Any], None] | None = None
 
     def get(self, addr: int) -> ProbeSite | None:
         return self.sites.get(addr)

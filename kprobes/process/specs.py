@@ -19,7 +19,7 @@ from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe, KretprobeInstance
 from kprobes.errors import ProbeRejected, SpecError
 from kprobes.model import ArgValue, Event
-from kprobes.process.fast.reader import FastProbe, trap_delivery
+from kprobes.process.fast.reader import FastProbe
 from kprobes.process.fetch.evaluate import ArgFetcher, CommCache, CpuReader, Memory, Symbolizer
 from kprobes.process.fetch.fast import data_resolver, file_resolver
 from kprobes.spec import AddressLocation, FileOffsetLocation, ProbeSpec, SymbolLocation, parse
@@ -152,7 +152,7 @@ class SpecTracer:
             spec, fetcher, False, self.memory, resolvers, self.proc.pid,
             spec.effective_group, spec.effective_event,
         )  # fmt: skip
-        kp.fast, kp.async_trap = fast, trap_delivery(fast, self.cpu)
+        self.proc.records.prepare(kp, fast)
         return PlacedSpec(spec, kp)
 
     def _trap_probe(

@@ -284,8 +284,12 @@ class Process:
         with self._program.registering():
             for kp in kps:
                 take_args(kp, (args or {}).get(kp, ()))
-            self._recording.equip_async(kps, events or {})
-            self._manager.register_many(kps)
+            try:
+                self._recording.equip_async(kps, events or {})
+                self._manager.register_many(kps)
+            except BaseException:
+                self._recording.forget([kp for kp in kps if not kp.is_registered])
+                raise
 
     def add(self, text: str, handler: LineHandler | None = None) -> Kprobe | Kretprobe:
         """Register a probe written as a probe line, as on every target (``"r:work
@@ -298,11 +302,18 @@ class Process:
         return self._lines.add(text, handler)
 
     def unregister_kprobe(self, kp: Kprobe) -> None:
-        self._manager.unregister(kp)
+        self.unregister_kprobes([kp])
 
     def unregister_kprobes(self, kps: Sequence[Kprobe]) -> None:
         self._manager.unregister_many(kps)
+        self._recording.forget([kp for kp in kps if not kp.is_registered])
         self.family.unregister_copies(list(kps))
+
+    def get_event_name(self, probe: Kprobe) -> str | None:
+        """The name of the events an ``async_handler`` of ``probe`` receives (None: it
+        has none), as the tracefs targets name their probes' events."""
+        fp = self._recording.fast_of(probe)
+        return None if fp is None else fp.event
 
     def enable_kprobe(self, kp: Kprobe) -> None:
         self._manager.enable(kp)

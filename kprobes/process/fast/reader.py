@@ -57,7 +57,8 @@ SLICE: Final = 1024  # records copied at a time, then handed over
 
 @dataclass(slots=True)
 class FastProbe:
-    """What a probe with an asynchronous handler needs on both tiers (``Kprobe.fast``)."""
+    """What a probe with an asynchronous handler needs on both tiers (kept by
+    ``Recording``, by probe: the core's ``Kprobe`` carries nothing of the process target)."""
 
     spec: ProbeSpec
     fetcher: ArgFetcher
@@ -100,17 +101,14 @@ def equip(
     kp: Kprobe,
     symbols: Callable[[], SymbolResolver],
     memory: Memory,
-    cpu: CpuReader,
     *,
     pid: int,
     event: str = "",
-) -> None:
+) -> FastProbe:
     """Prepare a probe of the API with an ``async_handler``: its ``args`` parsed (a
-    SpecError names the column), how its fetch-args are evaluated on both tiers, and the
-    handler the trap tier runs for it. Its events are named ``kprobes/EVENT``: ``event``,
-    else the kernel's default for the place (``p_work_0``)."""
-    if kp.fast is not None or kp.async_handler is None:
-        return
+    SpecError names the column) and how its fetch-args are evaluated on both tiers. Its
+    events are named ``kprobes/EVENT``: ``event``, else the kernel's default for the place
+    (``p_work_0``)."""
     where = kp.symbol or f"{kp.addr or 0:#x}"
     if kp.symbol and kp.offset:
         where += f"+{kp.offset:#x}"
@@ -120,8 +118,7 @@ def equip(
     path = loc.module if isinstance(loc, SymbolLocation) and loc.module else "/proc/self"
     file_addr = file_resolver(symbols, path)
     fetcher = ArgFetcher(spec, resolve_data, file_addr)
-    kp.fast = FastProbe(spec, fetcher, True, memory, (resolve_data, file_addr), pid)
-    kp.async_trap = trap_delivery(kp.fast, cpu)
+    return FastProbe(spec, fetcher, True, memory, (resolve_data, file_addr), pid)
 
 
 @dataclass(slots=True)
@@ -142,8 +139,10 @@ class RingReader:
         views: Callable[[], Iterable[memoryview]],
         symbolize: Callable[[int], str],
         comm: Callable[[int], str],
+        fast_of: Callable[[Kprobe], FastProbe | None],
     ) -> None:
         self.table = table
+        self.fast_of = fast_of  # a probe's FastProbe (Recording keeps them)
         self._areas = views
         self.symbolize = symbolize
         self.comm = comm
@@ -304,10 +303,13 @@ class RingReader:
         name = self.comm(tid)
         ip = rs.site.addr
         location = self.symbolize(ip)
+        fast_of = self.fast_of
         for probe in rs.site.active:
             handler = probe.async_handler
-            fp = probe.fast
-            if handler is None or fp is None:
+            if handler is None:
+                continue
+            fp = fast_of(probe)
+            if fp is None:
                 continue
             args = fp.fetcher.fetch(regs, memory)
             event = Event(

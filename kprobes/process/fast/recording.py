@@ -10,8 +10,8 @@ the counter that ``nhit`` reads.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64.detour import Action, CountAction
@@ -19,7 +19,7 @@ from kprobes.arch.x86_64.record import CpuId, RecordAction
 from kprobes.core.probes import check_handlers
 from kprobes.errors import InternalError, TargetError, UnsupportedOption
 from kprobes.process.engine.threads import ThreadState
-from kprobes.process.fast.reader import RingReader, equip
+from kprobes.process.fast.reader import FastProbe, RingReader, equip, trap_delivery
 from kprobes.process.fetch.evaluate import CommCache, CpuReader, Memory, Symbolizer
 from kprobes.process.fetch.fast import NotCapturable, plan_captures
 
@@ -68,6 +68,11 @@ class Recording:
         self._injector = injector
         self._state = state
         self._table = table
+        # Each probe with an async_handler: its FastProbe and what runs it at a trap. The
+        # probe is held too, so that its id names it alone while it is here.
+        self._fast: dict[int, tuple[Kprobe, FastProbe, Callable[[Kprobe, Any], None]]] = {}
+        self._cpu: CpuReader | None = None
+        table.run_async = self._run_at_trap
 
     def _fetch(self, addr: int, size: int) -> bytes:
         return self._program.memory().read_as_program(addr, size)
@@ -92,12 +97,33 @@ class Recording:
                     f"{what} for the records of an async_handler; a pre_handler reads "
                     "registers and memory itself (give an async_handler, or leave them out)",
                 )
-            if kp.async_handler is None or kp.fast is not None:
+            if kp.async_handler is None or id(kp) in self._fast:
                 continue
             reader = self.ring_reader()
             memory = Memory(self._fetch, self._fetch_string, reader.symbolize, reader.comm)
-            cpu = CpuReader(self.pid)
-            equip(kp, self._program.symbols, memory, cpu, pid=self.pid, event=events.get(kp, ""))
+            event = events.get(kp, "")
+            self.prepare(kp, equip(kp, self._program.symbols, memory, pid=self.pid, event=event))
+
+    def prepare(self, kp: Kprobe, fp: FastProbe) -> None:
+        """``kp``'s async_handler is run with ``fp`` (the command line's own probes come
+        prepared so; ``equip_async`` prepares the API's)."""
+        if self._cpu is None:
+            self._cpu = CpuReader(self.pid)
+        self._fast[id(kp)] = (kp, fp, trap_delivery(fp, self._cpu))
+
+    def fast_of(self, kp: Kprobe) -> FastProbe | None:
+        entry = self._fast.get(id(kp))
+        return None if entry is None else entry[1]
+
+    def forget(self, kps: Sequence[Kprobe]) -> None:
+        """The probes were unregistered (or never were): nothing of theirs is kept."""
+        for kp in kps:
+            self._fast.pop(id(kp), None)
+
+    def _run_at_trap(self, kp: Kprobe, regs: Any) -> None:
+        entry = self._fast.get(id(kp))
+        if entry is not None:
+            entry[2](kp, regs)
 
     @property
     def dropped(self) -> int:
@@ -169,6 +195,7 @@ class Recording:
                 lambda: [area.view for area in state.areas],
                 Symbolizer(lambda addr: self._program.symbols().locate_address(addr)),
                 CommCache(self.pid),
+                self.fast_of,
             )
         return state.reader
 
@@ -204,7 +231,10 @@ class Recording:
         """The site's action: a count, or a record if a probe has an asynchronous handler
         (then also the count); a str says why the site cannot be optimized."""
         counter = area.counter_addr(so.counter)
-        fast = [p.fast for p in site.probes if p.async_handler is not None]
+        wanted = [p for p in site.probes if p.async_handler is not None]
+        fast = [fp for fp in map(self.fast_of, wanted) if fp is not None]
+        if len(fast) < len(wanted):
+            return "its asynchronous handler was not prepared"
         if not fast:
             return CountAction(counter)
         try:

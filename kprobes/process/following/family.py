@@ -48,6 +48,7 @@ class Member(Protocol):
     def family(self) -> Family: ...
 
     def iter_probes(self) -> Iterable[Kprobe]: ...
+    def get_event_name(self, probe: Kprobe) -> str | None: ...
     def register_kprobes(
         self,
         kps: Sequence[Kprobe],
@@ -133,8 +134,9 @@ def copy_root_probes(member: Member) -> None:
         elif owner is None:  # a jprobe's arguments are bound to the root's image: not copied
             kps.append(_kprobe_copy(probe))
             family.copy(member, probe, kps[-1])
-            if probe.fast is not None:
-                events[kps[-1]] = probe.fast.event
+            name = family.root.get_event_name(probe)
+            if name is not None:
+                events[kps[-1]] = name
     if kps:
         member.register_kprobes(kps, events=events)
     if rps:
