@@ -188,12 +188,22 @@ def step(thread: Thread) -> None:
     _wait_for_trap(thread, stepping=True)
 
 
+def next_stop(thread: Thread) -> int:
+    """The next stop of ``thread``, which we drive alone (an injected call, a step, the
+    rescue's own run): its wait status; a ``TargetError`` if it died or is gone."""
+    try:
+        _, status = ptrace.waitpid(thread.tid, 0)
+    except ChildProcessError as exc:
+        raise TargetError(f"thread {thread.tid} is gone") from exc
+    if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+        raise TargetError(f"thread {thread.tid} died during an injected call")
+    return status
+
+
 def _wait_for_trap(thread: Thread, *, stepping: bool) -> None:
     """Wait for ``thread``'s SIGTRAP; hold other signals for later, fail on faults or exit."""
     while True:
-        _, status = ptrace.waitpid(thread.tid, 0)
-        if os.WIFEXITED(status) or os.WIFSIGNALED(status):
-            raise TargetError(f"thread {thread.tid} died during an injected call")
+        status = next_stop(thread)
         sig = os.WSTOPSIG(status)
         event = status >> 16
         if sig == signal.SIGTRAP and event == 0:
