@@ -456,16 +456,20 @@ def test_an_optimized_probe_stays_one_in_a_child_that_execs(build, tmp_path, kin
             ["/bin/sh", "-c", f"{' '.join(argv)}; true"], stdout=f, follow_forks=True
         )
     seen: list[tuple[kprobes.Kprobe, int]] = []
+    events: list[kprobes.Event] = []
+
+    def on_event(probe: kprobes.Kprobe, event: kprobes.Event) -> None:
+        seen.append((probe, event.arg("i")))
+        events.append(event)
+
     if kind == "count":
         kp = kprobes.Kprobe(symbol="ticker:work", optimize=True)
+        proc.register_kprobe(kp)
     else:
         kp = kprobes.Kprobe(
-            symbol="ticker:work",
-            optimize=True,
-            async_handler=lambda probe, hit: seen.append((probe, hit.arg("i"))),
-            args="i=%di",
+            symbol="ticker:work", optimize=True, async_handler=on_event, args="i=%di"
         )
-    proc.register_kprobe(kp)
+        proc.register_kprobe(kp, event="tick")  # the copy's events keep the name
     listings: list[str] = []
     try:
         while not proc.run(timeout=0.01):
@@ -480,3 +484,6 @@ def test_an_optimized_probe_stays_one_in_a_child_that_execs(build, tmp_path, kin
     if kind == "record":
         assert [probe for probe, _ in seen] == [kp] * 20
         assert [i for _, i in seen] == list(range(20))
+        # Made in the child (a member: not the shell the user spawned), named as asked.
+        assert {(e.group, e.event, e.comm) for e in events} == {("kprobes", "tick", "ticker")}
+        assert len({e.pid for e in events}) == 1 and events[0].pid != proc.pid
