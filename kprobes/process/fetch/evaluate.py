@@ -8,8 +8,14 @@ reads four, ``string`` reads up to a NUL, ``x8[4]`` reads four bytes. A read tha
 ``None`` (printed ``(fault)``), never an exception: a bad pointer in the program must not
 stop the trace.
 
-``$argN`` follows the SysV ABI: rdi, rsi, rdx, rcx, r8, r9, then the stack above the return
-address. On a return probe the arguments are fetched at the entry and kept with the call's
+The rules of the tree (which register ``$argN`` is, where ``$stackN`` lies, what a
+dereference adds) are tree.py's, walked once when the probe is compiled; this module is the
+lowering that makes closures, and the optimized probe's captures (fast.py) are the other, so
+that the two read the same things in the same order. A register stays a name and a number
+stays a number until a closure needs them: ``$stack3`` and ``+8(%di)`` are one closure that
+reads the register and then memory, not a closure calling a closure (the hit runs them).
+
+On a return probe the arguments are fetched at the entry and kept with the call's
 instance (the kernel's "entry arguments" of return probes), since the registers are gone
 by the return.
 """
@@ -19,32 +25,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
-from kprobes.arch.x86_64.abi import INT_REGS
-from kprobes.arch.x86_64.regs import canonical_name
 from kprobes.errors import SpecError, SymbolNotFound, TargetError
 from kprobes.model import ArgValue, EventArg
-from kprobes.spec import (
-    Comm,
-    Dereference,
-    FetchArg,
-    FileOffset,
-    FunctionArg,
-    Immediate,
-    ImmediateString,
-    MemoryAddress,
-    MemorySymbol,
-    ProbeArg,
-    ProbeSpec,
-    Register,
-    ReturnValue,
-    StackAddress,
-    StackEntry,
-    TypeSpec,
-)
+from kprobes.process.fetch.tree import Kind, address, kind_of, reads_function_args, value
+from kprobes.spec import FetchArg, ImmediateString, ProbeArg, ProbeSpec, TypeSpec
 
-ARG_REGS = INT_REGS  # $argN by the SysV ABI
 STRING_MAX = 4096  # the kernel's MAX_STRING_SIZE is PATH_MAX
 MASK64 = (1 << 64) - 1
 
@@ -77,14 +65,6 @@ class CompiledArg:
     at_entry: bool  # a return probe fetches it at the entry ($argN)
 
 
-def _mentions(fetch: FetchArg, kind: type) -> bool:
-    if isinstance(fetch, kind):
-        return True
-    if isinstance(fetch, Dereference):
-        return _mentions(fetch.base, kind)
-    return False
-
-
 def _read_int(memory: Memory, addr: int, size: int) -> int | None:
     try:
         data = memory.read(addr & MASK64, size)
@@ -93,65 +73,78 @@ def _read_int(memory: Memory, addr: int, size: int) -> int | None:
     return int.from_bytes(data, "little")
 
 
-def _value(
-    fetch: FetchArg, resolve_data: Callable[[str], int], file_addr: Callable[[int], int]
-) -> Value:
-    """A closure giving the fetch's 64-bit value."""
-    match fetch:
-        case Register(name=name):
-            reg = canonical_name(name)  # the kernel's pt_regs names (%ax, %ip, %flags)
-
-            def register(regs: Any, _m: Memory) -> int:
-                return int(regs.get(reg))
-
-            return register
-        case StackAddress():
-            return lambda regs, _m: int(regs.rsp)
-        case StackEntry(index=n):
-            return lambda regs, m: _read_int(m, regs.rsp + 8 * n, 8)
-        case FunctionArg(index=n):
-            if n <= len(ARG_REGS):
-                reg = ARG_REGS[n - 1]
-                return lambda regs, _m: int(regs.get(reg))
-            slot = 8 * (n - len(ARG_REGS))  # above the return address at [rsp]
-            return lambda regs, m: _read_int(m, regs.rsp + slot, 8)
-        case ReturnValue():
-            return lambda regs, _m: int(regs.rax)
-        case Immediate(value=v):
-            return lambda _r, _m: v & MASK64
-        case MemoryAddress() | MemorySymbol() | FileOffset() | Dereference():
-            where = _address(fetch, resolve_data, file_addr)
-
-            def load(regs: Any, m: Memory) -> int | None:
-                addr = where(regs, m)
-                return None if addr is None else _read_int(m, addr, 8)
-
-            return load
-    raise SpecError(f"{type(fetch).__name__} has no numeric value here", column=0)
+Operand = str | int | Value
+"""A part of a fetch while the tree is lowered: a register's pt_regs name, a number, or the
+closure of the rest. A register is read through its property on ``Regs`` (one Python call;
+``regs.get()`` is two)."""
 
 
-def _address(
-    fetch: FetchArg, resolve_data: Callable[[str], int], file_addr: Callable[[int], int]
-) -> Value:
-    """A closure giving the address a memory fetch reads."""
-    match fetch:
-        case MemoryAddress(address=a):
-            return lambda _r, _m: a
-        case MemorySymbol(symbol=sym, offset=off):
-            addr = resolve_data(sym) + off
-            return lambda _r, _m: addr
-        case FileOffset(offset=off):
-            addr = file_addr(off)
-            return lambda _r, _m: addr
-        case Dereference(offset=off, base=base):
-            inner = _value(base, resolve_data, file_addr)
+class _Closures:
+    """The tree lowered to closures over (regs, memory): a ``tree.Lowering[Operand]``."""
 
-            def deref(regs: Any, m: Memory) -> int | None:
-                value = inner(regs, m)
-                return None if value is None else (value + off) & MASK64
+    def register(self, name: str, spelled: str) -> Operand:
+        return name
 
-            return deref
-    raise SpecError(f"{type(fetch).__name__} does not read memory", column=0)
+    def immediate(self, value: int) -> Operand:
+        return value & MASK64  # a 64-bit word: \-1 is 0xffffffffffffffff
+
+    def constant(self, address: int) -> Operand:
+        return address  # as resolved; a read masks it
+
+    def word(self, base: Operand, offset: int) -> Operand:
+        if isinstance(base, str):
+            read = attrgetter(base)
+            return lambda regs, m: _read_int(m, read(regs) + offset, 8)
+        if isinstance(base, int):
+            at = base + offset
+            return lambda _r, m: _read_int(m, at, 8)
+        inner = base
+
+        def load(regs: Any, m: Memory) -> int | None:
+            v = inner(regs, m)
+            return None if v is None else _read_int(m, v + offset, 8)
+
+        return load
+
+    def retval(self) -> Operand:
+        return "rax"  # at the return
+
+    def no_value(self, fetch: FetchArg) -> Exception:
+        return SpecError(f"{type(fetch).__name__} has no numeric value here", column=0)
+
+
+_CLOSURES = _Closures()
+
+
+def _value_of(part: Operand) -> Value:
+    """The closure giving a lowered fetch's 64-bit value."""
+    if isinstance(part, str):
+        read = attrgetter(part)
+
+        def register(regs: Any, _m: Memory) -> int:
+            return int(read(regs))
+
+        return register
+    if isinstance(part, int):
+        return lambda _r, _m: part
+    return part
+
+
+def _address_of(base: Operand, offset: int) -> Value:
+    """The closure giving the address a memory fetch reads: its base plus its offset."""
+    if isinstance(base, str):
+        read = attrgetter(base)
+        return lambda regs, _m: (int(read(regs)) + offset) & MASK64
+    if isinstance(base, int):
+        addr = (base + offset) & MASK64 if offset else base  # @sym: as resolved
+        return lambda _r, _m: addr
+    inner = base
+
+    def deref(regs: Any, m: Memory) -> int | None:
+        v = inner(regs, m)
+        return None if v is None else (v + offset) & MASK64
+
+    return deref
 
 
 def _convert(type_: TypeSpec, raw: int) -> int:
@@ -179,22 +172,25 @@ def compile_arg(
 ) -> CompiledArg:
     type_ = arg.effective_type
     fetch = arg.fetch
-    at_entry = is_return and _mentions(fetch, FunctionArg)
+    at_entry = is_return and reads_function_args(fetch)
     result: Fetch
-    if isinstance(fetch, Comm):
+    match kind_of(fetch):
+        case Kind.COMM:
 
-        def comm(regs: Any, m: Memory) -> ArgValue:
-            return m.comm(regs.tid)
+            def comm(regs: Any, m: Memory) -> ArgValue:
+                return m.comm(regs.tid)
 
-        result = comm
-    elif isinstance(fetch, ImmediateString):
-        text = fetch.value
-        result = lambda _r, _m: text  # noqa: E731
-    elif isinstance(fetch, MemoryAddress | MemorySymbol | FileOffset | Dereference):
-        result = _memory_fetch(_address(fetch, resolve_data, file_addr), type_)
-    else:
-        value = _value(fetch, resolve_data, file_addr)
-        result = _value_fetch(value, type_)
+            result = comm
+        case Kind.TEXT:
+            assert isinstance(fetch, ImmediateString)  # kind_of says so
+            text = fetch.value
+            result = lambda _r, _m: text  # noqa: E731
+        case Kind.MEMORY:
+            where = _address_of(*address(fetch, _CLOSURES, resolve_data, file_addr))
+            result = _memory_fetch(where, type_)
+        case Kind.VALUE:
+            part = value(fetch, _CLOSURES, resolve_data, file_addr)
+            result = _value_fetch(_value_of(part), type_)
     return CompiledArg(name, type_, result, at_entry)
 
 

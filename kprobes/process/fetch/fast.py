@@ -4,10 +4,13 @@ The trap tier evaluates a fetch-arg against the live thread (evaluate.py). An op
 has no live thread to ask: its detour copies, at the hit, every register and every piece of
 memory the evaluation will read (arch/x86_64/capture.py), and the tool later runs the same
 ``ArgFetcher`` against that copy. So this module only has to say *what* the evaluation
-reads, walking the fetch tree in the order evaluate.py walks it: ``+8(+16(%si)):u32`` reads
-``rsi``, then 8 bytes at ``rsi+16``, then 4 bytes at that word plus 8. Whatever cannot be
-copied at the hit (``$retval``: return probes stay on traps; ``$comm`` and immediates need
-nothing) is refused with the reason, and the probe keeps its trap.
+reads, and it says it by lowering the very walk of the fetch tree that the evaluator's
+closures are made by (tree.py): a register is a ``Value`` capture, a word of memory a
+``Bytes`` capture, in the order the walk asks for them, which is the order the closures
+read. ``+8(+16(%si)):u32`` reads ``rsi``, then 8 bytes at ``rsi+16``, then 4 bytes at that
+word plus 8. Whatever cannot be copied at the hit (``$retval``: return probes stay on traps;
+registers the detour does not save; ``$comm`` and immediates need nothing) is refused with
+the reason, and the probe keeps its trap.
 """
 
 from __future__ import annotations
@@ -27,26 +30,9 @@ from kprobes.arch.x86_64.capture import (
     Value,
     Word,
 )
-from kprobes.arch.x86_64.regs import canonical_name
 from kprobes.errors import ProbeRejected, SymbolNotFound
-from kprobes.process.fetch.evaluate import ARG_REGS
-from kprobes.spec import (
-    Comm,
-    Dereference,
-    FetchArg,
-    FileOffset,
-    FunctionArg,
-    Immediate,
-    ImmediateString,
-    MemoryAddress,
-    MemorySymbol,
-    ProbeSpec,
-    Register,
-    ReturnValue,
-    StackAddress,
-    StackEntry,
-    TypeSpec,
-)
+from kprobes.process.fetch.tree import Kind, address, kind_of, value
+from kprobes.spec import FetchArg, ProbeSpec, TypeSpec
 from kprobes.symbols.elf import did_you_mean
 
 if TYPE_CHECKING:
@@ -60,57 +46,36 @@ class NotCapturable(Exception):
 
 
 class _Planner:
-    def __init__(self, resolve_data: Callable[[str], int], file_addr: Callable[[int], int]) -> None:
-        self.plan = CapturePlan()
-        self.resolve_data = resolve_data
-        self.file_addr = file_addr
+    """The tree lowered to captures (a ``tree.Lowering[Src]``): each part is copied once,
+    and stands for where the record holds it."""
 
-    def reg(self, name: str) -> Reg:
+    def __init__(self) -> None:
+        self.plan = CapturePlan()
+
+    def register(self, name: str, spelled: str) -> Reg:
+        if name not in REGISTERS:
+            raise NotCapturable(f"{spelled} is not copied by an optimized probe")
         reg = Reg(name)
         self.plan.add(Value(reg))  # the evaluation reads it again from the record
         return reg
 
+    def immediate(self, value: int) -> Const:
+        return Const(value)
+
+    def constant(self, address: int) -> Const:
+        return Const(address)
+
     def word(self, base: Src, offset: int) -> Word:
         return Word(self.plan.add(Bytes(base, offset, 8, 8)))
 
-    def value(self, fetch: FetchArg) -> Src:
-        """Capture what gives the fetch's 64-bit value, and where that value is."""
-        match fetch:
-            case Register(name=name):
-                canonical = canonical_name(name)
-                if canonical not in REGISTERS:
-                    raise NotCapturable(f"%{name} is not copied by an optimized probe")
-                return self.reg(canonical)
-            case StackAddress():
-                return self.reg("rsp")
-            case StackEntry(index=n):
-                return self.word(self.reg("rsp"), 8 * n)
-            case FunctionArg(index=n):
-                if n <= len(ARG_REGS):
-                    return self.reg(ARG_REGS[n - 1])
-                return self.word(self.reg("rsp"), 8 * (n - len(ARG_REGS)))
-            case ReturnValue():
-                raise NotCapturable("$retval is read at the return, which is a trap")
-            case Immediate(value=v):
-                return Const(v)
-            case MemoryAddress() | MemorySymbol() | FileOffset() | Dereference():
-                return self.word(*self.address(fetch))
-        raise NotCapturable(f"{type(fetch).__name__} has no value to copy")
+    def retval(self) -> Src:
+        raise NotCapturable("$retval is read at the return, which is a trap")
 
-    def address(self, fetch: FetchArg) -> tuple[Src, int]:
-        match fetch:
-            case MemoryAddress(address=a):
-                return Const(a), 0
-            case MemorySymbol(symbol=sym, offset=off):
-                return Const(self.resolve_data(sym) + off), 0
-            case FileOffset(offset=off):
-                return Const(self.file_addr(off)), 0
-            case Dereference(offset=off, base=base):
-                return self.value(base), off
-        raise NotCapturable(f"{type(fetch).__name__} does not read memory")
+    def no_value(self, fetch: FetchArg) -> Exception:
+        return NotCapturable(f"{type(fetch).__name__} has no value to copy")
 
-    def memory(self, fetch: FetchArg, type_: TypeSpec) -> None:
-        base, off = self.address(fetch)
+    def memory(self, base: Src, off: int, type_: TypeSpec) -> None:
+        """Capture what a memory fetch of this type reads at ``base + off``."""
         count = type_.count
         if type_.is_string:
             if count is None:
@@ -164,17 +129,18 @@ def plan_captures(specs: Sequence[tuple[ProbeSpec, Resolver]]) -> CapturePlan:
     """One plan that captures what every spec's fetch-args read (each spec with the
     resolvers of its ``@symbol`` and file offsets); NotCapturable if one cannot be read at
     the hit."""
-    planner = _Planner(*specs[0][1]) if specs else _Planner(lambda s: 0, lambda o: 0)
+    planner = _Planner()
     for spec, (resolve_data, file_addr) in specs:
-        planner.resolve_data, planner.file_addr = resolve_data, file_addr
         if spec.is_return:
             raise NotCapturable("a return probe's event is made at the return, on traps")
         for arg in spec.args:
             fetch = arg.fetch
-            if isinstance(fetch, Comm | ImmediateString):
-                continue
-            if isinstance(fetch, MemoryAddress | MemorySymbol | FileOffset | Dereference):
-                planner.memory(fetch, arg.effective_type)
-            else:
-                planner.value(fetch)
+            match kind_of(fetch):
+                case Kind.MEMORY:
+                    base, off = address(fetch, planner, resolve_data, file_addr)
+                    planner.memory(base, off, arg.effective_type)
+                case Kind.VALUE:
+                    value(fetch, planner, resolve_data, file_addr)
+                case Kind.COMM | Kind.TEXT:
+                    pass  # nothing of the program's to copy
     return planner.plan
