@@ -231,6 +231,7 @@ class Process:
             self._recording.drain_rings()
             self._optimizer.collect_counts()
             self._program.is_attached = False
+            self._recording.close()
             self._manager.mark_gone()
             cleanup.forget(self)
             self._publish()

@@ -120,6 +120,11 @@ class Recording:
         for kp in kps:
             self._fast.pop(id(kp), None)
 
+    def close(self) -> None:
+        """The process is no longer traced: the files the trap tier's events read go."""
+        if self._cpu is not None:
+            self._cpu.close()
+
     def _run_at_trap(self, kp: Kprobe, regs: Any) -> None:
         entry = self._fast.get(id(kp))
         if entry is not None:

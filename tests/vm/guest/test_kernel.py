@@ -99,6 +99,28 @@ def test_kprobe_and_kretprobe_on_do_sys_openat2(kernel: Kernel, tmp_path: Path) 
     assert kp.nhit >= 3 and rp.nhit >= 3 and kp.nmissed == 0
 
 
+def test_one_probe_object_as_on_every_target(kernel: Kernel, tmp_path: Path) -> None:
+    """``Kprobe(async_handler=, args=)`` and ``register_kprobe(kp, event=)``, written as for
+    Process or Uprobes (issue 19): the handler gets the Event, named as asked, with the
+    probe's fetch-args."""
+    marker = str(tmp_path / "kprobes-one-api")
+    got: list[Event] = []
+    kp = Kprobe(
+        symbol="do_sys_openat2",
+        async_handler=lambda probe, event: got.append(event),
+        args="name=+0(%si):ustring",
+    )
+    kernel.register_kprobe(kp, event="opened")
+    fds = [os.open(marker, os.O_CREAT | os.O_WRONLY, 0o600) for _ in range(3)]
+    for fd in fds:
+        os.close(fd)
+    kernel.run(timeout=0.5)
+    mine = [e for e in got if e.pid == os.getpid() and e.arg("name") == marker]
+    assert len(mine) == 3, got
+    assert {(e.group, e.event, e.regs) for e in mine} == {(kernel.group, "opened", None)}
+    assert kernel.get_event_name(kp) == "opened"
+
+
 def test_kretprobe_maxactive_and_misses(kernel: Kernel) -> None:
     rp = Kretprobe(symbol="vfs_read", maxactive=1)
     kernel.register_kretprobe(rp, ["ret=$retval:s64"])
@@ -218,8 +240,6 @@ def test_refusals_say_why_and_leave_nothing(kernel: Kernel) -> None:
 
     refused = [
         (kernel.register_kprobe, Kprobe(symbol="vfs_read", optimize=True), "optimize=True"),
-        (kernel.register_kprobe, Kprobe(symbol="vfs_read", async_handler=nothing), "async_h"),
-        (kernel.register_kprobe, Kprobe(symbol="vfs_read", args="fd=%di"), "args='fd=%di'"),
         (kernel.register_kretprobe, Kretprobe(symbol="vfs_read", entry_handler=nothing), "entry_"),
         (kernel.register_jprobe, Jprobe(symbol="vfs_read", entry=nothing), "entry on a Jprobe"),
     ]
