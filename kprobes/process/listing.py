@@ -18,6 +18,11 @@ from kprobes.process.engine.trampoline import UnwindGuard
 from kprobes.process.following.pending import LoaderWatch
 
 
+def is_ours(probe: Kprobe) -> bool:
+    """A probe kprobes placed for itself, never shown (the loader's rendezvous, a guard)."""
+    return isinstance(probe.owner, (UnwindGuard, LoaderWatch))
+
+
 def list_probes(
     table: ProbeTable,
     pending: Iterable[Kprobe],
@@ -31,7 +36,7 @@ def list_probes(
         loc: ProbeLocation = site.location  # type: ignore[assignment]
         plan, why = plan_of(site)
         for probe in site.probes:
-            if isinstance(probe.owner, (UnwindGuard, LoaderWatch)):
+            if is_ours(probe):
                 continue
             out.append(
                 ProbeListing(

@@ -20,7 +20,7 @@ import builtins
 import errno
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, ParamSpec
+from typing import Any
 
 from kprobes.core.manager import ProbeManager
 from kprobes.core.probes import Kprobe, take_args
@@ -28,7 +28,7 @@ from kprobes.core.retprobes import Jprobe, Kretprobe, KretprobeInstance
 from kprobes.core.table import ProbeSite
 from kprobes.errors import ProbeRejected, TargetError, UnsupportedOption
 from kprobes.lifetime import uninterrupted
-from kprobes.model import BlacklistEntry, Event, ProbeListing
+from kprobes.model import BlacklistEntry, ProbeListing
 from kprobes.process import listing
 from kprobes.process.engine import jprobes
 from kprobes.process.engine.arming import Arming, ProbeLocation
@@ -53,12 +53,6 @@ from kprobes.process.survival.detach import detach_all
 from kprobes.process.survival.trapguard import TrapGuard
 from kprobes.symbols.maps import read_maps
 from kprobes.symbols.resolve import SymbolResolver
-
-_P = ParamSpec("_P")
-
-
-def _nobody(_event: Event) -> None:
-    """Where the events of a probe line added without a handler go."""
 
 
 class Process:
@@ -271,8 +265,7 @@ class Process:
         """Register ``kp``; ``args`` and ``event`` as on every target: the fetch-args and
         the name of the events its ``async_handler`` receives (else ``kp.args``, and the
         kernel's default name)."""
-        take_args(kp, args)
-        self.register_kprobes([kp], events={kp: event} if event else None)
+        self.register_kprobes([kp], {kp: args}, events={kp: event} if event else None)
 
     def register_kprobes(
         self,
@@ -281,14 +274,19 @@ class Process:
         *,
         events: Mapping[Kprobe, str] | None = None,
     ) -> None:
-        """Register every probe or none (``args``: fetch-args by probe, as ``kp.args``)."""
+        """Register every probe or none (``args``: fetch-args by probe, as ``kp.args``); a
+        probe left unregistered is left as it was given."""
+        before = [kp.args for kp in kps]
         with self._program.registering():
-            for kp in kps:
-                take_args(kp, (args or {}).get(kp, ()))
             try:
+                for kp in kps:
+                    take_args(kp, (args or {}).get(kp, ()))
                 self._recording.equip_async(kps, events or {})
                 self._manager.register_many(kps)
             except BaseException:
+                for kp, words in zip(kps, before, strict=True):
+                    if not kp.is_registered:
+                        kp.args = words
                 self._recording.forget([kp for kp in kps if not kp.is_registered])
                 raise
 
@@ -299,7 +297,7 @@ class Process:
         ``handler(ri, event)``) after the fact; an entry is jump-optimized where its site
         allows. Returns the probe (unregister it as any other)."""
         if self._lines is None:
-            self._lines = SpecTracer(self, _nobody, optimize=True)
+            self._lines = SpecTracer(self, lambda _event: None, optimize=True)  # no sink
         return self._lines.add(text, handler)
 
     def unregister_kprobe(self, kp: Kprobe) -> None:
@@ -434,8 +432,8 @@ class Process:
 
     def iter_probes(self) -> Iterator[Kprobe]:
         """Every probe registered here, placed or pending (a kretprobe's or jprobe's entry
-        probe stands for it: its ``owner``)."""
-        return self._manager.iter_probes()
+        probe stands for it: its ``owner``); not those kprobes placed for itself."""
+        return (p for p in self._manager.iter_probes() if not listing.is_ours(p))
 
     # -- the parts' own knobs, handed on ---------------------------------------------------
 

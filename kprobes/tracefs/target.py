@@ -224,8 +224,13 @@ class TraceTarget(Delivery):
         """Register ``kp`` with fetch-args in the kernel's syntax (``"fd=%di:s32"``), given
         here or as the probe's ``args``, as an event named ``event`` (else the kernel's
         default)."""
-        take_args(kp, args)
-        self._register(kp, kp.args, event)
+        before = kp.args
+        try:
+            take_args(kp, args)
+            self._register(kp, kp.args, event)
+        except BaseException:
+            kp.args = before  # a probe left unregistered is left as it was given
+            raise
 
     def register_kprobes(
         self, kps: Sequence[Kprobe], args: Mapping[Kprobe, Sequence[str]] | None = None
@@ -342,15 +347,16 @@ class TraceTarget(Delivery):
         self, probes: Sequence[AnyProbe], args: Mapping[Any, Sequence[str]] | None
     ) -> None:
         given: dict[int, tuple[str, ...]] = {}
-        for probe in probes:  # all of them before any is written
-            check_options(type(self).__name__, probe, is_kernel=self.is_kernel)
-            words = tuple((args or {}).get(probe, ()))
-            if isinstance(probe, Kprobe):
-                take_args(probe, words)
-                words = probe.args
-            given[id(probe)] = words
+        before = {id(p): p.args for p in probes if isinstance(p, Kprobe)}
         done: list[AnyProbe] = []
         try:
+            for probe in probes:  # all of them before any is written
+                check_options(type(self).__name__, probe, is_kernel=self.is_kernel)
+                words = tuple((args or {}).get(probe, ()))
+                if isinstance(probe, Kprobe):
+                    take_args(probe, words)
+                    words = probe.args
+                given[id(probe)] = words
             for probe in probes:
                 self._register(probe, given[id(probe)], "")
                 done.append(probe)
@@ -358,6 +364,9 @@ class TraceTarget(Delivery):
             for probe in reversed(done):
                 with contextlib.suppress(ProbeError):
                     self._unregister(probe)
+            for probe in probes:  # left as they were given
+                if isinstance(probe, Kprobe):
+                    probe.args = before[id(probe)]
             raise
 
     def _register(

@@ -17,7 +17,7 @@ import pytest
 import kprobes
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe
-from kprobes.errors import ProbeRejected, UnsupportedOption
+from kprobes.errors import ProbeError, SymbolNotFound, UnsupportedOption
 from kprobes.model import Event
 from kprobes.tracefs import Uprobes
 from tracefs.conftest import TRACEFS, Waiting
@@ -174,13 +174,13 @@ def _both(prog: Waiting, attempt: Callable[[Any], None]) -> list[BaseException]:
     with Uprobes(pid=prog.pid) as u:
         try:
             attempt(u)
-        except ProbeRejected as exc:
+        except ProbeError as exc:
             raised.append(exc)
         assert u.iter_probes() == [] and _uprobe_lines(u) == []
     with kprobes.attach(prog.pid) as proc:
         try:
             attempt(proc)
-        except ProbeRejected as exc:
+        except ProbeError as exc:
             raised.append(exc)
         assert list(proc.iter_probes()) == []
     return raised
@@ -202,6 +202,17 @@ def test_the_same_bad_input_is_refused_the_same_way(start: Callable[..., Waiting
         raised = _both(prog, attempt)
         assert len(raised) == 2, attempt
         assert all(words in str(exc) and exc.errno == errno.EINVAL for exc in raised), raised
+    # A probe that could not be placed is left as it was given: the call's fetch-args were
+    # not kept on it.
+    unplaced: list[Kprobe] = []
+
+    def nowhere(target: Any) -> None:
+        unplaced.append(Kprobe(symbol="no_such_function", async_handler=lambda *_: None))
+        target.register_kprobe(unplaced[-1], ["x=%di"])
+
+    raised = _both(prog, nowhere)
+    assert [type(exc) for exc in raised] == [SymbolNotFound] * 2, raised
+    assert [kp.args for kp in unplaced] == [(), ()]
     prog.go()
 
 
