@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import enum
 import errno
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kprobes.errors import ProbeRejected
@@ -131,19 +132,29 @@ class Kprobe:
         return f"<{type(self).__name__} {where} {state} nhit={self.nhit} nmissed={self.nmissed}>"
 
 
-def take_args(kp: Kprobe, args: Sequence[str]) -> None:
-    """Fetch-args given to a register call become the probe's ``args`` (every target takes
-    them either way); given both ways, and different, they are refused."""
-    if not args:
-        return
-    given = tuple(args)
-    if kp.args and kp.args != given:
-        raise ProbeRejected(
-            f"fetch-args given twice, differently: {' '.join(kp.args)!r} on the probe and "
-            f"{' '.join(given)!r} to the register call (give them once)",
-            errno=errno.EINVAL,
-        )
-    kp.args = given
+@contextmanager
+def args_given(given: Iterable[tuple[Kprobe, Sequence[str]]]) -> Iterator[None]:
+    """Around a registration: fetch-args given to the register call become each probe's
+    ``args`` (every target takes them either way; given both ways, and different, they are
+    refused), and a probe left unregistered gets its own back, as it was given."""
+    pairs = [(kp, tuple(words)) for kp, words in given]
+    before = [kp.args for kp, _ in pairs]
+    try:
+        for kp, words in pairs:
+            if words and kp.args and kp.args != words:
+                raise ProbeRejected(
+                    f"fetch-args given twice, differently: {' '.join(kp.args)!r} on the probe "
+                    f"and {' '.join(words)!r} to the register call (give them once)",
+                    errno=errno.EINVAL,
+                )
+            if words:
+                kp.args = words
+        yield
+    except BaseException:
+        for (kp, _), words in zip(pairs, before, strict=True):
+            if not kp.is_registered:
+                kp.args = words
+        raise
 
 
 def check_handlers(kp: Kprobe) -> None:

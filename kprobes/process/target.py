@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from kprobes.core.manager import ProbeManager
-from kprobes.core.probes import Kprobe, take_args
+from kprobes.core.probes import Kprobe, args_given
 from kprobes.core.retprobes import Jprobe, Kretprobe, KretprobeInstance
 from kprobes.core.table import ProbeSite
 from kprobes.errors import ProbeRejected, TargetError, UnsupportedOption
@@ -276,17 +276,12 @@ class Process:
     ) -> None:
         """Register every probe or none (``args``: fetch-args by probe, as ``kp.args``); a
         probe left unregistered is left as it was given."""
-        before = [kp.args for kp in kps]
-        with self._program.registering():
+        given = [(kp, (args or {}).get(kp, ())) for kp in kps]
+        with self._program.registering(), args_given(given):
             try:
-                for kp in kps:
-                    take_args(kp, (args or {}).get(kp, ()))
                 self._recording.equip_async(kps, events or {})
                 self._manager.register_many(kps)
             except BaseException:
-                for kp, words in zip(kps, before, strict=True):
-                    if not kp.is_registered:
-                        kp.args = words
                 self._recording.forget([kp for kp in kps if not kp.is_registered])
                 raise
 

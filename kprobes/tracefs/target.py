@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from kprobes import lifetime
-from kprobes.core.probes import Kprobe, ProbeFlags, take_args
+from kprobes.core.probes import Kprobe, ProbeFlags, args_given
 from kprobes.core.retprobes import Jprobe, Kretprobe
 from kprobes.core.table import ProbeSite, ProbeTable
 from kprobes.errors import ProbeError, ProbeRejected, SpecError, TargetError, TraceFsError
@@ -224,13 +224,8 @@ class TraceTarget(Delivery):
         """Register ``kp`` with fetch-args in the kernel's syntax (``"fd=%di:s32"``), given
         here or as the probe's ``args``, as an event named ``event`` (else the kernel's
         default)."""
-        before = kp.args
-        try:
-            take_args(kp, args)
+        with args_given([(kp, args)]):
             self._register(kp, kp.args, event)
-        except BaseException:
-            kp.args = before  # a probe left unregistered is left as it was given
-            raise
 
     def register_kprobes(
         self, kps: Sequence[Kprobe], args: Mapping[Kprobe, Sequence[str]] | None = None
@@ -346,28 +341,22 @@ class TraceTarget(Delivery):
     def _register_many(
         self, probes: Sequence[AnyProbe], args: Mapping[Any, Sequence[str]] | None
     ) -> None:
-        given: dict[int, tuple[str, ...]] = {}
-        before = {id(p): p.args for p in probes if isinstance(p, Kprobe)}
+        for probe in probes:  # all of them before any is written
+            check_options(type(self).__name__, probe, is_kernel=self.is_kernel)
+        words = {id(p): tuple((args or {}).get(p, ())) for p in probes}
+        kps = [(p, words[id(p)]) for p in probes if isinstance(p, Kprobe)]
         done: list[AnyProbe] = []
-        try:
-            for probe in probes:  # all of them before any is written
-                check_options(type(self).__name__, probe, is_kernel=self.is_kernel)
-                words = tuple((args or {}).get(probe, ()))
-                if isinstance(probe, Kprobe):
-                    take_args(probe, words)
-                    words = probe.args
-                given[id(probe)] = words
-            for probe in probes:
-                self._register(probe, given[id(probe)], "")
-                done.append(probe)
-        except BaseException:
-            for probe in reversed(done):
-                with contextlib.suppress(ProbeError):
-                    self._unregister(probe)
-            for probe in probes:  # left as they were given
-                if isinstance(probe, Kprobe):
-                    probe.args = before[id(probe)]
-            raise
+        with args_given(kps):
+            try:
+                for probe in probes:
+                    given = probe.args if isinstance(probe, Kprobe) else words[id(probe)]
+                    self._register(probe, given, "")
+                    done.append(probe)
+            except BaseException:
+                for probe in reversed(done):
+                    with contextlib.suppress(ProbeError):
+                        self._unregister(probe)
+                raise
 
     def _register(
         self,
