@@ -487,3 +487,35 @@ def test_an_optimized_probe_stays_one_in_a_child_that_execs(build, tmp_path, kin
         # Made in the child (a member: not the shell the user spawned), named as asked.
         assert {(e.group, e.event, e.comm) for e in events} == {("kprobes", "tick", "ticker")}
         assert len({e.pid for e in events}) == 1 and events[0].pid != proc.pid
+
+
+def test_probe_lines_added_on_the_root_are_made_of_each_member(build, tmp_path):
+    """``add()``'s probe lines follow the program into a child that execs (the shell's
+    ``ticker``): each line is placed again there, so that its events carry the child's pid
+    and values read in the child; an entry's handler is called with the root's probe."""
+    ticker = build("ticker")
+    argv = [str(ticker), "20", "20000"]
+    out = tmp_path / "out"
+    with open(out, "wb") as f:
+        proc = kprobes.spawn(
+            ["/bin/sh", "-c", f"{' '.join(argv)}; true"], stdout=f, follow_forks=True
+        )
+    entries: list[tuple[object, kprobes.Event]] = []
+    returns: list[kprobes.Event] = []
+    try:
+        entry = proc.add("p:tick ticker:work i=%di", lambda kp, e: entries.append((kp, e)))
+        proc.add("r:back ticker:work v=$retval", lambda _ri, e: returns.append(e))
+        while not proc.run(timeout=0.05):
+            pass
+    finally:
+        proc.close()
+    assert proc.exit_code == 0
+    assert output(out) == support.reference_output(argv)
+    assert [kp for kp, _ in entries] == [entry] * 20
+    assert [e.arg("i") for _, e in entries] == list(range(20))
+    assert [e.arg("v") for e in returns] == [i * i + 1 for i in range(20)]
+    made = {(e.event, e.pid, e.comm) for _, e in entries} | {
+        (e.event, e.pid, e.comm) for e in returns
+    }
+    child = entries[0][1].pid
+    assert child != proc.pid and made == {("tick", child, "ticker"), ("back", child, "ticker")}

@@ -82,6 +82,7 @@ class SpecTracer:
         self.optimize = optimize  # entry specs as optimized record probes where possible
         self.count_only = count_only  # entry specs only count their hits: no events
         self.placed: list[PlacedSpec] = []
+        self.lines: list[tuple[Kprobe | Kretprobe, str, LineHandler | None]] = []  # add()'s
         self.comm = CommCache(proc.pid)
         self.cpu = CpuReader(proc.pid)
         self.memory = Memory(proc.fetch, proc.fetch_string, self.symbolize, self.comm)
@@ -248,6 +249,7 @@ class SpecTracer:
             raise SpecError("a delete command places no probe", column=0, text=text)
         placed = self.build(spec, handler)
         self._register([placed])
+        self.lines.append((placed.probe, text, handler))
         return placed.probe
 
     def _register(self, built: Sequence[PlacedSpec]) -> None:

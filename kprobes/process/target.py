@@ -295,6 +295,11 @@ class Process:
             self._lines = SpecTracer(self, lambda _event: None, optimize=True)  # no sink
         return self._lines.add(text, handler)
 
+    def added_lines(self) -> builtins.list[tuple[Kprobe | Kretprobe, str, LineHandler | None]]:
+        """The probes ``add()`` placed and still registered: (probe, line, handler)."""
+        lines = self._lines.lines if self._lines is not None else []
+        return [line for line in lines if line[0].is_registered]
+
     def unregister_kprobe(self, kp: Kprobe) -> None:
         self.unregister_kprobes([kp])
 

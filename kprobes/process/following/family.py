@@ -14,7 +14,8 @@ family of the process the user holds (the *root*), adopted at its exec event:
   ``on_new_process(member)`` registers what the user wants there. By default, a copy of each
   of the root's probes given by symbol, whose handlers are the root's: the counts and the
   handlers the user holds see every process of the tree, as the kernel's uprobes (one per
-  file) would;
+  file) would. A probe line the root's ``add()`` placed is added again in the member, so
+  that its events are made of the member (its pid, its memory); its hits count there;
 - the root's ``run()`` drives the members' stops (``Tracer._pump_family``), ``detach()``
   lets every member go first, and a member's own children are adopted into the same family.
 
@@ -49,6 +50,8 @@ class Member(Protocol):
 
     def iter_probes(self) -> Iterable[Kprobe]: ...
     def get_event_name(self, probe: Kprobe) -> str | None: ...
+    def added_lines(self) -> list[tuple[Kprobe | Kretprobe, str, Any]]: ...
+    def add(self, text: str, handler: Any = None) -> Kprobe | Kretprobe: ...
     def register_kprobes(
         self,
         kps: Sequence[Kprobe],
@@ -124,10 +127,12 @@ def copy_root_probes(member: Member) -> None:
     kps: list[Kprobe] = []
     rps: list[Kretprobe] = []
     events: dict[Kprobe, str] = {}  # the events of an async_handler keep their name
+    lines = family.root.added_lines()
+    of_lines = {id(p.kp if isinstance(p, Kretprobe) else p) for p, _, _ in lines}
     for probe in list(family.root.iter_probes()):
         owner = probe.owner
-        if probe.symbol is None:
-            continue  # an address means nothing in another image; nor do internal probes
+        if probe.symbol is None or id(probe) in of_lines:
+            continue  # an address means nothing in another image; a line is added again
         if isinstance(owner, Kretprobe):
             rps.append(_kretprobe_copy(owner))
             family.copy(member, owner, rps[-1])
@@ -141,6 +146,16 @@ def copy_root_probes(member: Member) -> None:
         member.register_kprobes(kps, events=events)
     if rps:
         member.register_kretprobes(rps)
+    for original, text, handler in lines:  # its events made of the member, not the root
+        family.copy(member, original, member.add(text, _line_handler(original, handler)))
+
+
+def _line_handler(original: Kprobe | Kretprobe, handler: Any) -> Any:
+    """A probe line's handler in a member: an entry's is called with the root's probe, as
+    the copies' are; a return's with the member's instance."""
+    if handler is None or isinstance(original, Kretprobe):
+        return handler
+    return lambda _copy, event: handler(original, event)
 
 
 class _Copy(Kprobe):
