@@ -247,7 +247,7 @@ _REAP: Final = os.WNOHANG | WALL
 
 def wait(pid: int, options: int) -> tuple[int, int]:
     """``waitpid(pid, options)`` (pid -1: any), except that a SIGTRAP stop (``TRAP_STOP``)
-    is left unreaped: the caller makes the thread safe, then reaps it (``WorldStop.reap``)."""
+    is left unreaped: the caller makes the thread safe, then reaps it (``World.reap``)."""
     tid, status = peek(pid, options)
     if tid and status != TRAP_STOP:
         got, reaped = os.waitpid(tid, _REAP)

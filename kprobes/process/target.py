@@ -582,14 +582,14 @@ class Process:
     def batch(self) -> Iterator[None]:
         tracer = self._tracer
         if self._program.is_attached and tracer.main is not None:
-            tracer.stop_world()
+            tracer.world.stop()
             try:
                 self._optimizer.collect_counts()
                 self._following.watch_loader()
                 yield
                 self._optimizer.optimize_sites()
             finally:
-                tracer.resume_world()
+                tracer.world.resume()
                 self._publish()
         else:
             yield

@@ -10,7 +10,7 @@ just reaped (``waitpid``):
 
     held     the trap not reaped yet: the kernel still holds it (and delivers it if we die)
     reaped   the trap reaped: the kernel has dropped it, the thread goes on from its registers
-    aside    reaped by a tracer that does not own the thread (``Tracer._set_aside``: the root
+    aside    reaped by a tracer that does not own the thread (``Tracer.set_aside``: the root
              stopping its world while a member's thread traps)
 
 With ``--at SPEC`` only the traps of threads whose rip (the kernel's, at that moment) is at
@@ -93,7 +93,7 @@ def main() -> int:
             point()
         return got
 
-    set_aside = Tracer._set_aside
+    set_aside = Tracer.set_aside
     aside = False
 
     def setting_aside(self: Tracer, tid: int, status: int) -> None:
@@ -105,7 +105,7 @@ def main() -> int:
             aside = False
 
     os.waitpid = reaping
-    Tracer._set_aside = setting_aside  # type: ignore[method-assign]
+    Tracer.set_aside = setting_aside  # type: ignore[method-assign]
     with kprobes.attach(opts.pid, follow_forks=opts.follow, pending=opts.follow) as proc:
         kps = [probe(spec) for spec in opts.specs]
         proc.register_kprobes(kps)

@@ -126,15 +126,16 @@ class Lifecycle:
         exec'd: each has an image, and so a tracer, of its own) through this loop."""
         tracer = self._tracer
         for member in list(tracer.family):
-            while member.inbox:
-                tid, status = member.inbox.pop(0)
+            inbox = member.world.inbox
+            while inbox:
+                tid, status = inbox.pop(0)
                 t = member.threads.get(tid)
                 if t is None:
                     member.take_unowned(tid, status)
                     continue
                 member.dispatch(t, status)
-            if member.has_pending:
-                member.drain_pending()
+            if member.world.has_pending:
+                member.world.drain_pending()
             error = member.manager.table.take_error()
             if error is not None:  # raised out of the root's run(), as the root's own are
                 tracer.manager.table.park(error)

@@ -6,7 +6,7 @@ A stop reaped by a loop that does not own the thread is passed on to the loop th
 (its ``inbox``), or kept until a new thread's clone event names its tracer (``claim``).
 
 A trap is the one stop that cannot simply be passed on: reaped, the kernel forgets it, and a
-tool killed before the owner runs step 0 (``WorldStop._hold_trap``) would leave the thread
+tool killed before the owner runs step 0 (``Tracer._other_trap``) would leave the thread
 one byte past an int3 of ours, mid-instruction (``decisions.md``, "the reaped-trap window").
 So a member's trap is left unreaped for the member's dispatch, which the root's loop runs
 before it waits again (``is_members_running``), and any other tracer's trap is put back on
@@ -43,14 +43,14 @@ def pass_on(tracer: Tracer, tid: int, status: int) -> None:
     or child whose clone or fork event has not been seen yet."""
     owner = _OWNERS.get(tid)
     if owner is not None and owner is not tracer:
-        owner.inbox.append((tid, status))
+        owner.world.inbox.append((tid, status))
     else:
         _UNCLAIMED.setdefault(tid, []).append(status)
 
 
 def is_members_running(tracer: Tracer, tid: int) -> bool:
     """``tid`` is a running thread of a member of ``tracer``'s family: its trap is left
-    unreaped for the member's dispatch (``Tracer._pump_family``), which reaps it after
+    unreaped for the member's dispatch (``Lifecycle.pump_family``), which reaps it after
     step 0, as the root does its own."""
     owner = _OWNERS.get(tid)
     if owner is None or owner not in tracer.family:
@@ -70,10 +70,10 @@ def set_aside(tracer: Tracer, tid: int, status: int) -> None:
             owner is not None
             and t is not None
             and t.state in RUNNING_STATES
-            and owner.rewind_own_trap(t)
+            and owner.world.rewind_own_trap(t)
         ):
-            tracer.reap(tid)
+            tracer.world.reap(tid)
             owner.resume_if_free(t)
             return
-        tracer.reap(tid)
+        tracer.world.reap(tid)
     pass_on(tracer, tid, status)

@@ -13,13 +13,15 @@ one that interrupts the syscall is delivered at once, its rip mapped back first.
 A SIGSEGV or SIGBUS of a fetch of ours (detour code that read through a bad pointer) is not
 delivered: the thread goes on where the fetch says (``faults.py``).
 
-``SignalDelivery`` is a part of ``Tracer`` (tracer.py), kept apart as a mechanism of its own.
+``Signals`` is a part the tracer holds (``Tracer.signals``); what it may ask of the tracer
+is ``SignalHost``, below. A SIGTRAP is not among its stops: a trap is the hit path's
+(tracer.py), which tells ours from the program's own.
 """
 
 from __future__ import annotations
 
 import signal
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kprobes.arch.x86_64.plan import PlanKind
 from kprobes.linux import ptrace
@@ -28,10 +30,7 @@ from kprobes.process.engine.tracee import TraceeKind
 
 if TYPE_CHECKING:
     from kprobes.core.table import ProbeSite
-    from kprobes.process.engine.breakpoints import Breakpoints
-    from kprobes.process.engine.contracts import FaultFixer, Guardian
-    from kprobes.process.engine.rescue import Rescue
-    from kprobes.process.engine.trampoline import Trampoline
+    from kprobes.process.engine.contracts import FaultFixer
     from kprobes.process.engine.xol import XolArea
 
 S = ThreadState
@@ -43,27 +42,34 @@ _SYNC_FAULTS: dict[int, int] = {
 }
 
 
-class SignalDelivery:
-    """The signal stops of ``Tracer``."""
+class SignalHost(Protocol):
+    """What ``Signals`` may read and call on the tracer that holds it (tracer.py): the
+    out-of-line area (``xol``, None before the first slot) and whether a thread may be
+    resumed now (``is_free``: not while the world is stopped, nor a thread a handler
+    holds). It may assume a thread given to it is in a signal-delivery or syscall stop,
+    its registers not loaded yet."""
 
-    xol: XolArea | None
-    slot_owner: dict[int, ProbeSite]
-    fetch_faults: FaultFixer
-    rescue: Rescue
-    hold_all: bool
-    _stop_depth: int
-    sites: dict[int, ProbeSite]
-    breakpoints: Breakpoints
-    trampoline: Trampoline
-    trap_guard: Guardian | None
-    guarding: bool
+    @property
+    def xol(self) -> XolArea | None: ...
+    def is_free(self, t: Thread) -> bool: ...
 
-    if TYPE_CHECKING:
 
-        def _return_hit(self, t: Thread) -> None: ...
-        def _after_handler(self, t: Thread) -> None: ...
+class Signals:
+    """The signal stops of the tracer's threads (``Tracer.signals``): ``on_signal`` for a
+    signal-delivery stop, ``entered_step_syscall`` for the syscall-entry stop of a step."""
 
-    def _on_signal(self, t: Thread, sig: int) -> None:
+    def __init__(
+        self,
+        host: SignalHost,
+        *,
+        slot_owner: dict[int, ProbeSite],
+        fetch_faults: FaultFixer,
+    ) -> None:
+        self._host = host
+        self._slot_owner = slot_owner  # the slot's address → the site whose copy it holds
+        self._fetch_faults = fetch_faults
+
+    def on_signal(self, t: Thread, sig: int) -> None:
         was = t.state
         t.to(S.STOPPED)
         if t.reraised and int.from_bytes(t.reraised[0][0:4], "little") == sig:
@@ -74,10 +80,10 @@ class SignalDelivery:
         regs = t.load_regs()
         if was is S.STEPPING:
             self._signal_while_stepping(t, sig)
-        elif self.fetch_faults.fix(t, sig):
+        elif self._fetch_faults.fix(t, sig):
             t.resume()  # without the signal: the fetch gives (fault)
-        elif self.xol is not None and self.xol.contains(regs.rip):
-            self._signal_in_slot(t, sig)
+        elif (xol := self._host.xol) is not None and xol.contains(regs.rip):
+            self._signal_in_slot(t, xol, sig)
         else:
             t.resume(sig)
 
@@ -119,7 +125,7 @@ class SignalDelivery:
                 ptrace.singlestep(t.tid, 0)
             t.to(S.STEPPING)
 
-    def _entered_step_syscall(self, t: Thread) -> None:
+    def entered_step_syscall(self, t: Thread) -> None:
         """``t`` stopped at the entry of its step's ``syscall`` (a syscall stop), with the
         signals that came before the syscall began held by us.
 
@@ -134,21 +140,20 @@ class SignalDelivery:
             t.reraised.append(info)
             ptrace.tgkill(t.tracee.pid, t.tid, sig)
         t.held_signals.clear()
-        if self.hold_all or self._stop_depth or t.busy:
+        if not self._host.is_free(t):
             t.event_stopped = True
             t.resume_stepping = True  # by PTRACE_CONT: the slot's guard int3 ends the step
             return
         ptrace.singlestep(t.tid, 0)
         t.to(S.STEPPING)
 
-    def _signal_in_slot(self, t: Thread, sig: int) -> None:
+    def _signal_in_slot(self, t: Thread, xol: XolArea, sig: int) -> None:
         """A signal for a thread running a boosted copy: map it back to the original code."""
-        assert self.xol is not None
         regs = t.regs
-        page = self.xol.page_of(regs.rip)
+        page = xol.page_of(regs.rip)
         assert page is not None
         slot = page.start + (regs.rip - page.start) // 32 * 32
-        site = self.slot_owner.get(slot)
+        site = self._slot_owner.get(slot)
         if site is None:
             t.resume(sig)
             return
@@ -190,31 +195,6 @@ class SignalDelivery:
             t.busy = False
         t.store_regs()
         t.resume(0 if handled else sig)
-
-    def _foreign_trap(self, t: Thread, info: bytes | None = None) -> None:
-        """A SIGTRAP that is not a live breakpoint of ours (or our return trampoline);
-        ``info``: its siginfo, when it was read before the reap (``_hold_trap``)."""
-        regs = t.regs
-        rip = regs.rip
-        if rip - 1 == self.trampoline.addr and self.trampoline.addr:
-            self._return_hit(t)
-            return
-        if info is None:
-            info = ptrace.getsiginfo(t.tid)
-        if siginfo_code(info) == ptrace.SI_KERNEL and self.breakpoints.is_stale_trap(rip - 1):
-            # It hit an int3 we removed before we saw the trap: run the real instruction.
-            regs.rip = rip - 1
-            t.store_regs()
-            site = self.sites.get(rip - 1)
-            if site is not None:
-                site.miss()
-            self._after_handler(t)
-            return
-        if self.trap_guard is not None and not self.trap_guard.is_armed:
-            self.trap_guard.arm_if_needed(t)
-            self.guarding = self.trap_guard.is_armed
-            ptrace.setsiginfo(t.tid, info)  # the injection replaced the stop's siginfo
-        t.resume(signal.SIGTRAP)  # the program's own trap: deliver it
 
 
 def _hold(t: Thread, sig: int, info: bytes) -> None:

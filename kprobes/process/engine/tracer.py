@@ -6,20 +6,18 @@ out-of-line plan, one PTRACE_POKEUSER of rip (PTRACE_SETREGS if a handler or the
 wrote another register) and one PTRACE_CONT; a return into the kretprobe trampoline likewise.
 Everything else is decoded into an event value (``events.py``) and matched.
 
-Stopping the world (``stop_world``/``resume_world``) is how patches are made safely: every
-running thread gets PTRACE_INTERRUPT and we wait until each has stopped. A thread that stops
-for another reason meanwhile (a hit, a signal, a clone) keeps that status as ``pending`` and is
-handled by ``run()`` once the world runs again; nothing is lost or handled twice.
-
-Signals that arrive while a thread executes an out-of-line copy are held and delivered, with
-their original siginfo, when the copy has finished (a fault in the copy itself restarts the
-instruction at the probed address and is delivered there), never by sending the thread back
-to the probed address; a ``syscall`` copy gets its held signals back once inside the syscall,
-so that a blocking one is still interrupted (signals.py).
+The tracer holds its mechanisms as parts, each behind what it may ask of the tracer
+(written where the part is defined): ``world`` stops and resumes every thread so that
+patches are made safely, and keeps the stops that come meanwhile (world.py); ``signals``
+handles signal stops, holding those that arrive while a thread executes an out-of-line copy
+(signals.py); ``lifecycle`` exit, exec and children (lifecycle.py); ``trampoline`` the
+returns (trampoline.py); ``placement`` the threads' CPUs (cpus.py). The hit path itself
+is here, written once.
 """
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable, Iterator
 
@@ -37,11 +35,11 @@ from kprobes.process.engine.cpus import Placement
 from kprobes.process.engine.lifecycle import Lifecycle
 from kprobes.process.engine.prepared import Prepared
 from kprobes.process.engine.rescue import Rescue
-from kprobes.process.engine.signals import SignalDelivery
-from kprobes.process.engine.threads import Thread, ThreadState
+from kprobes.process.engine.signals import Signals
+from kprobes.process.engine.threads import Thread, ThreadState, siginfo_code
 from kprobes.process.engine.tracee import Tracee, TraceeKind
 from kprobes.process.engine.trampoline import Trampoline
-from kprobes.process.engine.world import WorldStop, put_back
+from kprobes.process.engine.world import World, put_back
 from kprobes.process.engine.xol import XolArea
 
 S = ThreadState
@@ -56,7 +54,7 @@ _STEP = PlanKind.STEP
 _RIP = REG_INDEX["rip"]
 
 
-class Tracer(WorldStop, SignalDelivery):
+class Tracer:
     def __init__(
         self,
         manager: ProbeManager,
@@ -77,9 +75,7 @@ class Tracer(WorldStop, SignalDelivery):
         self.slot_history: dict[int, Prepared] = {}  # every slot ever filled, for detach
         self.hold_all = False  # spawned and not yet run(): keep every thread stopped
         self.exit_code: int | None = None
-        self.inbox: list[tuple[int, int]] = []
         self.live = 0  # tracees that keep run() going (the program and followed children)
-        self.has_pending = False  # some thread holds a status received while stopping
         self.on_gone: Callable[[], None] = lambda: None
         # Followed children that exec'd, driven by this loop (family.py); and who adopts one.
         self.family: list[Tracer] = []
@@ -99,7 +95,14 @@ class Tracer(WorldStop, SignalDelivery):
         self.on_thread_start: Callable[[Thread], None] | None = None
         self.placement = Placement()  # hot threads on the tool's CPU (cpus.py)
         self.lifecycle = Lifecycle(self)  # exit, exec, children, the family (lifecycle.py)
-        self._stop_depth = 0
+        self.world = World(
+            self,
+            breakpoints=self.breakpoints,
+            trampoline=self.trampoline,
+            rescue=rescue,
+            table=manager.table,
+        )
+        self.signals = Signals(self, slot_owner=self.slot_owner, fetch_faults=fetch_faults)
 
     # -- bookkeeping -----------------------------------------------------------------------
 
@@ -115,8 +118,7 @@ class Tracer(WorldStop, SignalDelivery):
     def add_thread(self, tracee: Tracee, tid: int, state: ThreadState) -> Thread:
         thread = tracee.add_thread(tid, state)
         self.threads[tid] = thread
-        for status in owners.claim(self, tid):
-            self.inbox.append((tid, status))
+        self.world.inbox.extend((tid, status) for status in owners.claim(self, tid))
         return thread
 
     def drop_thread(self, thread: Thread) -> None:
@@ -168,6 +170,8 @@ class Tracer(WorldStop, SignalDelivery):
         deadline = None if timeout is None else time.monotonic() + timeout
         threads = self.threads
         table = self.manager.table
+        world = self.world
+        inbox = world.inbox
         wait = ptrace.wait
         TRAP = ev.SIGTRAP_STOP
         RUNNING = _RUNNING
@@ -179,24 +183,24 @@ class Tracer(WorldStop, SignalDelivery):
         # Likewise a bound request is read into a local, then called: `req.cont()` compiles
         # to LOAD_METHOD, which 3.11 cannot specialise for a callable held in a slot.
         while True:
-            if self.family and any(m.inbox or m.has_pending for m in self.family):
+            if self.family and any(m.world.inbox or m.world.has_pending for m in self.family):
                 self.lifecycle.pump_family()
             if not self.live and not self.family:
                 break
-            if self.has_pending:
-                self.drain_pending()
+            if world.has_pending:
+                world.drain_pending()
             if deadline is not None and time.monotonic() >= deadline:
                 return False  # between stops, also while they never cease
             poll = self.ring_poll
             if poll is not None:
-                tid, status = self._wait_polling(deadline, poll)
-            elif deadline is None and not self.inbox:
+                tid, status = world.wait_polling(deadline, poll)
+            elif deadline is None and not inbox:
                 try:
                     tid, status = wait(-1, 0)
                 except ChildProcessError:
                     tid = status = 0
             else:
-                tid, status = self._wait(deadline)
+                tid, status = world.wait(deadline)
             if tid == 0:
                 if deadline is not None and time.monotonic() >= deadline:
                     return False
@@ -208,7 +212,7 @@ class Tracer(WorldStop, SignalDelivery):
                 if status == TRAP and owners.is_members_running(self, tid):
                     self.take_unowned(tid, status)  # not reaped: the member's dispatch holds it
                 else:
-                    self._set_aside(tid, status)
+                    self.set_aside(tid, status)
                 if self.family:
                     self.lifecycle.pump_family()
                     if table.pending_error is not None:  # a member's handler, or end_run()
@@ -227,7 +231,7 @@ class Tracer(WorldStop, SignalDelivery):
                 raise exc
         return True
 
-    def _set_aside(self, tid: int, status: int) -> None:
+    def set_aside(self, tid: int, status: int) -> None:
         owners.set_aside(self, tid, status)
 
     def take_unowned(self, tid: int, status: int) -> None:
@@ -243,15 +247,15 @@ class Tracer(WorldStop, SignalDelivery):
                     t.to(_STOPPED)
                     self.placement.count(t)
                     t.load_regs()
-                    self.reap(t.tid)
+                    self.world.reap(t.tid)
                     self._finish_step(t)
                     return
                 t.to(_STOPPED)
                 self._trap(t)
             case ev.Signal(signal=sig):
-                self._on_signal(t, sig)
+                self.signals.on_signal(t, sig)
             case ev.SyscallStop() if t.to_syscall_entry and t.state is _STEPPING:
-                self._entered_step_syscall(t)
+                self.signals.entered_step_syscall(t)
             case ev.SyscallStop():
                 t.to(S.STOPPED)
                 t.event_stopped = True  # no signal can be injected from a syscall stop
@@ -313,8 +317,13 @@ class Tracer(WorldStop, SignalDelivery):
                 t.to(S.STOPPED)
                 self.resume_if_free(t)
 
+    def is_free(self, t: Thread) -> bool:
+        """``t`` may be resumed now: the world is not stopped, nor is every thread held (a
+        spawned program not run yet), nor does a handler hold ``t``."""
+        return not (self.hold_all or self.world.is_stopped or t.busy)
+
     def resume_if_free(self, t: Thread) -> None:
-        if not (self.hold_all or self._stop_depth or t.busy):
+        if self.is_free(t):
             t.resume()
 
     # -- hits ------------------------------------------------------------------------------
@@ -324,7 +333,7 @@ class Tracer(WorldStop, SignalDelivery):
         trampoline (a return), or on a trap that is not ours. Its stop is not reaped yet
         (``ptrace.wait``): the kernel still holds the trap, which it delivers if the tool
         dies now. Reaped, it is gone, and the thread must by then be in a state it can go on
-        from without it (``_hold_trap``, step 0 of each path)."""
+        from without it (step 0 of each path)."""
         t.stops_to_check -= 1
         if not t.stops_to_check:
             self.placement.check(t)
@@ -336,8 +345,50 @@ class Tracer(WorldStop, SignalDelivery):
         site = self.sites.get(addr)
         if site is not None and site.is_armed:
             self._hit(t, site, addr)
-        else:  # a return into the trampoline, or a trap that is not ours (signals.py)
-            self._foreign_trap(t, self._hold_trap(t, addr))
+        else:
+            self._other_trap(t, addr)
+
+    def _other_trap(self, t: Thread, addr: int) -> None:
+        """``t`` trapped on an int3 at ``addr`` where no armed probe is: a return into the
+        kretprobe trampoline, a stale trap (an int3 we removed before its trap was seen), or
+        the program's own trap.
+
+        Step 0, as for a hit (``_hit``), then the reap. Until the reap the kernel holds the
+        trap, and delivers it to the program (to the rescue) if the tool dies; after it, the
+        trap is gone and the thread goes on from its registers. Left one byte past an int3
+        of ours, it would run the middle of an instruction (``decisions.md``, "the
+        reaped-trap window"). So before the reap the thread is put where both are right: for
+        a probe's trap, in the slot (the rescue lets a trap in our pages go on), or back on
+        the probe's int3 (the rescue lets a trap that sits on an int3 of ours go on, and it
+        is taken again; ``put_back``). Here, a stale trap goes back on its byte, the
+        program's again. The trampoline's int3 and the program's own traps need nothing
+        (the byte after the trampoline is an int3 too; the program's own trap, if the tool
+        dies, is lost as a signal the tool held is).
+        """
+        trampoline = self.trampoline.addr
+        if addr == trampoline and trampoline:
+            self.world.reap(t.tid)
+            self._return_hit(t)
+            return
+        info = ptrace.getsiginfo(t.tid)
+        is_stale = siginfo_code(info) == ptrace.SI_KERNEL and self.breakpoints.is_stale_trap(addr)
+        if is_stale:
+            put_back(t, addr, True)  # Step 0: its byte is the program's again
+        self.world.reap(t.tid)
+        if is_stale:  # run the real instruction
+            t.regs.rip = addr
+            t.store_regs()
+            site = self.sites.get(addr)
+            if site is not None:
+                site.miss()
+            self._after_handler(t)
+            return
+        guard = self.trap_guard
+        if guard is not None and not guard.is_armed:
+            guard.arm_if_needed(t)
+            self.guarding = guard.is_armed
+            ptrace.setsiginfo(t.tid, info)  # the injection replaced the stop's siginfo
+        t.resume(signal.SIGTRAP)  # the program's own trap: deliver it
 
     def _hit(self, t: Thread, site: ProbeSite, addr: int) -> None:
         """``t`` stopped on the int3 of ``site`` at ``addr``, registers loaded: the hit, the
@@ -351,7 +402,7 @@ class Tracer(WorldStop, SignalDelivery):
         regs = t.regs
         w = t.words
         # Step 0: before the reap, a state right with the trap delivered or without it
-        # (world.py's _hold_trap says why): the slot, or back on the probe's int3.
+        # (``_other_trap`` says why): the slot, or back on the probe's int3.
         emulator = x.emulator
         if emulator is None:
             poke = req.poke_user
@@ -359,7 +410,7 @@ class Tracer(WorldStop, SignalDelivery):
                 ptrace.raise_error()
         else:
             put_back(t, addr, addr - 1 in self.rescue.noted)
-        self.reap(t.tid)
+        self.world.reap(t.tid)
         # Step 1: safe before the handlers; the view keeps the state before the emulation.
         if emulator is not None:
             if x.is_rip_only:

@@ -6,8 +6,11 @@ stops for another reason meanwhile (a hit, a signal, a clone) keeps that status 
 handled twice. A held thread is always in a state it can go on from by itself (see
 ``rewind_own_trap`` and rescue.py): the tool may die while it holds the world.
 
-``WorldStop`` is a part of ``Tracer`` (tracer.py), kept apart because it is a mechanism of
-its own; it relies on the tracer's bookkeeping declared below.
+``World`` is a part the tracer holds (``Tracer.world``); what it may ask of the tracer is
+``WorldHost``, below. The rest of the package stops the world through it
+(``tracer.world.stop()``/``resume()``) and reads ``is_stopped``. Rejected: a mixin of
+``Tracer`` (as it was until issue 19), which shared the tracer's ``self`` and its private
+stop depth with every module that needed to know whether the world was stopped.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kprobes.arch.x86_64.plan import PlanKind
 from kprobes.arch.x86_64.regs import REG_INDEX
@@ -29,7 +32,7 @@ from kprobes.process.engine.tracee import Tracee, TraceeKind
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from kprobes.core.manager import ProbeManager
+    from kprobes.core.table import ProbeTable
     from kprobes.process.engine.breakpoints import Breakpoints
     from kprobes.process.engine.lifecycle import Lifecycle
     from kprobes.process.engine.rescue import Rescue
@@ -48,36 +51,68 @@ _REAP = ptrace.WNOHANG | ptrace.WALL
 _TRAP_STOP = ptrace.TRAP_STOP
 
 
-class WorldStop:
-    """stop_world / resume_world and what they hold, for ``Tracer``."""
+class WorldHost(Protocol):
+    """What ``World`` may read and call on the tracer that holds it (tracer.py).
 
-    threads: dict[int, Thread]
-    breakpoints: Breakpoints
-    trampoline: Trampoline
-    rescue: Rescue
-    xol: XolArea | None
-    hold_all: bool
-    has_pending: bool
-    inbox: list[tuple[int, int]]
-    manager: ProbeManager
-    main: Tracee | None
-    lifecycle: Lifecycle
-    _stop_depth: int
+    It reads the tracer's threads (``threads``: every traced thread by tid; ``main``: the
+    program's process) and whether the tracer holds every thread anyway (``hold_all``); it
+    calls back to hand a stop to the loop (``dispatch``, ``set_aside`` for a thread another
+    tracer owns) and to change the set of threads (``add_thread``, ``drop_thread``, a
+    child's ``lifecycle``). It may assume that the tracer never resumes a thread while the
+    world is stopped (``Tracer.resume_if_free``) and that ``dispatch`` of a stop that came
+    while stopping the world is left to ``drain_pending``.
+    """
 
-    if TYPE_CHECKING:
+    @property
+    def threads(self) -> dict[int, Thread]: ...
+    @property
+    def main(self) -> Tracee | None: ...
+    @property
+    def hold_all(self) -> bool: ...
+    @property
+    def xol(self) -> XolArea | None: ...
+    @property
+    def lifecycle(self) -> Lifecycle: ...
+    def dispatch(self, t: Thread, status: int) -> None: ...
+    def set_aside(self, tid: int, status: int) -> None: ...
+    def add_thread(self, tracee: Tracee, tid: int, state: ThreadState) -> Thread: ...
+    def drop_thread(self, thread: Thread) -> None: ...
 
-        def take_unowned(self, tid: int, status: int) -> None: ...
-        def _set_aside(self, tid: int, status: int) -> None: ...
-        def dispatch(self, t: Thread, status: int) -> None: ...
-        def drop_thread(self, thread: Thread) -> None: ...
-        def add_thread(self, tracee: Tracee, tid: int, state: ThreadState) -> Thread: ...
+
+class World:
+    """Stopping and resuming every thread, and the stops that come meanwhile.
+
+    It owns the stops the loop has not handled yet: ``inbox`` (reaped, waiting their turn:
+    a late status found at a reap, one another tracer passed on) and the statuses held by
+    threads that stopped for a reason of their own while the world was being stopped
+    (``Thread.pending``; ``has_pending`` says some thread holds one).
+    """
+
+    def __init__(
+        self,
+        host: WorldHost,
+        *,
+        breakpoints: Breakpoints,
+        trampoline: Trampoline,
+        rescue: Rescue,
+        table: ProbeTable,
+    ) -> None:
+        self._host = host
+        self._breakpoints = breakpoints
+        self._trampoline = trampoline
+        self._rescue = rescue
+        self._table = table
+        self._depth = 0
+        self.inbox: list[tuple[int, int]] = []
+        self.has_pending = False
 
     def held_thread(self) -> Thread:
         """A thread of the program held still, for injection (prefer one no handler holds)."""
-        if self.main is None:
+        main = self._host.main
+        if main is None:
             raise TargetError("the program has exited")
         best: Thread | None = None
-        for thread in self.main.threads.values():
+        for thread in main.threads.values():
             if thread.state is S.STOPPED and thread.pending is None:
                 if not thread.busy:
                     return thread
@@ -88,7 +123,9 @@ class WorldStop:
 
     # -- waiting for a stop, and the stops held back -------------------------------------
 
-    def _wait(self, deadline: float | None) -> tuple[int, int]:
+    def wait(self, deadline: float | None) -> tuple[int, int]:
+        """The next stop: queued first, then from the kernel; (0, 0) at ``deadline`` or
+        with no child left."""
         # The deadline first: a program whose threads stop as fast as we resume them would
         # otherwise never let run(timeout) return.
         if deadline is not None and time.monotonic() >= deadline:
@@ -100,10 +137,10 @@ class WorldStop:
                 return ptrace.wait(-1, 0)
             except ChildProcessError:
                 return 0, 0
-        return self._wait_until(deadline) or (0, 0)
+        return self.wait_until(deadline) or (0, 0)
 
     @staticmethod
-    def _wait_until(until: float) -> tuple[int, int] | None:
+    def wait_until(until: float) -> tuple[int, int] | None:
         """The next stop before ``until``; None when it passes, (0, 0) with no child left."""
         ptrace.block_sigchld()
         try:
@@ -121,8 +158,8 @@ class WorldStop:
         finally:
             ptrace.unblock_sigchld()
 
-    def _wait_polling(self, deadline: float | None, poll: Callable[[], None]) -> tuple[int, int]:
-        """``_wait``, calling ``poll`` every ``POLL`` seconds while no thread stops (the
+    def wait_polling(self, deadline: float | None, poll: Callable[[], None]) -> tuple[int, int]:
+        """``wait``, calling ``poll`` every ``POLL`` seconds while no thread stops (the
         rings of record probes, reader.py); (0, 0) at the deadline or with no child left.
         An exception a handler raised in ``poll`` is raised here, between stops."""
         while True:
@@ -131,59 +168,68 @@ class WorldStop:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 return 0, 0
-            stop = self._wait_until(now + POLL if deadline is None else min(now + POLL, deadline))
+            stop = self.wait_until(now + POLL if deadline is None else min(now + POLL, deadline))
             if stop is not None:
                 return stop
             poll()
-            exc = self.manager.table.take_error()
+            exc = self._table.take_error()
             if exc is not None:
                 raise exc
 
     def drain_pending(self) -> None:
         self.has_pending = False
-        for thread in list(self.threads.values()):
+        for thread in list(self._host.threads.values()):
             if thread.pending is not None and not thread.busy:
                 status, thread.pending = thread.pending, None
                 thread.state = thread.pending_from
-                self.dispatch(thread, status)
+                self._host.dispatch(thread, status)
+
+    def take_stop(self, tid: int) -> int | None:
+        """The first queued stop of ``tid``, taken out of the inbox (None if there is none)."""
+        for i, (who, status) in enumerate(self.inbox):
+            if who == tid:
+                del self.inbox[i]
+                return status
+        return None
 
     # -- stopping the world ------------------------------------------------------------------
 
     @property
-    def is_world_stopped(self) -> bool:
-        """Every thread is held (inside a ``stop_world``/``resume_world`` pair)."""
-        return self._stop_depth > 0
+    def is_stopped(self) -> bool:
+        """Every thread is held (inside a ``stop``/``resume`` pair)."""
+        return self._depth > 0
 
-    def stop_world(self) -> None:
+    def stop(self) -> None:
         """Hold every thread of every tracee; nested calls only count."""
-        self._stop_depth += 1
-        if self._stop_depth > 1:
+        self._depth += 1
+        if self._depth > 1:
             return
-        for t in list(self.threads.values()):
+        threads = self._host.threads
+        for t in list(threads.values()):
             if t.state in RUNNING_STATES and not t.interrupt_sent:
                 try:
                     ptrace.interrupt(t.tid)
                     t.interrupt_sent = True
                 except ProcessLookupError:
-                    self.drop_thread(t)
+                    self._host.drop_thread(t)
         now = time.monotonic()
         deadline, give_up = now + STOP_WORLD_TIMEOUT, now + STOP_WORLD_GIVE_UP
         try:
-            while any(t.state in RUNNING_STATES for t in self.threads.values()):
-                tid, status = self._wait(deadline)
+            while any(t.state in RUNNING_STATES for t in threads.values()):
+                tid, status = self.wait(deadline)
                 if tid == 0:
                     now = time.monotonic()
                     if self._assume_stopped(is_last_chance=now >= give_up):
                         break
                     deadline = min(now + STOP_WORLD_TIMEOUT, give_up)
                     continue
-                held = self.threads.get(tid)
+                held = threads.get(tid)
                 if held is None:
-                    self._set_aside(tid, status)
+                    self._host.set_aside(tid, status)
                     continue
                 self._hold(held, status)
         except BaseException:
-            self.resume_world()  # the threads held so far run again; the caller sees why
+            self.resume()  # the threads held so far run again; the caller sees why
             raise
 
     def reap(self, tid: int) -> None:
@@ -194,35 +240,12 @@ class WorldStop:
         if got and late != _TRAP_STOP:
             self.inbox.append((tid, late))
 
-    def _hold_trap(self, t: Thread, addr: int) -> bytes | None:
-        """Step 0 of a trap at ``addr`` where no armed probe is (a probe's is ``_hit``'s
-        step 0), then the reap; the trap's siginfo when it was read (``_foreign_trap``).
-
-        Until the reap the kernel holds the trap, and delivers it to the program (to the
-        rescue) if the tool dies; after it, the trap is gone and the thread goes on from its
-        registers. Left one byte past an int3 of ours, it would run the middle of an
-        instruction (``decisions.md``, "the reaped-trap window"). So before the reap the
-        thread is put where both are right: for a probe's trap, in the slot (the rescue lets
-        a trap in our pages go on), or back on the probe's int3 (the rescue lets a trap that
-        sits on an int3 of ours go on, and it is taken again; ``put_back``). Here, a stale
-        trap (an int3 removed before its trap was seen) goes back on its byte, the program's
-        again. The trampoline's int3 and the program's own traps need nothing (the byte
-        after the trampoline is an int3 too; the program's own trap, if the tool dies, is
-        lost as a signal the tool held is).
-        """
-        info = None
-        if addr != self.trampoline.addr or not addr:
-            info = ptrace.getsiginfo(t.tid)
-            if siginfo_code(info) == ptrace.SI_KERNEL and self.breakpoints.is_stale_trap(addr):
-                put_back(t, addr, True)  # its byte is the program's again
-        self.reap(t.tid)
-        return info
-
     def _hold(self, t: Thread, status: int) -> None:
         """Record a stop that arrived while stopping the world (a trap's not reaped yet,
         see ``ptrace.wait``: it is reaped here)."""
+        host = self._host
         if os.WIFEXITED(status) or os.WIFSIGNALED(status):
-            self.dispatch(t, status)
+            host.dispatch(t, status)
             return
         event = (status >> 16) & 0xFF
         is_event_stop = event == ptrace.PTRACE_EVENT_STOP and os.WSTOPSIG(status) == signal.SIGTRAP
@@ -243,16 +266,13 @@ class WorldStop:
                 # the trap still queued, the thread would take it without us: SIGTRAP.
                 queued = self._report_queued(t)
                 if queued is None:
-                    self.drop_thread(t)
+                    host.drop_thread(t)
                 else:
                     t.state = was
                     self._hold(t, queued)
                 return
-            if was_new and t.tracee.kind is TraceeKind.RELEASE:
-                self.lifecycle.release(t.tracee, clean=True)
-            elif was_new and t.tracee.kind is TraceeKind.FORK:
-                self.breakpoints.sync(t.tracee)
-                self.trampoline.restore_child(t.tracee)
+            if was_new and t.tracee.kind is not TraceeKind.MAIN:
+                host.lifecycle.first_stop_of_child(t)  # held: the world is stopped
             return
         if status == ev.SIGTRAP_STOP:
             rewound = self.rewind_own_trap(t)
@@ -265,13 +285,13 @@ class WorldStop:
             # middle of the syscall it could not be lent for an injection (the kernel
             # writes clone's result over the injected call's registers).
             new_tid = ptrace.geteventmsg(t.tid)
-            if new_tid not in self.threads:
-                self.add_thread(t.tracee, new_tid, S.NEW)
+            if new_tid not in host.threads:
+                host.add_thread(t.tracee, new_tid, S.NEW)
             try:
                 ptrace.cont(t.tid, 0)
                 ptrace.interrupt(t.tid)
             except ProcessLookupError:
-                self.drop_thread(t)
+                host.drop_thread(t)
                 return
             t.interrupt_sent = True
             return
@@ -300,11 +320,12 @@ class WorldStop:
             x = t.step_prep
             own = x is not None and x.kind is PlanKind.STEP and at == x.slot + x.plan.length
         else:
-            own = at in self.breakpoints.ever_patched or (at == self.trampoline.addr and at != 0)
+            trampoline = self._trampoline.addr
+            own = at in self._breakpoints.ever_patched or (at == trampoline and at != 0)
         if not own:
             return False
         t.words[_RIP] = at
-        put_back(t, at, not stepping and at - 1 in self.rescue.noted)
+        put_back(t, at, not stepping and at - 1 in self._rescue.noted)
         t.state = S.STOPPED
         t.resume_stepping = stepping
         return True
@@ -329,12 +350,12 @@ class WorldStop:
         left alone, the thread would resume past our int3, mid-instruction.
         """
         is_all = True
-        for t in list(self.threads.values()):
+        for t in list(self._host.threads.values()):
             if t.state not in RUNNING_STATES:
                 continue
             state = procfs.task_state(t.tracee.pid, t.tid)
             if state == "":
-                self.drop_thread(t)
+                self._host.drop_thread(t)
                 continue
             if state not in "tT":
                 if is_last_chance or state in "ZX":  # a zombie never stops: as before
@@ -356,24 +377,27 @@ class WorldStop:
                 self._hold(t, lost)
         return is_all
 
-    def resume_world(self) -> None:
-        self._stop_depth -= 1
-        if self._stop_depth:
+    def resume(self) -> None:
+        """The end of a ``stop``: the last one lets every thread the world held go on."""
+        self._depth -= 1
+        if self._depth:
             return
-        if self.xol is not None and self.xol.has_quarantine:
+        host = self._host
+        xol = host.xol
+        if xol is not None and xol.has_quarantine:
             rips = []
-            for t in self.threads.values():
+            for t in host.threads.values():
                 if t.state is S.STOPPED:
                     rips.append(t.load_regs().rip if not t.busy else t.regs.rip)
-            self.xol.recycle(rips)
-        if self.hold_all:
+            xol.recycle(rips)
+        if host.hold_all:
             return
-        for t in list(self.threads.values()):
+        for t in list(host.threads.values()):
             if t.state is S.STOPPED and t.pending is None and not t.busy:
                 try:
                     t.resume()
                 except ProcessLookupError:
-                    self.drop_thread(t)
+                    host.drop_thread(t)
 
 
 def put_back(t: Thread, addr: int, marked: bool) -> None:

@@ -182,7 +182,7 @@ class Optimizer:
 
     def _optimize(self, site: ProbeSite, so: SiteOpt, threads: _Threads) -> None:
         """Replace the site's int3 by a jump to a new count detour, or say why not."""
-        assert self._tracer.is_world_stopped, "optimizing needs the world stopped"
+        assert self._tracer.world.is_stopped, "optimizing needs the world stopped"
         addr = site.addr
         if addr not in self._tracer.breakpoints.armed:
             so.reason = "no int3 to replace"
@@ -317,7 +317,7 @@ class Optimizer:
 
     def unoptimize(self, site: ProbeSite, *, rearm: bool) -> None:
         """Put the original bytes back, then the int3 if ``rearm``. The world is held."""
-        assert self._tracer.is_world_stopped, "unoptimizing needs the world stopped"
+        assert self._tracer.world.is_stopped, "unoptimizing needs the world stopped"
         so = self._state.sites[site.addr]
         self.collect_counts()
         breakpoints = self._tracer.breakpoints

@@ -285,11 +285,11 @@ class Recording:
         reader = self._state.reader
         if reader is None or not self._tracer.is_alive:
             return
-        if self._tracer.is_world_stopped:
+        if self._tracer.world.is_stopped:
             self._note_threads(reader)
             return
-        self._tracer.stop_world()
+        self._tracer.world.stop()
         try:
             self._note_threads(reader)
         finally:
-            self._tracer.resume_world()
+            self._tracer.world.resume()

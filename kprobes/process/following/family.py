@@ -16,7 +16,7 @@ family of the process the user holds (the *root*), adopted at its exec event:
   handlers the user holds see every process of the tree, as the kernel's uprobes (one per
   file) would. A probe line the root's ``add()`` placed is added again in the member, so
   that its events are made of the member (its pid, its memory); its hits count there;
-- the root's ``run()`` drives the members' stops (``Tracer._pump_family``), ``detach()``
+- the root's ``run()`` drives the members' stops (``Lifecycle.pump_family``), ``detach()``
   lets every member go first, and a member's own children are adopted into the same family.
 
 Rejected: one tracer for every image (its probe table, breakpoints and slots are per

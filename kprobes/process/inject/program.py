@@ -126,11 +126,11 @@ class ProgramCalls:
     def world_held(self) -> Iterator[None]:
         """Every thread held for the block (a nested stop of the world only counts)."""
         self._program.require()
-        self._tracer.stop_world()
+        self._tracer.world.stop()
         try:
             yield
         finally:
-            self._tracer.resume_world()
+            self._tracer.world.resume()
 
     @contextmanager
     def injection_thread(self) -> Iterator[Thread]:
@@ -152,7 +152,7 @@ class ProgramCalls:
         with self.world_held():
             tracer = self._tracer
             try:
-                thread = tracer.held_thread()
+                thread = tracer.world.held_thread()
             except InternalError:
                 thread = self._thread_stopped_by_signal()
             else:

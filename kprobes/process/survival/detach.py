@@ -45,7 +45,7 @@ _STOPPED = ThreadState.STOPPED
 
 def detach_all(tracer: Tracer, jumps: JumpState) -> list[str]:
     """Steps 1-6 (above); what kept pages of ours in the program, one line each."""
-    tracer.stop_world()
+    tracer.world.stop()
     why_kept: list[str] = []
     try:
         # Step 2
@@ -263,7 +263,7 @@ def _send_home(tracer: Tracer, t: Thread) -> int | None:
         ):
             _adopt_child(tracer, t, event)
     tramp = tracer.trampoline.addr
-    if rip == tramp and tramp:  # held back onto the trampoline's int3 (Tracer._hold)
+    if rip == tramp and tramp:  # held back onto the trampoline's int3 (World._hold)
         home = tracer.trampoline.home_of(t, regs.rsp)
         if home is not None:
             rip = home
@@ -276,10 +276,9 @@ def _send_home(tracer: Tracer, t: Thread) -> int | None:
 
 def _first_stop(tracer: Tracer, tid: int) -> int | None:
     """The first stop of a new thread: reaped already (waiting in the inbox), or to come."""
-    for i, (who, status) in enumerate(tracer.inbox):
-        if who == tid:
-            del tracer.inbox[i]
-            return status
+    status = tracer.world.take_stop(tid)
+    if status is not None:
+        return status
     try:
         return ptrace.waitpid(tid, 0)[1]
     except ChildProcessError:
