@@ -29,7 +29,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from functools import partial
 from typing import Protocol
 
@@ -49,6 +49,8 @@ BACKENDS = ("ptrace", "uprobes", "kernel")
 # Per-CPU ring buffer of the uprobes backend: a program's startup makes ~100,000 libc:malloc
 # and free hits in a fraction of a second, ~20 bytes each, faster than Python decodes them.
 UPROBES_BUFFER_KB = 8192
+# Seconds the program is held at a time, about, while a glob's thousands of probes are placed.
+PLACING_STOP = 0.06
 
 
 class Placed(Protocol):
@@ -64,6 +66,10 @@ class Placed(Protocol):
 
     @property
     def missed(self) -> int: ...
+
+
+# A spec of a glob and what became of it: placed, or the error that kept it out.
+Tried = tuple[ProbeSpec, "Placed | ProbeError"]
 
 
 def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,6 +136,20 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def place(self, specs: Sequence[ProbeSpec]) -> list[Placed]:
         """Place every spec, or none (a failure removes the ones already placed)."""
+
+    def place_each(self, specs: Sequence[ProbeSpec]) -> Generator[Tried, None, None]:
+        """Place each spec on its own (a glob's functions), in order: each comes back with
+        what was placed, or with the ``skippable`` error that kept it out. Stop iterating
+        (and close the iterator) to stop placing."""
+        for spec in specs:
+            yield self._try_place(spec)
+
+    def _try_place(self, spec: ProbeSpec) -> Tried:
+        try:
+            (placed,) = self.place([spec])
+        except self.skippable as exc:
+            return spec, exc
+        return spec, placed
 
     @abc.abstractmethod
     def functions(self, pattern: str) -> list[str]:
@@ -273,6 +293,24 @@ class PtraceBackend(Backend):
         placed = self._place(self.proc, self.tracer, specs)
         self.specs += specs
         return list(placed)
+
+    def place_each(self, specs: Sequence[ProbeSpec]) -> Generator[Tried, None, None]:
+        """Each spec placed in stops of the program of about ``PLACING_STOP`` seconds each,
+        as many specs a stop as the stops before took the time for: one stop for them all
+        would hold a program for the seconds thousands of probes take, and one stop each
+        would sweep every site each time (``Process.batch``: the jumps are made, and the
+        program's counts collected, once a stop). What a stop placed is handed on after it,
+        while the program runs."""
+        per_spec = PLACING_STOP / 16  # a first guess; then what the stops took
+        done = 0
+        while done < len(specs):
+            some = specs[done : done + max(1, int(PLACING_STOP / per_spec))]
+            started = time.monotonic()
+            with self.proc.batch():
+                tried = [self._try_place(spec) for spec in some]
+            per_spec = max((time.monotonic() - started) / len(some), 1e-4)
+            done += len(some)
+            yield from tried
 
     def _place(self, proc: Process, tracer: SpecTracer, specs: Sequence[ProbeSpec]) -> list[Placed]:
         placed = tracer.place(specs)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterable
 from datetime import datetime
@@ -19,12 +20,13 @@ from typing import Any
 
 from kprobes.cli.backends import Backend
 from kprobes.cli.session import Session, add_common_arguments, parse_spec
-from kprobes.errors import SpecError
+from kprobes.errors import ProbeError, SpecError
 from kprobes.model import Event
 from kprobes.output.counts import format_counts, format_counts_json, format_interval_header
 from kprobes.spec import FileOffsetLocation, ProbeSpec, SymbolLocation
 
 _GLOB = set("*?[")
+MAX_PROBES = 10_000  # every function of libc (~3,000) or libpython (~5,400) fits
 
 
 def add_parser(sub: Any) -> None:
@@ -33,6 +35,14 @@ def add_parser(sub: Any) -> None:
     add_common_arguments(p)
     p.add_argument("-i", "--interval", type=float, help="print and reset every SECONDS")
     p.add_argument("--json", action="store_true", help='{"probe": ..., "hits": ...} lines')
+    p.add_argument(
+        "--max-probes",
+        type=int,
+        default=MAX_PROBES,
+        metavar="N",
+        help=f"refuse patterns that match more than N functions (default {MAX_PROBES:,}), "
+        "as bpftrace's max_probes",
+    )
     p.set_defaults(func=run)
 
 
@@ -98,22 +108,39 @@ class _Tally:
         _name_files(self.label, self.file_of, backend.own_file)
 
     def expand(self, backend: Backend) -> None:
+        """Place a probe on every function the patterns match, each function once."""
+        found: dict[str, None] = {}
         for pattern in self.patterns:
-            found = backend.functions(pattern)
-            if not found:
+            names = backend.functions(pattern)
+            if not names:
                 raise SpecError(f"no function matches {pattern!r}", column=0, text=pattern)
-            for where in found:
-                if self.session.interrupted:
-                    return  # SIGINT: count what is placed so far
-                spec: ProbeSpec = parse_spec(where)
-                try:
-                    (placed,) = backend.place([spec])
-                except backend.skippable as exc:
-                    self.skipped.append(f"{where}: {exc}")
+            found.update(dict.fromkeys(names))
+        cap = self.args.max_probes
+        if len(found) > cap:
+            text = " ".join(self.patterns)
+            raise SpecError(
+                f"{len(found):,} functions match, more than --max-probes allows ({cap:,})",
+                column=0,
+                text=text,
+                hint=f"narrow the pattern, or raise the cap: --max-probes {len(found)}",
+            )
+        wheres = list(found)
+        progress = _Progress(len(wheres))
+        results = backend.place_each([parse_spec(where) for where in wheres])
+        try:
+            for where, (_spec, placed) in zip(wheres, results, strict=False):
+                progress.tick()
+                if isinstance(placed, ProbeError):
+                    self.skipped.append(f"{where}: {placed}")
                     continue
                 event = placed.name.rpartition("/")[2]
                 module, _, self.label[event] = where.rpartition(":")
                 self.file_of[event] = module or None
+                if self.session.interrupted:
+                    return  # SIGINT: count what is placed so far
+        finally:
+            results.close()
+            progress.done()
 
     def handle(self, ev: Event) -> None:
         self.counts[self.label.get(ev.event, ev.event)] += 1
@@ -181,3 +208,27 @@ def _name_files(label: dict[str, str], file_of: dict[str, str | None], own: str 
         where = file_of.get(event) or own
         if where is not None:
             label[event] = f"{os.path.basename(where)}:{name}"
+
+
+class _Progress:
+    """``placing 5,426 probes… 1,200`` on a terminal's stderr while a glob is placed."""
+
+    PERIOD = 0.2  # seconds between two updates
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.count = 0
+        self.is_shown = sys.stderr.isatty() and total > 1
+        self._next = time.monotonic() + self.PERIOD
+
+    def tick(self) -> None:
+        self.count += 1
+        if self.is_shown and time.monotonic() >= self._next:
+            self._next = time.monotonic() + self.PERIOD
+            sys.stderr.write(f"\r\x1b[Kkprobes: placing {self.total:,} probes… {self.count:,}")
+            sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.is_shown:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()

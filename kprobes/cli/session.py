@@ -249,7 +249,7 @@ class Session:
         signals end it by an exception."""
         # -d counts from the probes' going live: attaching to a busy program on a loaded
         # machine can take seconds, and they are not the tracing asked for.
-        live = time.monotonic()
+        live = self.started = time.monotonic()  # rates and the summary's time from here
         duration: float | None = self.args.duration
         deadline = None if duration is None else live + duration
         next_tick = None if self.interval is None else live + self.interval

@@ -109,6 +109,10 @@ class Process:
         # into them; the next clean end gives them back), one line each. Empty: none left.
         self.kept: list[str] = []
         self._lines: SpecTracer | None = None  # the probes add() placed
+        self._state_file = cleanup.StateFile(
+            self, lambda: self.list() if self._tracer.main is not None else []
+        )
+        self._is_batching = False
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -135,6 +139,7 @@ class Process:
         """Dispatch hits until the program exits (True) or ``timeout`` seconds pass (False)."""
         if not self._program.is_attached:
             raise TargetError(f"process {self.pid} is detached")
+        self._state_file.flush()
         try:
             done = self._tracer.run(timeout)
             self._recording.drain_rings()  # every hit handled before run() returns
@@ -150,23 +155,20 @@ class Process:
         return done
 
     def end_run(self, exc: BaseException) -> None:
-        """Make ``run()`` raise ``exc`` once it has finished the stop it is handling (or, if
-        it is waiting, the next one): a way out of ``run()`` that never leaves a thread
-        half-way through a hit, as an exception raised at a random point (by a signal
-        handler, say) can. Callable from a signal handler; the first request counts."""
+        """Make ``run()`` raise ``exc`` once it has finished the stop it handles (or the next
+        one): a way out that never leaves a thread half-way through a hit, as an exception
+        raised at random (by a signal handler) can. Signal-safe; the first request counts."""
         self._manager.table.park(exc)
 
     def take_pending_error(self) -> BaseException | None:
-        """The exception ``run()`` was to raise next (``end_run``'s, or a handler's) and
-        has not: taken, so that it is raised nowhere. A caller that left ``run()`` another
-        way (a signal) and reads the rest with ``read_records`` forgets it so."""
+        """The exception ``run()`` was to raise next (``end_run``'s or a handler's), taken so
+        that it is raised nowhere (a caller that left ``run()`` another way forgets it so)."""
         return self._manager.table.take_error()
 
     def close(self) -> None:
         """Restore every patched byte and release every thread; the program carries on.
-
-        The ending of every target (``Uprobes`` and ``Kernel`` close their sessions so);
-        idempotent, and run by ``with`` on the way out. ``detach()`` is the same call."""
+        The ending of every target (as ``Uprobes`` and ``Kernel``); idempotent, and run by
+        ``with`` on the way out. ``detach()`` is the same call."""
         if not self._program.is_attached:
             return
         # Whole, whatever signal comes (lifetime.py): cut in two by the exception of one, it
@@ -191,22 +193,16 @@ class Process:
         self.close()
 
     def colocate(self, cpu: int | None = None) -> int:
-        """Run this tool and every thread of the program on one CPU; returns that CPU.
-
-        Every hit is two context switches between the program and the tracer. On one CPU they
-        are plain switches; on two CPUs each is a cross-CPU wake-up, which costs 4-10x more on
-        these machines (see docs/performance.md). By default only the threads that stop often
-        are moved to the tool's CPU (``pin_hot_threads``); this moves every thread, and the
-        threads created from now on, whatever their pace. The program's own affinity is
-        restored by ``close()``. It does narrow a multi-threaded program to one CPU.
-        """
+        """Run this tool and every thread of the program (and those to come) on one CPU,
+        returned: a hit's two context switches are then not cross-CPU wake-ups, 4-10x
+        dearer here (docs/performance.md). ``pin_hot_threads`` moves only the threads that
+        stop often. It narrows the program to one CPU until ``close()`` gives its own back."""
         return self._tracer.placement.colocate(self._tracer.threads, cpu)
 
     @property
     def pin_hot_threads(self) -> bool:
-        """Move a thread whose stops come faster than one every 100 µs onto the tool's CPU,
-        and the tool onto one CPU (cpus.py): on by default. Each thread gets its own CPU
-        mask back when its stops slow down, when this is turned off, and at detach."""
+        """Threads that stop more than once every 100 µs run on the tool's CPU (cpus.py), on
+        by default; each gets its mask back when it slows down, when off, and at detach."""
         return self._tracer.placement.is_on
 
     @pin_hot_threads.setter
@@ -580,19 +576,24 @@ class Process:
 
     @contextmanager
     def batch(self) -> Iterator[None]:
+        """Registrations in one stop of the world. Only the outermost batch sweeps: the
+        program's counts before, the jumps and the published state after (each nested one
+        did it again: placing N probes one by one in a batch cost O(N**2))."""
         tracer = self._tracer
-        if self._program.is_attached and tracer.main is not None:
-            tracer.world.stop()
-            try:
-                self._optimizer.collect_counts()
-                self._following.watch_loader()
-                yield
-                self._optimizer.optimize_sites()
-            finally:
-                tracer.world.resume()
-                self._publish()
-        else:
+        if self._is_batching or not (self._program.is_attached and tracer.main is not None):
             yield
+            return
+        tracer.world.stop()
+        self._is_batching = True
+        try:
+            self._optimizer.collect_counts()
+            self._following.watch_loader()
+            yield
+            self._optimizer.optimize_sites()
+        finally:
+            self._is_batching = False
+            tracer.world.resume()
+            self._publish()
 
     def _publish(self) -> None:
-        cleanup.publish(self, self.list() if self._tracer.main is not None else [])
+        self._state_file.publish()

@@ -39,6 +39,7 @@ from kprobes.lifetime import uninterrupted
 from kprobes.process.engine.tracee import Tracee
 
 INT3 = 0xCC
+JUMP_LEN = 5  # an optimized probe's jmp rel32, and the original bytes it covers
 
 
 class PokeStep(enum.Enum):
@@ -87,7 +88,7 @@ class Breakpoints:
         """Replace the armed int3 at ``addr`` by ``jmp`` (the caller holds the world)."""
         if addr not in self.armed or addr in self.jumps:
             raise InternalError(f"no int3 to replace by a jump at {addr:#x}")
-        if len(jmp) != len(original) or original[0] != self.armed[addr]:
+        if len(jmp) != JUMP_LEN or len(original) != JUMP_LEN or original[0] != self.armed[addr]:
             raise InternalError(f"the jump's original bytes at {addr:#x} do not match")
         patch = (jmp, original)
         self.ever_jumped[addr] = patch  # before a byte of it is written (see the docstring)
@@ -175,8 +176,18 @@ class Breakpoints:
         if not self.ever_patched and not self.ever_jumped:
             return data
         end = addr + len(data)
-        patched = [a for a in self.ever_patched if addr <= a < end]
-        jumped = [a for a in self.ever_jumped if addr - len(self.ever_jumped[a][1]) < a < end]
+        patched_all, jumped_all = self.ever_patched, self.ever_jumped
+        # Whichever is shorter to walk, the bytes read or the addresses patched: thousands
+        # of probes are each checked by a decode of their function (arming.py).
+        if len(data) < len(patched_all):
+            patched = [a for a in range(addr, end) if a in patched_all]
+        else:
+            patched = [a for a in patched_all if addr <= a < end]
+        if len(data) + JUMP_LEN < len(jumped_all):
+            near = [a for a in range(addr - JUMP_LEN + 1, end) if a in jumped_all]
+        else:
+            near = list(jumped_all)
+        jumped = [a for a in near if addr - len(jumped_all[a][1]) < a < end]
         if not patched and not jumped:
             return data
         out = bytearray(data)

@@ -60,6 +60,8 @@ class ReturnProbes:
                 raise ProbeRejected(f"data_size {rp.data_size} is negative", errno=errno.EINVAL)
             if rp.is_registered:
                 raise ProbeRejected(f"{rp!r} is already registered", errno=errno.EINVAL)
+        if not rps:
+            return  # no trampoline, no unwinder guard: nothing returns here
         with self._batch():
             self.ensure_trampoline()
             done: list[Kretprobe] = []

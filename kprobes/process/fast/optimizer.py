@@ -38,11 +38,13 @@ import bisect
 from typing import TYPE_CHECKING, Final
 
 from kprobes.arch.x86_64 import shared_area as sa
+from kprobes.arch.x86_64.decode import MAX_INSN_LEN
 from kprobes.arch.x86_64.detour import build_detour
 from kprobes.arch.x86_64.jumpopt import Refusal, find_region
 from kprobes.arch.x86_64.plan import SLOT_SIZE
 from kprobes.core.optimizer import OptState, SiteOpt, why_no_jump
 from kprobes.errors import NotRelocatable, TargetError
+from kprobes.process.engine.breakpoints import JUMP_LEN
 from kprobes.process.engine.threads import ThreadState
 from kprobes.process.inject import calls
 from kprobes.symbols.cfi import find_fde
@@ -65,7 +67,9 @@ if TYPE_CHECKING:
 
 _COLD_PARTS: Final = 8  # foo.cold.0 .. foo.cold.7: older gcc's names of a function's parts
 _DETOUR_ALIGN: Final = 16
-JUMP_LEN: Final = 5
+# The longest region a jump displaces: whole instructions over its five bytes, the last of
+# which may begin at the fifth.
+_REGION_MAX: Final = JUMP_LEN - 1 + MAX_INSN_LEN
 
 
 class _Threads:
@@ -332,8 +336,10 @@ class Optimizer:
     def unoptimize_around(self, addr: int) -> None:
         """A probe is being armed at ``addr``: an optimized region that covers it goes back to
         its int3 first (the kernel unoptimizes a probe whose region another probe enters)."""
-        for start, so in self._state.sites.items():
-            if so.state is OptState.OPTIMIZED and start < addr < start + so.region_len:
+        sites = self._state.sites
+        for start in range(addr - _REGION_MAX + 1, addr):  # not every site: thousands arm
+            so = sites.get(start)
+            if so is not None and so.state is OptState.OPTIMIZED and addr < start + so.region_len:
                 site = self._table.get(start)
                 if site is not None:
                     self.unoptimize(site, rearm=True)
@@ -342,9 +348,10 @@ class Optimizer:
     def _in_the_way(self, site: ProbeSite, end: int, threads: _Threads) -> str | None:
         """Why the region [site.addr, end) cannot be patched now, or None."""
         addr = site.addr
-        for other in self._table:
-            if addr < other.addr < end:
-                return f"another probe at {other.addr:#x} is inside the region"
+        sites = self._table.sites
+        for other in range(addr + 1, end):  # a few bytes: not every site in the table
+            if other in sites:
+                return f"another probe at {other:#x} is inside the region"
         x: Prepared | None = site.ainsn
         slot = x.slot if x is not None else 0
         for t in self._tracer.threads.values():

@@ -68,13 +68,16 @@ class JumpState:
 
     def counts(self) -> Iterator[tuple[int, int]]:
         """(site address, hits counted in the program since the last call) of every site."""
+        by_area: dict[int, list[tuple[int, SiteOpt]]] = {}
         for addr, so in self.sites.items():
-            if so.counter < 0:
-                continue
-            value = sa.read_counter(self.areas[so.area].view, so.counter)
-            if value != so.seen:
-                delta, so.seen = value - so.seen, value
-                yield addr, delta
+            if so.counter >= 0:
+                by_area.setdefault(so.area, []).append((addr, so))
+        for area, sites in by_area.items():
+            values = sa.read_counters(self.areas[area].view, [so.counter for _, so in sites])
+            for (addr, so), value in zip(sites, values, strict=True):
+                if value != so.seen:
+                    delta, so.seen = value - so.seen, value
+                    yield addr, delta
 
     def forget_site(self, addr: int) -> None:
         """The site at ``addr`` left the probe table: its counter goes with it."""

@@ -15,10 +15,14 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
+from collections.abc import Callable
 from typing import Protocol
 
 from kprobes import lifetime
 from kprobes.model import ProbeListing
+
+PUBLISH_INTERVAL = 0.5  # seconds between two writes of a state file while probes change
 
 
 class Traced(Protocol):
@@ -57,19 +61,47 @@ def state_path(pid: int) -> str:
     return os.path.join(state_dir(), f"{pid}.json")
 
 
-def publish(proc: Traced, listing: list[ProbeListing]) -> None:
-    if not lifetime.is_live(proc):
-        remove_state(proc.pid)
-        return
-    data = {"tracer": os.getpid(), "pid": proc.pid, "probes": [e.to_json() for e in listing]}
-    try:
-        path = state_path(proc.pid)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # the list command is a convenience; tracing goes on without it
+class StateFile:
+    """The state file of one traced process, written at most every ``PUBLISH_INTERVAL``
+    seconds while its probes change: placing thousands of probes in short stops of the
+    program (``Process.batch`` each) would otherwise list them all again after each stop.
+    ``flush`` writes a change not written yet (``Process.run`` does before it waits).
+    Rejected: a write per change (quadratic in the number of probes placed), and none until
+    ``run()`` (``kprobes list -p`` would not see probes a script placed and holds)."""
+
+    def __init__(self, proc: Traced, listing: Callable[[], list[ProbeListing]]) -> None:
+        self._proc = proc
+        self._listing = listing
+        self._written = -PUBLISH_INTERVAL
+        self._is_due = False
+
+    def publish(self) -> None:
+        if lifetime.is_live(self._proc) and time.monotonic() - self._written < PUBLISH_INTERVAL:
+            self._is_due = True
+        else:
+            self._write()
+
+    def flush(self) -> None:
+        if self._is_due:
+            self._write()
+
+    def _write(self) -> None:
+        self._is_due = False
+        self._written = time.monotonic()
+        proc = self._proc
+        if not lifetime.is_live(proc):
+            remove_state(proc.pid)
+            return
+        probes = [e.to_json() for e in self._listing()]
+        data = {"tracer": os.getpid(), "pid": proc.pid, "probes": probes}
+        try:
+            path = state_path(proc.pid)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                f.write(json.dumps(data))  # one write: json.dump writes piece by piece
+            os.replace(tmp, path)
+        except OSError:
+            pass  # the list command is a convenience; tracing goes on without it
 
 
 def remove_state(pid: int) -> None:
