@@ -11,6 +11,8 @@ closest names libc happens to have):
                                    backends; a field not found lists the fields
     permission                     what is needed, without a traceback: run as user nobody
                                    with no capability (``as_nobody``)
+    many notes of a kind           one line with counts by reason (pending probes, probes
+                                   that keep a breakpoint); ``-v`` says each on its line
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 import pytest
 import support
 
+from kprobes.cli.notes import kind_of, summarise
 from kprobes.linux import procfs
 
 pytestmark = pytest.mark.ptrace
@@ -317,3 +320,59 @@ def test_the_need_follows_yamas_ptrace_scope(
     monkeypatch.setattr(procfs, "ptrace_scope", lambda: scope)
     said = str(launch._not_permitted(ticker))
     assert said == f"cannot trace process {ticker} (ticker, user root): permission denied; {needs}"
+
+
+# --- many notes of a kind: one line ------------------------------------------------------------
+
+FOUR_IN_LIBC = ["libc:malloc", "libc:free", "libc:strlen", "libc:memcpy"]
+
+
+def test_four_pending_probes_are_one_line_and_v_lists_them(target: Path) -> None:
+    r = cli("count", "-c", f"{target} 1", *FOUR_IN_LIBC)
+    assert r.returncode == 0, r.stderr
+    pending = [line for line in r.stderr.splitlines() if "pending" in line]
+    assert pending == [
+        "kprobes: 4 probes are pending, each placed when the program loads its library: "
+        "4 in libc (-v lists them)"
+    ], r.stderr
+    r = cli("count", "-v", "-c", f"{target} 1", *FOUR_IN_LIBC)
+    pending = [line for line in r.stderr.splitlines() if "pending" in line]
+    assert pending == [
+        f"kprobes: {name} is pending: it is placed when the program loads its library"
+        for name in FOUR_IN_LIBC
+    ], r.stderr
+
+
+def test_probes_that_keep_a_breakpoint_are_counted_by_reason(ticker: int) -> None:
+    """Most of libc's str* functions begin with a conditional jump within five bytes, or
+    are too short: each keeps its int3, and the reasons are counted on one line."""
+    r = cli("count", "-p", ticker, "-d", "0.2", "libc:str*")
+    assert r.returncode == 0, r.stderr
+    kept = [line for line in r.stderr.splitlines() if "use a breakpoint" in line]
+    assert len(kept) == 1, r.stderr
+    m = re.fullmatch(r"kprobes: (\d+) probes use a breakpoint: (.*) \(-v lists them\)", kept[0])
+    assert m is not None, kept[0]
+    counts = [int(part.split(" ", 1)[0]) for part in m.group(2).split("; ")]
+    assert sum(counts) == int(m.group(1)) > 3 and counts == sorted(counts, reverse=True)
+    r = cli("count", "-v", "-p", ticker, "-d", "0.2", "libc:str*")
+    each = [line for line in r.stderr.splitlines() if " uses a breakpoint: " in line]
+    assert len(each) == int(m.group(1)), r.stderr
+
+
+def test_a_reason_counts_with_its_kind_whatever_its_details() -> None:
+    assert kind_of("a conditional jump in the region (`je 0x7f30` at 0x7f2c)") == (
+        "a conditional jump in the region"
+    )
+    assert kind_of("indirect jump at 0x7fe6b65ae774") == "indirect jump"
+    assert kind_of("only 4 bytes to the function's end; the jump needs 5") == (
+        "only N bytes to the function's end; the jump needs N"
+    )
+    notes = [(f"f{i}", f"indirect jump at {0x1000 + i:#x}") for i in range(3)]
+    assert summarise(notes, one="uses", many="use", verbose=False) == [
+        f"f{i} uses: indirect jump at {0x1000 + i:#x}" for i in range(3)
+    ]
+    notes.append(("g", "a call in the region (`call 0x10` at 0x2)"))
+    assert summarise(notes, one="uses", many="use", verbose=False) == [
+        "4 probes use: 3 indirect jump; 1 a call in the region (-v lists them)"
+    ]
+

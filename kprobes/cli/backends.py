@@ -168,8 +168,8 @@ class Backend(abc.ABC):
         """Events lost before they could be read (a full ring buffer)."""
         return 0
 
-    def placement_notes(self) -> list[str]:
-        """What the user should know about how the probes were placed (one line each)."""
+    def placement_notes(self) -> list[tuple[str, str]]:
+        """Probes that asked for a jump and keep their breakpoint: (name, why)."""
         return []
 
     def how_it_ended(self) -> str:
@@ -392,8 +392,8 @@ class PtraceBackend(Backend):
         for proc in self._procs():
             proc.records.discard_records()
 
-    def placement_notes(self) -> list[str]:
-        """One line per entry probe that asked for a jump and keeps its breakpoint."""
+    def placement_notes(self) -> list[tuple[str, str]]:
+        """Entry probes that asked for a jump and keep their breakpoint: (name, why)."""
         if not self.optimize:
             return []
         listed = {entry.addr: entry for entry in self.proc.list()}
@@ -403,7 +403,7 @@ class PtraceBackend(Backend):
             if isinstance(probe, Kprobe) and probe.optimize and probe.addr in listed:
                 entry = listed[probe.addr]
                 if not entry.is_optimized:
-                    notes.append(f"{p.name} uses a breakpoint: {entry.why_not_optimized}")
+                    notes.append((p.name, entry.why_not_optimized))
         return notes
 
     def end_run(self, exc: BaseException) -> None:

@@ -19,6 +19,7 @@ from datetime import datetime
 from typing import Any
 
 from kprobes.cli.backends import Backend
+from kprobes.cli.notes import summarise
 from kprobes.cli.session import Session, add_common_arguments, parse_spec
 from kprobes.errors import ProbeError, SpecError
 from kprobes.model import Event
@@ -98,7 +99,7 @@ class _Tally:
         for text, spec in specs:
             self.label[spec.effective_event] = text
             self.file_of[spec.effective_event] = _file_named(spec)
-        self.skipped: list[str] = []
+        self.skipped: list[tuple[str, str]] = []  # (function, why it was not placed)
         # Hits of in-place counters already counted, by placed probe (a followed child's copy of
         # a spec has the same name as the root's).
         self.shown: Counter[int] = Counter()
@@ -131,7 +132,7 @@ class _Tally:
             for where, (_spec, placed) in zip(wheres, results, strict=False):
                 progress.tick()
                 if isinstance(placed, ProbeError):
-                    self.skipped.append(f"{where}: {placed}")
+                    self.skipped.append((where, str(placed)))
                     continue
                 event = placed.name.rpartition("/")[2]
                 module, _, self.label[event] = where.rpartition(":")
@@ -173,8 +174,9 @@ class _Tally:
         """The end: the skipped functions, then the last table, every placed probe in it."""
         if not self.args.interval:
             self.take_hits()
-        for line in self.skipped:
-            sys.stderr.write(f"skipped {line}\n")
+        verbose = self.args.verbose
+        for line in summarise(self.skipped, one="skipped", many="skipped", verbose=verbose):
+            sys.stderr.write(f"kprobes: {line}\n")
         for p in self.session.placed:  # every placed probe appears, with 0 if it never hit
             event = p.name.rpartition("/")[2]
             self.counts.setdefault(self.label.get(event, event), 0)

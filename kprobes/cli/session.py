@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from kprobes.cli.backends import Backend, Placed, PtraceBackend, Sink, add_backend_arguments
+from kprobes.cli.notes import summarise
 from kprobes.cli.sigint import RunInterrupted, SafeInterrupt
 from kprobes.cli.targets import add_target_arguments, say_pending
 from kprobes.cli.tracefs_backend import TraceFsBackend
@@ -53,6 +54,13 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     add_backend_arguments(parser)
     parser.add_argument("-d", "--duration", type=float, help="stop after SECONDS")
     parser.add_argument("-n", "--max-events", type=int, help="stop after N events")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="say each probe that is pending, keeps a breakpoint or is skipped, on a line "
+        "of its own (by default, more than 3 of a kind are one line of counts by reason)",
+    )
     parser.add_argument(
         "--filter",
         metavar="EXPR",
@@ -196,15 +204,20 @@ class Session:
                 self.prepare(backend)
             if not interrupt.interrupted:
                 placed = backend.place(self.specs)
+                verbose = bool(getattr(self.args, "verbose", False))
                 say_pending(
                     (getattr(p, "probe", None) for p in placed),
                     (
                         render_location(p.spec.location) if p.spec.location else p.name
                         for p in placed
                     ),
+                    verbose=verbose,
                 )
-                for note in backend.placement_notes():
-                    sys.stderr.write(f"kprobes: {note}\n")
+                notes = backend.placement_notes()
+                for line in summarise(
+                    notes, one="uses a breakpoint", many="use a breakpoint", verbose=verbose
+                ):
+                    sys.stderr.write(f"kprobes: {line}\n")
             interrupt.is_placing = False
             asked = interrupt.asked_at if interrupt.interrupted else self._loop(backend)
             interrupt.is_over = True  # each way out of the loop says so first (sigint.py)

@@ -14,6 +14,7 @@ import shlex
 import sys
 from collections.abc import Iterable
 
+from kprobes.cli.notes import summarise
 from kprobes.core.probes import Kprobe
 from kprobes.errors import SpecError, TargetError
 from kprobes.process.launch import attach, spawn
@@ -61,9 +62,20 @@ def _say(message: str) -> None:
     print(f"kprobes: {message}", file=sys.stderr, flush=True)
 
 
-def say_pending(probes: Iterable[object], names: Iterable[str]) -> None:
-    """One stderr line per probe still waiting for its library after placement."""
+def say_pending(probes: Iterable[object], names: Iterable[str], *, verbose: bool) -> None:
+    """Probes still waiting for their library after placement: a line each, or one for many
+    (``notes.summarise``)."""
+    waiting, libraries = [], []
     for probe, name in zip(probes, names, strict=True):
         entry = getattr(probe, "kp", probe)  # a Kretprobe's or Jprobe's entry probe
         if isinstance(entry, Kprobe) and entry.is_pending:
-            _say(f"{name} is pending: it is placed when the program loads its library")
+            waiting.append((name, "it is placed when the program loads its library"))
+            libraries.append(f"in {name.partition(':')[0] or 'its library'}")
+    for line in summarise(
+        waiting,
+        one="is pending",
+        many="are pending, each placed when the program loads its library",
+        verbose=verbose,
+        kinds=libraries,
+    ):
+        _say(line)
