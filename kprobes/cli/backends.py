@@ -110,6 +110,7 @@ class Backend(abc.ABC):
     def __init__(self) -> None:
         self.placed: list[Placed] = []
         self.command_pid: int | None = None  # the -c command's, once started
+        self._command_exit: int | None = None
         self.own_file: str | None = None  # the file a bare symbol names (README)
 
     def end_command(self) -> None:
@@ -121,8 +122,11 @@ class Backend(abc.ABC):
             return
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
-                if os.waitpid(pid, os.WNOHANG) != (0, 0):
-                    return  # it had exited: now reaped
+                got, status = os.waitpid(pid, os.WNOHANG)
+                if got:  # it had exited by itself: now reaped
+                    if sig == signal.SIGTERM:
+                        self._command_exit = os.waitstatus_to_exitcode(status)
+                    return
                 os.kill(pid, sig)
             except (ChildProcessError, ProcessLookupError):
                 return  # reaped already (the ptrace backend saw it exit)
@@ -132,6 +136,12 @@ class Backend(abc.ABC):
                     if os.waitpid(pid, os.WNOHANG) != (0, 0):
                         return
                 time.sleep(0.01)
+
+    @property
+    def command_exit(self) -> int | None:
+        """How the ``-c`` command ended, if it ended by itself and has been reaped: its exit
+        code, or minus the signal that killed it."""
+        return self._command_exit
 
     @abc.abstractmethod
     def place(self, specs: Sequence[ProbeSpec]) -> list[Placed]:
@@ -270,6 +280,7 @@ class PtraceBackend(Backend):
         # -c follows the command and everything it starts, as perf does; -p on request.
         follow = args.command is not None or getattr(args, "follow_forks", False)
         self.proc = open_target(args, follow_forks=follow)
+        self._runs_command = args.command is not None
         if args.command is not None:
             self.command_pid = self.proc.pid
         self.sink = sink
@@ -339,6 +350,10 @@ class PtraceBackend(Backend):
     def run(self, timeout: float | None) -> bool:
         self.set_reading_deadline(None if timeout is None else time.monotonic() + timeout)
         return self.proc.run(timeout=timeout)
+
+    @property
+    def command_exit(self) -> int | None:
+        return self.proc.exit_code if self._runs_command else None
 
     def how_it_ended(self) -> str:
         code = self.proc.exit_code

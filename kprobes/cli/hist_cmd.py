@@ -67,4 +67,4 @@ def run(args: argparse.Namespace) -> int:
     if faults:
         sys.stderr.write(f"{faults} values could not be fetched (fault)\n")
     sys.stderr.write(session.summary())
-    return 0
+    return session.exit_status()

@@ -69,4 +69,4 @@ def run(args: argparse.Namespace) -> int:
     if stats.count:
         sys.stdout.write("\n" + format_average(stats, unit) + "\n")
     sys.stderr.write(session.summary())
-    return 0
+    return session.exit_status()

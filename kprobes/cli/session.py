@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from kprobes.cli.backends import Backend, Placed, PtraceBackend, Sink, add_backend_arguments
 from kprobes.cli.notes import summarise
 from kprobes.cli.sigint import RunInterrupted, SafeInterrupt
+from kprobes.cli.spellings import read_spelling
 from kprobes.cli.targets import add_target_arguments, say_pending
 from kprobes.cli.tracefs_backend import TraceFsBackend
 from kprobes.errors import SpecError, TargetError
@@ -74,7 +75,14 @@ _COMMAND = re.compile(r"\s*(?:(?:p|r\d*)(?::\S*)?(?:\s|$)|-:)")
 
 
 def parse_spec(text: str) -> ProbeSpec:
-    """A probe line; a bare location (``libc:malloc size=%di``) means ``p LOCATION``."""
+    """A probe line; a bare location (``libc:malloc size=%di``) means ``p LOCATION``; a
+    peer's spelling is read as ours (spellings.py)."""
+    given, text = text, read_spelling(text)
+    if text != given:
+        try:
+            return parse_spec(text)
+        except SpecError as exc:  # the column of the line as written is unknown
+            raise SpecError(exc.message, column=0, text=given, hint=exc.hint) from exc
     if _COMMAND.match(text):
         return parse(text)
     try:
@@ -120,6 +128,7 @@ class Session:
         # (count's in-place counters).
         self.refresh: Callable[[], None] = lambda: None
         self.started = time.monotonic()
+        self.program_ended = False  # the traced program ended by itself (not -d, -n, a signal)
         self.handle: Callable[[Event], None] = lambda ev: None
         self.on_interval: Callable[[], None] | None = None
         self.interval: float | None = None
@@ -253,6 +262,18 @@ class Session:
         if signal is not None and not self.ended_by:
             self.ended_by = signal.name  # it came while the rest was being read
 
+    def exit_status(self) -> int:
+        """The command's: 0, or with ``-c``, when the program ended by itself, its exit code
+        (128 + the signal that killed it), as strace and ``bpftrace -c`` do. Call after
+        ``run()``."""
+        backend = self.backend
+        if not self.program_ended or backend is None or self.args.command is None:
+            return 0
+        code = backend.command_exit
+        if code is None:
+            return 0
+        return code if code >= 0 else 128 - code
+
     @property
     def placed(self) -> list[Placed]:
         return self.backend.placed if self.backend is not None else []
@@ -281,6 +302,7 @@ class Session:
                 self.on_interval()
                 next_tick += self.interval or 0.0
             if done:
+                self.program_ended = True
                 ended = backend.how_it_ended()
                 if ended:
                     clear = "\r\x1b[K" if self._status else ""  # the status line first

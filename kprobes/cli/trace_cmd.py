@@ -61,4 +61,4 @@ def run(args: argparse.Namespace) -> int:
             perfetto.close()
             perfetto_file.close()
     sys.stderr.write(session.summary())
-    return 0
+    return session.exit_status()

@@ -89,6 +89,7 @@ class TraceFsBackend(Backend):
             return
         pid: int | None = args.pid
         if args.command is not None:
+            Kernel.require()  # before the command starts: refused, it never runs
             self._spawned = spawn(command_argv(args))
             pid = self.command_pid = self._spawned.pid
         try:

@@ -94,6 +94,14 @@ class Kernel(TraceTarget):
             raise TargetError(_unavailable_reason(self.fs.root), errno=_errno.ENOSYS)
         self.knobs = KprobesKnobs()
 
+    @staticmethod
+    def require() -> None:
+        """Raise what ``Kernel()`` would about a kernel without kprobe events (or without
+        tracefs, or without root): for a caller about to start a command for it."""
+        fs = TraceFs.open()
+        if not fs.exists("kprobe_events"):
+            raise TargetError(_unavailable_reason(fs.root), errno=_errno.ENOSYS)
+
     # -- Appendix A and B --------------------------------------------------------------------
 
     def list(self) -> builtins.list[ProbeListing]:

@@ -1,0 +1,153 @@
+"""Everyday habits of the command line (issue 22, items 3 and 5), on real programs:
+
+    the peers' spellings       bpftrace's uprobe:/uretprobe: (u:/ur:), bcc's c:, p:c:, r:c:
+                               count what our own line counts; bpftrace's other probe types
+                               (mem:, kprobe:, tracepoint:, ...) are refused, saying what
+                               they are, never taken for a library
+    the exit status with -c    the command's own (its code, 128 + a signal), as strace's, on
+                               our backend and the kernel's uprobes; 0 when we ended it
+    --kernel without kprobes   refused before the command is started
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import support
+from test_cli_trace import count_rows
+
+from kprobes.cli.spellings import read_spelling
+from kprobes.errors import SpecError
+
+pytestmark = pytest.mark.ptrace
+
+cli = support.cli
+TRACEFS = support.tracefs_root()
+needs_uprobes = pytest.mark.skipif(
+    TRACEFS is None or not (TRACEFS / "uprobe_events").exists(),
+    reason="the kernel's uprobes need tracefs with uprobe_events (root)",
+)
+BACKENDS = ["ptrace", pytest.param("uprobes", marks=needs_uprobes)]
+
+
+@pytest.fixture
+def target(build: Callable[[str], Path]) -> Path:
+    return build("target")
+
+
+# -- the peers' spellings ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("given", "ours"),
+    [
+        ("uprobe:/bin/prog:work", "p /bin/prog:work"),
+        ("u:/bin/prog:work", "p /bin/prog:work"),
+        ("uretprobe:/bin/prog:work", "r /bin/prog:work"),
+        ("ur:libc:malloc", "r libc:malloc"),
+        ("uprobe:c:malloc", "p libc:malloc"),
+        ("c:malloc", "libc:malloc"),
+        ("c:malloc size=%di", "libc:malloc size=%di"),
+        ("p:c:malloc", "p libc:malloc"),
+        ("r:c:malloc", "r libc:malloc"),
+        ("p:/bin/prog:work", "p /bin/prog:work"),
+        # ours, left as they are: the kernel's grammar has a space after its event name
+        ("p:alloc libc:malloc size=%di", "p:alloc libc:malloc size=%di"),
+        ("r libc:malloc", "r libc:malloc"),
+        ("libc:malloc", "libc:malloc"),
+        ("work", "work"),
+    ],
+)
+def test_a_peers_spelling_reads_as_our_line(given: str, ours: str) -> None:
+    assert read_spelling(given) == ours
+
+
+@pytest.mark.parametrize(
+    ("given", "what"),
+    [
+        ("mem:counter/8:w", "'mem:' is bpftrace's watchpoint probe"),
+        ("watchpoint:0x1000:8:w", "'watchpoint:' is bpftrace's watchpoint probe"),
+        ("kprobe:do_sys_open", "'kprobe:' is bpftrace's kernel function probe"),
+        ("kretprobe:vfs_read", "'kretprobe:' is bpftrace's kernel function probe"),
+        ("tracepoint:syscalls:sys_enter_read", "'tracepoint:' is bpftrace's kernel tracepoint"),
+        ("usdt:/bin/prog:probe", "'usdt:' is bpftrace's USDT marker probe"),
+        ("profile:hz:99", "'profile:' is bpftrace's timer or event probe"),
+        ("p::do_sys_open", "p::FUNC is bcc's kernel function"),
+    ],
+)
+def test_a_probe_type_we_do_not_have_is_refused_saying_what_it_is(given: str, what: str) -> None:
+    with pytest.raises(SpecError) as caught:
+        read_spelling(given)
+    assert caught.value.message.startswith(what), caught.value.message
+    assert caught.value.column == 0
+
+
+def test_mem_is_refused_before_the_command_runs(target: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    r = cli("count", "-c", f"sh -c 'touch {marker}'", "mem:counter/8:w")
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[0] == (
+        "kprobes: 'mem:' is bpftrace's watchpoint probe, which kprobes does not have; "
+        "kprobes probes code: a function, an offset or an address in a program"
+    )
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bpftrace_and_bcc_spellings_count_what_our_line_counts(target: Path, backend: str) -> None:
+    """``target 5`` calls work() 5 times and libc's printf 4 times (as the kernel's uprobes
+    count them); each spelling of a probe counts what our line for it counts."""
+    counts = {}
+    for spelling in (f"{target}:work", f"uprobe:{target}:work", f"u:{target}:work"):
+        r = cli("count", "--backend", backend, "-c", f"{target} 5", spelling)
+        assert r.returncode == 0, r.stderr
+        (counts[spelling],) = count_rows(r.stdout).values()
+    assert set(counts.values()) == {5}, counts
+    printfs = {}
+    for spelling in ("libc:printf", "c:printf", "p:c:printf", "uprobe:libc:printf"):
+        r = cli("count", "--backend", backend, "-c", f"{target} 5", spelling)
+        assert r.returncode == 0, r.stderr
+        printfs[spelling] = sum(count_rows(r.stdout).values())
+    assert set(printfs.values()) == {4}, printfs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_return_spelling_makes_a_return_probe(target: Path, backend: str) -> None:
+    for spelling in (f"uretprobe:{target}:work", f"ur:{target}:work", f"r:{target}:work"):
+        r = cli("trace", "--backend", backend, "-c", f"{target} 3", spelling)
+        assert r.returncode == 0, r.stderr
+        returns = [line for line in r.stdout.splitlines() if re.search(r"<- work\b", line)]
+        assert len(returns) == 3, (spelling, r.stdout)
+
+
+# -- the exit status with -c ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("script", "status"), [("exit 7", 7), ("kill -SEGV $$", 139)])
+def test_the_exit_status_is_the_commands(backend: str, script: str, status: int) -> None:
+    r = cli("count", "--backend", backend, "-c", f"sh -c '{script}'", "libc:exit")
+    assert r.returncode == status, r.stderr
+
+
+def test_a_command_that_the_session_ended_leaves_status_0(target: Path) -> None:
+    r = cli("count", "-d", "0.5", "-c", "sleep 30", "libc:malloc")
+    assert r.returncode == 0, r.stderr
+
+
+# -- --kernel without kprobes ----------------------------------------------------------------------
+
+
+@pytest.mark.skipif(
+    TRACEFS is not None and (TRACEFS / "kprobe_events").exists(),
+    reason="this kernel has kprobe events: the refusal is for one without (the VM has them)",
+)
+def test_kernel_without_kprobes_refuses_before_the_command_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    r = cli("trace", "--kernel", "-c", f"sh -c 'touch {marker}'", "p do_sys_openat2")
+    assert r.returncode == 1
+    assert "CONFIG_KPROBES" in r.stderr or "kprobe_events" in r.stderr, r.stderr
+    assert not marker.exists()
