@@ -7,11 +7,15 @@
     the exit status with -c    the command's own (its code, 128 + a signal), as strace's, on
                                our backend and the kernel's uprobes; 0 when we ended it
     --kernel without kprobes   refused before the command is started
+    no silent nothing          -p: a probe on a library not mapped is an error at once unless
+                               --pending; -c: each probe never placed is named at the end
+                               with why, and none placed at all is exit status 1
 """
 
 from __future__ import annotations
 
 import re
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -151,3 +155,55 @@ def test_kernel_without_kprobes_refuses_before_the_command_runs(tmp_path: Path) 
     assert r.returncode == 1
     assert "CONFIG_KPROBES" in r.stderr or "kprobe_events" in r.stderr, r.stderr
     assert not marker.exists()
+
+
+# -- no silent nothing ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def ticker(build: Callable[[str], Path], popen: Callable[..., subprocess.Popen[bytes]]) -> int:
+    """A ticker that calls work() every 20 ms for a minute, libc mapped: its pid."""
+    proc = popen([build("ticker"), 3000, 20000], stdout=subprocess.DEVNULL)
+    support.wait_until(
+        lambda: "libc.so" in Path(f"/proc/{proc.pid}/maps").read_text(), 10, "libc mapped"
+    )
+    return proc.pid
+
+
+def test_p_with_a_library_not_mapped_is_an_error_unless_pending(ticker: int) -> None:
+    r = cli("trace", "-p", ticker, "-d", "1", "libfoo:bar")
+    assert r.returncode == 1
+    assert re.fullmatch(
+        rf"kprobes: no module 'libfoo' is mapped in process {ticker} \(mapped: [^)]*\); "
+        r"--pending waits until it loads it",
+        r.stderr.rstrip("\n"),
+    ), r.stderr
+    r = cli("trace", "-p", ticker, "-d", "0.5", "--pending", "libfoo:bar")
+    assert r.returncode == 0, r.stderr
+    assert "kprobes: libfoo:bar is pending: it is placed when the program loads its library" in (
+        r.stderr.splitlines()
+    )
+
+
+def test_c_names_each_probe_never_placed_and_why(target: Path) -> None:
+    r = cli("count", "-c", f"{target} 2", "libc:mallco", "work")
+    assert r.returncode == 0, r.stderr  # work was placed (and hit twice)
+    assert count_rows(r.stdout)["work"] == 2
+    (line,) = [line for line in r.stderr.splitlines() if "never placed" in line]
+    assert re.fullmatch(
+        r"kprobes: libc:mallco was never placed: no symbol 'mallco' in /\S*/libc\.so\.6 "
+        r"\(searched \.dynsym\); did you mean 'malloc'.*\?",
+        line,
+    ), line
+
+
+@pytest.mark.parametrize("command", ["count", "trace"])
+def test_c_with_no_probe_ever_placed_exits_1(target: Path, command: str) -> None:
+    r = cli(command, "-c", f"{target} 2", "libfoo:bar", "r libfoo:baz")
+    assert r.returncode == 1, r.stderr
+    never = [line for line in r.stderr.splitlines() if "never placed" in line]
+    assert never == [
+        "kprobes: libfoo:bar was never placed: the program never loaded libfoo",
+        "kprobes: libfoo:baz was never placed: the program never loaded libfoo",
+    ], r.stderr
+

@@ -38,11 +38,12 @@ from kprobes.cli.sigint import is_in_trace_stop
 from kprobes.cli.targets import open_target
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import InstancePool, Kretprobe, KretprobeInstance
-from kprobes.errors import ProbeError, ProbeRejected
+from kprobes.errors import NotMapped, ProbeError, ProbeRejected
 from kprobes.model import Event
 from kprobes.process.specs import SpecTracer
 from kprobes.process.target import Process
 from kprobes.spec import ProbeSpec
+from kprobes.spec.render import render_location
 
 Sink = Callable[[Event], None]
 BACKENDS = ("ptrace", "uprobes", "kernel")
@@ -182,6 +183,10 @@ class Backend(abc.ABC):
         """Probes that asked for a jump and keep their breakpoint: (name, why)."""
         return []
 
+    def never_placed(self) -> list[tuple[str, str]]:
+        """After the run: the probes never placed in any process, each with why (name, why)."""
+        return []
+
     def how_it_ended(self) -> str:
         """A line for a traced program that a signal killed while we traced it, else ""."""
         return ""
@@ -301,7 +306,12 @@ class PtraceBackend(Backend):
 
     def place(self, specs: Sequence[ProbeSpec]) -> list[Placed]:
         specs = [in_own_file(spec, self.own_file) for spec in specs]
-        placed = self._place(self.proc, self.tracer, specs)
+        try:
+            placed = self._place(self.proc, self.tracer, specs)
+        except NotMapped as exc:
+            if self.proc.pending:
+                raise
+            raise NotMapped(f"{exc}; --pending waits until it loads it", errno=exc.errno) from exc
         self.specs += specs
         return list(placed)
 
@@ -354,6 +364,30 @@ class PtraceBackend(Backend):
     @property
     def command_exit(self) -> int | None:
         return self.proc.exit_code if self._runs_command else None
+
+    def never_placed(self) -> list[tuple[str, str]]:
+        """Specs whose probe waited for its library in every process of the run: the
+        library was never loaded, or came without the symbol (the reason it said then)."""
+        tracers = [(self.proc, self.tracer), *((m.proc, m) for m in self.members)]
+        placed_somewhere: set[int] = set()
+        reasons: dict[int, str] = {}
+        for proc, tracer in tracers:
+            for one in tracer.placed:
+                entry = one.probe.kp if isinstance(one.probe, Kretprobe) else one.probe
+                if not entry.is_pending or entry.location is not None:
+                    placed_somewhere.add(id(one.spec))
+                elif (why := proc.get_pending_reason(entry)) is not None:
+                    reasons[id(one.spec)] = why
+        never = []
+        for one in self.tracer.placed:
+            if id(one.spec) in placed_somewhere:
+                continue
+            module = getattr(one.spec.location, "module", None) or "its library"
+            why = reasons.get(id(one.spec), f"the program never loaded {module}")
+            never.append(
+                (render_location(one.spec.location) if one.spec.location else one.name, why)
+            )
+        return never
 
     def how_it_ended(self) -> str:
         code = self.proc.exit_code

@@ -129,6 +129,7 @@ class Session:
         self.refresh: Callable[[], None] = lambda: None
         self.started = time.monotonic()
         self.program_ended = False  # the traced program ended by itself (not -d, -n, a signal)
+        self.nothing_placed = False  # with -c: no probe was ever placed (say_never_placed)
         self.handle: Callable[[Event], None] = lambda ev: None
         self.on_interval: Callable[[], None] | None = None
         self.interval: float | None = None
@@ -194,6 +195,7 @@ class Session:
                 interrupt.quiet()
                 try:
                     self._end(backend, asked)
+                    self.say_never_placed(backend)
                 finally:
                     try:
                         backend.close()
@@ -264,15 +266,26 @@ class Session:
 
     def exit_status(self) -> int:
         """The command's: 0, or with ``-c``, when the program ended by itself, its exit code
-        (128 + the signal that killed it), as strace and ``bpftrace -c`` do. Call after
-        ``run()``."""
+        (128 + the signal that killed it), as strace and ``bpftrace -c`` do; 1 when no probe
+        was ever placed (``say_never_placed``). Call after ``run()``."""
         backend = self.backend
+        if self.nothing_placed:
+            return 1
         if not self.program_ended or backend is None or self.args.command is None:
             return 0
         code = backend.command_exit
         if code is None:
             return 0
         return code if code >= 0 else 128 - code
+
+    def say_never_placed(self, backend: Backend) -> None:
+        """With ``-c``, at the end: each probe that was never placed, and why."""
+        if self.args.command is None:
+            return
+        never = backend.never_placed()
+        for name, why in never:
+            sys.stderr.write(f"kprobes: {name} was never placed: {why}\n")
+        self.nothing_placed = bool(never) and len(never) == len(backend.placed)
 
     @property
     def placed(self) -> list[Placed]:

@@ -26,6 +26,12 @@ def add_target_arguments(parser: argparse.ArgumentParser, *, required: bool = Tr
     group.add_argument("-p", "--pid", type=int, help="attach to this running process")
     group.add_argument("-c", "--command", metavar="CMD", help='spawn "CMD ARGS" traced')
     parser.add_argument(
+        "--pending",
+        action="store_true",
+        help="with -p: a probe on a library the process has not loaded waits until it loads "
+        "it (without, it is an error at once; with -c a probe always waits for its library)",
+    )
+    parser.add_argument(
         "--no-pin",
         action="store_true",
         help="leave the program's threads where the scheduler puts them (by default a thread "
@@ -50,7 +56,8 @@ def open_target(args: argparse.Namespace, *, follow_forks: bool = False) -> Proc
     the program's loads say about them is said on stderr."""
     pin = not getattr(args, "no_pin", False)
     if args.pid is not None:
-        proc = attach(args.pid, follow_forks=follow_forks, pending=True, pin_hot_threads=pin)
+        pending = getattr(args, "pending", False)
+        proc = attach(args.pid, follow_forks=follow_forks, pending=pending, pin_hot_threads=pin)
     else:
         argv = command_argv(args)
         proc = spawn(argv, follow_forks=follow_forks, pending=True, pin_hot_threads=pin)

@@ -270,8 +270,7 @@ class Process:
         *,
         events: Mapping[Kprobe, str] | None = None,
     ) -> None:
-        """Register every probe or none (``args``: fetch-args by probe, as ``kp.args``); a
-        probe left unregistered is left as it was given."""
+        """Register every probe or none (``args``: fetch-args by probe, as ``kp.args``)."""
         given = [(kp, (args or {}).get(kp, ())) for kp in kps]
         with self._program.registering(), args_given(given):
             try:
@@ -427,16 +426,15 @@ class Process:
         return [f"{module}:{name}" if sep else name for name in names]
 
     def iter_probes(self) -> Iterator[Kprobe]:
-        """Every probe registered here, placed or pending (a kretprobe's or jprobe's entry
-        probe stands for it: its ``owner``); not those kprobes placed for itself."""
+        """Every probe registered here, placed or pending (a return probe's entry probe for
+        it), not those kprobes placed for itself."""
         return (p for p in self._manager.iter_probes() if not listing.is_ours(p))
 
     # -- the parts' own knobs, handed on ---------------------------------------------------
 
     @property
     def optimization(self) -> bool:
-        """The document's ``debug.kprobes-optimization`` sysctl: False puts every optimized
-        probe back on its int3, True optimizes them again."""
+        """The document's ``debug.kprobes-optimization`` sysctl (False: every probe on int3)."""
         return self._optimizer.optimization
 
     @optimization.setter
@@ -445,9 +443,8 @@ class Process:
 
     @property
     def pending(self) -> bool:
-        """A probe on a library the program has not mapped yet waits for it (pending)
-        instead of failing with ENOENT. A name that can never match (no such file, no such
-        symbol in a named file) fails at once either way."""
+        """A probe on a library not mapped yet waits for it (pending) instead of failing with
+        ENOENT; a name that can never match (no such file or symbol) fails at once anyway."""
         return self._manager.allow_pending
 
     @pending.setter
@@ -457,6 +454,10 @@ class Process:
     def iter_pending(self) -> Iterator[Kprobe]:
         """The registered probes that wait for their library (never mapped, or unmapped)."""
         return self._following.iter_pending()
+
+    def get_pending_reason(self, kp: Kprobe) -> str | None:
+        """Why the pending ``kp`` was not placed in a library that came (no such symbol)."""
+        return self._following.misses.get(id(kp))
 
     @property
     def on_notice(self) -> Callable[[str], None]:

@@ -108,6 +108,7 @@ class Following:
         self._watch_probe: Kprobe | None = None
         self.is_starting = False  # the loader is mapping and relocating the startup libraries
         self._noticed: set[tuple[int, str]] = set()
+        self.misses: dict[int, str] = {}  # id(probe) → why a library that came lacked it
         self.on_notice: Callable[[str], None] = _warn
         self._tracer.on_syscall = self.on_syscall_stop
 
@@ -172,9 +173,15 @@ class Following:
                 if probe.addr is None and probe.location is not None:
                     self._returns.forget_guard(probe.location.addr)
             for probe, exc in self._manager.resolve_pending():
-                self._notice(probe, f"pending probe {probe.symbol} stays pending: {exc}")
+                self._missed(probe, exc)
             if self._tracer.trampoline.addr:
                 self._returns.ensure_unwind_guard()  # libgcc_s and the like come late
+
+    def _missed(self, probe: Kprobe, exc: Exception) -> None:
+        """A library came without what the pending ``probe`` names: said once, and kept as
+        the reason it is still pending (``misses``)."""
+        self.misses[id(probe)] = str(exc)
+        self._notice(probe, f"pending probe {probe.symbol} stays pending: {exc}")
 
     def _notice(self, probe: Kprobe, message: str) -> None:
         key = (id(probe), message)
@@ -245,7 +252,7 @@ class Following:
                 self._returns.reequip()
                 self.watch_loader()
                 for probe, exc in self._manager.resolve_pending():
-                    self._notice(probe, f"pending probe {probe.symbol} stays pending: {exc}")
+                    self._missed(probe, exc)
         except TargetError as exc:
             self.on_notice(f"the new image of process {self.pid}: {exc}")
         self.is_starting = self._watch is _Watch.PLACED
