@@ -7,6 +7,7 @@
     the exit status with -c    the command's own (its code, 128 + a signal), as strace's, on
                                our backend and the kernel's uprobes; 0 when we ended it
     --kernel without kprobes   refused before the command is started
+    a fast start               --help and --version import none of the machinery
     no silent nothing          -p: a probe on a library not mapped is an error at once unless
                                --pending; -c: each probe never placed is named at the end
                                with why, and none placed at all is exit status 1
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -207,3 +209,35 @@ def test_c_with_no_probe_ever_placed_exits_1(target: Path, command: str) -> None
         "kprobes: libfoo:baz was never placed: the program never loaded libfoo",
     ], r.stderr
 
+
+
+# -- the tool starts fast --------------------------------------------------------------------------
+
+HEAVY = ("kprobes.process.target", "kprobes.tracefs.session", "iced_x86", "elftools")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"]])
+def test_help_imports_no_engine(argv: list[str]) -> None:
+    """``kprobes --help`` imports none of the machinery (its start-up is measured by
+    ``python -m bench.tool_start``): a new interpreter, its modules listed at the end."""
+    code = (
+        "import sys\n"
+        "from kprobes.cli import main\n"
+        "try:\n"
+        f"    main.main({argv!r})\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(' '.join(sorted(sys.modules)), file=sys.stderr)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    loaded = set(r.stderr.split())
+    assert "kprobes.cli.main" in loaded, r.stderr[-2000:]
+    assert not loaded & set(HEAVY), sorted(loaded & set(HEAVY))
+    assert "count" in r.stdout or "kprobes " in r.stdout
+
+
+def test_every_public_name_is_there_when_asked() -> None:
+    """``kprobes`` imports its names on first use: each one in ``__all__`` resolves."""
+    code = "import kprobes\nfor name in kprobes.__all__:\n    getattr(kprobes, name)\nprint('ok')"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout == "ok\n", r.stderr

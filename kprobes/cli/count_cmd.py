@@ -31,8 +31,8 @@ _GLOB = set("*?[")
 MAX_PROBES = 10_000  # every function of libc (~3,000) or libpython (~5,400) fits
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("count", help="count hits per probe (funccount)")
+def add_parser(sub: Any, help: str) -> None:
+    p = sub.add_parser("count", help=help)
     p.add_argument("targets", nargs="+", metavar="SPEC|PATTERN", help="probe lines or globs")
     add_common_arguments(p)
     p.add_argument("-i", "--interval", type=float, help="print and reset every SECONDS")

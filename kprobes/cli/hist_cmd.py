@@ -18,8 +18,8 @@ from kprobes.output.counts import FrequencyTable
 from kprobes.output.hist import Log2Histogram
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("hist", help="frequency table or log2 histogram of a fetched value")
+def add_parser(sub: Any, help: str) -> None:
+    p = sub.add_parser("hist", help=help)
     p.add_argument("spec", metavar="SPEC", help="a probe line with the arg to aggregate")
     p.add_argument("--key", required=True, metavar="ARG", help="the arg's name (e.g. arg1)")
     p.add_argument("-H", "--log2", action="store_true", help="log2 histogram (numbers only)")

@@ -21,8 +21,8 @@ from kprobes.spec.parser import KRETPROBE_MAXACTIVE_MAX
 UNITS = {"nsecs": 1e9, "usecs": 1e6, "msecs": 1e3}
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("latency", help="histogram of a function's call durations (funclatency)")
+def add_parser(sub: Any, help: str) -> None:
+    p = sub.add_parser("latency", help=help)
     p.add_argument("function", metavar="FUNC", help="the function: func, lib:func, /path:func")
     add_common_arguments(p)
     unit = p.add_mutually_exclusive_group()

@@ -22,8 +22,8 @@ from kprobes.tracefs.control import TraceFs
 from kprobes.tracefs.kernel import list_kprobes
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("list", help="list the probes placed in a traced process, or the kernel's")
+def add_parser(sub: Any, help: str) -> None:
+    p = sub.add_parser("list", help=help)
     p.add_argument("-p", "--pid", type=int, help="the traced process")
     add_backend_arguments(p)
     p.set_defaults(func=run)

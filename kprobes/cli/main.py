@@ -17,9 +17,9 @@ import shlex
 import sys
 import traceback
 from collections.abc import Sequence
+from importlib import import_module
 
 from kprobes import __version__
-from kprobes.cli import count_cmd, hist_cmd, latency_cmd, list_cmd, run_cmd, trace_cmd
 from kprobes.cli.sigint import sigint_ends_command
 from kprobes.errors import InternalError, ProbeError, SpecError, TraceFsError
 
@@ -27,24 +27,43 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 2
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Each command's module, and its line in ``kprobes --help``. Only the module of the command
+# given is imported: ``kprobes --help`` and ``--version`` import none of them (the ptrace
+# engine, the x86 decoder and the ELF reader are half a second of imports).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "list": ("kprobes.cli.list_cmd", "list the probes placed in a traced process, or the kernel's"),
+    "run": (
+        "kprobes.cli.run_cmd",
+        "run an instrumentation module: a Python file with init(target) and exit(target)",
+    ),
+    "trace": ("kprobes.cli.trace_cmd", "print each probe hit (ftrace format or --json)"),
+    "count": ("kprobes.cli.count_cmd", "count hits per probe (funccount)"),
+    "latency": (
+        "kprobes.cli.latency_cmd",
+        "histogram of a function's call durations (funclatency)",
+    ),
+    "hist": ("kprobes.cli.hist_cmd", "frequency table or log2 histogram of a fetched value"),
+}
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The parser, with the full arguments of the command ``argv`` names (if any)."""
     parser = argparse.ArgumentParser(
         prog="kprobes", description="Kprobes for live x86-64 Linux processes."
     )
     parser.add_argument("--version", action="version", version=f"kprobes {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    list_cmd.add_parser(sub)
-    run_cmd.add_parser(sub)
-    trace_cmd.add_parser(sub)
-    count_cmd.add_parser(sub)
-    latency_cmd.add_parser(sub)
-    hist_cmd.add_parser(sub)
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    for name, (module, help) in COMMANDS.items():
+        if name == chosen:
+            import_module(module).add_parser(sub, help)
+        else:
+            sub.add_parser(name, help=help, add_help=False)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser(sys.argv[1:] if argv is None else argv).parse_args(argv)
     try:
         with sigint_ends_command():
             code: int = args.func(args)

@@ -29,11 +29,8 @@ from kprobes.cli.targets import add_target_arguments, open_target
 from kprobes.errors import SpecError, TargetError
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "run",
-        help="run an instrumentation module: a Python file with init(target) and exit(target)",
-    )
+def add_parser(sub: Any, help: str) -> None:
+    p = sub.add_parser("run", help=help)
     p.add_argument("module", help="the module file (MODULE.py)")
     p.add_argument("params", nargs="*", metavar="PARAM=VALUE", help="module parameters")
     add_target_arguments(p)

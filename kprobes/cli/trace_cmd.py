@@ -22,8 +22,8 @@ from kprobes.output.text import format_event
 from kprobes.spec import SymbolLocation
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("trace", help="print each probe hit (ftrace format or --json)")
+def add_parser(sub: Any, help: str) -> None:
+    p = sub.add_parser("trace", help=help)
     p.add_argument("specs", nargs="+", metavar="SPEC", help="kprobe_events-style probe lines")
     add_common_arguments(p)
     p.add_argument("--json", action="store_true", help="one JSON object per event")

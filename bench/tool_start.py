@@ -1,0 +1,54 @@
+"""``python -m bench.tool_start``: how long the ``kprobes`` command takes to start and end.
+
+Times, wall clock, median and range of ``--runs``: ``kprobes --help``, ``kprobes --version``,
+``kprobes count --help``, and ``kprobes count -c /bin/true libc:malloc`` (the whole command:
+start-up, spawn, one pending probe placed when libc comes, the run, the summary). Each runs
+as a user would run it, a new interpreter each time, from the checkout first on
+``PYTHONPATH`` (compare two checkouts by running this with each). The figure for ``--help``
+is the tool's start-up alone: the interpreter's own (``python -c pass``) is printed beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+CASES = (
+    ("python -c pass", [sys.executable, "-c", "pass"]),
+    ("kprobes --help", [sys.executable, "-m", "kprobes.cli.main", "--help"]),
+    ("kprobes --version", [sys.executable, "-m", "kprobes.cli.main", "--version"]),
+    ("kprobes count --help", [sys.executable, "-m", "kprobes.cli.main", "count", "--help"]),
+    (
+        "kprobes count -c /bin/true libc:malloc",
+        [sys.executable, "-m", "kprobes.cli.main", "count", "-c", "/bin/true", "libc:malloc"],
+    ),
+)
+
+
+def once(argv: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=11)
+    args = parser.parse_args()
+    env_path = os.environ.get("PYTHONPATH", "")
+    print(f"PYTHONPATH={env_path or '(unset)'}; {args.runs} runs each, wall ms")
+    for label, argv in CASES:
+        once(argv)  # warm the page cache
+        times = sorted(once(argv) * 1000 for _ in range(args.runs))
+        print(
+            f"{label:42} median {statistics.median(times):6.0f}  "
+            f"min {times[0]:6.0f}  max {times[-1]:6.0f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
