@@ -295,13 +295,14 @@ def test_live_status_line_when_stderr_is_a_terminal(build, popen):
 @pytest.mark.parametrize("tier", ["opt", "traps"])
 def test_a_program_killed_by_a_signal_is_said_so(build, tier):
     """A traced program that dies of a signal is a fact the user must see (strace's "+++
-    killed by SIGILL +++"): the command says so on stderr, beside its table."""
+    killed by SIGILL +++"): the command says so on stderr, beside its table, and exits with
+    the command's status (128 + SIGILL), as strace does."""
     target = build("target")
     extra = ["--no-optimize"] if tier == "traps" else []
     r = support.cli(
         "count", "-c", f"sh -c '{target} 3; kill -ILL $$'", "libc:malloc", *extra, timeout=120
     )
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 128 + signal.SIGILL, r.stderr
     assert re.search(r"^kprobes: process \d+ was killed by SIGILL$", r.stderr, re.M), r.stderr
     assert "libc:malloc" in r.stdout
     r = support.cli("count", "-c", f"{target} 3", "libc:malloc", *extra, timeout=120)

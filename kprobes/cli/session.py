@@ -264,6 +264,10 @@ class Session:
         if signal is not None and not self.ended_by:
             self.ended_by = signal.name  # it came while the rest was being read
 
+    @property
+    def _runs_command(self) -> bool:
+        return getattr(self.args, "command", None) is not None
+
     def exit_status(self) -> int:
         """The command's: 0, or with ``-c``, when the program ended by itself, its exit code
         (128 + the signal that killed it), as strace and ``bpftrace -c`` do; 1 when no probe
@@ -271,7 +275,7 @@ class Session:
         backend = self.backend
         if self.nothing_placed:
             return 1
-        if not self.program_ended or backend is None or self.args.command is None:
+        if not self.program_ended or backend is None or not self._runs_command:
             return 0
         code = backend.command_exit
         if code is None:
@@ -280,7 +284,7 @@ class Session:
 
     def say_never_placed(self, backend: Backend) -> None:
         """With ``-c``, at the end: each probe that was never placed, and why."""
-        if self.args.command is None:
+        if not self._runs_command:
             return
         never = backend.never_placed()
         for name, why in never:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from kprobes import lifetime
+from kprobes.linux import procfs
 from kprobes.model import ProbeListing
 
 PUBLISH_INTERVAL = 0.5  # seconds between two writes of a state file while probes change
@@ -123,8 +124,16 @@ def read_state(pid: int) -> tuple[int, list[ProbeListing]] | None:
     except (OSError, ValueError):
         return None
     tracer = int(data.get("tracer", 0))
-    try:
-        os.kill(tracer, 0)
-    except OSError:
-        return None
+    if not _is_traced_by(pid, tracer):
+        return None  # a file a killed tool left (its pids may be anyone's by now)
     return tracer, [ProbeListing.from_json(e) for e in data.get("probes", [])]
+
+
+def _is_traced_by(pid: int, tracer: int) -> bool:
+    """``pid`` is traced by a thread of the process ``tracer``: with pids reused (32768 of
+    them by default), a live tracer pid alone did not say the file was still true."""
+    try:
+        traced_by = int(procfs.read_status(pid).get("TracerPid", "0"))
+    except (OSError, ValueError):
+        return False
+    return traced_by != 0 and procfs.tgid_of(traced_by) == tracer
