@@ -199,9 +199,13 @@ def test_c_names_each_probe_never_placed_and_why(target: Path) -> None:
     ), line
 
 
+@pytest.mark.parametrize("wrapped", [False, True], ids=["direct", "through-sh"])
 @pytest.mark.parametrize("command", ["count", "trace"])
-def test_c_with_no_probe_ever_placed_exits_1(target: Path, command: str) -> None:
-    r = cli(command, "-c", f"{target} 2", "libfoo:bar", "r libfoo:baz")
+def test_c_with_no_probe_ever_placed_exits_1(target: Path, command: str, wrapped: bool) -> None:
+    """Through a shell that forks the program (a followed child with copies of the probes),
+    as run directly: each probe once, and status 1."""
+    run = f"sh -c '{target} 2; true'" if wrapped else f"{target} 2"
+    r = cli(command, "-c", run, "libfoo:bar", "r libfoo:baz")
     assert r.returncode == 1, r.stderr
     never = [line for line in r.stderr.splitlines() if "never placed" in line]
     assert never == [

@@ -289,7 +289,8 @@ class Session:
         never = backend.never_placed()
         for name, why in never:
             sys.stderr.write(f"kprobes: {name} was never placed: {why}\n")
-        self.nothing_placed = bool(never) and len(never) == len(backend.placed)
+        specs = {id(p.spec) for p in backend.placed}  # a followed child's copies: one spec
+        self.nothing_placed = bool(never) and len(never) == len(specs)
 
     @property
     def placed(self) -> list[Placed]:
