@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 # ---------------------------------------------------------------------------------------------
 # ELF reference data from binutils
 
@@ -369,6 +371,15 @@ def tracefs_root() -> Path | None:
     if Path(TRACEFS_CANDIDATES[0], "uprobe_events").exists():
         return Path(TRACEFS_CANDIDATES[0])
     return None
+
+
+# A test of the kernel's uprobes backend, skipped (saying why) where the kernel has none; and
+# the command line's two backends for user programs, as a parameter.
+needs_uprobes = pytest.mark.skipif(
+    tracefs_root() is None,
+    reason="the kernel's uprobes need tracefs with uprobe_events (root, CONFIG_UPROBE_EVENTS)",
+)
+CLI_BACKENDS = ["ptrace", pytest.param("uprobes", marks=needs_uprobes)]
 
 
 def _append(path: Path, text: str) -> None:

@@ -22,10 +22,7 @@ from test_cli_trace import KPROBES, bodies, cli, count_rows, histogram_total
 pytestmark = pytest.mark.ptrace
 
 TRACEFS = support.tracefs_root()
-needs_uprobes = pytest.mark.skipif(
-    TRACEFS is None or not (TRACEFS / "uprobe_events").exists(),
-    reason="the kernel's uprobes need tracefs with uprobe_events (CONFIG_UPROBE_EVENTS)",
-)
+needs_uprobes = support.needs_uprobes
 
 
 @pytest.fixture

@@ -32,11 +32,8 @@ pytestmark = pytest.mark.ptrace
 
 cli = support.cli
 TRACEFS = support.tracefs_root()
-needs_uprobes = pytest.mark.skipif(
-    TRACEFS is None or not (TRACEFS / "uprobe_events").exists(),
-    reason="the kernel's uprobes need tracefs with uprobe_events (root)",
-)
-BACKENDS = ["ptrace", pytest.param("uprobes", marks=needs_uprobes)]
+needs_uprobes = support.needs_uprobes
+BACKENDS = support.CLI_BACKENDS
 
 
 @pytest.fixture

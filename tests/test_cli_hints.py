@@ -36,12 +36,9 @@ pytestmark = pytest.mark.ptrace
 
 KPROBES = support.KPROBES
 TRACEFS = support.tracefs_root()
-needs_uprobes = pytest.mark.skipif(
-    TRACEFS is None or not (TRACEFS / "uprobe_events").exists(),
-    reason="the kernel's uprobes need tracefs with uprobe_events (root)",
-)
+needs_uprobes = support.needs_uprobes
 cli = support.cli
-BACKENDS = ["ptrace", pytest.param("uprobes", marks=needs_uprobes)]
+BACKENDS = support.CLI_BACKENDS
 CONTEXT = re.compile(r"^ *(?P<comm>\S+)-(?P<pid>\d+) +\[\d{3}\] +\d+\.\d{6}: ")
 # The closest names of a misspelt libc function: malloc first, then whatever libc has.
 MALLOC_HINT = r"; did you mean 'malloc'(?:, '\w+')*(?: or '\w+')?\?"
