@@ -30,6 +30,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
 
@@ -71,6 +72,25 @@ class Placed(Protocol):
 
 # A spec of a glob and what became of it: placed, or the error that kept it out.
 Tried = tuple[ProbeSpec, "Placed | ProbeError"]
+
+
+@dataclass(slots=True, eq=False)
+class Glob:
+    """A glob over the functions of a library the program has not mapped yet
+    (``count -c CMD 'libc:str*'``): matched in each process of the run when that library
+    comes, and each function it matches placed there (``Backend.watch``)."""
+
+    pattern: str  # MODULE:GLOB
+    to_spec: Callable[[str], ProbeSpec]  # a matched ``MODULE:NAME`` as a spec
+    found: Callable[[str, Placed | ProbeError], None]  # each one's fate, as it is placed
+    limit: int  # more matches than this are refused (``--max-probes``)
+    matched_in: set[int] = field(default_factory=set)  # the pids it was matched in
+    placed: int = 0  # probes placed, in every process
+    why: str | None = None  # why it placed nothing where its library came
+
+    @property
+    def module(self) -> str:
+        return self.pattern.rpartition(":")[0]
 
 
 def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
@@ -187,6 +207,16 @@ class Backend(abc.ABC):
         """After the run: the probes never placed in any process, each with why (name, why)."""
         return []
 
+    def watch(self, glob: Glob) -> bool:
+        """Match ``glob`` in its library when the program maps it; False: this backend does
+        not wait for libraries (its module must be there now)."""
+        return False
+
+    @property
+    def watched(self) -> list[Glob]:
+        """The globs ``watch`` took."""
+        return []
+
     def how_it_ended(self) -> str:
         """A line for a traced program that a signal killed while we traced it, else ""."""
         return ""
@@ -300,6 +330,7 @@ class PtraceBackend(Backend):
             raise
         self.proc.family.on_new_process = self._follow
         self.own_file = own_file(self.proc.pid)
+        self._globs: list[Glob] = []
 
     def _spec_tracer(self, proc: Process) -> SpecTracer:
         return SpecTracer(proc, self.sink, optimize=self.optimize, count_only=self.count_only)
@@ -346,10 +377,60 @@ class PtraceBackend(Backend):
 
     def _follow(self, member: Process) -> None:
         """A followed child exec'd (family.py): the same specs in its new image, its events
-        read from its own memory and carrying its own pid."""
+        read from its own memory and carrying its own pid; the globs matched in its own
+        libraries as they come."""
         tracer = self._spec_tracer(member)
         self.members.append(tracer)
         self._place(member, tracer, self.specs)
+        if self._globs:
+            member.code_watchers.append(partial(self._match_globs, member, tracer))
+
+    def watch(self, glob: Glob) -> bool:
+        if not self.proc.pending:
+            return False  # -p without --pending: the library must be there now
+        if not self._globs:
+            self.proc.code_watchers.append(partial(self._match_globs, self.proc, self.tracer))
+            with self.proc.batch():
+                pass  # a stop of the program: its loader's rendezvous is watched from now on
+        self._globs.append(glob)
+        return True
+
+    @property
+    def watched(self) -> list[Glob]:
+        return list(self._globs)
+
+    def _match_globs(self, proc: Process, tracer: SpecTracer) -> None:
+        """Code came in ``proc`` (it is stopped): each glob whose library is now mapped
+        there is matched in it, once, and its functions placed. Never raises: it runs in the
+        middle of a stop of the program (pending.py)."""
+        for glob in self._globs:
+            if proc.pid in glob.matched_in:
+                continue
+            try:
+                names = proc.function_names(glob.pattern)
+            except NotMapped:
+                continue  # not yet
+            except ProbeError as exc:  # two libraries answer to the name, say
+                glob.matched_in.add(proc.pid)
+                glob.why = str(exc)
+                continue
+            glob.matched_in.add(proc.pid)
+            if not names or len(names) > glob.limit:
+                glob.why = (
+                    f"{len(names):,} functions of {glob.module} match, more than "
+                    f"--max-probes allows ({glob.limit:,})"
+                    if names
+                    else f"no function of {glob.module} matches"
+                )
+                continue
+            for name in names:
+                try:
+                    (placed,) = self._place(proc, tracer, [glob.to_spec(name)])
+                except ProbeError as exc:
+                    glob.found(name, exc)
+                    continue
+                glob.placed += 1
+                glob.found(name, placed)
 
     def functions(self, pattern: str) -> list[str]:
         return self.proc.function_names(pattern)
@@ -387,6 +468,9 @@ class PtraceBackend(Backend):
             never.append(
                 (render_location(one.spec.location) if one.spec.location else one.name, why)
             )
+        for glob in self._globs:
+            if not glob.placed:
+                never.append((glob.pattern, glob.why or f"the program never loaded {glob.module}"))
         return never
 
     def how_it_ended(self) -> str:

@@ -18,11 +18,11 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
-from kprobes.cli.backends import Backend
+from kprobes.cli.backends import Backend, Glob, Placed
 from kprobes.cli.notes import summarise
 from kprobes.cli.session import Session, add_common_arguments, parse_spec
 from kprobes.cli.spellings import read_spelling
-from kprobes.errors import ProbeError, SpecError
+from kprobes.errors import NotMapped, ProbeError, SpecError
 from kprobes.model import Event
 from kprobes.output.counts import format_counts, format_counts_json, format_interval_header
 from kprobes.spec import FileOffsetLocation, ProbeSpec, SymbolLocation
@@ -107,7 +107,7 @@ class _Tally:
         for text, spec in specs:
             self.label[spec.effective_event] = text
             self.file_of[spec.effective_event] = _file_named(spec)
-        self.skipped: list[tuple[str, str]] = []  # (function, why it was not placed)
+        self.skipped: dict[str, str] = {}  # function -> why it was not placed
         # Hits of in-place counters already counted, by placed probe (a followed child's copy of
         # a spec has the same name as the root's).
         self.shown: Counter[int] = Counter()
@@ -120,7 +120,18 @@ class _Tally:
         """Place a probe on every function the patterns match, each function once."""
         found: dict[str, None] = {}
         for pattern in self.patterns:
-            names = backend.functions(pattern)
+            try:
+                names = backend.functions(pattern)
+            except NotMapped as exc:
+                # Not loaded yet: matched when it is (-c, --pending), else an error now.
+                glob = Glob(pattern, parse_spec, self.took, self.args.max_probes)
+                if backend.watch(glob):
+                    continue
+                if self.args.backend != "ptrace" or self.args.pid is None:
+                    raise
+                raise NotMapped(
+                    f"{exc}; --pending waits until it loads it", errno=exc.errno
+                ) from exc
             if not names:
                 raise SpecError(f"no function matches {pattern!r}", column=0, text=pattern)
             found.update(dict.fromkeys(names))
@@ -139,17 +150,21 @@ class _Tally:
         try:
             for where, (_spec, placed) in zip(wheres, results, strict=False):
                 progress.tick()
-                if isinstance(placed, ProbeError):
-                    self.skipped.append((where, str(placed)))
-                    continue
-                event = placed.name.rpartition("/")[2]
-                module, _, self.label[event] = where.rpartition(":")
-                self.file_of[event] = module or None
+                self.took(where, placed)
                 if self.session.interrupted:
                     return  # SIGINT: count what is placed so far
         finally:
             results.close()
             progress.done()
+
+    def took(self, where: str, placed: Placed | ProbeError) -> None:
+        """A function a glob matched (``lib:name``) was placed, or skipped for a reason."""
+        if isinstance(placed, ProbeError):
+            self.skipped[where] = str(placed)  # once, if skipped in several processes
+            return
+        event = placed.name.rpartition("/")[2]
+        module, _, self.label[event] = where.rpartition(":")
+        self.file_of[event] = module or None
 
     def handle(self, ev: Event) -> None:
         self.counts[self.label.get(ev.event, ev.event)] += 1
@@ -183,7 +198,9 @@ class _Tally:
         if not self.args.interval:
             self.take_hits()
         verbose = self.args.verbose
-        for line in summarise(self.skipped, one="skipped", many="skipped", verbose=verbose):
+        for line in summarise(
+            list(self.skipped.items()), one="skipped", many="skipped", verbose=verbose
+        ):
             sys.stderr.write(f"kprobes: {line}\n")
         for p in self.session.placed:  # every placed probe appears, with 0 if it never hit
             event = p.name.rpartition("/")[2]

@@ -290,7 +290,8 @@ class Session:
         for name, why in never:
             sys.stderr.write(f"kprobes: {name} was never placed: {why}\n")
         specs = {id(p.spec) for p in backend.placed}  # a followed child's copies: one spec
-        self.nothing_placed = bool(never) and len(never) == len(specs)
+        wanted = len(specs) + len(backend.watched)  # and the globs still waiting
+        self.nothing_placed = bool(never) and len(never) == wanted
 
     @property
     def placed(self) -> list[Placed]:

@@ -105,8 +105,7 @@ class Process:
         self.family = Family(self) if family is None else family
         tracer.on_gone = self._publish if family is None else self._member_gone
         tracer.on_child_exec = self._adopt
-        # After close(): what kept pages of ours in the program (a thread may still return
-        # into them; the next clean end gives them back), one line each. Empty: none left.
+        # After close(): what kept pages of ours in the program (a thread may return there).
         self.kept: list[str] = []
         self._lines: SpecTracer | None = None  # the probes add() placed
         self._state_file = cleanup.StateFile(
@@ -155,9 +154,8 @@ class Process:
         return done
 
     def end_run(self, exc: BaseException) -> None:
-        """Make ``run()`` raise ``exc`` once it has finished the stop it handles (or the next
-        one): a way out that never leaves a thread half-way through a hit, as an exception
-        raised at random (by a signal handler) can. Signal-safe; the first request counts."""
+        """Make ``run()`` raise ``exc`` once it has finished the stop it handles: a way out
+        that never leaves a thread half-way through a hit. Signal-safe; the first counts."""
         self._manager.table.park(exc)
 
     def take_pending_error(self) -> BaseException | None:
@@ -167,8 +165,7 @@ class Process:
 
     def close(self) -> None:
         """Restore every patched byte and release every thread; the program carries on.
-        The ending of every target (as ``Uprobes`` and ``Kernel``); idempotent, and run by
-        ``with`` on the way out. ``detach()`` is the same call."""
+        Idempotent, run by ``with`` on the way out; ``detach()`` is the same call."""
         if not self._program.is_attached:
             return
         # Whole, whatever signal comes (lifetime.py): cut in two by the exception of one, it
@@ -443,8 +440,7 @@ class Process:
 
     @property
     def pending(self) -> bool:
-        """A probe on a library not mapped yet waits for it (pending) instead of failing with
-        ENOENT; a name that can never match (no such file or symbol) fails at once anyway."""
+        """A probe on a library not mapped yet waits for it instead of failing with ENOENT."""
         return self._manager.allow_pending
 
     @pending.setter
@@ -458,6 +454,11 @@ class Process:
     def get_pending_reason(self, kp: Kprobe) -> str | None:
         """Why the pending ``kp`` was not placed in a library that came (no such symbol)."""
         return self._following.misses.get(id(kp))
+
+    @property
+    def code_watchers(self) -> builtins.list[Callable[[], None]]:
+        """Called, the program stopped, each time code comes (an image, a library mapped)."""
+        return self._following.code_watchers
 
     @property
     def on_notice(self) -> Callable[[str], None]:
@@ -495,8 +496,7 @@ class Process:
 
     @property
     def records(self) -> Recording:
-        """The rings' reader, for a caller that paces it (the command line): its
-        ``reading_deadline``, ``read_records()``, ``discard_records()``, ``drain_rings()``."""
+        """The rings' reader, for a caller that paces it (the command line's deadlines)."""
         return self._recording
 
     # -- the family: followed children that exec (following/family.py) ---------------------

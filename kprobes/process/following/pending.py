@@ -110,6 +110,10 @@ class Following:
         self._noticed: set[tuple[int, str]] = set()
         self.misses: dict[int, str] = {}  # id(probe) → why a library that came lacked it
         self.on_notice: Callable[[str], None] = _warn
+        # Called in the stop where code came (a new image, a library mapped), before the
+        # pending probes are placed: a glob over a library's functions (the command line's
+        # ``count -c CMD 'libc:str*'``) is matched there, in each library as it comes.
+        self.code_watchers: list[Callable[[], None]] = []
         self._tracer.on_syscall = self.on_syscall_stop
 
     def iter_pending(self) -> Iterator[Kprobe]:
@@ -172,6 +176,8 @@ class Following:
             for probe in self._manager.unmap(is_unmapped):
                 if probe.addr is None and probe.location is not None:
                     self._returns.forget_guard(probe.location.addr)
+            for watcher in self.code_watchers:
+                watcher()
             for probe, exc in self._manager.resolve_pending():
                 self._missed(probe, exc)
             if self._tracer.trampoline.addr:
@@ -225,8 +231,10 @@ class Following:
             self.follow_maps()
 
     def _is_waiting(self) -> bool:
-        """Some probe given by symbol waits for its library."""
-        return any(p.symbol is not None for p in self._manager.pending)
+        """Some probe given by symbol, or some watcher of code, waits for a library."""
+        return bool(self.code_watchers) or any(
+            p.symbol is not None for p in self._manager.pending
+        )
 
     def _new_image(self, t: Thread) -> None:
         """``t`` stands at the exit of ``execve``: place every probe the new image allows,
@@ -249,6 +257,8 @@ class Following:
                 hook, self.first_image_hook = self.first_image_hook, None
                 if hook is not None:
                     hook()  # a member's probes (family.py)
+                for watcher in self.code_watchers:
+                    watcher()
                 self._returns.reequip()
                 self.watch_loader()
                 for probe, exc in self._manager.resolve_pending():
