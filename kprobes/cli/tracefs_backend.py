@@ -11,13 +11,14 @@ import errno
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kprobes.cli.backends import UPROBES_BUFFER_KB, Backend, Placed, Sink
 from kprobes.cli.targets import command_argv
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe
 from kprobes.errors import ProbeError, ProbeRejected, SpecError, TargetError, TraceFsError
+from kprobes.linux.perf import Counter
 from kprobes.process.launch import spawn
 from kprobes.process.target import Process
 from kprobes.spec import FileOffsetLocation, ProbeSpec, SymbolLocation
@@ -34,19 +35,42 @@ class TracePlaced:
     probe: Kprobe | Kretprobe
     event: str
     target: TraceTarget
+    # Counted by the kernel (``count``): perf counters on the event, which is not enabled
+    # (no record is written); ``counted`` keeps their sum once they are closed.
+    counters: list[Counter] = field(default_factory=list)
+    counted: int | None = None
 
     @property
     def name(self) -> str:
         return self.event
 
     @property
+    def counts_in_place(self) -> bool:
+        """It makes no events: its hits are the count (``count`` reads them)."""
+        return bool(self.counters) or self.counted is not None
+
+    @property
     def hits(self) -> int:
-        """The hits of the processes traced: with ``-p``/``-c`` on uprobes, those recorded
-        for them; otherwise the kernel's count (for a file, every process that runs it)."""
+        """The hits of the processes traced: counted by the kernel for them; or with
+        ``-p``/``-c`` on uprobes, those recorded for them; otherwise the kernel's count (for
+        a file, every process that runs it)."""
+        if self.counted is not None:
+            return self.counted
+        if self.counters:
+            return sum(c.read() for c in self.counters)
         target = self.target
         if isinstance(target, Uprobes) and target.pid is not None:
             return target.recorded_hits(self.event.rpartition("/")[2])
         return self.probe.nhit
+
+    def stop_counting(self) -> None:
+        """Keep the counters' sum and close them (an event counted cannot be removed)."""
+        if self.counters:
+            with contextlib.suppress(OSError):
+                self.counted = self.hits
+            for counter in self.counters:
+                counter.close()
+            self.counters.clear()
 
     @property
     def missed(self) -> int:
@@ -77,6 +101,12 @@ class TraceFsBackend(Backend):
         super().__init__()
         self.entry_times = entry_times
         self._unread = 0
+        # Only hits wanted, of a whole tree of processes or of every one: the kernel counts
+        # them (kprobes/linux/perf.py). -p alone keeps a process's threads but not its
+        # children, which a counter cannot tell apart: events, as for a filter.
+        self._in_kernel = getattr(args, "count_only", False) and (
+            args.pid is None or getattr(args, "follow_forks", False)
+        )
         self._spawned: Process | None = None
         group = _group_of(specs)
         self.target: TraceTarget
@@ -143,12 +173,15 @@ class TraceFsBackend(Backend):
                 event = self.target.get_event_name(probe) or spec.effective_event
                 done.append(TracePlaced(spec, probe, f"{self.target.group}/{event}", self.target))
             for placed in done:
+                if self._in_kernel and self._count(placed):
+                    continue  # counted by the kernel, never enabled: no record is written
                 if isinstance(placed.probe, Kretprobe):
                     self.target.enable_kretprobe(placed.probe)
                 else:
                     self.target.enable_kprobe(placed.probe)
         except BaseException:
             for placed in reversed(done):
+                placed.stop_counting()
                 with contextlib.suppress(ProbeError):
                     if isinstance(placed.probe, Kretprobe):
                         self.target.unregister_kretprobe(placed.probe)
@@ -157,6 +190,26 @@ class TraceFsBackend(Backend):
             raise
         self.placed += done
         return list(done)
+
+    def _count(self, placed: TracePlaced) -> bool:
+        """Counters on ``placed``'s event for the processes of the session; False (none
+        left open) where the kernel will not count it so (no perf events, out of files)."""
+        event_id = int(self.target.fs.read("events", *placed.event.split("/"), "id"))
+        try:
+            if self.command_pid is not None:  # the command and everything it starts
+                held = isinstance(self.target, Uprobes)  # held before its exec: count from it
+                placed.counters.append(
+                    Counter(event_id, pid=self.command_pid, inherit=True, on_exec=held)
+                )
+            elif self.target.pid is not None:  # -p --follow-forks: each thread, and their own
+                _count_threads(placed, event_id, self.target.pid)
+            else:  # every process: one counter per CPU
+                placed.counters += [Counter(event_id, cpu=cpu) for cpu in _online_cpus()]
+        except (TraceFsError, OSError):
+            placed.stop_counting()
+            placed.counted = None
+            return False
+        return True
 
     def functions(self, pattern: str) -> list[str]:
         return self.target.function_names(pattern)
@@ -167,6 +220,9 @@ class TraceFsBackend(Backend):
 
     def close(self) -> None:
         try:
+            for placed in self.placed:
+                if isinstance(placed, TracePlaced):
+                    placed.stop_counting()  # the events can go once nothing counts them
             self.target.close()
         finally:
             self._detach_spawned()
@@ -184,6 +240,8 @@ class TraceFsBackend(Backend):
         """Every event disabled in our instance (entries and returns alike): the kernel
         records nothing more for us."""
         for placed in self.placed:
+            if isinstance(placed, TracePlaced):
+                placed.stop_counting()
             probe = getattr(placed, "probe", None)
             with contextlib.suppress(ProbeError, OSError):
                 if isinstance(probe, Kretprobe):
@@ -234,3 +292,34 @@ def _path_of(specs: Sequence[ProbeSpec], patterns: Sequence[str]) -> str:
             errno=errno.EINVAL,
         )
     return os.path.realpath(paths.pop())
+
+
+def _count_threads(placed: TracePlaced, event_id: int, pid: int) -> None:
+    """A counter on each thread of ``pid``, each inherited by what it starts; listed again
+    until no thread is new (one may start while the counters are opened)."""
+    counted: set[int] = set()
+    while True:
+        try:
+            tids = {int(t) for t in os.listdir(f"/proc/{pid}/task")} - counted
+        except FileNotFoundError:
+            return  # it exited: nothing more to count
+        if not tids:
+            return
+        for tid in tids:
+            counted.add(tid)
+            try:
+                placed.counters.append(Counter(event_id, pid=tid, inherit=True))
+            except TraceFsError as exc:
+                if exc.errno != errno.ESRCH:
+                    raise  # ESRCH: the thread ended meanwhile, and its hits are counted
+
+
+def _online_cpus() -> list[int]:
+    """The CPUs ``/sys/devices/system/cpu/online`` lists (``0-3,6``)."""
+    with open("/sys/devices/system/cpu/online") as f:
+        text = f.read().strip()
+    cpus: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus += range(int(first), int(last or first) + 1)
+    return cpus

@@ -1,0 +1,83 @@
+"""Counting perf events: the kernel counts a trace event's hits, and nobody reads a record.
+
+``count`` on the kernel's backends needs only how many times each probe was hit. Enabled
+through ftrace, each hit writes a record into the instance's ring that the tool then reads
+and decodes, in Python, to add one: that costs the program more than the probe itself (the
+reader competes with it for the CPUs). A perf event in counting mode on the same trace event
+(``perf_event_open(PERF_TYPE_TRACEPOINT, config=the event's id)``, no sample period, no ring)
+makes the kernel add one to a counter instead, which ``read()`` returns: what ``perf stat -e
+probe:work`` does. With a pid, the kernel's uprobe is placed only in that process's memory
+(``uprobe_perf_filter``): other processes that run the file do not even trap.
+
+One counter counts one task, or one CPU for every task (``pid=-1``); ``inherit`` adds the
+tasks the counted one creates from then on (threads and child processes alike), and
+``enable_on_exec`` starts a counter at the task's next ``execve`` (a command held before its
+exec is counted from its first instruction, not in the fork's Python before it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+from typing import Final
+
+from kprobes.errors import TraceFsError
+
+_NR_PERF_EVENT_OPEN: Final = 298  # x86-64
+PERF_TYPE_TRACEPOINT: Final = 2
+_ATTR_SIZE: Final = 64  # PERF_ATTR_SIZE_VER0: type .. config1
+_DISABLED: Final = 1 << 0
+_INHERIT: Final = 1 << 1
+_ENABLE_ON_EXEC: Final = 1 << 12
+_FD_CLOEXEC: Final = 1 << 3  # PERF_FLAG_FD_CLOEXEC
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+
+
+class Counter:
+    """One counting perf event on a trace event (``id`` in its ``events/GROUP/NAME/id``)."""
+
+    def __init__(
+        self,
+        event_id: int,
+        *,
+        pid: int = -1,
+        cpu: int = -1,
+        inherit: bool = False,
+        on_exec: bool = False,
+    ) -> None:
+        flags = (_INHERIT if inherit else 0) | (_DISABLED | _ENABLE_ON_EXEC if on_exec else 0)
+        # type, size, config, sample_period, sample_type, read_format, flags, wakeup_events,
+        # bp_type, config1
+        attr = ctypes.create_string_buffer(
+            struct.pack(
+                "<IIQQQQQIIQ", PERF_TYPE_TRACEPOINT, _ATTR_SIZE, event_id, 0, 0, 0, flags, 0, 0, 0
+            )
+        )
+        fd = _syscall(
+            ctypes.c_long(_NR_PERF_EVENT_OPEN),
+            attr,
+            ctypes.c_int(pid),
+            ctypes.c_int(cpu),
+            ctypes.c_int(-1),
+            ctypes.c_ulong(_FD_CLOEXEC),
+        )
+        if fd < 0:
+            err = ctypes.get_errno()
+            who = f"process {pid}" if pid >= 0 else f"CPU {cpu}"
+            raise TraceFsError(
+                f"cannot count trace event {event_id} in {who}: {os.strerror(err)}", errno=err
+            )
+        self.fd = int(fd)
+
+    def read(self) -> int:
+        """The hits so far."""
+        return int.from_bytes(os.read(self.fd, 8), "little")
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
