@@ -33,7 +33,6 @@ from kprobes.cli.notes import summarise
 from kprobes.cli.sigint import RunInterrupted, SafeInterrupt
 from kprobes.cli.spellings import read_spelling
 from kprobes.cli.targets import add_target_arguments, say_pending
-from kprobes.cli.tracefs_backend import TraceFsBackend
 from kprobes.errors import SpecError, TargetError
 from kprobes.model import Event
 from kprobes.output.status import format_status, format_summary
@@ -416,4 +415,7 @@ def open_backend(
                 errno=errno.EINVAL,
             )
         return PtraceBackend(args, sink)
+    # Imported here: the ptrace backend's commands need none of tracefs (a start-up cost).
+    from kprobes.cli.tracefs_backend import TraceFsBackend
+
     return TraceFsBackend(args, sink, specs, entry_times=entry_times, patterns=patterns)

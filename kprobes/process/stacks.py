@@ -14,8 +14,6 @@ import builtins
 import os
 from typing import TYPE_CHECKING, Any
 
-from kprobes.symbols.unwind import FoundBy, unwind
-
 if TYPE_CHECKING:
     from kprobes.process.engine.attachment import Attachment
 
@@ -34,6 +32,9 @@ class Backtraces:
         hooked by a kretprobe shows its real return address, never the trampoline. Call it
         from a handler: the thread must be stopped where ``regs`` were taken.
         """
+        # Imported on the first backtrace: most sessions never take one (a start-up cost).
+        from kprobes.symbols.unwind import FoundBy, unwind
+
         program = self._program
         pid, resolver, tramp = program.pid, program.symbols(), program.tracer.trampoline
         thread = program.tracer.threads.get(regs.tid)
