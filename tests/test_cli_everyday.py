@@ -1,16 +1,16 @@
 """Everyday habits of the command line (issue 22, items 3 and 5), on real programs:
 
-    the peers' spellings       bpftrace's uprobe:/uretprobe: (u:/ur:), bcc's c:, p:c:, r:c:
-                               count what our own line counts; bpftrace's other probe types
-                               (mem:, kprobe:, tracepoint:, ...) are refused, saying what
-                               they are, never taken for a library
-    the exit status with -c    the command's own (its code, 128 + a signal), as strace's, on
-                               our backend and the kernel's uprobes; 0 when we ended it
-    --kernel without kprobes   refused before the command is started
-    a fast start               --help and --version import none of the machinery
-    no silent nothing          -p: a probe on a library not mapped is an error at once unless
-                               --pending; -c: each probe never placed is named at the end
-                               with why, and none placed at all is exit status 1
+the peers' spellings       bpftrace's uprobe:/uretprobe: (u:/ur:), bcc's c:, p:c:, r:c:
+                           count what our own line counts; bpftrace's other probe types
+                           (mem:, kprobe:, tracepoint:, ...) are refused, saying what
+                           they are, never taken for a library
+the exit status with -c    the command's own (its code, 128 + a signal), as strace's, on
+                           our backend and the kernel's uprobes; 0 when we ended it
+--kernel without kprobes   refused before the command is started
+a fast start               --help and --version import none of the machinery
+no silent nothing          -p: a probe on a library not mapped is an error at once unless
+                           --pending; -c: each probe never placed is named at the end
+                           with why, and none placed at all is exit status 1
 """
 
 from __future__ import annotations
@@ -118,6 +118,23 @@ def test_bpftrace_and_bcc_spellings_count_what_our_line_counts(target: Path, bac
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_perfs_exec_names_the_file_of_bare_names(target: Path, backend: str) -> None:
+    """``-x PATH`` (perf probe's): ``work`` and ``comp*`` are PATH's, in every process of the
+    tree that runs it, not those of the shell the command starts first."""
+    command = f"sh -c '{target} 3 >/dev/null; {target} 4 >/dev/null'"
+    r = cli("count", "--backend", backend, "-x", target, "-c", command, "work", "comp*")
+    assert r.returncode == 0, r.stderr
+    assert count_rows(r.stdout) == {"work": 7, "compute": 2}
+    traced = cli("trace", "--backend", backend, "-x", target, "-c", f"{target} 2", "r work")
+    assert len(re.findall(r"<- work\b", traced.stdout)) == 2, traced.stdout
+
+
+def test_perfs_exec_must_name_a_file(target: Path) -> None:
+    r = cli("count", "-x", "/no/such/prog", "-c", f"{target} 2", "work")
+    assert (r.returncode, r.stderr) == (1, "kprobes: -x /no/such/prog: no such file\n")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_return_spelling_makes_a_return_probe(target: Path, backend: str) -> None:
     for spelling in (f"uretprobe:{target}:work", f"ur:{target}:work", f"r:{target}:work"):
         r = cli("trace", "--backend", backend, "-c", f"{target} 3", spelling)
@@ -209,7 +226,6 @@ def test_c_with_no_probe_ever_placed_exits_1(target: Path, command: str, wrapped
         "kprobes: libfoo:bar was never placed: the program never loaded libfoo",
         "kprobes: libfoo:baz was never placed: the program never loaded libfoo",
     ], r.stderr
-
 
 
 # -- the tool starts fast --------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any
 
 from kprobes.cli.backends import Backend, Glob, Placed
 from kprobes.cli.notes import summarise
-from kprobes.cli.session import Session, add_common_arguments, parse_spec
+from kprobes.cli.session import Session, add_common_arguments, exec_file, parse_spec
 from kprobes.cli.spellings import read_spelling
 from kprobes.errors import NotMapped, ProbeError, SpecError
 from kprobes.model import Event
@@ -59,12 +59,18 @@ def _as_pattern(text: str) -> str:
     return line[2:] if line != text and line.startswith("p ") else line
 
 
+def _in_file(pattern: str, exe: str | None) -> str:
+    """A bare glob (``work*``) as one of the file ``-x`` names (``PATH:work*``)."""
+    return f"{exe}:{pattern}" if exe and ":" not in pattern else pattern
+
+
 def run(args: argparse.Namespace) -> int:
     # Counting needs no event when nothing filters or stops on them: our own probes then
     # count in place (an optimized probe counts in the program, with no record at all).
     args.count_only = args.filter is None and args.max_events is None
     args.targets = [_as_pattern(t) if _is_pattern(t) else t for t in args.targets]
-    patterns = [t for t in args.targets if _is_pattern(t)]
+    exe = exec_file(args)
+    patterns = [_in_file(t, exe) for t in args.targets if _is_pattern(t)]
     texts = [t for t in args.targets if not _is_pattern(t)]
     specs = [parse_spec(t) for t in texts]
     session = Session(args, specs)

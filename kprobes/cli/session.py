@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import re
 import sys
 import time
@@ -30,6 +31,7 @@ from collections.abc import Callable, Sequence
 
 from kprobes.cli.backends import Backend, Placed, PtraceBackend, Sink, add_backend_arguments
 from kprobes.cli.notes import summarise
+from kprobes.cli.ownfile import in_own_file
 from kprobes.cli.sigint import RunInterrupted, SafeInterrupt
 from kprobes.cli.spellings import read_spelling
 from kprobes.cli.targets import add_target_arguments, say_pending
@@ -52,6 +54,13 @@ class EnoughEvents(Exception):
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     add_target_arguments(parser, required=False)
     add_backend_arguments(parser)
+    parser.add_argument(
+        "-x",
+        "--exec",
+        metavar="PATH",
+        help="a bare function name is one of the file PATH (perf probe's -x): 'work' is "
+        "'PATH:work', and with --backend uprobes and no -p/-c every process that runs it",
+    )
     parser.add_argument("-d", "--duration", type=float, help="stop after SECONDS")
     parser.add_argument("-n", "--max-events", type=int, help="stop after N events")
     parser.add_argument(
@@ -71,6 +80,16 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _COMMAND = re.compile(r"\s*(?:(?:p|r\d*)(?::\S*)?(?:\s|$)|-:)")
+
+
+def exec_file(args: argparse.Namespace) -> str | None:
+    """The file ``-x PATH`` names (a bare function name is one of it), checked, or None."""
+    path: str | None = getattr(args, "exec", None)
+    if path is None:
+        return None
+    if not os.path.isfile(path):
+        raise TargetError(f"-x {path}: no such file", errno=errno.ENOENT)
+    return os.path.realpath(path)
 
 
 def parse_spec(text: str) -> ProbeSpec:
@@ -117,7 +136,8 @@ class Session:
 
     def __init__(self, args: argparse.Namespace, specs: Sequence[ProbeSpec]) -> None:
         self.args = args
-        self.specs = list(specs)
+        exe = exec_file(args)
+        self.specs = [in_own_file(spec, exe) for spec in specs] if exe else list(specs)
         self.events = 0
         self.filtered = 0  # did not pass --filter
         self.unprinted = 0  # read after -n was reached
