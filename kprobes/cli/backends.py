@@ -505,11 +505,12 @@ class PtraceBackend(Backend):
 
     def stop(self) -> None:
         """Every probe disarmed in one stop of the world (jumps taken out): nothing more is
-        written to the rings, and ``read_rest`` has an end. A process without record
-        probes has nothing left to read: its probes go at ``close()``, in one stop."""
+        written to the rings, and ``read_rest`` has an end; the counts of ``count`` are
+        final (its table is printed before ``close()``). A process with neither has
+        nothing left to read or count: its probes go at ``close()``, in one stop."""
         for proc in self._procs():
             proc.take_pending_error()  # the run is over: what was to end it is not wanted
-            if proc.is_alive and proc.records.is_recording:
+            if proc.is_alive and (proc.records.is_recording or self.count_only):
                 with contextlib.suppress(ProbeError, OSError):
                     proc.enabled = False
 

@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from collections import Counter
 from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
 from kprobes.cli.backends import Backend, Glob, Placed
-from kprobes.cli.notes import summarise
+from kprobes.cli.notes import Progress, summarise
 from kprobes.cli.session import Session, add_common_arguments, exec_file, parse_spec
 from kprobes.cli.spellings import read_spelling
 from kprobes.errors import NotMapped, ProbeError, SpecError
@@ -83,8 +82,8 @@ def run(args: argparse.Namespace) -> int:
     if args.interval:
         session.interval = args.interval
         session.on_interval = tally.tick
+    session.report = tally.finish
     session.run()
-    tally.finish()
     sys.stderr.write(session.summary())
     return session.exit_status()
 
@@ -151,7 +150,7 @@ class _Tally:
                 hint=f"narrow the pattern, or raise the cap: --max-probes {len(found)}",
             )
         wheres = list(found)
-        progress = _Progress(len(wheres))
+        progress = Progress(len(wheres), "placing")
         results = backend.place_each([parse_spec(where) for where in wheres])
         try:
             for where, (_spec, placed) in zip(wheres, results, strict=False):
@@ -241,27 +240,3 @@ def _name_files(label: dict[str, str], file_of: dict[str, str | None], own: str 
         where = file_of.get(event) or own
         if where is not None:
             label[event] = f"{os.path.basename(where)}:{name}"
-
-
-class _Progress:
-    """``placing 5,426 probes… 1,200`` on a terminal's stderr while a glob is placed."""
-
-    PERIOD = 0.2  # seconds between two updates
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.count = 0
-        self.is_shown = sys.stderr.isatty() and total > 1
-        self._next = time.monotonic() + self.PERIOD
-
-    def tick(self) -> None:
-        self.count += 1
-        if self.is_shown and time.monotonic() >= self._next:
-            self._next = time.monotonic() + self.PERIOD
-            sys.stderr.write(f"\r\x1b[Kkprobes: placing {self.total:,} probes… {self.count:,}")
-            sys.stderr.flush()
-
-    def done(self) -> None:
-        if self.is_shown:
-            sys.stderr.write("\r\x1b[K")
-            sys.stderr.flush()

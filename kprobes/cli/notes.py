@@ -10,6 +10,8 @@ nothing at all; perf prints one line per probe it could not place).
 from __future__ import annotations
 
 import re
+import sys
+import time
 from collections import Counter
 from collections.abc import Sequence
 
@@ -46,3 +48,30 @@ def kind_of(reason: str) -> str:
 
 _AT_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _NUMBER = re.compile(r"\b(?:0x[0-9a-fA-F]+|\d+)\b")
+
+
+class Progress:
+    """``placing 5,426 probes… 1,200`` on a terminal's stderr while thousands of probes go
+    in, or out (``removing``: the kernel's uprobes take one RCU grace period each)."""
+
+    PERIOD = 0.2  # seconds between two updates
+
+    def __init__(self, total: int, doing: str) -> None:
+        self.total = total
+        self.doing = doing
+        self.count = 0
+        self.is_shown = sys.stderr.isatty() and total > 1
+        self._next = time.monotonic() + self.PERIOD
+
+    def tick(self) -> None:
+        self.count += 1
+        if self.is_shown and time.monotonic() >= self._next:
+            self._next = time.monotonic() + self.PERIOD
+            line = f"kprobes: {self.doing} {self.total:,} probes… {self.count:,}"
+            sys.stderr.write(f"\r\x1b[K{line}")
+            sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.is_shown:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()

@@ -147,9 +147,11 @@ class Session:
         # (count's in-place counters).
         self.refresh: Callable[[], None] = lambda: None
         self.started = time.monotonic()
+        self.ended: float | None = None  # when the run ended (the probes' removal is not in it)
         self.program_ended = False  # the traced program ended by itself (not -d, -n, a signal)
         self.nothing_placed = False  # with -c: no probe was ever placed (say_never_placed)
         self.handle: Callable[[Event], None] = lambda ev: None
+        self.report: Callable[[], None] = lambda: None  # the command's result, at the end
         self.on_interval: Callable[[], None] | None = None
         self.interval: float | None = None
         self._filter = self._compile_filter(args.filter, self.specs)
@@ -213,8 +215,10 @@ class Session:
                 interrupt.is_over = True  # before any call (sigint.py)
                 interrupt.quiet()
                 try:
+                    self.ended = time.monotonic()
                     self._end(backend, asked)
                     self.say_never_placed(backend)
+                    self.report()  # before the probes go: the kernel's take minutes by the 1,000
                 finally:
                     try:
                         backend.close()
@@ -389,7 +393,7 @@ class Session:
             hits=self.hits,
             misses=self.missed,
             dropped=self.dropped,
-            duration=time.monotonic() - self.started,
+            duration=(self.ended or time.monotonic()) - self.started,
             missed_by_probe={p.name: p.missed for p in self.placed},
             unprinted=self.unprinted,
             unread=self.unread,

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kprobes.cli.backends import UPROBES_BUFFER_KB, Backend, Placed, Sink
+from kprobes.cli.notes import Progress
 from kprobes.cli.targets import command_argv
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe
@@ -64,13 +65,19 @@ class TracePlaced:
         return self.probe.nhit
 
     def stop_counting(self) -> None:
-        """Keep the counters' sum and close them (an event counted cannot be removed)."""
-        if self.counters:
+        """The counters disabled and their sum kept: the count is final (cheap)."""
+        if self.counters and self.counted is None:
             with contextlib.suppress(OSError):
-                self.counted = self.hits
-            for counter in self.counters:
-                counter.close()
-            self.counters.clear()
+                for counter in self.counters:
+                    counter.disable()
+                self.counted = sum(c.read() for c in self.counters)
+
+    def release(self) -> None:
+        """The counters closed (an event counted cannot be removed; slow, perf.py)."""
+        self.stop_counting()
+        for counter in self.counters:
+            counter.close()
+        self.counters.clear()
 
     @property
     def missed(self) -> int:
@@ -181,7 +188,7 @@ class TraceFsBackend(Backend):
                     self.target.enable_kprobe(placed.probe)
         except BaseException:
             for placed in reversed(done):
-                placed.stop_counting()
+                placed.release()
                 with contextlib.suppress(ProbeError):
                     if isinstance(placed.probe, Kretprobe):
                         self.target.unregister_kretprobe(placed.probe)
@@ -206,8 +213,9 @@ class TraceFsBackend(Backend):
             else:  # every process: one counter per CPU
                 placed.counters += [Counter(event_id, cpu=cpu) for cpu in _online_cpus()]
         except (TraceFsError, OSError):
-            placed.stop_counting()
-            placed.counted = None
+            for counter in placed.counters:
+                counter.close()
+            placed.counters.clear()
             return False
         return True
 
@@ -220,9 +228,7 @@ class TraceFsBackend(Backend):
 
     def close(self) -> None:
         try:
-            for placed in self.placed:
-                if isinstance(placed, TracePlaced):
-                    placed.stop_counting()  # the events can go once nothing counts them
+            self._release_counters()  # the events can go once nothing counts them
             self.target.close()
         finally:
             self._detach_spawned()
@@ -239,15 +245,33 @@ class TraceFsBackend(Backend):
     def stop(self) -> None:
         """Every event disabled in our instance (entries and returns alike): the kernel
         records nothing more for us."""
+        for counted in self._counted():
+            counted.stop_counting()  # the count is final: the table is printed before close()
+        # Each disable costs the kernel an RCU grace period (tens of ms): thousands take
+        # minutes, said on a terminal.
+        progress = Progress(len(self.placed), "removing")
         for placed in self.placed:
-            if isinstance(placed, TracePlaced):
-                placed.stop_counting()
+            progress.tick()
             probe = getattr(placed, "probe", None)
             with contextlib.suppress(ProbeError, OSError):
                 if isinstance(probe, Kretprobe):
                     self.target.disable_kretprobe(probe)
                 elif isinstance(probe, Kprobe):
                     self.target.disable_kprobe(probe)
+        progress.done()
+
+    def _counted(self) -> list[TracePlaced]:
+        return [p for p in self.placed if isinstance(p, TracePlaced) and p.counters]
+
+    def _release_counters(self) -> None:
+        """Every counter closed, after the command said its result (``Session.report``):
+        the last one of an event costs the kernel an RCU grace period."""
+        counted = self._counted()
+        progress = Progress(len(counted), "removing")
+        for placed in counted:
+            progress.tick()
+            placed.release()
+        progress.done()
 
     def read_rest(self, until: float) -> None:
         try:
