@@ -158,7 +158,7 @@ class TraceFsBackend(Backend):
         self.placed += done
         return list(done)
 
-    def functions(self, pattern: str) -> list[str]:
+    def functions(self, pattern: str) -> list[tuple[str, ...]]:
         return self.target.function_names(pattern)
 
     def run(self, timeout: float | None) -> bool:
