@@ -7,6 +7,9 @@ goes on an address, so a glob that matches several names of one address is one f
 one probe, one row of ``count``, as bcc's funccount does (it skips an address it has
 placed a probe on). Each target groups the names it matched here, with the addresses it
 knows (runtime addresses for a process, the file's for a file, kallsyms' for the kernel).
+A GNU ifunc's symbol holds its resolver's address, but it names the function the resolver
+picks (what the program calls, and what we probe): it is never one function with the
+resolver, only with the other names of its ifunc (``function_key``).
 
 The row is named by the name a programmer calls: the first without a leading underscore,
 then the shortest, then in alphabetical order (``open``, ``strtol``). Rejected: funccount's
@@ -16,7 +19,7 @@ of ``open``, and another build of the library another name).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 
 
 def alias_order(name: str) -> tuple[bool, int, str]:
@@ -24,26 +27,32 @@ def alias_order(name: str) -> tuple[bool, int, str]:
     return (name.startswith("_"), len(name), name)
 
 
-def group_aliases(functions: Iterable[tuple[str, int]]) -> list[tuple[str, ...]]:
-    """``(name, address)`` pairs as one tuple of names per address, the row's name first,
-    in the order each address first came. A name is taken once (its first address), and an
-    address of 0 is unknown (kallsyms hides addresses from unprivileged users): its names
-    stay apart."""
-    by_addr: dict[int, list[str]] = {}
-    order: list[int | str] = []
+def function_key(addr: int, *, is_ifunc: bool = False) -> Hashable:
+    """What two names must share to be one function: the address, and being an ifunc or not
+    (0: unknown, nothing is one function with it)."""
+    return ("ifunc", addr) if is_ifunc and addr else addr
+
+
+def group_aliases(functions: Iterable[tuple[str, Hashable]]) -> list[tuple[str, ...]]:
+    """``(name, function_key)`` pairs as one tuple of names per function, the row's name
+    first, in the order each function first came. A name is taken once (its first
+    address), and an address of 0 is unknown (kallsyms hides addresses from unprivileged
+    users): its names stay apart."""
+    by_key: dict[Hashable, list[str]] = {}
+    order: list[Hashable] = []  # the functions' keys, and the names of unknown address
     seen: set[str] = set()
-    for name, addr in functions:
+    for name, key in functions:
         if name in seen:
             continue
         seen.add(name)
-        if not addr:
-            order.append(name)  # a group of its own
-        elif addr in by_addr:
-            by_addr[addr].append(name)
+        if not key:
+            order.append(name)  # a function of its own
+        elif key in by_key:
+            by_key[key].append(name)
         else:
-            by_addr[addr] = [name]
-            order.append(addr)
+            by_key[key] = [name]
+            order.append(key)
     return [
-        (key,) if isinstance(key, str) else tuple(sorted(by_addr[key], key=alias_order))
+        tuple(sorted(by_key[key], key=alias_order)) if key in by_key else (str(key),)
         for key in order
     ]

@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kprobes.errors import NotMapped, ProbeRejected, SpecError, SymbolNotFound, TargetError
-from kprobes.symbols.aliases import group_aliases
-from kprobes.symbols.elf import ElfImage, Symbol, did_you_mean
+from kprobes.symbols.aliases import function_key, group_aliases
+from kprobes.symbols.elf import ElfImage, Symbol, SymbolKind, did_you_mean
 from kprobes.symbols.maps import Mapping, Module, iter_modules, read_maps
 
 
@@ -297,5 +297,8 @@ class SymbolResolver:
     ) -> list[tuple[str, ...]]:
         """The functions ``iter_functions`` finds, each as the names of its address, the
         row's name first (aliases.py)."""
-        found = self.iter_functions(pattern, module)
-        return group_aliases((loc.symbol.name, loc.addr) for loc in found if loc.symbol)
+        return group_aliases(
+            (loc.symbol.name, function_key(loc.addr, is_ifunc=loc.symbol.kind is SymbolKind.IFUNC))
+            for loc in self.iter_functions(pattern, module)
+            if loc.symbol is not None
+        )

@@ -66,8 +66,8 @@ from kprobes.spec import (
     SymbolLocation,
     render_arg,
 )
-from kprobes.symbols.aliases import group_aliases
-from kprobes.symbols.elf import ElfImage, did_you_mean
+from kprobes.symbols.aliases import function_key, group_aliases
+from kprobes.symbols.elf import ElfImage, SymbolKind, did_you_mean
 from kprobes.symbols.resolve import SymbolResolver
 from kprobes.tracefs.control import require_root
 from kprobes.tracefs.eventformat import EventFormat
@@ -211,9 +211,11 @@ class Uprobes(TraceTarget):
             found = self._resolver.function_aliases(glob, module if sep else None)
             return [tuple(f"{module}:{n}" if sep else n for n in each) for each in found]
         path, image, _bias = self._module_image(module if sep else None)
-        matches = sorted(
-            (s.name, s.value) for s in image.iter_functions() if fnmatch.fnmatchcase(s.name, glob)
-        )
+        symbols = (s for s in image.iter_functions() if fnmatch.fnmatchcase(s.name, glob))
+        matches = [
+            (s.name, function_key(s.value, is_ifunc=s.kind is SymbolKind.IFUNC))
+            for s in sorted(symbols, key=lambda s: s.name)
+        ]
         prefix = (f"{module}:" if sep else "") if self._files is not None else f"{path}:"
         return [tuple(prefix + n for n in each) for each in group_aliases(matches)]
 

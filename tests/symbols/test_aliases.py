@@ -3,7 +3,7 @@ for the process targets (ELF symbols) and the kernel (kallsyms)."""
 
 from __future__ import annotations
 
-from kprobes.symbols.aliases import group_aliases
+from kprobes.symbols.aliases import function_key, group_aliases
 from kprobes.symbols.kallsyms import Kallsyms
 
 
@@ -32,6 +32,16 @@ def test_a_name_is_taken_once_and_an_unknown_address_groups_nothing() -> None:
     ]
     # kptr_restrict: every address reads 0, and no two names are one function.
     assert group_aliases([("a", 0), ("b", 0)]) == [("a",), ("b",)]
+
+
+def test_an_ifunc_is_not_one_function_with_its_resolver() -> None:
+    # plug_fast's symbol holds its resolver's address; it names what the resolver picks.
+    found = [
+        ("plug_resolve", function_key(0x110E)),
+        ("plug_fast", function_key(0x110E, is_ifunc=True)),
+        ("__plug_fast", function_key(0x110E, is_ifunc=True)),
+    ]
+    assert group_aliases(found) == [("plug_resolve",), ("plug_fast", "__plug_fast")]
 
 
 def test_kernel_functions_of_one_address_from_kallsyms() -> None:
