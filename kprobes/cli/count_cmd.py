@@ -36,7 +36,13 @@ MAX_PROBES = 10_000  # every function of libc (~3,000) or libpython (~5,400) fit
 
 def add_parser(sub: Any, help: str) -> None:
     p = sub.add_parser("count", help=help)
-    p.add_argument("targets", nargs="+", metavar="SPEC|PATTERN", help="probe lines or globs")
+    p.add_argument(
+        "targets",
+        nargs="+",
+        metavar="SPEC|PATTERN",
+        help="probe lines or globs; a function a glob matches by several names (open, "
+        "open64: one address) is one probe and one row",
+    )
     add_common_arguments(p)
     p.add_argument("-i", "--interval", type=float, help="print and reset every SECONDS")
     p.add_argument(
