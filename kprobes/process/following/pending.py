@@ -232,9 +232,7 @@ class Following:
 
     def _is_waiting(self) -> bool:
         """Some probe given by symbol, or some watcher of code, waits for a library."""
-        return bool(self.code_watchers) or any(
-            p.symbol is not None for p in self._manager.pending
-        )
+        return bool(self.code_watchers) or any(p.symbol is not None for p in self._manager.pending)
 
     def _new_image(self, t: Thread) -> None:
         """``t`` stands at the exit of ``execve``: place every probe the new image allows,
