@@ -236,7 +236,7 @@ def test_attach_with_and_without_the_children(tree, follow, clean_tracefs, backe
     proc = _waiting_tree(tree)
     try:
         cli = subprocess.Popen(
-            [str(KPROBES), "count", "--json", "--backend", backend, "-p", str(proc.pid)]
+            [str(KPROBES), "count", "--json", "--zeros", "--backend", backend, "-p", str(proc.pid)]
             + (["--follow-forks"] if follow else [])
             + ["work", "leaf"],
             stdout=subprocess.PIPE,

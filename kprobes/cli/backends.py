@@ -82,10 +82,12 @@ class Glob:
 
     pattern: str  # MODULE:GLOB
     to_spec: Callable[[str], ProbeSpec]  # a matched ``MODULE:NAME`` as a spec
-    found: Callable[[str, Placed | ProbeError], None]  # each one's fate, as it is placed
+    # Each function's fate, as it is placed: its names (aliases, the row's first), and what
+    # was placed on its address or why nothing was.
+    found: Callable[[tuple[str, ...], Placed | ProbeError], None]
     limit: int  # more matches than this are refused (``--max-probes``)
     matched_in: set[int] = field(default_factory=set)  # the pids it was matched in
-    placed: int = 0  # probes placed, in every process
+    placed: int = 0  # functions placed (maybe by an earlier glob), in every process
     why: str | None = None  # why it placed nothing where its library came
 
     @property
@@ -183,8 +185,9 @@ class Backend(abc.ABC):
         return spec, placed
 
     @abc.abstractmethod
-    def functions(self, pattern: str) -> list[str]:
-        """The locations (``lib:name``, ``name``) of the functions matching ``[MOD:]GLOB``."""
+    def functions(self, pattern: str) -> list[tuple[str, ...]]:
+        """The functions matching ``[MOD:]GLOB``, each as its locations (``lib:name``,
+        ``name``): the names of one address, the row's first (symbols/aliases.py)."""
 
     @abc.abstractmethod
     def run(self, timeout: float | None) -> bool:
@@ -331,6 +334,7 @@ class PtraceBackend(Backend):
         self.proc.family.on_new_process = self._follow
         self.own_file = own_file(self.proc.pid)
         self._globs: list[Glob] = []
+        self._glob_names: dict[int, set[str]] = {}  # pid -> the functions globs placed there
 
     def _spec_tracer(self, proc: Process) -> SpecTracer:
         return SpecTracer(proc, self.sink, optimize=self.optimize, count_only=self.count_only)
@@ -401,8 +405,10 @@ class PtraceBackend(Backend):
 
     def _match_globs(self, proc: Process, tracer: SpecTracer) -> None:
         """Code came in ``proc`` (it is stopped): each glob whose library is now mapped
-        there is matched in it, once, and its functions placed. Never raises: it runs in the
-        middle of a stop of the program (pending.py)."""
+        there is matched in it, once, and its functions placed, each once (a name two globs
+        match: by the first). Never raises: it runs in the middle of a stop of the program
+        (pending.py)."""
+        taken = self._glob_names.setdefault(proc.pid, set())
         for glob in self._globs:
             if proc.pid in glob.matched_in:
                 continue
@@ -423,16 +429,20 @@ class PtraceBackend(Backend):
                     else f"no function of {glob.module} matches"
                 )
                 continue
-            for name in names:
+            for each in names:  # one probe on each function, named by its first name
+                if not taken.isdisjoint(each):
+                    glob.placed += 1  # by an earlier glob: it has its row
+                    continue
+                taken.update(each)
                 try:
-                    (placed,) = self._place(proc, tracer, [glob.to_spec(name)])
+                    (placed,) = self._place(proc, tracer, [glob.to_spec(each[0])])
                 except ProbeError as exc:
-                    glob.found(name, exc)
+                    glob.found(each, exc)
                     continue
                 glob.placed += 1
-                glob.found(name, placed)
+                glob.found(each, placed)
 
-    def functions(self, pattern: str) -> list[str]:
+    def functions(self, pattern: str) -> list[tuple[str, ...]]:
         return self.proc.function_names(pattern)
 
     def _procs(self) -> list[Process]:

@@ -1,10 +1,13 @@
 """``kprobes count SPEC|PATTERN...``: hits per probe, like bcc's funccount.
 
 A PATTERN is a glob over the function names of a library or of the program
-(``'libc:str*'``, ``'work*'``); every matching function gets an entry probe. Functions that
-cannot be probed (an instruction that cannot run out of line) are skipped and listed.
-``-i SECONDS`` prints and resets the counts every interval; ``--json`` prints
-``{"probe": ..., "hits": ...}`` lines.
+(``'libc:str*'``, ``'work*'``); every matching function gets an entry probe, one per address:
+the names of one function (``open``/``open64``) are one row, named by one of them
+(symbols/aliases.py). Functions that cannot be probed (an instruction that cannot run out of
+line) are skipped and listed. ``-i SECONDS`` prints and resets the counts every interval;
+``--top N`` keeps the N busiest rows; ``--json`` prints ``{"probe": ..., "hits": ...}``
+lines, the same rows as the table: probes with no hit are left out of both unless
+``--zeros`` (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -32,10 +35,34 @@ MAX_PROBES = 10_000  # every function of libc (~3,000) or libpython (~5,400) fit
 
 def add_parser(sub: Any, help: str) -> None:
     p = sub.add_parser("count", help=help)
-    p.add_argument("targets", nargs="+", metavar="SPEC|PATTERN", help="probe lines or globs")
+    p.add_argument(
+        "targets",
+        nargs="+",
+        metavar="SPEC|PATTERN",
+        help="probe lines or globs; a function a glob matches by several names (open, "
+        "open64: one address) is one probe and one row",
+    )
     add_common_arguments(p)
     p.add_argument("-i", "--interval", type=float, help="print and reset every SECONDS")
-    p.add_argument("--json", action="store_true", help='{"probe": ..., "hits": ...} lines')
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='{"probe": ..., "hits": ...} lines, the rows of the table ("aliases": the '
+        "function's other names the glob matched)",
+    )
+    p.add_argument(
+        "--top",
+        type=_positive,
+        metavar="N",
+        help="only the N rows with the most hits (each interval with -i), in the table's "
+        "order: ascending, the busiest last",
+    )
+    p.add_argument(
+        "--zeros",
+        action="store_true",
+        help="also the probes that had no hit, with 0 (by default the table and --json "
+        "leave them out: a probe placed and absent had no hit)",
+    )
     p.add_argument(
         "--max-probes",
         type=int,
@@ -45,6 +72,13 @@ def add_parser(sub: Any, help: str) -> None:
         "as bpftrace's max_probes",
     )
     p.set_defaults(func=run)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
 
 
 def _is_pattern(text: str) -> bool:
@@ -113,6 +147,7 @@ class _Tally:
             self.label[spec.effective_event] = text
             self.file_of[spec.effective_event] = _file_named(spec)
         self.skipped: dict[str, str] = {}  # function -> why it was not placed
+        self.aliases: dict[str, tuple[str, ...]] = {}  # event name -> its other names
         # Hits of in-place counters already counted, by placed probe (a followed child's copy of
         # a spec has the same name as the root's).
         self.shown: Counter[int] = Counter()
@@ -122,8 +157,10 @@ class _Tally:
         _name_files(self.label, self.file_of, backend.own_file)
 
     def expand(self, backend: Backend) -> None:
-        """Place a probe on every function the patterns match, each function once."""
-        found: dict[str, None] = {}
+        """Place a probe on every function the patterns match, each function once: one
+        probe on an address its names share (``open``/``open64``)."""
+        found: dict[tuple[str, ...], None] = {}
+        taken: set[str] = set()  # the names of those, over every pattern
         for pattern in self.patterns:
             try:
                 names = backend.functions(pattern)
@@ -139,7 +176,10 @@ class _Tally:
                 ) from exc
             if not names:
                 raise SpecError(f"no function matches {pattern!r}", column=0, text=pattern)
-            found.update(dict.fromkeys(names))
+            for each in names:
+                if taken.isdisjoint(each):  # ``open*`` and ``open``: once
+                    found[each] = None
+                    taken.update(each)
         cap = self.args.max_probes
         if len(found) > cap:
             text = " ".join(self.patterns)
@@ -151,7 +191,7 @@ class _Tally:
             )
         wheres = list(found)
         progress = Progress(len(wheres), "placing")
-        results = backend.place_each([parse_spec(where) for where in wheres])
+        results = backend.place_each([parse_spec(where[0]) for where in wheres])
         try:
             for where, (_spec, placed) in zip(wheres, results, strict=False):
                 progress.tick()
@@ -162,14 +202,17 @@ class _Tally:
             results.close()
             progress.done()
 
-    def took(self, where: str, placed: Placed | ProbeError) -> None:
-        """A function a glob matched (``lib:name``) was placed, or skipped for a reason."""
+    def took(self, where: tuple[str, ...], placed: Placed | ProbeError) -> None:
+        """A function a glob matched (its names, ``lib:name``, the row's first) was placed,
+        or skipped for a reason."""
         if isinstance(placed, ProbeError):
-            self.skipped[where] = str(placed)  # once, if skipped in several processes
+            self.skipped[where[0]] = str(placed)  # once, if skipped in several processes
             return
         event = placed.name.rpartition("/")[2]
-        module, _, self.label[event] = where.rpartition(":")
+        module, _, self.label[event] = where[0].rpartition(":")
         self.file_of[event] = module or None
+        if len(where) > 1:
+            self.aliases[event] = tuple(name.rpartition(":")[2] for name in where[1:])
 
     def handle(self, ev: Event) -> None:
         self.counts[self.label.get(ev.event, ev.event)] += 1
@@ -185,9 +228,18 @@ class _Tally:
                 self.session.events += new  # each hit is an event counted
 
     def table(self, when: datetime | None = None) -> str:
+        """The rows of now: the busiest ``--top``, every placed probe with ``--zeros``."""
+        if self.args.zeros:
+            for p in self.session.placed:  # every placed probe appears, with 0 if no hit
+                event = p.name.rpartition("/")[2]
+                self.counts.setdefault(self.label.get(event, event), 0)
+        top = self.args.top
         if self.args.json:
-            return format_counts_json(self.counts, when=when)
-        return format_counts(self.counts)
+            aliases = {self.label.get(e, e): names for e, names in self.aliases.items()}
+            return format_counts_json(
+                self.counts, when=when, top=top, zeros=self.args.zeros, aliases=aliases
+            )
+        return format_counts(self.counts, top=top, zeros=self.args.zeros)
 
     def tick(self) -> None:
         self.take_hits()
@@ -199,7 +251,8 @@ class _Tally:
         self.counts.clear()
 
     def finish(self) -> None:
-        """The end: the skipped functions, then the last table, every placed probe in it."""
+        """The end: the skipped functions (and with -v the rows of several names), then the
+        last table."""
         if not self.args.interval:
             self.take_hits()
         verbose = self.args.verbose
@@ -207,9 +260,9 @@ class _Tally:
             list(self.skipped.items()), one="skipped", many="skipped", verbose=verbose
         ):
             sys.stderr.write(f"kprobes: {line}\n")
-        for p in self.session.placed:  # every placed probe appears, with 0 if it never hit
-            event = p.name.rpartition("/")[2]
-            self.counts.setdefault(self.label.get(event, event), 0)
+        for event, names in self.aliases.items() if verbose else ():
+            row = self.label.get(event, event)
+            sys.stderr.write(f"kprobes: {row} is also {', '.join(names)} (one address)\n")
         if self.args.interval:
             self.tick()
         else:

@@ -4,8 +4,10 @@
 
 Each line is what the kernel's ``trace`` file shows for the same probe
 (``comm-pid [cpu] timestamp: EVENT: (sym+off/size) name=value``; returns as
-``(caller+off/size <- func)``), or with ``--json`` one object per line. ``--perfetto FILE``
-also writes a trace for ui.perfetto.dev with entry/return pairs as slices per thread.
+``(caller+off/size <- func)``), or with ``--json`` one object per line. A probe line may end
+with its own line, printf style, as bcc's ``trace`` (``'p work i=%di "i=%d", i'``:
+formats.py). ``--perfetto FILE`` also writes a trace for ui.perfetto.dev with entry/return
+pairs as slices per thread.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import argparse
 import sys
 from typing import IO, Any
 
-from kprobes.cli.session import Session, add_common_arguments, parse_spec
+from kprobes.cli.formats import parse_traced
+from kprobes.cli.session import Session, add_common_arguments
+from kprobes.errors import SpecError
 from kprobes.model import Event
 from kprobes.output.jsonl import format_json
 from kprobes.output.perfetto import PerfettoWriter
@@ -24,7 +28,15 @@ from kprobes.spec import SymbolLocation
 
 def add_parser(sub: Any, help: str) -> None:
     p = sub.add_parser("trace", help=help)
-    p.add_argument("specs", nargs="+", metavar="SPEC", help="kprobe_events-style probe lines")
+    p.add_argument(
+        "specs",
+        nargs="+",
+        metavar="SPEC",
+        help='kprobe_events-style probe lines, each maybe ending with its own line: "FORMAT", '
+        "NAME, ... as bcc's trace (%%d %%u %%x %%s %%c %%p %%f, flags, width, l/ll/h/hh); a "
+        "NAME is an argument of the probe, tid, pid, comm, cpu, time, probe, func, arg1-arg6 "
+        "(bcc's), $retval",
+    )
     add_common_arguments(p)
     p.add_argument("--json", action="store_true", help="one JSON object per event")
     p.add_argument("--perfetto", metavar="FILE", help="also write a Perfetto (JSON) trace")
@@ -32,7 +44,16 @@ def add_parser(sub: Any, help: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    specs = [parse_spec(text) for text in args.specs]
+    parsed = [parse_traced(text) for text in args.specs]
+    specs = [spec for spec, _ in parsed]
+    own = {spec.effective_event: printer for spec, printer in parsed if printer is not None}
+    if own and args.json:
+        text = next(t for t, (_, printer) in zip(args.specs, parsed, strict=True) if printer)
+        raise SpecError(
+            "a probe's own line and --json are two outputs: give one",
+            column=text.index('"'),
+            text=text,
+        )
     session = Session(args, specs)
     out = sys.stdout
     fmt = format_json if args.json else format_event
@@ -48,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         perfetto = PerfettoWriter(perfetto_file, return_funcs=returns)
 
     def handle(ev: Event) -> None:
-        out.write(fmt(ev) + "\n")
+        out.write(own.get(ev.event, fmt)(ev) + "\n")
         if perfetto is not None:
             perfetto.write(ev)
 

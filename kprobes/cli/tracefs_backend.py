@@ -219,7 +219,7 @@ class TraceFsBackend(Backend):
             return False
         return True
 
-    def functions(self, pattern: str) -> list[str]:
+    def functions(self, pattern: str) -> list[tuple[str, ...]]:
         return self.target.function_names(pattern)
 
     def run(self, timeout: float | None) -> bool:

@@ -12,14 +12,15 @@ people who count functions already know what bcc prints, so the layouts are bcc'
   "EVENT")`` and ``"\\t%-10s %s"`` rows, ascending, ``-T N`` keeping the last N.
 
 Ties are broken by name, so output is stable from one run to the next (bcc's order among equal
-counts is the hash table's). The JSON forms carry every probe, zero hits included: a program
-reading them should not have to know that absence means zero.
+counts is the hash table's). The JSON lines are the table's rows, in its order: the same
+probes, zero hits left out unless ``zeros`` (then both list them), and ``top`` keeps the same
+busiest rows in both (docs/decisions.md: "count's rows").
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 
 
@@ -27,21 +28,41 @@ def _ascending(counts: Mapping[str, int]) -> list[tuple[str, int]]:
     return sorted(counts.items(), key=lambda item: (item[1], item[0]))
 
 
-def format_counts(counts: Mapping[str, int]) -> str:
-    """bcc funccount's table for ``{probe: hits}``, newline-terminated."""
+def count_rows(
+    counts: Mapping[str, int], *, top: int | None = None, zeros: bool = False
+) -> list[tuple[str, int]]:
+    """The rows both forms print: ascending, without the probes of no hit unless ``zeros``,
+    only the ``top`` busiest when given (still ascending: the busiest last)."""
+    rows = [(name, hits) for name, hits in _ascending(counts) if hits or zeros]
+    return rows[-top:] if top is not None else rows
+
+
+def format_counts(counts: Mapping[str, int], *, top: int | None = None, zeros: bool = False) -> str:
+    """bcc funccount's table for ``{probe: hits}``, newline-terminated (``count_rows``)."""
     lines = [f"{'FUNC':<36} {'COUNT':>8}"]  # "%-36s %8s"
-    lines.extend(f"{name:<36} {hits:>8}" for name, hits in _ascending(counts) if hits)
+    lines.extend(f"{name:<36} {hits:>8}" for name, hits in count_rows(counts, top=top, zeros=zeros))
     return "\n".join(lines) + "\n"
 
 
-def format_counts_json(counts: Mapping[str, int], *, when: datetime | None = None) -> str:
-    """One JSON line ``{"probe": ..., "hits": ...}`` per probe, ascending, newline-terminated.
+def format_counts_json(
+    counts: Mapping[str, int],
+    *,
+    when: datetime | None = None,
+    top: int | None = None,
+    zeros: bool = False,
+    aliases: Mapping[str, Sequence[str]] | None = None,
+) -> str:
+    """One JSON line ``{"probe": ..., "hits": ...}`` per row of the table (``count_rows``),
+    newline-terminated.
 
-    ``when`` (the end of the interval) adds ``"time"`` in ISO 8601 to every line.
+    ``when`` (the end of the interval) adds ``"time"`` in ISO 8601 to every line;
+    ``aliases`` (a row's other names: the same function) adds ``"aliases"`` to its line.
     """
     lines = []
-    for name, hits in _ascending(counts):
+    for name, hits in count_rows(counts, top=top, zeros=zeros):
         obj: dict[str, object] = {"probe": name, "hits": hits}
+        if aliases and aliases.get(name):
+            obj["aliases"] = list(aliases[name])
         if when is not None:
             obj["time"] = when.isoformat()
         lines.append(json.dumps(obj))

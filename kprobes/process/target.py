@@ -414,13 +414,12 @@ class Process:
         """The program's symbols: its mapped ELF files, as this process sees them."""
         return self._program.symbols()
 
-    def function_names(self, pattern: str) -> builtins.list[str]:
-        """Function names matching ``[MODULE:]GLOB`` in the mapped files, as on the tracefs
-        targets (``MODULE:`` kept in each name when it was given)."""
+    def function_names(self, pattern: str) -> builtins.list[tuple[str, ...]]:
+        """The functions matching ``[MODULE:]GLOB`` in the mapped files, as on the tracefs
+        targets: the names of each, its aliases, row name first (``MODULE:`` kept if given)."""
         module, sep, glob = pattern.rpartition(":")
-        found = self._program.symbols().iter_functions(glob, module if sep else None)
-        names = dict.fromkeys(loc.symbol.name for loc in found if loc.symbol is not None)
-        return [f"{module}:{name}" if sep else name for name in names]
+        names = self._program.symbols().function_aliases(glob, module if sep else None)
+        return [tuple(f"{module}:{n}" if sep else n for n in each) for each in names]
 
     def iter_probes(self) -> Iterator[Kprobe]:
         """Every probe registered here, placed or pending (a return probe's entry probe for

@@ -91,10 +91,11 @@ class Kallsyms:
             pos = data.find(needle, end)
         return found
 
-    def iter_function_names(self, pattern: str, module: str | None = None) -> list[str]:
-        """The text symbols whose names match the glob ``pattern``, each name once, sorted
-        (``module`` limits them to one module; "" is vmlinux itself)."""
-        names = set()
+    def iter_function_addrs(self, pattern: str, module: str | None = None) -> list[tuple[str, int]]:
+        """``(name, address)`` of the text symbols whose names match the glob ``pattern``,
+        sorted (``module`` limits them to one module; "" is vmlinux itself). An address is
+        0 where kptr_restrict hides it: symbols/aliases.py then groups nothing."""
+        found = []
         for line in self._data.split(b"\n"):
             parts = line.split()
             if len(parts) < 3 or parts[1] not in _TEXT_TYPES:
@@ -104,8 +105,8 @@ class Kallsyms:
                 continue
             name = parts[2].decode()
             if fnmatch.fnmatchcase(name, pattern):
-                names.add(name)
-        return sorted(names)
+                found.append((name, int(parts[0], 16)))
+        return sorted(found)
 
     def _size_after(self, pos: int, addr: int) -> int:
         """Distance to the first following line with a higher address (lines are sorted)."""

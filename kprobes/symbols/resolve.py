@@ -21,7 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kprobes.errors import NotMapped, ProbeRejected, SpecError, SymbolNotFound, TargetError
-from kprobes.symbols.elf import ElfImage, Symbol, did_you_mean
+from kprobes.symbols.aliases import function_key, group_aliases
+from kprobes.symbols.elf import ElfImage, Symbol, SymbolKind, did_you_mean
 from kprobes.symbols.maps import Mapping, Module, iter_modules, read_maps
 
 
@@ -290,3 +291,14 @@ class SymbolResolver:
             if fnmatch.fnmatchcase(symbol.name, pattern):
                 start = target.bias + symbol.value
                 yield Location(start, target, symbol, 0, start, symbol.size)
+
+    def function_aliases(
+        self, pattern: str = "*", module: str | None = None
+    ) -> list[tuple[str, ...]]:
+        """The functions ``iter_functions`` finds, each as the names of its address, the
+        row's name first (aliases.py)."""
+        return group_aliases(
+            (loc.symbol.name, function_key(loc.addr, is_ifunc=loc.symbol.kind is SymbolKind.IFUNC))
+            for loc in self.iter_functions(pattern, module)
+            if loc.symbol is not None
+        )

@@ -29,6 +29,7 @@ from kprobes.core.retprobes import Kretprobe
 from kprobes.errors import Blacklisted, ProbeError, ProbeRejected, TargetError
 from kprobes.model import BlacklistEntry, ProbeListing
 from kprobes.spec import AddressLocation, Location, SymbolLocation, render_location
+from kprobes.symbols.aliases import group_aliases
 from kprobes.symbols.kallsyms import Kallsyms
 from kprobes.tracefs.control import TraceFs, find_debugfs
 from kprobes.tracefs.debugfs import KprobesKnobs
@@ -150,10 +151,10 @@ class Kernel(TraceTarget):
             self._kallsyms = Kallsyms.read()
         return self._kallsyms
 
-    def function_names(self, pattern: str) -> builtins.list[str]:
+    def function_names(self, pattern: str) -> builtins.list[tuple[str, ...]]:
         module, sep, glob = pattern.rpartition(":")
-        names = self.kallsyms.iter_function_names(glob, module if sep else None)
-        return [f"{module}:{name}" if sep else name for name in names]
+        found = self.kallsyms.iter_function_addrs(glob, module if sep else None)
+        return [tuple(f"{module}:{n}" if sep else n for n in each) for each in group_aliases(found)]
 
     def _resolve(self, probe: Kprobe, *, is_return: bool) -> ProbePoint:
         if is_return and probe.offset:

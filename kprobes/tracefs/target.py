@@ -180,9 +180,10 @@ class TraceTarget(Delivery):
         """The probe object for a spec's location (without handlers)."""
         raise NotImplementedError
 
-    def function_names(self, pattern: str) -> builtins.list[str]:
+    def function_names(self, pattern: str) -> builtins.list[tuple[str, ...]]:
         """Places (``[MOD:]NAME``) of the functions matching ``[MOD:]GLOB``, for globs such
-        as ``count 'vfs_*'``; each name once."""
+        as ``count 'vfs_*'``: one tuple per function, its names at one address (aliases),
+        the row's name first (symbols/aliases.py); each name once."""
         raise NotImplementedError
 
     def _render_args(self, probe: Kprobe, args: Sequence[ProbeArg]) -> tuple[str, ...]:

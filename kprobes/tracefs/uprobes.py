@@ -66,7 +66,8 @@ from kprobes.spec import (
     SymbolLocation,
     render_arg,
 )
-from kprobes.symbols.elf import ElfImage, did_you_mean
+from kprobes.symbols.aliases import function_key, group_aliases
+from kprobes.symbols.elf import ElfImage, SymbolKind, did_you_mean
 from kprobes.symbols.resolve import SymbolResolver
 from kprobes.tracefs.control import require_root
 from kprobes.tracefs.eventformat import EventFormat
@@ -204,17 +205,19 @@ class Uprobes(TraceTarget):
             raise ProbeRejected("a uprobe needs a symbol or an address", errno=_errno.EINVAL)
         return self._address_point(probe.addr + probe.offset)
 
-    def function_names(self, pattern: str) -> list[str]:
+    def function_names(self, pattern: str) -> list[tuple[str, ...]]:
         module, sep, glob = pattern.rpartition(":")
         if self._resolver is not None:
-            found = self._resolver.iter_functions(glob, module if sep else None)
-            names = list(dict.fromkeys(f.symbol.name for f in found if f.symbol is not None))
-            return [f"{module}:{name}" if sep else name for name in names]
+            found = self._resolver.function_aliases(glob, module if sep else None)
+            return [tuple(f"{module}:{n}" if sep else n for n in each) for each in found]
         path, image, _bias = self._module_image(module if sep else None)
-        matches = {s.name for s in image.iter_functions() if fnmatch.fnmatchcase(s.name, glob)}
-        if self._files is not None:
-            return [f"{module}:{name}" if sep else name for name in sorted(matches)]
-        return [f"{path}:{name}" for name in sorted(matches)]
+        symbols = (s for s in image.iter_functions() if fnmatch.fnmatchcase(s.name, glob))
+        matches = [
+            (s.name, function_key(s.value, is_ifunc=s.kind is SymbolKind.IFUNC))
+            for s in sorted(symbols, key=lambda s: s.name)
+        ]
+        prefix = (f"{module}:" if sep else "") if self._files is not None else f"{path}:"
+        return [tuple(prefix + n for n in each) for each in group_aliases(matches)]
 
     def _module_image(self, module: str | None) -> tuple[str, ElfImage, int]:
         """(path, image, load bias) of ``module`` (None: the executable or the path)."""

@@ -7,6 +7,7 @@ from datetime import datetime
 
 from kprobes.output.counts import (
     FrequencyTable,
+    count_rows,
     format_counts,
     format_counts_json,
     format_interval_header,
@@ -51,11 +52,56 @@ def test_zero_counts_are_left_out_and_ties_sort_by_name() -> None:
     assert format_counts({}) == "FUNC                                    COUNT\n"
 
 
-def test_json_lines_carry_every_probe() -> None:
-    text = format_counts_json({"malloc": 3, "free": 0})
-    assert text == '{"probe": "free", "hits": 0}\n{"probe": "malloc", "hits": 3}\n'
+def test_json_lines_are_the_tables_rows() -> None:
+    counts = {"malloc": 3, "free": 0, "calloc": 1}
+    text = format_counts_json(counts)
+    assert text == '{"probe": "calloc", "hits": 1}\n{"probe": "malloc", "hits": 3}\n'
+    assert [json.loads(line)["probe"] for line in text.splitlines()] == [
+        line.split()[0] for line in format_counts(counts).splitlines()[1:]
+    ]
     stamped = format_counts_json({"malloc": 3}, when=datetime(2024, 5, 1, 10, 28, 9))
     assert json.loads(stamped) == {"probe": "malloc", "hits": 3, "time": "2024-05-01T10:28:09"}
+
+
+def test_zeros_lists_every_probe_in_both() -> None:
+    counts = {"malloc": 3, "free": 0}
+    assert format_counts(counts, zeros=True) == (
+        "FUNC                                    COUNT\n"
+        "free                                        0\n"
+        "malloc                                      3\n"
+    )
+    assert format_counts_json(counts, zeros=True) == (
+        '{"probe": "free", "hits": 0}\n{"probe": "malloc", "hits": 3}\n'
+    )
+
+
+def test_top_keeps_the_busiest_in_ascending_order() -> None:
+    assert count_rows(MEMCG, top=2) == [
+        ("__mod_memcg_lruvec_state", 1229673),
+        ("cgroup_rstat_updated", 2632389),
+    ]
+    assert format_counts(MEMCG, top=1) == (
+        "FUNC                                    COUNT\n"
+        "cgroup_rstat_updated                  2632389\n"
+    )
+    assert format_counts_json(MEMCG, top=1) == (
+        '{"probe": "cgroup_rstat_updated", "hits": 2632389}\n'
+    )
+    # Zeros are left out before the top is taken: a top of 5 over two busy rows is two rows.
+    assert count_rows({"a": 1, "b": 0, "c": 2}, top=5) == [("a", 1), ("c", 2)]
+    assert count_rows({"a": 1, "b": 0, "c": 2}, top=5, zeros=True) == [
+        ("b", 0),
+        ("a", 1),
+        ("c", 2),
+    ]
+
+
+def test_json_names_a_rows_aliases() -> None:
+    text = format_counts_json({"open": 4, "close": 4}, aliases={"open": ("open64", "__open")})
+    assert [json.loads(line) for line in text.splitlines()] == [
+        {"probe": "close", "hits": 4},
+        {"probe": "open", "hits": 4, "aliases": ["open64", "__open"]},
+    ]
 
 
 def test_interval_headers() -> None:
