@@ -73,6 +73,7 @@ BUILDS: dict[str, Build] = {
     "churn": Build("churn.c", flags=("-O1", *DEBUG, "-pthread")),
     "allocs": Build("allocs.c", flags=("-O1", *DEBUG, "-pthread")),
     "shy": Build("shy.c"),
+    "listing": Build("listing.c"),
     "rets_cxx": Build("rets_cxx.cpp", compiler="g++"),
     "coldpad": Build("coldpad.cpp", flags=("-O2", *DEBUG), compiler="g++"),
     "backtrace": Build("backtrace.c"),
