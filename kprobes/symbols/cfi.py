@@ -246,6 +246,7 @@ class _FileCfi:
     """Every unwind table of one file, in the order they are consulted."""
 
     sections: tuple[_Cfi, ...]
+    has_lsda: bool = False  # a CIE says its FDEs point to an exception table (augmentation L)
 
     def find(self, vaddr: int) -> Fde | None:
         for section in self.sections:
@@ -320,8 +321,33 @@ def _section_cfi(
     return info, starts, offsets
 
 
+def _names_lsda(data: bytes, *, is_eh_frame: bool) -> bool:
+    """Whether a CIE of the raw section ``data`` has the augmentation "zL...": then its FDEs
+    may carry an LSDA pointer; without one no FDE does. A walk over the entries' lengths,
+    far cheaper than decoding the FDEs one by one (a C library has thousands and no LSDA)."""
+    pos = 0
+    while pos + 8 <= len(data):
+        (length,) = struct.unpack_from("<I", data, pos)
+        if length == 0:
+            break  # .eh_frame's terminator
+        id_at, id_size = pos + 4, 4
+        if length == 0xFFFFFFFF:  # 64-bit DWARF: the length follows, and ids are 8 bytes
+            (length,) = struct.unpack_from("<Q", data, pos + 4)
+            id_at, id_size = pos + 12, 8
+        entry_id = int.from_bytes(data[id_at : id_at + id_size], "little")
+        # A CIE's id: 0 in .eh_frame, all ones in .debug_frame.
+        if entry_id == (0 if is_eh_frame else (1 << 8 * id_size) - 1):
+            start = id_at + id_size + 1  # after the version byte
+            augmentation = data[start : max(start, data.find(b"\0", start))]
+            if augmentation.startswith(b"z") and b"L" in augmentation:
+                return True
+        pos = id_at + length
+    return False
+
+
 def _read_file(path: str) -> _FileCfi:
     sections: list[_Cfi] = []
+    has_lsda = False
     try:
         with open(path, "rb") as stream:
             elf = ELFFile(stream)
@@ -332,9 +358,12 @@ def _read_file(path: str) -> _FileCfi:
                     continue  # a damaged table: the other one, or frame pointers
                 if found is not None:
                     sections.append(_Cfi(*found))
+                    section = elf.get_section_by_name(name)
+                    assert section is not None, "_section_cfi found it"
+                    has_lsda |= _names_lsda(section.data(), is_eh_frame=name == ".eh_frame")
     except (OSError, *_PARSE_ERRORS):
         return _FileCfi(())
-    return _FileCfi(tuple(sections))
+    return _FileCfi(tuple(sections), has_lsda)
 
 
 _CacheKey = tuple[str, int, int, int, int]
@@ -356,6 +385,12 @@ def _cfi_of(path: str) -> _FileCfi:
     cfi = _read_file(path)
     with _cache_lock:
         return _cache.setdefault(key, cfi)
+
+
+def has_lsda(path: str) -> bool:
+    """Whether any unwind entry of the file at ``path`` may point to an exception table
+    (``Fde.lsda``); False: none does, without decoding a single FDE."""
+    return _cfi_of(path).has_lsda
 
 
 def find_fde(path: str, vaddr: int) -> Fde | None:
