@@ -162,13 +162,27 @@ def test_the_names_are_the_function_symbols_readelf_reads(running: int, program:
 
 def test_what_is_listed_count_takes_back(running: int) -> None:
     """``kprobes list -l 'libc:str*' -p PID | xargs kprobes count -p PID``."""
-    for pattern in ("libc:str*", "*"):
+    for pattern in ("libc:str*", "*", "*:ro*"):
         names = listed(pattern, "-p", running)
         result = cli("count", "-p", running, "-d", "0.3", *names, timeout=120)
         assert result.returncode == 0, result.stderr
         assert "skipped" not in result.stderr and "never placed" not in result.stderr
     rows = count_rows(cli("count", "-p", running, "-d", "0.3", "roomy", "tiny").stdout)
     assert rows["roomy"] > 0 and rows["tiny"] > 0
+
+
+def test_a_module_glob_lists_every_file_it_matches(running: int, program: Path) -> None:
+    """``'*:malloc'``: which files have it, as bpftrace's ``uprobe:*:malloc`` with ``-p``;
+    each named by its basename, which ``count`` takes back."""
+    libc = [name.removeprefix("libc:") for name in listed("libc:str*", "-p", running)]
+    assert listed("*:str*", "-p", running) == [f"libc.so.6:{name}" for name in libc]
+    assert listed("*:roomy", "-p", running) == ["listing:roomy"]
+    assert listed("li*:ro*", "-c", program) == listed("li*:ro*", "-p", running)
+    every = listed("*:*", "-p", running)
+    for path in {Path(m.path) for m in support.maps(running) if m.path.startswith("/")}:
+        ours = {n.partition(":")[2] for n in every if n.startswith(f"{path.name}:")}
+        names = readelf_functions(path, dynamic=path.resolve() != program)
+        assert ours == names - {"starts_int3", "starts_int80", "in_data"}, path
 
 
 def test_c_lists_the_files_the_command_maps_without_running_it(
@@ -278,6 +292,16 @@ def test_each_error_is_one_line(running: int, program: Path, tmp_path: Path) -> 
         (("-c", "no-such-command-here"), "cannot run no-such-command-here: not found in PATH"),
         ((), "list -l: give -p PID, -c CMD or an ELF file's PATH"),
         (("a*", "b*", "-p", running), "list -l: one PATTERN with -p or -c, not 2 words"),
+        (("-p", running, "-c", program), "list -l: -p PID or -c CMD, not both"),
+        (
+            ("libno*:*", "-p", running),
+            f"no module matching 'libno*' is mapped in process {running} (mapped: {mapped})",
+        ),
+        (
+            ("libno*:*", "-c", program),
+            "no file matching 'libno*' among those listing maps when it starts (listing, "
+            "libc.so.6, ld-linux-x86-64.so.2)",
+        ),
         (
             ("c:str*", program),
             "list -l c:str* PATH: with a PATH the pattern is a GLOB over its functions, with no "
