@@ -207,6 +207,11 @@ def test_a_path_lists_its_file_in_every_spelling(running: int, program: Path) ->
     assert listed(f"{program}:ro*") == expected
     assert listed(f"uprobe:{program}:ro*") == expected
     assert listed("ro*", program) == expected
+    # perf probe -F -x PATH; with -p or -c, the file as the process or command maps it.
+    assert listed("-x", program) == listed(program)
+    assert listed("ro*", "-x", program) == expected
+    assert listed("ro*", "-x", program, "-p", running) == expected
+    assert listed("ro*", "-x", program, "-c", program) == expected
     assert listed("c:str*", "-p", running) == listed("libc:str*", "-p", running)
 
 
@@ -291,6 +296,7 @@ def test_each_error_is_one_line(running: int, program: Path, tmp_path: Path) -> 
         ),
         (("-c", "no-such-command-here"), "cannot run no-such-command-here: not found in PATH"),
         ((), "list -l: give -p PID, -c CMD or an ELF file's PATH"),
+        (("-x", tmp_path / "absent"), f"-x {tmp_path / 'absent'}: no such file"),
         (("a*", "b*", "-p", running), "list -l: one PATTERN with -p or -c, not 2 words"),
         (("-p", running, "-c", program), "list -l: -p PID or -c CMD, not both"),
         (

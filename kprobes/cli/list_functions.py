@@ -3,7 +3,8 @@ perf probe -F list them.
 
     kprobes list -l [PATTERN] -p PID     the functions of the files process PID maps
     kprobes list -l [PATTERN] -c CMD     the files CMD would map when it starts (not run)
-    kprobes list -l [GLOB] PATH          the functions of one ELF file (or PATH:GLOB)
+    kprobes list -l [GLOB] PATH          the functions of one ELF file (or PATH:GLOB, or
+                                         -x PATH as perf probe -F -x PATH)
 
 PATTERN is ``[MODULE:]GLOB`` as ``count`` takes it (MODULE a path, a basename or a short
 name like ``libc``; without it, the executable), in our spelling or a peer's
@@ -35,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kprobes.cli.notes import summarise
+from kprobes.cli.session import exec_file
 from kprobes.cli.spellings import read_glob
 from kprobes.cli.targets import command_argv
 from kprobes.errors import NotMapped, SymbolNotFound, TargetError
@@ -72,6 +74,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the ELF file to list instead of a process (PATH, or PATH:GLOB)",
     )
     p.add_argument("-c", "--command", metavar="CMD", help="with -l: the files CMD maps at start")
+    p.add_argument(
+        "-x",
+        "--exec",
+        metavar="PATH",
+        help="with -l: the functions of the file PATH (perf probe -F -x PATH); with -p or -c, "
+        "as that process or command maps it",
+    )
     p.add_argument(
         "-v",
         "--verbose",
@@ -137,6 +146,7 @@ def _no_match(sources: Sequence[_Source], glob: str) -> str:
 def _sources(args: argparse.Namespace) -> tuple[list[_Source], str]:
     """The files to list and the glob over their function names, from -p, -c or the words."""
     words: list[str] = args.words
+    exe = exec_file(args)
     if args.pid is not None and args.command is not None:
         raise TargetError("list -l: -p PID or -c CMD, not both", errno=errno.EINVAL)
     if args.pid is not None or args.command is not None:
@@ -144,11 +154,16 @@ def _sources(args: argparse.Namespace) -> tuple[list[_Source], str]:
             raise TargetError(
                 f"list -l: one PATTERN with -p or -c, not {len(words)} words", errno=errno.EINVAL
             )
-        module, sep, glob = read_glob(words[0] if words else "*").rpartition(":")
+        pattern = read_glob(words[0] if words else "*")
+        if exe is not None and ":" not in pattern:  # -x PATH: a bare glob is one of PATH
+            pattern = f"{exe}:{pattern}"
+        module, sep, glob = pattern.rpartition(":")
         name = module if sep else None
         if args.pid is not None:
             return _of_process(args.pid, name), glob or "*"
         return _of_command(args, name), glob or "*"
+    if exe is not None:
+        words = [*words, exe]
     if not words:
         raise TargetError("list -l: give -p PID, -c CMD or an ELF file's PATH", errno=errno.EINVAL)
     if len(words) > 2:
