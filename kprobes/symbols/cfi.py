@@ -27,6 +27,8 @@ from elftools.dwarf.constants import DW_CFA
 from elftools.dwarf.structs import DWARFStructs
 from elftools.elf.elffile import ELFFile
 
+from kprobes.symbols.ehframe import FdeHeader, RawEhFrame
+
 # -- decoded unwind tables -----------------------------------------------------------------
 
 
@@ -77,10 +79,17 @@ class Fde:
 class _Cfi:
     """The FDEs of one section (``.eh_frame`` or ``.debug_frame``), sorted by start."""
 
-    def __init__(self, info: CallFrameInfo, starts: list[int], offsets: list[int]) -> None:
+    def __init__(
+        self,
+        info: CallFrameInfo,
+        starts: list[int],
+        offsets: list[int],
+        raw: RawEhFrame | None = None,
+    ) -> None:
         self._info = info
         self._starts = starts
         self._offsets = offsets
+        self._raw = raw  # .eh_frame's headers, read without decoding the FDEs
         self._decoded: dict[int, Fde | None] = {}  # by offset; None for an unusable entry
         self._lock = threading.Lock()  # pyelftools parses from one shared stream
 
@@ -92,6 +101,23 @@ class _Cfi:
             fde = self._fde_at(self._offsets[index])
             if fde is not None and fde.start <= vaddr < fde.end:
                 return fde
+            if index == 0 or self._starts[index - 1] != self._starts[index]:
+                return None
+            index -= 1
+        return None
+
+    def find_lsda(self, vaddr: int) -> tuple[int, int | None] | None:
+        """(start, LSDA or None) of the FDE holding ``vaddr``, from its header alone where it
+        can be read so (ehframe.py); None when no FDE holds it."""
+        index = bisect.bisect_right(self._starts, vaddr) - 1
+        while index >= 0:
+            offset = self._offsets[index]
+            header = self._raw.header(offset) if self._raw is not None else None
+            if header is None:  # a form not read raw: decoded in full
+                fde = self._fde_at(offset)
+                header = None if fde is None else FdeHeader(fde.start, fde.end, fde.lsda)
+            if header is not None and header.start <= vaddr < header.end:
+                return header.start, header.lsda
             if index == 0 or self._starts[index - 1] != self._starts[index]:
                 return None
             index -= 1
@@ -246,13 +272,19 @@ class _FileCfi:
     """Every unwind table of one file, in the order they are consulted."""
 
     sections: tuple[_Cfi, ...]
-    has_lsda: bool = False  # a CIE says its FDEs point to an exception table (augmentation L)
 
     def find(self, vaddr: int) -> Fde | None:
         for section in self.sections:
             fde = section.find(vaddr)
             if fde is not None:
                 return fde
+        return None
+
+    def find_lsda(self, vaddr: int) -> tuple[int, int | None] | None:
+        for section in self.sections:
+            found = section.find_lsda(vaddr)
+            if found is not None:
+                return found
         return None
 
 
@@ -298,9 +330,7 @@ def _full_index(info: CallFrameInfo) -> tuple[list[int], list[int]]:
     return [start for start, _ in fdes], [offset for _, offset in fdes]
 
 
-def _section_cfi(
-    elf: ELFFile, name: str, *, hdr_name: str | None
-) -> tuple[CallFrameInfo, list[int], list[int]] | None:
+def _section_cfi(elf: ELFFile, name: str, *, hdr_name: str | None) -> _Cfi | None:
     section = elf.get_section_by_name(name)
     if section is None or section.header.sh_type == "SHT_NOBITS":
         return None
@@ -318,36 +348,12 @@ def _section_cfi(
     if hdr is not None and hdr.header.sh_type != "SHT_NOBITS":
         table = _search_table(hdr.data(), hdr.header.sh_addr, address)
     starts, offsets = table if table is not None else _full_index(info)
-    return info, starts, offsets
-
-
-def _names_lsda(data: bytes, *, is_eh_frame: bool) -> bool:
-    """Whether a CIE of the raw section ``data`` has the augmentation "zL...": then its FDEs
-    may carry an LSDA pointer; without one no FDE does. A walk over the entries' lengths,
-    far cheaper than decoding the FDEs one by one (a C library has thousands and no LSDA)."""
-    pos = 0
-    while pos + 8 <= len(data):
-        (length,) = struct.unpack_from("<I", data, pos)
-        if length == 0:
-            break  # .eh_frame's terminator
-        id_at, id_size = pos + 4, 4
-        if length == 0xFFFFFFFF:  # 64-bit DWARF: the length follows, and ids are 8 bytes
-            (length,) = struct.unpack_from("<Q", data, pos + 4)
-            id_at, id_size = pos + 12, 8
-        entry_id = int.from_bytes(data[id_at : id_at + id_size], "little")
-        # A CIE's id: 0 in .eh_frame, all ones in .debug_frame.
-        if entry_id == (0 if is_eh_frame else (1 << 8 * id_size) - 1):
-            start = id_at + id_size + 1  # after the version byte
-            augmentation = data[start : max(start, data.find(b"\0", start))]
-            if augmentation.startswith(b"z") and b"L" in augmentation:
-                return True
-        pos = id_at + length
-    return False
+    raw = RawEhFrame(data, address) if name == ".eh_frame" else None
+    return _Cfi(info, starts, offsets, raw)
 
 
 def _read_file(path: str) -> _FileCfi:
     sections: list[_Cfi] = []
-    has_lsda = False
     try:
         with open(path, "rb") as stream:
             elf = ELFFile(stream)
@@ -357,13 +363,10 @@ def _read_file(path: str) -> _FileCfi:
                 except _PARSE_ERRORS:
                     continue  # a damaged table: the other one, or frame pointers
                 if found is not None:
-                    sections.append(_Cfi(*found))
-                    section = elf.get_section_by_name(name)
-                    assert section is not None, "_section_cfi found it"
-                    has_lsda |= _names_lsda(section.data(), is_eh_frame=name == ".eh_frame")
+                    sections.append(found)
     except (OSError, *_PARSE_ERRORS):
         return _FileCfi(())
-    return _FileCfi(tuple(sections), has_lsda)
+    return _FileCfi(tuple(sections))
 
 
 _CacheKey = tuple[str, int, int, int, int]
@@ -387,10 +390,14 @@ def _cfi_of(path: str) -> _FileCfi:
         return _cache.setdefault(key, cfi)
 
 
-def has_lsda(path: str) -> bool:
-    """Whether any unwind entry of the file at ``path`` may point to an exception table
-    (``Fde.lsda``); False: none does, without decoding a single FDE."""
-    return _cfi_of(path).has_lsda
+def find_lsda(path: str, vaddr: int) -> tuple[int, int] | None:
+    """(start of the FDE, its LSDA) when the FDE covering link-time ``vaddr`` of the file at
+    ``path`` points to an exception table; None otherwise. ``find_fde(...).lsda``, without
+    decoding the FDE's instructions where its header can be read alone (ehframe.py)."""
+    found = _cfi_of(path).find_lsda(vaddr)
+    if found is None or found[1] is None:
+        return None
+    return found[0], found[1]
 
 
 def find_fde(path: str, vaddr: int) -> Fde | None:

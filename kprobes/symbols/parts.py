@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from kprobes.symbols.cfi import find_fde, has_lsda
+from kprobes.symbols.cfi import find_lsda
 from kprobes.symbols.elf import ElfImage, Symbol
 from kprobes.symbols.lsda import LsdaError, landing_pads
 
@@ -36,18 +36,18 @@ def function_parts(image: ElfImage, path: str, name: str, start: int) -> Functio
     names = [base, f"{base}.cold", *(f"{base}.cold.{n}" for n in range(_COLD_PARTS))]
     others: list[Symbol] = []
     pads: list[int] = []
-    may_have_pads = has_lsda(path)
     for part in names:
         for sym in image.lookup_all(part):
             if not sym.kind.is_function or sym.size <= 0:
                 continue
             if sym.value != start:
                 others.append(sym)
-            fde = find_fde(path, sym.value) if may_have_pads else None
-            if fde is None or fde.lsda is None:
+            found = find_lsda(path, sym.value)
+            if found is None:
                 continue
+            fde_start, lsda = found
             try:
-                pads += landing_pads(path, fde.lsda, fde.start)
+                pads += landing_pads(path, lsda, fde_start)
             except LsdaError as exc:
                 return f"its exception table cannot be read ({exc})"
     return FunctionParts(tuple(others), tuple(pads))
