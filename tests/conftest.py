@@ -74,6 +74,7 @@ BUILDS: dict[str, Build] = {
     "allocs": Build("allocs.c", flags=("-O1", *DEBUG, "-pthread")),
     "shy": Build("shy.c"),
     "aliases": Build("aliases.c"),
+    "listing": Build("listing.c"),
     "rets_cxx": Build("rets_cxx.cpp", compiler="g++"),
     "coldpad": Build("coldpad.cpp", flags=("-O2", *DEBUG), compiler="g++"),
     "backtrace": Build("backtrace.c"),

@@ -6,6 +6,7 @@ and prints its own proc.list(); the CLI, a separate process, must print the same
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -57,6 +58,11 @@ def test_list_of_a_traced_process(popen, build, tmp_path):
     result = kprobes_cli("list", "-p", pid)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == listed
+    result = kprobes_cli("list", "-p", pid, "--json")  # the same rows, as objects
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(r["addr"], r["kind"], r["where"], r["module"]) for r in rows] == [
+        (work, "k", "work+0x0", "ticker")
+    ]
     assert support.is_alive(pid)
     # A second tracer cannot take the process.
     with pytest.raises(kprobes.errors.TargetError):

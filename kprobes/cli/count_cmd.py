@@ -23,7 +23,7 @@ from typing import Any
 from kprobes.cli.backends import Backend, Glob, Placed
 from kprobes.cli.notes import Progress, summarise
 from kprobes.cli.session import Session, add_common_arguments, exec_file, parse_spec
-from kprobes.cli.spellings import read_spelling
+from kprobes.cli.spellings import read_glob
 from kprobes.errors import NotMapped, ProbeError, SpecError
 from kprobes.model import Event
 from kprobes.output.counts import format_counts, format_counts_json, format_interval_header
@@ -86,12 +86,6 @@ def _is_pattern(text: str) -> bool:
     return not text.startswith(("p ", "p:", "r ", "r:")) and bool(_GLOB & set(word))
 
 
-def _as_pattern(text: str) -> str:
-    """A glob in a peer's spelling (``uprobe:/bin/prog:work*``, ``c:str*``) as ours."""
-    line = read_spelling(text)
-    return line[2:] if line != text and line.startswith("p ") else line
-
-
 def _in_file(pattern: str, exe: str | None) -> str:
     """A bare glob (``work*``) as one of the file ``-x`` names (``PATH:work*``)."""
     return f"{exe}:{pattern}" if exe and ":" not in pattern else pattern
@@ -101,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     # Counting needs no event when nothing filters or stops on them: our own probes then
     # count in place (an optimized probe counts in the program, with no record at all).
     args.count_only = args.filter is None and args.max_events is None
-    args.targets = [_as_pattern(t) if _is_pattern(t) else t for t in args.targets]
+    args.targets = [read_glob(t) if _is_pattern(t) else t for t in args.targets]
     exe = exec_file(args)
     patterns = [_in_file(t, exe) for t in args.targets if _is_pattern(t)]
     texts = [t for t in args.targets if not _is_pattern(t)]

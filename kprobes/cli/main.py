@@ -31,7 +31,11 @@ EXIT_USAGE = 2
 # given is imported: ``kprobes --help`` and ``--version`` import none of them (the ptrace
 # engine, the x86 decoder and the ELF reader are half a second of imports).
 COMMANDS: dict[str, tuple[str, str]] = {
-    "list": ("kprobes.cli.list_cmd", "list the probes placed in a traced process, or the kernel's"),
+    "list": (
+        "kprobes.cli.list_cmd",
+        "list the probes placed in a traced process, or the kernel's; -l: the functions "
+        "that can be probed",
+    ),
     "run": (
         "kprobes.cli.run_cmd",
         "run an instrumentation module: a Python file with init(target) and exit(target)",

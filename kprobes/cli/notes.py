@@ -25,15 +25,16 @@ def summarise(
     many: str,
     verbose: bool,
     kinds: Sequence[str] | None = None,
+    noun: str = "probes",
 ) -> list[str]:
     """Lines for ``notes``, (probe, reason) pairs: ``PROBE ONE: REASON`` each, with
-    ``verbose`` or up to ``FEW`` of them; else ``N probes MANY: n1 KIND1; n2 KIND2``, where a
+    ``verbose`` or up to ``FEW`` of them; else ``N NOUN MANY: n1 KIND1; n2 KIND2``, where a
     note's kind is ``kinds[i]``, or its reason without the details (``kind_of``)."""
     if verbose or len(notes) <= FEW:
         return [f"{name} {one}: {reason}" for name, reason in notes]
     counted = Counter(kinds if kinds is not None else [kind_of(reason) for _, reason in notes])
     parts = "; ".join(f"{n:,} {kind}" for kind, n in counted.most_common())
-    return [f"{len(notes):,} probes {many}: {parts} (-v lists them)"]
+    return [f"{len(notes):,} {noun} {many}: {parts} (-v lists them)"]
 
 
 def kind_of(reason: str) -> str:

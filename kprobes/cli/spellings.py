@@ -73,6 +73,13 @@ def read_spelling(text: str) -> str:
     return _libc(text)
 
 
+def read_glob(text: str) -> str:
+    """A glob in a peer's spelling (``uprobe:/bin/prog:work*``, ``c:str*``) as ours
+    (``/bin/prog:work*``, ``libc:str*``); anything else unchanged."""
+    line = read_spelling(text)
+    return line[2:] if line != text and line.startswith("p ") else line
+
+
 def _libc(text: str) -> str:
     """bcc's ``c`` is libc."""
     return _LIBC.sub("libc:", text.lstrip(), count=1)

@@ -27,6 +27,8 @@ from elftools.dwarf.constants import DW_CFA
 from elftools.dwarf.structs import DWARFStructs
 from elftools.elf.elffile import ELFFile
 
+from kprobes.symbols.ehframe import FdeHeader, RawEhFrame
+
 # -- decoded unwind tables -----------------------------------------------------------------
 
 
@@ -77,10 +79,17 @@ class Fde:
 class _Cfi:
     """The FDEs of one section (``.eh_frame`` or ``.debug_frame``), sorted by start."""
 
-    def __init__(self, info: CallFrameInfo, starts: list[int], offsets: list[int]) -> None:
+    def __init__(
+        self,
+        info: CallFrameInfo,
+        starts: list[int],
+        offsets: list[int],
+        raw: RawEhFrame | None = None,
+    ) -> None:
         self._info = info
         self._starts = starts
         self._offsets = offsets
+        self._raw = raw  # .eh_frame's headers, read without decoding the FDEs
         self._decoded: dict[int, Fde | None] = {}  # by offset; None for an unusable entry
         self._lock = threading.Lock()  # pyelftools parses from one shared stream
 
@@ -92,6 +101,23 @@ class _Cfi:
             fde = self._fde_at(self._offsets[index])
             if fde is not None and fde.start <= vaddr < fde.end:
                 return fde
+            if index == 0 or self._starts[index - 1] != self._starts[index]:
+                return None
+            index -= 1
+        return None
+
+    def find_lsda(self, vaddr: int) -> tuple[int, int | None] | None:
+        """(start, LSDA or None) of the FDE holding ``vaddr``, from its header alone where it
+        can be read so (ehframe.py); None when no FDE holds it."""
+        index = bisect.bisect_right(self._starts, vaddr) - 1
+        while index >= 0:
+            offset = self._offsets[index]
+            header = self._raw.header(offset) if self._raw is not None else None
+            if header is None:  # a form not read raw: decoded in full
+                fde = self._fde_at(offset)
+                header = None if fde is None else FdeHeader(fde.start, fde.end, fde.lsda)
+            if header is not None and header.start <= vaddr < header.end:
+                return header.start, header.lsda
             if index == 0 or self._starts[index - 1] != self._starts[index]:
                 return None
             index -= 1
@@ -254,6 +280,13 @@ class _FileCfi:
                 return fde
         return None
 
+    def find_lsda(self, vaddr: int) -> tuple[int, int | None] | None:
+        for section in self.sections:
+            found = section.find_lsda(vaddr)
+            if found is not None:
+                return found
+        return None
+
 
 _DW_EH_PE_OMIT: Final = 0xFF
 _DW_EH_PE_DATAREL_SDATA4: Final = 0x3B  # what every linker writes in the search table
@@ -297,9 +330,7 @@ def _full_index(info: CallFrameInfo) -> tuple[list[int], list[int]]:
     return [start for start, _ in fdes], [offset for _, offset in fdes]
 
 
-def _section_cfi(
-    elf: ELFFile, name: str, *, hdr_name: str | None
-) -> tuple[CallFrameInfo, list[int], list[int]] | None:
+def _section_cfi(elf: ELFFile, name: str, *, hdr_name: str | None) -> _Cfi | None:
     section = elf.get_section_by_name(name)
     if section is None or section.header.sh_type == "SHT_NOBITS":
         return None
@@ -317,7 +348,8 @@ def _section_cfi(
     if hdr is not None and hdr.header.sh_type != "SHT_NOBITS":
         table = _search_table(hdr.data(), hdr.header.sh_addr, address)
     starts, offsets = table if table is not None else _full_index(info)
-    return info, starts, offsets
+    raw = RawEhFrame(data, address) if name == ".eh_frame" else None
+    return _Cfi(info, starts, offsets, raw)
 
 
 def _read_file(path: str) -> _FileCfi:
@@ -331,7 +363,7 @@ def _read_file(path: str) -> _FileCfi:
                 except _PARSE_ERRORS:
                     continue  # a damaged table: the other one, or frame pointers
                 if found is not None:
-                    sections.append(_Cfi(*found))
+                    sections.append(found)
     except (OSError, *_PARSE_ERRORS):
         return _FileCfi(())
     return _FileCfi(tuple(sections))
@@ -356,6 +388,16 @@ def _cfi_of(path: str) -> _FileCfi:
     cfi = _read_file(path)
     with _cache_lock:
         return _cache.setdefault(key, cfi)
+
+
+def find_lsda(path: str, vaddr: int) -> tuple[int, int] | None:
+    """(start of the FDE, its LSDA) when the FDE covering link-time ``vaddr`` of the file at
+    ``path`` points to an exception table; None otherwise. ``find_fde(...).lsda``, without
+    decoding the FDE's instructions where its header can be read alone (ehframe.py)."""
+    found = _cfi_of(path).find_lsda(vaddr)
+    if found is None or found[1] is None:
+        return None
+    return found[0], found[1]
 
 
 def find_fde(path: str, vaddr: int) -> Fde | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kprobes.arch.x86_64.jumpopt import Refusal, find_region
-from kprobes.symbols.cfi import find_fde
+from kprobes.symbols.cfi import find_fde, find_lsda
 from kprobes.symbols.elf import ElfImage
 from kprobes.symbols.lsda import LsdaError, landing_pads, parse_landing_pads
 
@@ -94,6 +94,24 @@ def test_a_region_over_a_pad_is_refused(program: Path) -> None:
         assert f"{pad:#x} inside the region is entered from elsewhere" in refusal.reason
         without = find_region(body, sym.value, addr, sym.size)
         assert not isinstance(without, Refusal) or without.reason != refusal.reason
+
+
+def test_an_fdes_lsda_read_from_its_header_is_the_full_decoders(program: Path) -> None:
+    """``find_lsda`` reads the FDE's header alone (ehframe.py); pyelftools' decode of the whole
+    FDE (``find_fde``) is the reference, over every function of C++ programs and libraries
+    (with exception tables) and of libc (a few, for thread cancellation)."""
+    files = [
+        program,
+        *(Path("/usr/lib/x86_64-linux-gnu") / n for n in ("libstdc++.so.6", "libc.so.6")),
+    ]
+    with_lsda = 0
+    for path in (str(f) for f in files if f.exists()):
+        for start in sorted({s.value for s in ElfImage.open(path).iter_functions()}):
+            fde = find_fde(path, start)
+            expected = (fde.start, fde.lsda) if fde is not None and fde.lsda is not None else None
+            assert find_lsda(path, start) == expected, (path, hex(start))
+            with_lsda += expected is not None
+    assert with_lsda > 0
 
 
 def test_bytes_in_pads_out() -> None:

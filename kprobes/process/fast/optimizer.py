@@ -47,9 +47,8 @@ from kprobes.errors import NotRelocatable, TargetError
 from kprobes.process.engine.breakpoints import JUMP_LEN
 from kprobes.process.engine.threads import ThreadState
 from kprobes.process.inject import calls
-from kprobes.symbols.cfi import find_fde
-from kprobes.symbols.lsda import LsdaError, landing_pads
 from kprobes.symbols.maps import read_maps
+from kprobes.symbols.parts import function_parts
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -65,7 +64,6 @@ if TYPE_CHECKING:
     from kprobes.process.fast.state import JumpState
     from kprobes.process.inject.program import ProgramCalls
 
-_COLD_PARTS: Final = 8  # foo.cold.0 .. foo.cold.7: older gcc's names of a function's parts
 _DETOUR_ALIGN: Final = 16
 # The longest region a jump displaces: whole instructions over its five bytes, the last of
 # which may begin at the fifth.
@@ -298,26 +296,15 @@ class Optimizer:
         found = None if module is None else module.image.function_at(loc.addr - module.bias)
         if module is None or found is None:
             return [], []
-        base = found[0].name.partition(".cold")[0]
-        names = [base, f"{base}.cold", *(f"{base}.cold.{n}" for n in range(_COLD_PARTS))]
-        fragments, pads = [], []
-        for name in names:
-            for sym in module.image.lookup_all(name):
-                if not sym.kind.is_function or sym.size <= 0:
-                    continue
-                start = module.bias + sym.value
-                if start != loc.func_start:
-                    fragments.append((start, self._program.original(start, sym.size)))
-                fde = find_fde(module.path, sym.value)
-                if fde is None or fde.lsda is None:
-                    continue
-                try:
-                    pads += [
-                        module.bias + pad for pad in landing_pads(module.path, fde.lsda, fde.start)
-                    ]
-                except LsdaError as exc:
-                    return f"its exception table cannot be read ({exc})"
-        return fragments, pads
+        bias = module.bias
+        parts = function_parts(module.image, module.path, found[0].name, loc.func_start - bias)
+        if isinstance(parts, str):
+            return parts
+        fragments = [
+            (bias + sym.value, self._program.original(bias + sym.value, sym.size))
+            for sym in parts.others
+        ]
+        return fragments, [bias + pad for pad in parts.pads]
 
     def unoptimize(self, site: ProbeSite, *, rearm: bool) -> None:
         """Put the original bytes back, then the int3 if ``rearm``. The world is held."""
