@@ -1,16 +1,18 @@
 """``python -m bench.counting``: what ``kprobes count`` on the kernel's uprobes costs the program.
 
-``kprobes count --backend uprobes -c CMD FUNC`` has the kernel count the hits (perf counters
-on the uprobe event, no record written: kprobes/linux/perf.py). Its cost to the program should
-be the kernel's uprobe alone. Side by side, alternating, in one run, each the program's own
-ns per call of the bench target (bench/target.c: the loop timed from inside):
+``kprobes count --backend uprobes -x PROG FUNC`` (every process that runs PROG) has the kernel
+count the hits (perf counters on the uprobe event, no record written: kprobes/linux/perf.py).
+Its cost to the program should be the kernel's uprobe alone. Side by side, alternating, in one
+run, each the program's own ns per call of the bench target (bench/target.c: the loop timed
+from inside), the tool started first and ended with SIGINT once the program has run:
 
 - ``none``: no probe;
 - ``uprobe``: the kernel's uprobe enabled through tracefs in an instance nobody reads (the
   uprobes peer of ``python -m bench``);
-- ``count``: ``kprobes count --backend uprobes -c``: counted in the kernel;
+- ``count``: counted in the kernel;
 - ``count --filter``: the same with a filter that keeps every event, which makes the command
-  read and decode each event to count it (how every ``count`` on this backend worked before).
+  read and decode each event to count it (how every ``count`` on this backend worked before,
+  and how ``-p``/``-c`` still do).
 
 Each run checks the count the tool printed against the calls made.
 """
@@ -18,11 +20,16 @@ Each run checks the count the tool printed against the calls made.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 from bench.build import build_all
 from bench.peer import Row
@@ -46,6 +53,22 @@ def _counted(stdout: str, func: str) -> int:
     raise RuntimeError(f"no count of {func} in {stdout[-500:]!r}")
 
 
+def _wait_armed(pid: int, timeout: float = 60) -> None:
+    """Until the tool's probe counts: its counters open, or its event enabled."""
+    group = Path(f"/sys/kernel/tracing/instances/kprobes_{pid}/events/kprobes_{pid}")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        fds = Path(f"/proc/{pid}/fd")
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd) == "anon_inode:[perf_event]" for fd in fds.iterdir()):
+                return
+            events = [e for e in group.iterdir() if e.is_dir()]
+            if any((e / "enable").read_text().strip() == "1" for e in events):
+                return
+        time.sleep(0.05)
+    raise RuntimeError("the tool did not place its probe")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
@@ -56,7 +79,6 @@ def main() -> None:
         sys.exit(f"bench.counting: {why}")
     programs = build_all()
     target, func, calls = str(programs.target), args.func, args.calls
-    command = f"{target} {func} {calls}"
 
     def plain() -> float:
         return _ns(
@@ -74,11 +96,19 @@ def main() -> None:
 
     def tool(*extra: str) -> Callable[[], float]:
         def run() -> float:
-            argv = [*KPROBES, "count", "--backend", "uprobes", *extra, "-c", command, func]
-            out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
-            if (hits := _counted(out, func)) != calls:
+            argv = [*KPROBES, "count", "--backend", "uprobes", *extra, "-x", target, func]
+            with subprocess.Popen(
+                argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            ) as proc:
+                try:
+                    _wait_armed(proc.pid)
+                    out = subprocess.run([target, func, str(calls)], capture_output=True, text=True)
+                finally:
+                    proc.send_signal(signal.SIGINT)
+                    table, _ = proc.communicate(timeout=300)
+            if (hits := _counted(table, func)) != calls:
                 raise RuntimeError(f"{' '.join(extra) or 'count'}: {hits} of {calls} calls")
-            return _ns(out)
+            return _ns(out.stdout)
 
         return run
 

@@ -571,6 +571,16 @@ def file_bytes(path: Path | str, vaddr: int, n: int) -> bytes:
 KPROBES = Path(sys.executable).parent / "kprobes"  # the console script of the install
 
 
+def perf_event_fds(pid: int) -> int:
+    """How many perf event files process ``pid`` holds (the kernel's counters of a ``count``
+    on the kernel's backends: kprobes/linux/perf.py)."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[perf_event]"
+    return n
+
+
 def cli(*args: object, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """``kprobes ARGS...`` to its end, its output captured as text."""
     return subprocess.run(

@@ -36,3 +36,12 @@ def in_own_file(spec: ProbeSpec, exe: str | None) -> ProbeSpec:
         group=spec.effective_group,
         event=spec.effective_event,
     )
+
+
+def in_file(spec: ProbeSpec, path: str) -> ProbeSpec:
+    """``work`` as ``PATH:work`` (``-x PATH``), the spec's names as the user gave them: its
+    group stays unset (a kernel backend's session puts its events in a group of its own)."""
+    loc = spec.location
+    if not isinstance(loc, SymbolLocation) or loc.module is not None:
+        return spec
+    return replace(spec, location=replace(loc, module=path), event=spec.effective_event)

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 from kprobes.cli.backends import Backend, Placed, PtraceBackend, Sink, add_backend_arguments
 from kprobes.cli.notes import summarise
-from kprobes.cli.ownfile import in_own_file
+from kprobes.cli.ownfile import in_file
 from kprobes.cli.sigint import RunInterrupted, SafeInterrupt
 from kprobes.cli.spellings import read_spelling
 from kprobes.cli.targets import add_target_arguments, say_pending
@@ -137,7 +137,7 @@ class Session:
     def __init__(self, args: argparse.Namespace, specs: Sequence[ProbeSpec]) -> None:
         self.args = args
         exe = exec_file(args)
-        self.specs = [in_own_file(spec, exe) for spec in specs] if exe else list(specs)
+        self.specs = [in_file(spec, exe) for spec in specs] if exe else list(specs)
         self.events = 0
         self.filtered = 0  # did not pass --filter
         self.unprinted = 0  # read after -n was reached

@@ -108,11 +108,11 @@ class TraceFsBackend(Backend):
         super().__init__()
         self.entry_times = entry_times
         self._unread = 0
-        # Only hits wanted, of a whole tree of processes or of every one: the kernel counts
-        # them (kprobes/linux/perf.py). -p alone keeps a process's threads but not its
-        # children, which a counter cannot tell apart: events, as for a filter.
-        self._in_kernel = getattr(args, "count_only", False) and (
-            args.pid is None or getattr(args, "follow_forks", False)
+        # Only hits wanted, of every process that runs the file: the kernel counts them
+        # (kprobes/linux/perf.py). Those of some processes (-p, -c) are told apart by events:
+        # a counter that follows a process and its children loses hits (docs/decisions.md).
+        self._in_kernel = (
+            getattr(args, "count_only", False) and args.pid is None and args.command is None
         )
         self._spawned: Process | None = None
         group = _group_of(specs)
@@ -199,19 +199,11 @@ class TraceFsBackend(Backend):
         return list(done)
 
     def _count(self, placed: TracePlaced) -> bool:
-        """Counters on ``placed``'s event for the processes of the session; False (none
-        left open) where the kernel will not count it so (no perf events, out of files)."""
+        """Counters on ``placed``'s event, one per CPU; False (none left open) where the
+        kernel will not count it so (no perf events, out of files)."""
         event_id = int(self.target.fs.read("events", *placed.event.split("/"), "id"))
-        try:
-            if self.command_pid is not None:  # the command and everything it starts
-                held = isinstance(self.target, Uprobes)  # held before its exec: count from it
-                placed.counters.append(
-                    Counter(event_id, pid=self.command_pid, inherit=True, on_exec=held)
-                )
-            elif self.target.pid is not None:  # -p --follow-forks: each thread, and their own
-                _count_threads(placed, event_id, self.target.pid)
-            else:  # every process: one counter per CPU
-                placed.counters += [Counter(event_id, cpu=cpu) for cpu in _online_cpus()]
+        try:  # every process: one counter per CPU
+            placed.counters += [Counter(event_id, cpu=cpu) for cpu in _online_cpus()]
         except (TraceFsError, OSError):
             for counter in placed.counters:
                 counter.close()
@@ -316,26 +308,6 @@ def _path_of(specs: Sequence[ProbeSpec], patterns: Sequence[str]) -> str:
             errno=errno.EINVAL,
         )
     return os.path.realpath(paths.pop())
-
-
-def _count_threads(placed: TracePlaced, event_id: int, pid: int) -> None:
-    """A counter on each thread of ``pid``, each inherited by what it starts; listed again
-    until no thread is new (one may start while the counters are opened)."""
-    counted: set[int] = set()
-    while True:
-        try:
-            tids = {int(t) for t in os.listdir(f"/proc/{pid}/task")} - counted
-        except FileNotFoundError:
-            return  # it exited: nothing more to count
-        if not tids:
-            return
-        for tid in tids:
-            counted.add(tid)
-            try:
-                placed.counters.append(Counter(event_id, pid=tid, inherit=True))
-            except TraceFsError as exc:
-                if exc.errno != errno.ESRCH:
-                    raise  # ESRCH: the thread ended meanwhile, and its hits are counted
 
 
 def _online_cpus() -> list[int]:

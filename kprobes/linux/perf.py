@@ -9,10 +9,12 @@ makes the kernel add one to a counter instead, which ``read()`` returns: what ``
 probe:work`` does. With a pid, the kernel's uprobe is placed only in that process's memory
 (``uprobe_perf_filter``): other processes that run the file do not even trap.
 
-One counter counts one task, or one CPU for every task (``pid=-1``); ``inherit`` adds the
-tasks the counted one creates from then on (threads and child processes alike), and
-``enable_on_exec`` starts a counter at the task's next ``execve`` (a command held before its
-exec is counted from its first instruction, not in the fork's Python before it).
+One counter counts one task, or one CPU for every task (``pid=-1``: what the command line
+uses). Rejected: counters on a process with ``inherit`` (its threads and children): on this
+kernel (6.18) they lost hits of short-lived children now and then (0 to 200 of 3,859 mallocs
+of a wrapper script's tree, where the events counted every one), most likely as the uprobe's
+per-process filter made the kernel take the breakpoint out of a process it had not yet
+counted as one of the event's (``UPROBE_HANDLER_REMOVE``).
 """
 
 from __future__ import annotations
@@ -27,9 +29,6 @@ from kprobes.errors import TraceFsError
 _NR_PERF_EVENT_OPEN: Final = 298  # x86-64
 PERF_TYPE_TRACEPOINT: Final = 2
 _ATTR_SIZE: Final = 64  # PERF_ATTR_SIZE_VER0: type .. config1
-_DISABLED: Final = 1 << 0
-_INHERIT: Final = 1 << 1
-_ENABLE_ON_EXEC: Final = 1 << 12
 _FD_CLOEXEC: Final = 1 << 3  # PERF_FLAG_FD_CLOEXEC
 _IOC_DISABLE: Final = 0x2401  # PERF_EVENT_IOC_DISABLE
 
@@ -48,10 +47,8 @@ class Counter:
         *,
         pid: int = -1,
         cpu: int = -1,
-        inherit: bool = False,
-        on_exec: bool = False,
     ) -> None:
-        flags = (_INHERIT if inherit else 0) | (_DISABLED | _ENABLE_ON_EXEC if on_exec else 0)
+        flags = 0
         # type, size, config, sample_period, sample_type, read_format, flags, wakeup_events,
         # bp_type, config1
         attr = ctypes.create_string_buffer(
