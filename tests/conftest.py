@@ -49,6 +49,7 @@ BUILDS: dict[str, Build] = {
     "passon": Build("passon.c"),
     "checker": Build("checker.c", flags=("-O1", *DEBUG, "-pthread")),
     "ticker": Build("ticker.c"),
+    "stamps": Build("stamps.c"),
     "threads": Build("threads.c", flags=("-O1", *DEBUG, "-pthread")),
     "placement": Build("placement.c", flags=("-O1", *DEBUG, "-pthread")),
     "optimized": Build("optimized.c", flags=("-O1", *DEBUG, "-pthread")),

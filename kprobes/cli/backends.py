@@ -224,6 +224,12 @@ class Backend(abc.ABC):
         """A line for a traced program that a signal killed while we traced it, else ""."""
         return ""
 
+    @property
+    def event_clock(self) -> int:
+        """The POSIX clock of the events' ``timestamp`` (``wallclock.py``): our own
+        backend's is CLOCK_MONOTONIC (``time.monotonic()``, and the TSC turned into it)."""
+        return time.CLOCK_MONOTONIC
+
     def left_behind(self) -> list[str]:
         """After ``close``: what stays in the program and why (one line each)."""
         return []

@@ -35,6 +35,7 @@ from kprobes.cli.ownfile import in_own_file
 from kprobes.cli.sigint import RunInterrupted, SafeInterrupt
 from kprobes.cli.spellings import read_spelling
 from kprobes.cli.targets import add_target_arguments, say_pending
+from kprobes.cli.wallclock import realtime_offset_ns
 from kprobes.errors import SpecError, TargetError
 from kprobes.model import Event
 from kprobes.output.status import format_status, format_summary
@@ -163,6 +164,10 @@ class Session:
         self.prepare: Callable[[Backend], None] | None = None
         self.patterns: list[str] = []  # the globs ``prepare`` places (they may name the file)
         self.entry_times = False  # return events must carry entry_timestamp (latency)
+        self.wall_clock = False  # the events are wanted on the wall clock (trace -T)
+        # CLOCK_REALTIME minus the events' clock, measured once as the run starts
+        # (wallclock.py); None until then, and without ``wall_clock``.
+        self.wall_offset_ns: int | None = None
         self._interrupt = SafeInterrupt()
 
     @staticmethod
@@ -234,6 +239,8 @@ class Session:
         interrupt = self._interrupt
         asked: float | None
         try:
+            if self.wall_clock:
+                self.wall_offset_ns = realtime_offset_ns(backend.event_clock)
             if self.prepare is not None:
                 self.prepare(backend)
             if not interrupt.interrupted:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from kprobes.cli.backends import UPROBES_BUFFER_KB, Backend, Placed, Sink
 from kprobes.cli.notes import Progress
 from kprobes.cli.targets import command_argv
+from kprobes.cli.wallclock import trace_clock_id
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe
 from kprobes.errors import ProbeError, ProbeRejected, SpecError, TargetError, TraceFsError
@@ -221,6 +222,11 @@ class TraceFsBackend(Backend):
 
     def functions(self, pattern: str) -> list[tuple[str, ...]]:
         return self.target.function_names(pattern)
+
+    @property
+    def event_clock(self) -> int:
+        """The instance's trace clock (``mono`` wherever the kernel has it: session.py)."""
+        return trace_clock_id(self.target.session.trace_clock())
 
     def run(self, timeout: float | None) -> bool:
         self._release()  # every probe is placed once events are wanted
