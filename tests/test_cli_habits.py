@@ -93,3 +93,93 @@ def test_T_prints_the_time_of_day_in_place_of_the_seconds(build: Callable[[str],
         day = datetime.fromtimestamp(before // 10**9).strftime("%Y-%m-%d")  # the local date
         hit = ns_of(datetime.strptime(f"{day} {clock}", "%Y-%m-%d %H:%M:%S.%f"))
         assert before - ROUNDING <= hit <= after + ROUNDING, (i, before, hit, after)
+
+
+# -- latency -i, hist -i --------------------------------------------------------------------------
+
+CLOCK = re.compile(r"\d\d:\d\d:\d\d")
+
+
+def intervals(stdout: str, header: re.Pattern[str]) -> list[list[str]]:
+    """The lines of each interval, each list opening with its header line (the lines before
+    the first header are left out)."""
+    parts: list[list[str]] = []
+    for line in stdout.splitlines():
+        if header.fullmatch(line):
+            parts.append([line])
+        elif parts:
+            parts[-1].append(line)
+    return parts
+
+
+def hist_counts(lines: list[str]) -> int:
+    """The sum of a log2 histogram's counts (``LOW -> HIGH : COUNT |...|`` rows)."""
+    return sum(int(line.split(":")[1].split("|")[0]) for line in lines if "->" in line)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_latency_i_prints_and_resets_the_histogram_every_interval(
+    build: Callable[[str], Path], backend: str
+) -> None:
+    calls = 15
+    r = cli("latency", "--backend", backend, "-i", "0.2", "-c", f"{build('ticker')} {calls} 60000",
+            "work")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    parts = intervals(r.stdout, CLOCK)
+    assert len(parts) >= 2, r.stdout  # the run lasts 0.9 s at least
+    counts = [hist_counts(part) for part in parts]
+    assert sum(counts) == calls, r.stdout  # each call in one interval: reset between them
+    for part, n in zip(parts, counts, strict=True):
+        average = [line for line in part if line.startswith("avg = ")]
+        assert len(average) == (1 if n else 0), r.stdout  # funclatency's: none when empty
+        if n:
+            assert re.fullmatch(rf"avg = \d+ nsecs, total: \d+ nsecs, count: {n}", average[0])
+    lines = r.stdout.splitlines()
+    at = [i for i, line in enumerate(lines) if CLOCK.fullmatch(line)]  # each interval's line
+    assert "done" in " ".join(lines[: at[-1]]), r.stdout  # the last at the end, partial
+    if backend == "ptrace":
+        # A return is counted (at its trap) before the program prints its tick line, and the
+        # next call comes after that line: up to each interval's time, the calls counted are
+        # the tick lines printed before it, or one more.
+        seen = 0
+        for start, n in zip(at, counts, strict=True):
+            seen += n
+            ticks = sum(1 for line in lines[:start] if line.startswith("tick "))
+            assert ticks <= seen <= ticks + 1, r.stdout
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hist_i_prints_and_resets_the_table_every_interval(
+    build: Callable[[str], Path], backend: str
+) -> None:
+    calls = 12
+    r = cli("hist", "--backend", backend, "-i", "0.2", "-c", f"{build('stamps')} {calls} 60000",
+            "work i=%di:u64", "--key", "i")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    parts = intervals(r.stdout, re.compile(r"\[\d\d:\d\d:\d\d\]"))
+    assert len(parts) >= 2, r.stdout
+    values: list[int] = []
+    for part in parts:
+        assert part[1:3] == ["p_work_0:i", "\tCOUNT      EVENT"], r.stdout
+        rows = [line.split() for line in part[3:] if line.startswith("\t")]
+        assert all(count == "1" for count, _ in rows), r.stdout
+        values += [int(value) for _, value in rows]
+    assert sorted(values) == list(range(calls)), r.stdout  # each value once: reset each time
+
+    r = cli("hist", "--backend", backend, "-i", "0.2", "-H", "-c",
+            f"{build('stamps')} {calls} 60000", "work i=%di:u64", "--key", "i")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    parts = intervals(r.stdout, re.compile(r"\[\d\d:\d\d:\d\d\]"))
+    assert len(parts) >= 2 and sum(map(hist_counts, parts)) == calls, r.stdout
+
+
+@pytest.mark.parametrize("command", ["latency work", "hist work --key x", "count work"])
+@pytest.mark.parametrize("seconds", ["0", "-1", "soon"])
+def test_i_needs_a_number_of_seconds_above_0(command: str, seconds: str) -> None:
+    name, *rest = command.split()
+    r = cli(name, "-c", "true", "-i", seconds, *rest)
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[-1] == (
+        f"kprobes {name}: error: argument -i/--interval: '{seconds}' is not a number of "
+        "seconds above 0"
+    )

@@ -80,6 +80,29 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:  # a NaN is not either
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
+    return value
+
+
+def add_interval_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """``-i SECONDS``: print and reset ``what`` every interval (``Session.interval``), as
+    bcc's tools do; each interval opens with its time, the last, partial, at the end."""
+    parser.add_argument(
+        "-i",
+        "--interval",
+        type=_seconds,
+        metavar="SECONDS",
+        help=f"print and reset {what} every SECONDS, each interval under its time "
+        "(HH:MM:SS); the last, partial, at the end",
+    )
+
+
 _COMMAND = re.compile(r"\s*(?:(?:p|r\d*)(?::\S*)?(?:\s|$)|-:)")
 
 
