@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import subprocess
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -25,6 +27,7 @@ pytestmark = pytest.mark.ptrace
 
 cli = support.cli
 BACKENDS = support.CLI_BACKENDS
+NEEDS_UPROBES = support.needs_uprobes
 
 
 # -- trace -T ------------------------------------------------------------------------------------
@@ -58,7 +61,7 @@ ROUNDING = 1000
     [
         ("ptrace", ("--no-optimize",), ROUNDING),
         ("ptrace", (), TSC_FIT),
-        pytest.param("uprobes", (), ROUNDING, marks=support.needs_uprobes),
+        pytest.param("uprobes", (), ROUNDING, marks=NEEDS_UPROBES),
     ],
     ids=["ptrace-trap", "ptrace-jump", "uprobes"],
 )
@@ -183,3 +186,182 @@ def test_i_needs_a_number_of_seconds_above_0(command: str, seconds: str) -> None
         f"kprobes {name}: error: argument -i/--interval: '{seconds}' is not a number of "
         "seconds above 0"
     )
+
+
+# -- -p A,B: several processes in one command ------------------------------------------------------
+
+
+class Gated:
+    """A program started by ``sh -c 'read x; exec PROG ARGS'``: attached to while the shell
+    waits, then let go (``go``), so that the probes, pending on PROG's file, are in place
+    from its exec on and count every call it makes."""
+
+    def __init__(self, popen: Callable[..., subprocess.Popen[bytes]], prog: Path, *args: object):
+        self.prog = prog
+        words = " ".join(str(a) for a in (prog, *args))
+        self.proc = popen(["sh", "-c", f"read x; exec {words}"], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE)  # fmt: skip
+        self.pid = self.proc.pid
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b"go\n")
+        self.proc.stdin.close()
+
+    def output(self) -> list[str]:
+        """Its lines, once it has ended (exit status 0)."""
+        assert self.proc.stdout is not None
+        out = self.proc.stdout.read()
+        assert self.proc.wait(timeout=120) == 0
+        return out.decode().splitlines()
+
+
+def run_gated(
+    popen, tmp_path: Path, backend: str, args: list[object], *gated: Gated
+) -> tuple[str, str]:
+    """``kprobes ARGS`` on the gated programs: once its probes are placed (ours say they are
+    pending; the kernel's are in ``uprobe_events``, on the first program's file), each
+    program is let go; (stdout, stderr) once the command has ended, by itself."""
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "wb") as o, open(err, "wb") as e:
+        tool = popen([support.KPROBES, args[0], "--backend", backend, *args[1:]], stdout=o,
+                     stderr=e, stdin=subprocess.DEVNULL)  # fmt: skip
+
+    def placed() -> bool:
+        assert tool.poll() is None, f"the command ended: {err.read_text()}"
+        if backend == "uprobes":
+            events = Path(str(support.tracefs_root()), "uprobe_events").read_text()
+            return str(gated[0].prog.resolve()) in events
+        return "is pending" in err.read_text()
+
+    support.wait_until(placed, 60, "the probes placed")
+    for one in gated:
+        one.go()
+    assert tool.wait(timeout=120) == 0, err.read_text()
+    return out.read_text(), err.read_text()
+
+
+@pytest.fixture
+def ticker(build: Callable[[str], Path]) -> Path:
+    return build("ticker")
+
+
+@pytest.fixture
+def stamps(build: Callable[[str], Path]) -> Path:
+    return build("stamps")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_count_sums_over_the_processes_each_counted_whole(
+    popen, tmp_path, ticker, backend: str
+) -> None:
+    a, b = Gated(popen, ticker, 30, 5000), Gated(popen, ticker, 45, 5000)
+    out, _ = run_gated(popen, tmp_path, backend, ["count", "-p", f"{a.pid},{b.pid}",
+                                                  "--pending", f"{ticker}:work"], a, b)  # fmt: skip
+    made = sum(line.startswith("tick ") for line in a.output() + b.output())
+    assert made == 75
+    assert out.splitlines()[1:] == [f"{f'{ticker}:work':<36} {made:>8}"], out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_event_carries_its_process_and_one_ending_ends_none_other(
+    popen, tmp_path, ticker, stamps, backend: str
+) -> None:
+    # -p given twice; the ticker, the first, ends long before the other: the session goes on.
+    a, b = Gated(popen, ticker, 5, 1000), Gated(popen, stamps, 60, 20000)
+    out, _ = run_gated(popen, tmp_path, backend, ["trace", "--json", "-p", a.pid, "-p", b.pid,
+                                                  "--pending", f"{ticker}:work i=%di:s64",
+                                                  f"{stamps}:work i=%di:s64"], a, b)  # fmt: skip
+    seen: dict[int, list[int]] = {a.pid: [], b.pid: []}
+    for line in out.splitlines():
+        event = json.loads(line)
+        seen[event["pid"]].append(event["args"]["i"])
+        assert event["comm"] == {a.pid: "ticker", b.pid: "stamps"}[event["pid"]], event
+    # Each program's calls, as it says it made them, every one and in order.
+    assert seen[a.pid] == [int(line.split()[1]) for line in a.output() if line[:4] == "tick"]
+    assert seen[b.pid] == [int(line.split()[1]) for line in b.output() if line[:4] == "call"]
+    assert (len(seen[a.pid]), len(seen[b.pid])) == (5, 60)
+
+
+def started_tickers(
+    popen, ticker: Path, tmp_path: Path
+) -> list[tuple[subprocess.Popen[bytes], Path]]:
+    """Two tickers that run for a minute, libc mapped, each writing to its own file."""
+    started = []
+    for name in ("a", "b"):
+        path = tmp_path / f"{name}.out"
+        with open(path, "wb") as out:
+            started.append((popen([ticker, 3000, 20000], stdout=out), path))
+    for _, path in started:
+        support.wait_for_lines(path, 2, 10)
+    return started
+
+
+@pytest.mark.parametrize(
+    ("backend", "ending"),
+    [("ptrace", "-d"), ("ptrace", "SIGINT"), pytest.param("uprobes", "-d", marks=NEEDS_UPROBES)],
+)
+def test_every_process_is_let_go_untouched(
+    popen, tmp_path, ticker, backend: str, ending: str
+) -> None:
+    (a, a_out), (b, b_out) = started_tickers(popen, ticker, tmp_path)
+    args = ["trace", "--backend", backend, "-p", f"{a.pid},{b.pid}", "work", "r work"]
+    if ending == "-d":
+        r = cli(*args, "-d", "1")
+        assert r.returncode == 0, r.stderr
+        pids = {int(m.group(1)) for m in re.finditer(r"ticker-(\d+) ", r.stdout)}
+        assert pids == {a.pid, b.pid}, r.stdout  # a second of each program's calls
+    else:
+        err = tmp_path / "err"
+        with open(tmp_path / "out", "wb") as o, open(err, "wb") as e:
+            tool = popen([support.KPROBES, *args], stdout=o, stderr=e)
+        for pid in (a.pid, b.pid):  # a jump or an int3 on work in each
+            addr = support.runtime_address(pid, ticker, "work")
+
+            def placed(pid: int = pid, addr: int = addr) -> bool:
+                assert tool.poll() is None, err.read_text()
+                return support.raw_read(pid, addr, 1) in (b"\xcc", b"\xe9")
+
+            support.wait_until(placed, 60, f"the probe on work in {pid}")
+        tool.send_signal(signal.SIGINT)
+        assert tool.wait(timeout=60) == 0, err.read_text()
+    for prog, path in ((a, a_out), (b, b_out)):
+        support.assert_untouched(prog.pid, ticker)
+        lines = len(support.file_lines(path))
+        support.wait_for_lines(path, lines + 2, 10)  # it goes on ticking
+        assert prog.poll() is None
+
+
+def test_an_error_in_the_second_process_leaves_the_first_untouched(
+    popen, tmp_path, ticker
+) -> None:
+    (a, _), _ = started_tickers(popen, ticker, tmp_path)
+    other = popen(["sleep", "60"])
+    r = cli("trace", "-p", f"{a.pid},{other.pid}", "work")  # sleep has no work()
+    assert r.returncode == 1
+    assert r.stderr.splitlines() == [
+        f"kprobes: no symbol 'work' in {Path('/proc', str(other.pid), 'exe').resolve()} "
+        "(searched .dynsym)"
+    ]
+    support.assert_untouched(a.pid, ticker)
+    r = cli("trace", "-p", f"{a.pid},2", "work")
+    assert (r.returncode, r.stderr) == (
+        1, "kprobes: process 2 (kthreadd) is a kernel thread: only user processes can be traced\n"
+    )
+    support.assert_untouched(a.pid, ticker)
+    assert a.poll() is None
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["trace", "-p", "12,x", "work"], "argument -p/--pid: 'x' is not a process id"),
+        (["trace", "-p", "12,,13", "work"], "argument -p/--pid: '' is not a process id"),
+        (["run", "m.py", "-p", "12,13"],
+         "argument -p/--pid: one process only (several: trace, count, ...)"),
+    ],
+)
+def test_p_takes_process_ids(args: list[str], error: str) -> None:
+    r = cli(*args)
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[-1] == f"kprobes {args[0]}: error: {error}"

@@ -169,7 +169,7 @@ class _Tally:
                 glob = Glob(pattern, parse_spec, self.took, self.args.max_probes)
                 if backend.watch(glob):
                     continue
-                if self.args.backend != "ptrace" or self.args.pid is None:
+                if self.args.backend != "ptrace" or self.args.pids is None:
                     raise
                 raise NotMapped(
                     f"{exc}; --pending waits until it loads it", errno=exc.errno

@@ -29,9 +29,10 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from kprobes.cli.backends import Backend, Placed, PtraceBackend, Sink, add_backend_arguments
+from kprobes.cli.backends import Backend, Placed, Sink, add_backend_arguments
 from kprobes.cli.notes import summarise
 from kprobes.cli.ownfile import in_own_file
+from kprobes.cli.ptrace_backend import PtraceBackend
 from kprobes.cli.sigint import RunInterrupted, SafeInterrupt
 from kprobes.cli.spellings import read_spelling
 from kprobes.cli.targets import add_target_arguments, say_pending
@@ -156,7 +157,7 @@ def event_fields(event: Event) -> dict[str, object]:
 
 
 class Session:
-    """One run of a tracing command against one process."""
+    """One run of a tracing command against its processes (or the kernel)."""
 
     def __init__(self, args: argparse.Namespace, specs: Sequence[ProbeSpec]) -> None:
         self.args = args
@@ -462,10 +463,10 @@ def open_backend(
     """The backend the options ask for (``--backend``/``--kernel``, ``-p``/``-c``);
     ``patterns`` are the globs that will be placed too (``count``)."""
     if args.backend == "ptrace":
-        if args.pid is None and args.command is None:
+        if args.pids is None and args.command is None:
             raise TargetError(
-                "the ptrace backend probes one process: give -p PID or -c CMD (or --kernel, "
-                "or --backend uprobes with /PATH:SYMBOL specs)",
+                "the ptrace backend probes processes: give -p PID[,PID...] or -c CMD (or "
+                "--kernel, or --backend uprobes with /PATH:SYMBOL specs)",
                 errno=errno.EINVAL,
             )
         return PtraceBackend(args, sink)

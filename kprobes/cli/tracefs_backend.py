@@ -1,6 +1,11 @@
 """The kernel's uprobes and kprobes as a backend of the tracing commands, through tracefs
 (``kprobes.Uprobes``/``kprobes.Kernel``): ``--backend uprobes`` and ``--kernel``. How a
-session picks its backend, and the ptrace one, are in backends.py.
+session picks its backend is in backends.py.
+
+``-p A,B`` is the instance's pid filter holding every one of them (``pids=``): the kernel
+records only their tasks, and the run ends when all have exited. On the uprobes backend the
+probes' places are read in the first process's files (a uprobe hangs on a file: the others
+hit it where they map the same file; a function of another program is named by its path).
 """
 
 from __future__ import annotations
@@ -113,7 +118,7 @@ class TraceFsBackend(Backend):
         # them (kprobes/linux/perf.py). -p alone keeps a process's threads but not its
         # children, which a counter cannot tell apart: events, as for a filter.
         self._in_kernel = getattr(args, "count_only", False) and (
-            args.pid is None or getattr(args, "follow_forks", False)
+            args.pids is None or getattr(args, "follow_forks", False)
         )
         self._spawned: Process | None = None
         group = _group_of(specs)
@@ -125,13 +130,14 @@ class TraceFsBackend(Backend):
             if args.command is not None:
                 self.command_pid = self.target.pid
             return
-        pid: int | None = args.pid
+        pids: list[int] = args.pids or []
         if args.command is not None:
             Kernel.require()  # before the command starts: refused, it never runs
             self._spawned = spawn(command_argv(args))
-            pid = self.command_pid = self._spawned.pid
+            pids = [self._spawned.pid]
+            self.command_pid = self._spawned.pid
         try:
-            self.target = Kernel(pid=pid, group=group, sink=sink)
+            self.target = Kernel(pids=pids, group=group, sink=sink)
             self.target.pages_per_read = PAGES_PER_READ
         except BaseException:
             self._detach_spawned()
@@ -149,9 +155,9 @@ class TraceFsBackend(Backend):
             return Uprobes(
                 command=command_argv(args), group=group, sink=sink, buffer_kb=UPROBES_BUFFER_KB
             )
-        if args.pid is not None:
+        if args.pids is not None:
             return Uprobes(
-                pid=args.pid,
+                pids=args.pids,
                 follow_forks=getattr(args, "follow_forks", False),
                 group=group,
                 sink=sink,
@@ -209,8 +215,9 @@ class TraceFsBackend(Backend):
                 placed.counters.append(
                     Counter(event_id, pid=self.command_pid, inherit=True, on_exec=held)
                 )
-            elif self.target.pid is not None:  # -p --follow-forks: each thread, and their own
-                _count_threads(placed, event_id, self.target.pid)
+            elif self.target.pids:  # -p --follow-forks: each thread, and their own
+                for pid in self.target.pids:
+                    _count_threads(placed, event_id, pid)
             else:  # every process: one counter per CPU
                 placed.counters += [Counter(event_id, cpu=cpu) for cpu in _online_cpus()]
         except (TraceFsError, OSError):
