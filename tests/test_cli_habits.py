@@ -332,6 +332,33 @@ def test_every_process_is_let_go_untouched(
         assert prog.poll() is None
 
 
+def test_follow_forks_follows_each_processs_tree(popen, build, tmp_path) -> None:
+    tree = build("tree")
+    trees = [popen([tree, n], stdin=subprocess.PIPE, stdout=subprocess.PIPE) for n in (3, 5)]
+    for one in trees:
+        assert one.stdout is not None and one.stdout.readline() == b"ready\n"
+    pids = ",".join(str(one.pid) for one in trees)
+    err = tmp_path / "err"
+    with open(tmp_path / "out", "wb") as o, open(err, "wb") as e:
+        tool = popen([support.KPROBES, "count", "--json", "-p", pids, "--follow-forks",
+                      "work", "leaf"], stdout=o, stderr=e)  # fmt: skip
+    for one in trees:  # a jump or an int3 on work in each
+        addr = support.runtime_address(one.pid, tree, "work")
+
+        def placed(pid: int = one.pid, addr: int = addr) -> bool:
+            assert tool.poll() is None, err.read_text()
+            return support.raw_read(pid, addr, 1) in (b"\xcc", b"\xe9")
+
+        support.wait_until(placed, 60, f"the probe on work in {one.pid}")
+    for one in trees:
+        one.communicate(b"go\n", timeout=120)
+        assert one.returncode == 0
+    assert tool.wait(timeout=120) == 0, err.read_text()
+    rows = [json.loads(line) for line in (tmp_path / "out").read_text().splitlines()]
+    # tree.c: work() 10N times in a tree, leaf() twice (its two children that exec it).
+    assert {row["probe"]: row["hits"] for row in rows} == {"work": 10 * (3 + 5), "leaf": 4}
+
+
 def test_an_error_in_the_second_process_leaves_the_first_untouched(
     popen, tmp_path, ticker
 ) -> None:

@@ -183,18 +183,17 @@ class Tracer:
         # Likewise a bound request is read into a local, then called: `req.cont()` compiles
         # to LOAD_METHOD, which 3.11 cannot specialise for a callable held in a slot.
         while True:
-            poll = self.ring_poll
-            if self.family:
-                if any(m.world.inbox or m.world.has_pending for m in self.family):
-                    self.lifecycle.pump_family()
-                if self.family and (poll or any(m.ring_poll for m in self.family)):
-                    poll = self.lifecycle.poll_family  # the members' rings are read here too
+            if self.family and any(m.world.inbox or m.world.has_pending for m in self.family):
+                self.lifecycle.pump_family()
             if not self.live and not self.family:
                 break
             if world.has_pending:
                 world.drain_pending()
             if deadline is not None and time.monotonic() >= deadline:
                 return False  # between stops, also while they never cease
+            poll = self.ring_poll
+            if self.family and (poll is not None or any(m.ring_poll for m in self.family)):
+                poll = self.lifecycle.poll_family  # the members' rings are read here too
             if poll is not None:
                 tid, status = world.wait_polling(deadline, poll)
             elif deadline is None and not inbox:
