@@ -332,6 +332,23 @@ def test_every_process_is_let_go_untouched(
         assert prog.poll() is None
 
 
+def test_a_second_processs_events_come_while_the_first_makes_none(
+    popen, tmp_path, ticker
+) -> None:
+    # The first calls work() once and sleeps; the second's events, read from its own ring
+    # while the first's loop waits, are the five -n asks for.
+    quiet, busy = tmp_path / "quiet", tmp_path / "busy"
+    with open(quiet, "wb") as q, open(busy, "wb") as b:
+        first = popen([ticker, 2, 100_000_000], stdout=q)
+        second = popen([ticker, 100_000, 10_000], stdout=b)
+    support.wait_for_lines(quiet, 1, 10)
+    support.wait_for_lines(busy, 1, 10)
+    r = cli("trace", "-p", f"{first.pid},{second.pid}", "work", "-n", "5")
+    assert r.returncode == 0, r.stderr
+    pids = [int(m.group(1)) for m in re.finditer(r"ticker-(\d+) ", r.stdout)]
+    assert pids == [second.pid] * 5, r.stdout
+
+
 def test_follow_forks_follows_each_processs_tree(popen, build, tmp_path) -> None:
     tree = build("tree")
     trees = [popen([tree, n], stdin=subprocess.PIPE, stdout=subprocess.PIPE) for n in (3, 5)]
