@@ -98,6 +98,21 @@ def test_T_prints_the_time_of_day_in_place_of_the_seconds(build: Callable[[str],
         assert before - ROUNDING <= hit <= after + ROUNDING, (i, before, hit, after)
 
 
+def test_T_puts_the_time_before_a_probes_own_line(build: Callable[[str], Path]) -> None:
+    prog = build("stamps")
+    r = cli("trace", "-T", "--no-optimize", "-c", f"{prog} 3 100000",
+            'p work i=%di:s64 "work(%d)", i')  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    calls = program_calls(r.stdout)
+    got = [line.split(" ", 1) for line in r.stdout.splitlines() if line.endswith(")")]
+    assert [text for _, text in got] == ["work(0)", "work(1)", "work(2)"], r.stdout
+    for i, (clock, _) in enumerate(got):
+        before, after = calls[i]
+        day = datetime.fromtimestamp(before // 10**9).strftime("%Y-%m-%d")
+        hit = ns_of(datetime.strptime(f"{day} {clock}", "%Y-%m-%d %H:%M:%S.%f"))
+        assert before - ROUNDING <= hit <= after + ROUNDING, (i, before, hit, after)
+
+
 # -- latency -i, hist -i --------------------------------------------------------------------------
 
 CLOCK = re.compile(r"\d\d:\d\d:\d\d")
