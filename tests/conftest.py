@@ -49,6 +49,8 @@ BUILDS: dict[str, Build] = {
     "passon": Build("passon.c"),
     "checker": Build("checker.c", flags=("-O1", *DEBUG, "-pthread")),
     "ticker": Build("ticker.c"),
+    "stamps": Build("stamps.c"),
+    "tree": Build("tree.c", flags=("-O1", *DEBUG, "-pthread")),
     "threads": Build("threads.c", flags=("-O1", *DEBUG, "-pthread")),
     "placement": Build("placement.c", flags=("-O1", *DEBUG, "-pthread")),
     "optimized": Build("optimized.c", flags=("-O1", *DEBUG, "-pthread")),

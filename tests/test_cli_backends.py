@@ -212,7 +212,10 @@ def test_a_file_for_every_process_that_runs_it(target, tracefs_state):
 def test_ptrace_backend_needs_a_process() -> None:
     r = cli("count", "work")
     assert r.returncode == 1
-    assert "give -p PID or -c CMD" in r.stderr
+    assert r.stderr == (
+        "kprobes: the ptrace backend probes processes: give -p PID[,PID...] or -c CMD (or "
+        "--kernel, or --backend uprobes with /PATH:SYMBOL specs)\n"
+    )
 
 
 @needs_uprobes

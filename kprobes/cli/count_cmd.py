@@ -22,7 +22,13 @@ from typing import Any
 
 from kprobes.cli.backends import Backend, Glob, Placed
 from kprobes.cli.notes import Progress, summarise
-from kprobes.cli.session import Session, add_common_arguments, exec_file, parse_spec
+from kprobes.cli.session import (
+    Session,
+    add_common_arguments,
+    add_interval_argument,
+    exec_file,
+    parse_spec,
+)
 from kprobes.cli.spellings import read_glob
 from kprobes.errors import NotMapped, ProbeError, SpecError
 from kprobes.model import Event
@@ -43,7 +49,7 @@ def add_parser(sub: Any, help: str) -> None:
         "open64: one address) is one probe and one row",
     )
     add_common_arguments(p)
-    p.add_argument("-i", "--interval", type=float, help="print and reset every SECONDS")
+    add_interval_argument(p, "the counts")
     p.add_argument(
         "--json",
         action="store_true",
@@ -163,7 +169,7 @@ class _Tally:
                 glob = Glob(pattern, parse_spec, self.took, self.args.max_probes)
                 if backend.watch(glob):
                     continue
-                if self.args.backend != "ptrace" or self.args.pid is None:
+                if self.args.backend != "ptrace" or self.args.pids is None:
                     raise
                 raise NotMapped(
                     f"{exc}; --pending waits until it loads it", errno=exc.errno

@@ -2,19 +2,23 @@
 or with ``-H`` a log2 histogram of it (argdist -H).
 
     kprobes hist -c ./prog 'libc:malloc size=%di:u64' --key size -H
+
+``-i SECONDS`` prints the table (or histogram) every interval and starts afresh, each
+interval under ``[HH:MM:SS]`` as argdist ``-i`` prints it; the last, partial, at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from datetime import datetime
 from typing import Any
 
-from kprobes.cli.session import Session, add_common_arguments, parse_spec
+from kprobes.cli.session import Session, add_common_arguments, add_interval_argument, parse_spec
 from kprobes.errors import SpecError
 from kprobes.model import Event
 from kprobes.output.argtypes import format_value
-from kprobes.output.counts import FrequencyTable
+from kprobes.output.counts import FrequencyTable, format_interval_header
 from kprobes.output.hist import Log2Histogram
 
 
@@ -24,6 +28,7 @@ def add_parser(sub: Any, help: str) -> None:
     p.add_argument("--key", required=True, metavar="ARG", help="the arg's name (e.g. arg1)")
     p.add_argument("-H", "--log2", action="store_true", help="log2 histogram (numbers only)")
     add_common_arguments(p)
+    add_interval_argument(p, "the table")
     p.set_defaults(func=run)
 
 
@@ -58,12 +63,25 @@ def run(args: argparse.Namespace) -> int:
         else:
             table.add(format_value(type_text, value))
 
+    def show(when: datetime | None) -> None:
+        """The table (under the interval's time, with -i), reset."""
+        out = sys.stdout
+        if when is not None:
+            out.write(format_interval_header(when, brackets=True))
+        if args.log2:
+            out.write(hist.format(args.key))
+            hist.clear()
+        else:
+            out.write(table.format(f"{spec.effective_event}:{args.key}"))
+            table.clear()
+        out.flush()
+
     session.handle = handle
+    if args.interval:
+        session.interval = args.interval
+        session.on_interval = lambda: show(datetime.now())
     session.run()
-    if args.log2:
-        sys.stdout.write(hist.format(args.key))
-    else:
-        sys.stdout.write(table.format(f"{spec.effective_event}:{args.key}"))
+    show(datetime.now() if args.interval else None)
     if faults:
         sys.stderr.write(f"{faults} values could not be fetched (fault)\n")
     sys.stderr.write(session.summary())

@@ -4,17 +4,24 @@ Entry and return are paired per call by the return probe's instances (per thread
 calls included), so recursion and threads do not mix durations up. With a kernel backend the
 kernel records each entry as a second event, paired with the returns per thread
 (``TraceTarget.place_spec(entry_times=True)``).
+
+``-i SECONDS`` prints the histogram and its average line every interval and starts afresh,
+as funclatency ``-i`` does, each interval under its ``HH:MM:SS`` (funclatency's ``-T``
+line, always printed here, as ``count -i`` does); the last, partial, at the end. A call
+belongs to the interval its return is read in.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from datetime import datetime
 from typing import Any
 
-from kprobes.cli.session import Session, add_common_arguments, parse_spec
+from kprobes.cli.session import Session, add_common_arguments, add_interval_argument, parse_spec
 from kprobes.errors import SpecError
 from kprobes.model import Event
+from kprobes.output.counts import format_interval_header
 from kprobes.output.hist import LatencyStats, Log2Histogram, format_average
 from kprobes.spec.parser import KRETPROBE_MAXACTIVE_MAX
 
@@ -35,6 +42,7 @@ def add_parser(sub: Any, help: str) -> None:
         help="calls followed at once (default: as many as needed with the ptrace backend, "
         "the kernel's default with --kernel)",
     )
+    add_interval_argument(p, "the histogram")
     p.set_defaults(func=run)
 
 
@@ -62,11 +70,24 @@ def run(args: argparse.Namespace) -> int:
             hist.add(delta)
             stats.add(delta)
 
+    def show(when: datetime | None) -> None:
+        """The histogram and its average (under the interval's time, with -i), reset."""
+        out = sys.stdout
+        if when is not None:
+            out.write("\n" + format_interval_header(when))
+        out.write(hist.format(unit))
+        if stats.count:
+            out.write("\n" + format_average(stats, unit) + "\n")
+        out.flush()
+        hist.clear()
+        stats.clear()
+
     session.handle = handle
+    if args.interval:
+        session.interval = args.interval
+        session.on_interval = lambda: show(datetime.now())
     sys.stderr.write(f'Tracing 1 functions for "{args.function}"... Hit Ctrl-C to end.\n')
     session.run()
-    sys.stdout.write(hist.format(unit))
-    if stats.count:
-        sys.stdout.write("\n" + format_average(stats, unit) + "\n")
+    show(datetime.now() if args.interval else None)
     sys.stderr.write(session.summary())
     return session.exit_status()

@@ -33,7 +33,7 @@ def add_parser(sub: Any, help: str) -> None:
     p = sub.add_parser("run", help=help)
     p.add_argument("module", help="the module file (MODULE.py)")
     p.add_argument("params", nargs="*", metavar="PARAM=VALUE", help="module parameters")
-    add_target_arguments(p)
+    add_target_arguments(p, several=False)
     p.add_argument("--follow-forks", action="store_true", help="probe forked children too")
     p.set_defaults(func=run)
 

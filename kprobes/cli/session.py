@@ -29,12 +29,14 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from kprobes.cli.backends import Backend, Placed, PtraceBackend, Sink, add_backend_arguments
+from kprobes.cli.backends import Backend, Placed, Sink, add_backend_arguments
 from kprobes.cli.notes import summarise
 from kprobes.cli.ownfile import in_file
+from kprobes.cli.ptrace_backend import PtraceBackend
 from kprobes.cli.sigint import RunInterrupted, SafeInterrupt
 from kprobes.cli.spellings import read_spelling
 from kprobes.cli.targets import add_target_arguments, say_pending
+from kprobes.cli.wallclock import realtime_offset_ns
 from kprobes.errors import SpecError, TargetError
 from kprobes.model import Event
 from kprobes.output.status import format_status, format_summary
@@ -76,6 +78,29 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep the events EXPR, in the kernel's event filter syntax, accepts "
         "(e.g. 'pid == 42 && comm ~ \"wo*\"'); fields: the probe's arguments, tid (the "
         "thread id, as the kernel's common_pid), pid (the process id), comm and cpu",
+    )
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:  # a NaN is not either
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
+    return value
+
+
+def add_interval_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """``-i SECONDS``: print and reset ``what`` every interval (``Session.interval``), as
+    bcc's tools do; each interval opens with its time, the last, partial, at the end."""
+    parser.add_argument(
+        "-i",
+        "--interval",
+        type=_seconds,
+        metavar="SECONDS",
+        help=f"print and reset {what} every SECONDS, each interval under its time "
+        "(HH:MM:SS); the last, partial, at the end",
     )
 
 
@@ -132,7 +157,7 @@ def event_fields(event: Event) -> dict[str, object]:
 
 
 class Session:
-    """One run of a tracing command against one process."""
+    """One run of a tracing command against its processes (or the kernel)."""
 
     def __init__(self, args: argparse.Namespace, specs: Sequence[ProbeSpec]) -> None:
         self.args = args
@@ -163,6 +188,10 @@ class Session:
         self.prepare: Callable[[Backend], None] | None = None
         self.patterns: list[str] = []  # the globs ``prepare`` places (they may name the file)
         self.entry_times = False  # return events must carry entry_timestamp (latency)
+        self.wall_clock = False  # the events are wanted on the wall clock (trace -T)
+        # CLOCK_REALTIME minus the events' clock, measured once as the run starts
+        # (wallclock.py); None until then, and without ``wall_clock``.
+        self.wall_offset_ns: int | None = None
         self._interrupt = SafeInterrupt()
 
     @staticmethod
@@ -234,6 +263,8 @@ class Session:
         interrupt = self._interrupt
         asked: float | None
         try:
+            if self.wall_clock:
+                self.wall_offset_ns = realtime_offset_ns(backend.event_clock)
             if self.prepare is not None:
                 self.prepare(backend)
             if not interrupt.interrupted:
@@ -432,10 +463,10 @@ def open_backend(
     """The backend the options ask for (``--backend``/``--kernel``, ``-p``/``-c``);
     ``patterns`` are the globs that will be placed too (``count``)."""
     if args.backend == "ptrace":
-        if args.pid is None and args.command is None:
+        if args.pids is None and args.command is None:
             raise TargetError(
-                "the ptrace backend probes one process: give -p PID or -c CMD (or --kernel, "
-                "or --backend uprobes with /PATH:SYMBOL specs)",
+                "the ptrace backend probes processes: give -p PID[,PID...] or -c CMD (or "
+                "--kernel, or --backend uprobes with /PATH:SYMBOL specs)",
                 errno=errno.EINVAL,
             )
         return PtraceBackend(args, sink)

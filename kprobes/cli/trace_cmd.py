@@ -6,8 +6,11 @@ Each line is what the kernel's ``trace`` file shows for the same probe
 (``comm-pid [cpu] timestamp: EVENT: (sym+off/size) name=value``; returns as
 ``(caller+off/size <- func)``), or with ``--json`` one object per line. A probe line may end
 with its own line, printf style, as bcc's ``trace`` (``'p work i=%di "i=%d", i'``:
-formats.py). ``--perfetto FILE`` also writes a trace for ui.perfetto.dev with entry/return
-pairs as slices per thread.
+formats.py). ``-T`` prints the time as the wall clock's, ``HH:MM:SS.ffffff`` local time, in
+place of the event clock's seconds (``"time"`` in ISO 8601 added to the JSON; before a
+probe's own line, as bcc's ``-T`` adds its TIME column), as bcc's ``trace -T``: the hit's
+time, through an offset measured once (wallclock.py). ``--perfetto FILE`` also writes a trace
+for ui.perfetto.dev with entry/return pairs as slices per thread.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from kprobes.errors import SpecError
 from kprobes.model import Event
 from kprobes.output.jsonl import format_json
 from kprobes.output.perfetto import PerfettoWriter
-from kprobes.output.text import format_event
+from kprobes.output.text import format_event, format_wallclock
 from kprobes.spec import SymbolLocation
 
 
@@ -39,6 +42,13 @@ def add_parser(sub: Any, help: str) -> None:
     )
     add_common_arguments(p)
     p.add_argument("--json", action="store_true", help="one JSON object per event")
+    p.add_argument(
+        "-T",
+        "--timestamp",
+        action="store_true",
+        help="the time of each hit on the wall clock, HH:MM:SS.ffffff local time, in place "
+        'of the seconds of the event clock (with --json, "time" in ISO 8601 is added)',
+    )
     p.add_argument("--perfetto", metavar="FILE", help="also write a Perfetto (JSON) trace")
     p.set_defaults(func=run)
 
@@ -55,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
             text=text,
         )
     session = Session(args, specs)
+    session.wall_clock = args.timestamp
     out = sys.stdout
     fmt = format_json if args.json else format_event
     perfetto_file: IO[str] | None = None
@@ -69,7 +80,14 @@ def run(args: argparse.Namespace) -> int:
         perfetto = PerfettoWriter(perfetto_file, return_funcs=returns)
 
     def handle(ev: Event) -> None:
-        out.write(own.get(ev.event, fmt)(ev) + "\n")
+        wall = session.wall_offset_ns
+        printer = own.get(ev.event)
+        if printer is None:
+            out.write(fmt(ev, wall_offset_ns=wall) + "\n")
+        elif wall is None:
+            out.write(printer(ev) + "\n")
+        else:  # bcc's -T: the time before the line
+            out.write(f"{format_wallclock(ev.timestamp, wall)} {printer(ev)}\n")
         if perfetto is not None:
             perfetto.write(ev)
 

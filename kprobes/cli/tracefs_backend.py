@@ -1,6 +1,11 @@
 """The kernel's uprobes and kprobes as a backend of the tracing commands, through tracefs
 (``kprobes.Uprobes``/``kprobes.Kernel``): ``--backend uprobes`` and ``--kernel``. How a
-session picks its backend, and the ptrace one, are in backends.py.
+session picks its backend is in backends.py.
+
+``-p A,B`` is the instance's pid filter holding every one of them (``pids=``): the kernel
+records only their tasks, and the run ends when all have exited. On the uprobes backend the
+probes' places are read in the first process's files (a uprobe hangs on a file: the others
+hit it where they map the same file; a function of another program is named by its path).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass, field
 from kprobes.cli.backends import UPROBES_BUFFER_KB, Backend, Placed, Sink
 from kprobes.cli.notes import Progress
 from kprobes.cli.targets import command_argv
+from kprobes.cli.wallclock import trace_clock_id
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe
 from kprobes.errors import ProbeError, ProbeRejected, SpecError, TargetError, TraceFsError
@@ -112,7 +118,7 @@ class TraceFsBackend(Backend):
         # (kprobes/linux/perf.py). Those of some processes (-p, -c) are told apart by events:
         # a counter that follows a process and its children loses hits (docs/decisions.md).
         self._in_kernel = (
-            getattr(args, "count_only", False) and args.pid is None and args.command is None
+            getattr(args, "count_only", False) and args.pids is None and args.command is None
         )
         self._spawned: Process | None = None
         group = _group_of(specs)
@@ -124,13 +130,14 @@ class TraceFsBackend(Backend):
             if args.command is not None:
                 self.command_pid = self.target.pid
             return
-        pid: int | None = args.pid
+        pids: list[int] = args.pids or []
         if args.command is not None:
             Kernel.require()  # before the command starts: refused, it never runs
             self._spawned = spawn(command_argv(args))
-            pid = self.command_pid = self._spawned.pid
+            pids = [self._spawned.pid]
+            self.command_pid = self._spawned.pid
         try:
-            self.target = Kernel(pid=pid, group=group, sink=sink)
+            self.target = Kernel(pids=pids, group=group, sink=sink)
             self.target.pages_per_read = PAGES_PER_READ
         except BaseException:
             self._detach_spawned()
@@ -148,9 +155,9 @@ class TraceFsBackend(Backend):
             return Uprobes(
                 command=command_argv(args), group=group, sink=sink, buffer_kb=UPROBES_BUFFER_KB
             )
-        if args.pid is not None:
+        if args.pids is not None:
             return Uprobes(
-                pid=args.pid,
+                pids=args.pids,
                 follow_forks=getattr(args, "follow_forks", False),
                 group=group,
                 sink=sink,
@@ -213,6 +220,11 @@ class TraceFsBackend(Backend):
 
     def functions(self, pattern: str) -> list[tuple[str, ...]]:
         return self.target.function_names(pattern)
+
+    @property
+    def event_clock(self) -> int:
+        """The instance's trace clock (``mono`` wherever the kernel has it: session.py)."""
+        return trace_clock_id(self.target.session.trace_clock())
 
     def run(self, timeout: float | None) -> bool:
         self._release()  # every probe is placed once events are wanted

@@ -235,6 +235,10 @@ class LatencyStats:
         self.min = value if self.min is None else min(self.min, value)
         self.max = value if self.max is None else max(self.max, value)
 
+    def clear(self) -> None:
+        self.count = self.total = 0
+        self.min = self.max = None
+
     def merge(self, other: LatencyStats) -> None:
         self.count += other.count
         self.total += other.total

@@ -16,6 +16,9 @@ Keys (entry and return events)::
     ip         probed address (entry) or the caller's return address (return), int
     location   "sym+off/size" text of ip
     args       {name: value} in spec order
+    time       with -T only: the hit's wall-clock time, ISO 8601 local time with its UTC
+               offset, to the microsecond ("2026-11-27T11:12:32.123456+00:00"), as
+               ``count -i --json``'s "time"
 
     return     true                  (return events only)
     func       name of the returning function
@@ -28,10 +31,12 @@ import json
 
 from kprobes.model import Event
 from kprobes.output.argtypes import JsonValue, json_value
+from kprobes.output.text import wall_time
 
 
-def event_to_json(ev: Event) -> dict[str, object]:
-    """The event as a JSON-ready dict (see the module docstring for the keys)."""
+def event_to_json(ev: Event, *, wall_offset_ns: int | None = None) -> dict[str, object]:
+    """The event as a JSON-ready dict (see the module docstring for the keys);
+    ``wall_offset_ns`` (CLOCK_REALTIME minus the event clock) adds ``time``."""
     args: dict[str, JsonValue] = {a.name: json_value(a.type, a.value) for a in ev.args}
     obj: dict[str, object] = {
         "event": ev.name,
@@ -40,6 +45,7 @@ def event_to_json(ev: Event) -> dict[str, object]:
         "comm": ev.comm,
         "cpu": ev.cpu if ev.cpu >= 0 else None,
         "timestamp": ev.timestamp,
+        **({} if wall_offset_ns is None else {"time": _iso(ev.timestamp, wall_offset_ns)}),
         "ip": ev.ip,
         "location": ev.location,
         "args": args,
@@ -51,10 +57,14 @@ def event_to_json(ev: Event) -> dict[str, object]:
     return obj
 
 
-def format_json(ev: Event) -> str:
+def _iso(timestamp: float, offset_ns: int) -> str:
+    return wall_time(timestamp, offset_ns).isoformat(timespec="microseconds")
+
+
+def format_json(ev: Event, *, wall_offset_ns: int | None = None) -> str:
     """The event as one line of JSON, without the newline.
 
     Non-ASCII text is escaped (``ensure_ascii``) so that bytes a target's strings carry that are
     not valid UTF-8 can never make the writer fail.
     """
-    return json.dumps(event_to_json(ev), separators=(", ", ": "))
+    return json.dumps(event_to_json(ev, wall_offset_ns=wall_offset_ns), separators=(", ", ": "))

@@ -22,6 +22,12 @@ report`` without ``-l``. Rejected: printing ``.....``, which claims "irqs on, no
 facts we never observed. A target that has real flags (the kernel's raw records) passes them as
 ``irq_flags``.
 
+**Wall-clock time** (``trace -T``): the timestamp column is the local time of day,
+``HH:MM:SS.ffffff`` (bcc ``trace -T``'s ``HH:MM:SS`` with the microseconds kept, so that the
+events of one second stay apart), in place of the seconds of the event clock; the rest of the
+line is unchanged. The caller gives the offset between the event clock and CLOCK_REALTIME,
+measured once: the time is the hit's, not the printing's.
+
 An unknown cpu (negative) is printed ``[???]``; an empty comm as the kernel's ``<...>``.
 Strings and chars are printed raw, unescaped, as the kernel's ``%s``/``%c`` do: a string with a
 newline in it breaks the line here as it does in the kernel's file. Programs should read the
@@ -31,6 +37,7 @@ JSON lines output, which escapes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 
 from kprobes.model import Event
 from kprobes.output.argtypes import format_value
@@ -54,8 +61,28 @@ def format_timestamp(timestamp: float) -> str:
     return f"{secs:5d}.{usec_rem:06d}"
 
 
-def format_context(ev: Event, *, irq_flags: str | None = None, tgid: bool = False) -> str:
-    """``trace_print_context()``: everything before the event name, ``": "`` included."""
+def wall_time(timestamp: float, offset_ns: int) -> datetime:
+    """The local time of an event's ``timestamp`` (seconds of its clock), given the
+    offset of CLOCK_REALTIME from that clock in ns; to the microsecond (rounded)."""
+    usecs = (round(timestamp * 1_000_000_000) + offset_ns + 500) // 1000
+    secs, usec_rem = divmod(usecs, 1_000_000)
+    return datetime.fromtimestamp(secs).replace(microsecond=usec_rem).astimezone()
+
+
+def format_wallclock(timestamp: float, offset_ns: int) -> str:
+    """``-T``'s column: ``HH:MM:SS.ffffff``, local time (see the module docstring)."""
+    return wall_time(timestamp, offset_ns).strftime("%H:%M:%S.%f")
+
+
+def format_context(
+    ev: Event,
+    *,
+    irq_flags: str | None = None,
+    tgid: bool = False,
+    wall_offset_ns: int | None = None,
+) -> str:
+    """``trace_print_context()``: everything before the event name, ``": "`` included;
+    with ``wall_offset_ns`` the time is the wall clock's (``format_wallclock``)."""
     comm = ev.comm or UNKNOWN_COMM
     parts = [f"{comm:>16}-{ev.tid:<7} "]
     if tgid:
@@ -63,7 +90,10 @@ def format_context(ev: Event, *, irq_flags: str | None = None, tgid: bool = Fals
     parts.append(f"[{ev.cpu:03d}] " if ev.cpu >= 0 else "[???] ")
     if irq_flags is not None:
         parts.append(irq_flags)
-    parts.append(f" {format_timestamp(ev.timestamp)}: ")
+    if wall_offset_ns is None:
+        parts.append(f" {format_timestamp(ev.timestamp)}: ")
+    else:
+        parts.append(f" {format_wallclock(ev.timestamp, wall_offset_ns)}: ")
     return "".join(parts)
 
 
@@ -81,14 +111,21 @@ def format_args(ev: Event) -> str:
     return "".join(f" {a.name}={format_value(a.type, a.value)}" for a in ev.args)
 
 
-def format_event(ev: Event, *, irq_flags: str | None = None, tgid: bool = False) -> str:
+def format_event(
+    ev: Event,
+    *,
+    irq_flags: str | None = None,
+    tgid: bool = False,
+    wall_offset_ns: int | None = None,
+) -> str:
     """One event as one line of the kernel's ``trace`` file, without the newline.
 
     ``irq_flags`` is the five-letter irq-info column when known (see the module docstring);
-    ``tgid`` adds the ``(tgid)`` column of ``options/record-tgid``.
+    ``tgid`` adds the ``(tgid)`` column of ``options/record-tgid``; ``wall_offset_ns`` (the
+    offset of CLOCK_REALTIME from the event clock) prints the time as the wall clock's.
     """
     return (
-        format_context(ev, irq_flags=irq_flags, tgid=tgid)
+        format_context(ev, irq_flags=irq_flags, tgid=tgid, wall_offset_ns=wall_offset_ns)
         + f"{ev.event}: "
         + format_location(ev)
         + format_args(ev)

@@ -148,7 +148,12 @@ def _spawn_failure(argv: Sequence[str], err_r: int) -> TargetError:
 
 
 def attach(
-    pid: int, *, follow_forks: bool = False, pending: bool = False, pin_hot_threads: bool = True
+    pid: int,
+    *,
+    follow_forks: bool = False,
+    pending: bool = False,
+    pin_hot_threads: bool = True,
+    beside: Process | None = None,
 ) -> Process:
     """Seize every thread of the running process ``pid``; it keeps running between hits.
 
@@ -158,14 +163,30 @@ def attach(
     A thread that exits while we seize it is no failure: it is simply not there any more.
     ``pin_hot_threads``: see ``Process.pin_hot_threads``; the program gets every thread's
     own CPU mask back at detach.
+
+    ``beside``: the process joins the family of that one (following/family.py), as a
+    followed child that exec'd does: ``beside.run()`` handles its stops too (one thread
+    must wait for every tracee of this tool), ``beside.close()`` lets it go first, and it
+    shares ``beside``'s thread placement. It gets no probes of ``beside``: register its own.
     """
     if pid <= 0 or not os.path.exists(f"/proc/{pid}"):
         raise TargetError(f"no process {pid}", errno=errno.ESRCH)
     if pid == os.getpid():
         raise TargetError("a process cannot trace itself", errno=errno.EINVAL)
     _check_attachable(pid)
-    proc = Process(pid, follow_forks=follow_forks, pending=pending, pin_hot_threads=pin_hot_threads)
+    if beside is not None and beside.family.root is not beside:
+        raise TargetError(f"process {beside.pid} is a member of a family, not its root")
+    family = None if beside is None else beside.family
+    proc = Process(
+        pid,
+        follow_forks=follow_forks,
+        pending=pending,
+        pin_hot_threads=pin_hot_threads,
+        family=family,
+    )
     tracer = proc._tracer
+    if beside is not None:
+        tracer.placement = beside._tracer.placement  # one tool, one CPU for the family
     try:
         main = tracer.add_tracee(pid, TraceeKind.MAIN)
     except TargetError as exc:
@@ -178,6 +199,9 @@ def attach(
     except BaseException:
         _release_seized(tracer, main)
         raise
+    if beside is not None:
+        beside.family.join(proc)
+        beside._tracer.family.append(tracer)  # its stops, handled by beside's run()
     cleanup.remember(proc)
     return proc
 

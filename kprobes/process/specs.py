@@ -264,5 +264,15 @@ class SpecTracer:
                 raise
         self.placed += built
 
+    def remove(self, placed: Sequence[PlacedSpec]) -> None:
+        """Unregister what ``place`` placed (a rollback), in one stop of the program."""
+        kprobes = [p.probe for p in placed if isinstance(p.probe, Kprobe)]
+        kretprobes = [p.probe for p in placed if isinstance(p.probe, Kretprobe)]
+        with self.proc.batch():
+            self.proc.unregister_kretprobes(kretprobes)
+            self.proc.unregister_kprobes(kprobes)
+        gone = {id(p) for p in placed}
+        self.placed = [p for p in self.placed if id(p) not in gone]
+
     def close(self) -> None:
         self.cpu.close()

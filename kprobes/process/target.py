@@ -139,14 +139,18 @@ class Process:
         if not self._program.is_attached:
             raise TargetError(f"process {self.pid} is detached")
         self._state_file.flush()
+        is_root = self.family.root is self  # members that exited have left the family
         try:
             done = self._tracer.run(timeout)
-            self._recording.drain_rings()  # every hit handled before run() returns
-            exc = self._manager.table.take_error()  # one an asynchronous handler raised
+            exc = None
+            for proc in [self, *(self.members if is_root else ())]:  # the members' hits too
+                proc._recording.drain_rings()  # every hit handled before run() returns
+                exc = exc or proc._manager.table.take_error()  # an asynchronous handler's
             if exc is not None:
                 raise exc
         finally:
-            self._optimizer.collect_counts()
+            for proc in [self, *(self.members if is_root else ())]:
+                proc._optimizer.collect_counts()
         if not done:
             self._optimizer.retry_optimizing()
         if done:
@@ -185,9 +189,7 @@ class Process:
                 if self._lines is not None:
                     self._lines.close()
 
-    def detach(self) -> None:
-        """``close()``, by the name ptrace gives it: the same call, kept for callers of it."""
-        self.close()
+    detach = close  # by the name ptrace gives it: the same call, kept for callers of it
 
     def colocate(self, cpu: int | None = None) -> int:
         """Run this tool and every thread of the program (and those to come) on one CPU,
@@ -417,9 +419,7 @@ class Process:
     def function_names(self, pattern: str) -> builtins.list[tuple[str, ...]]:
         """The functions matching ``[MODULE:]GLOB`` in the mapped files, as on the tracefs
         targets: the names of each, its aliases, row name first (``MODULE:`` kept if given)."""
-        module, sep, glob = pattern.rpartition(":")
-        names = self._program.symbols().function_aliases(glob, module if sep else None)
-        return [tuple(f"{module}:{n}" if sep else n for n in each) for each in names]
+        return self._program.symbols().function_names(pattern)
 
     def iter_probes(self) -> Iterator[Kprobe]:
         """Every probe registered here, placed or pending (a return probe's entry probe for

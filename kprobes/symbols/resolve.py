@@ -302,3 +302,10 @@ class SymbolResolver:
             for loc in self.iter_functions(pattern, module)
             if loc.symbol is not None
         )
+
+    def function_names(self, pattern: str) -> list[tuple[str, ...]]:
+        """The functions matching ``[MODULE:]GLOB``, each as its names (``function_aliases``),
+        ``MODULE:`` kept in each when it is given: what a glob of the command line places."""
+        module, sep, glob = pattern.rpartition(":")
+        found = self.function_aliases(glob, module if sep else None)
+        return [tuple(f"{module}:{n}" if sep else n for n in each) for each in found]

@@ -58,7 +58,7 @@ class Delivery:
     _clocks: EntryClocks
     _stopping: bool
     _pending: BaseException | None
-    _pidfd: int
+    _pidfds: builtins.list[int]
     _exited: bool
     pages_per_read: int
 
@@ -203,16 +203,18 @@ class Delivery:
         self._stopping = True
 
     def _extra_fds(self) -> builtins.list[int]:
-        return [self._pidfd] if self._pidfd >= 0 else []
+        return list(self._pidfds)
 
     def _is_finished(self) -> bool:
-        """With ``pid=``: whether the process has exited (its probes are then ``GONE``)."""
-        if self._pidfd < 0:
+        """With ``pid=`` (``pids=``): whether the process (every one) has exited (the
+        probes are then ``GONE``)."""
+        if not self._pidfds:
             return self._exited
         if not self._exited:
             poller = select.poll()
-            poller.register(self._pidfd, select.POLLIN)
-            if poller.poll(0):
+            for fd in self._pidfds:
+                poller.register(fd, select.POLLIN)
+            if len(poller.poll(0)) == len(self._pidfds):
                 self._exited = True
                 for probe in self.iter_probes():
                     entry_of(probe).flags |= ProbeFlags.GONE

@@ -23,6 +23,7 @@ import builtins
 import errno as _errno
 import os
 import platform
+from collections.abc import Sequence
 
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe
@@ -80,15 +81,17 @@ class Kernel(TraceTarget):
         self,
         *,
         pid: int | None = None,
+        pids: Sequence[int] = (),
         group: str | None = None,
         buffer_kb: int = 2048,
         sink: Sink | None = None,
     ) -> None:
         """``pid=`` keeps only the events of that process's threads (the instance's
-        ``set_event_pid``, as ``perf -p``), and ``run()`` returns when it exits."""
+        ``set_event_pid``, as ``perf -p``), and ``run()`` returns when it exits; ``pids=``
+        those of several processes, and ``run()`` returns when every one has exited."""
         self._kallsyms: Kallsyms | None = None
         self._blacklist: builtins.list[BlacklistEntry] | None = None
-        super().__init__(group=group, buffer_kb=buffer_kb, sink=sink, pid=pid)
+        super().__init__(group=group, buffer_kb=buffer_kb, sink=sink, pid=pid, pids=pids)
 
     def _check_available(self) -> None:
         if not self.fs.exists("kprobe_events"):

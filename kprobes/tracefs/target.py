@@ -96,16 +96,21 @@ class TraceTarget(Delivery):
         buffer_kb: int = 2048,
         sink: Sink | None = None,
         pid: int | None = None,
+        pids: Sequence[int] = (),
     ) -> None:
         self._owner_pid = os.getpid()
-        self.pid = pid
-        self._pidfd = -1
+        # The processes whose events are kept (``pid=``, or several: ``pids=``), the first
+        # the one whose files name the probes' places (Uprobes).
+        self.pids: tuple[int, ...] = tuple(pids) or (() if pid is None else (pid,))
+        self.pid = self.pids[0] if self.pids else None
+        self._pidfds: builtins.list[int] = []
         self._exited = False
-        if pid is not None:
+        for one in self.pids:
             try:
-                self._pidfd = os.pidfd_open(pid)
+                self._pidfds.append(os.pidfd_open(one))
             except OSError as exc:
-                raise TargetError(f"no process {pid}: {exc.strerror}", errno=exc.errno) from exc
+                self._close_pidfd()
+                raise TargetError(f"no process {one}: {exc.strerror}", errno=exc.errno) from exc
         try:
             self.fs = TraceFs.open()
             self._check_available()
@@ -142,18 +147,18 @@ class TraceTarget(Delivery):
         self._clocks = EntryClocks()  # of return probes placed with entry_times
         self._stopping = False
         self._pending: BaseException | None = None
-        if pid is not None:
-            try:
-                self._watchers.update(self.tasks.follow(self.session, pid))
-            except BaseException:
-                self.close()
-                raise
+        try:
+            for one in self.pids:
+                self._watchers.update(self.tasks.follow(self.session, one))
+        except BaseException:
+            self.close()
+            raise
 
     def _close_pidfd(self) -> None:
-        if self._pidfd >= 0:
+        fds, self._pidfds = self._pidfds, []
+        for fd in fds:
             with contextlib.suppress(OSError):
-                os.close(self._pidfd)
-            self._pidfd = -1
+                os.close(fd)
 
     # -- subclass hooks ----------------------------------------------------------------------
 
@@ -196,7 +201,7 @@ class TraceTarget(Delivery):
         With ``pid=`` every thread of the process is known (listed at start, or announced by
         task_newtask): an unknown task that is gone already was a child process.
         """
-        return self.pid is None or tgid == self.pid
+        return self.pid is None or tgid in self.pids
 
     def _maxactive(self, rp: Kretprobe) -> int:
         return 0

@@ -18,7 +18,9 @@ it loaded) and keeps only its events: the instance's ``set_event_pid`` holds its
 recorded. Its children are told from its threads by the ``task_newtask`` records of the same
 instance, and dropped, unless ``follow_forks=True``: then every process it starts from now
 on, through fork, vfork, clone and exec, is kept too. ``run()`` returns True when the process
-exits (its children are not waited for, as under perf).
+exits (its children are not waited for, as under perf). ``pids=`` keeps the events of several
+processes, and ``run()`` returns when all have exited; names are resolved in the first's
+mappings: a uprobe hangs on a file, and the others hit it where they map the same file.
 
 ``Uprobes(command=argv)`` runs a command and follows it and every process it starts, from
 the first instruction of its exec (the dynamic loader's): the command is forked and held
@@ -114,6 +116,7 @@ class Uprobes(TraceTarget):
         self,
         *,
         pid: int | None = None,
+        pids: Sequence[int] = (),
         path: str | None = None,
         command: Sequence[str] | None = None,
         env: Mapping[str, str] | None = None,
@@ -122,9 +125,12 @@ class Uprobes(TraceTarget):
         buffer_kb: int = 2048,
         sink: Sink | None = None,
     ) -> None:
+        if pids and pid is None:
+            pid = pids[0]
         if sum(x is not None for x in (pid, path, command)) != 1:
             raise TargetError(
-                "Uprobes needs exactly one of pid=, path= or command=", errno=_errno.EINVAL
+                "Uprobes needs exactly one of pid= (or pids=), path= or command=",
+                errno=_errno.EINVAL,
             )
         require_root("tracing through tracefs")  # before a process's files are read
         self.path = os.path.realpath(path) if path is not None else None
@@ -157,7 +163,7 @@ class Uprobes(TraceTarget):
             assert self.path is not None
             self._image = ElfImage.open(self.path)
         try:
-            super().__init__(group=group, buffer_kb=buffer_kb, sink=sink, pid=pid)
+            super().__init__(group=group, buffer_kb=buffer_kb, sink=sink, pid=pid, pids=pids)
             if self._held is not None:
                 self._watch_execs()
         except BaseException:
@@ -208,8 +214,7 @@ class Uprobes(TraceTarget):
     def function_names(self, pattern: str) -> list[tuple[str, ...]]:
         module, sep, glob = pattern.rpartition(":")
         if self._resolver is not None:
-            found = self._resolver.function_aliases(glob, module if sep else None)
-            return [tuple(f"{module}:{n}" if sep else n for n in each) for each in found]
+            return self._resolver.function_names(pattern)
         path, image, _bias = self._module_image(module if sep else None)
         symbols = (s for s in image.iter_functions() if fnmatch.fnmatchcase(s.name, glob))
         matches = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 from kprobes.model import Event, EventArg
 from kprobes.output.jsonl import event_to_json, format_json
@@ -92,3 +93,18 @@ def test_one_line_even_with_newlines_and_non_ascii_in_strings() -> None:
     assert "\n" not in line
     assert line.isascii()
     assert json.loads(line)["args"]["s"] == "a\nb\u00e9\udcff"
+
+
+def test_wall_clock_adds_time_in_iso_8601_local_time(monkeypatch) -> None:
+    # 12.5 s of the event clock is 2026-11-27 11:12:32.123456 UTC with this offset.
+    offset = 1_795_777_952_123_456_000 - 12_500_000_000
+    monkeypatch.setenv("TZ", "IST-5:30")
+    time.tzset()
+    try:
+        obj = json.loads(format_json(ENTRY, wall_offset_ns=offset))
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    assert obj["time"] == "2026-11-27T16:42:32.123456+05:30"
+    assert obj["timestamp"] == 12.5  # the event clock's seconds stay
+    assert "time" not in event_to_json(ENTRY)

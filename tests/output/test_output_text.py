@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kprobes.model import ArgValue, Event, EventArg
@@ -11,6 +13,7 @@ from kprobes.output.text import (
     format_event,
     format_header,
     format_timestamp,
+    format_wallclock,
 )
 
 
@@ -194,3 +197,42 @@ def test_header_with_irq_info_lines_up_with_the_flags(tgid: bool) -> None:
             "#           TASK-PID     CPU#  |||||  TIMESTAMP  FUNCTION",
             "#              | |         |   |||||     |         |",
         ]
+
+
+# -- -T: the wall clock in place of the event clock's seconds ---------------------------------
+
+# 2026-11-27 11:12:32.123456 UTC, in ns since the epoch, and the offset that puts entry()'s
+# timestamp (1038282.286875 s of its clock) there.
+WALL_NS = 1_795_777_952_123_456_000
+OFFSET_NS = WALL_NS - 1_038_282_286_875_000
+
+
+@pytest.fixture
+def zone(monkeypatch: pytest.MonkeyPatch):
+    """Set the local time zone for one test (``TZ``), and put the process's back after."""
+
+    def set_zone(name: str) -> None:
+        monkeypatch.setenv("TZ", name)
+        time.tzset()
+
+    yield set_zone
+    monkeypatch.undo()
+    time.tzset()
+
+
+def test_wall_clock_replaces_the_timestamp_column_with_the_local_time(zone) -> None:
+    zone("UTC")
+    assert format_event(entry(), wall_offset_ns=OFFSET_NS) == (
+        "           <...>-1447    [001]  11:12:32.123456: myprobe: (do_sys_open+0x0/0xd6)"
+        " dfd=3 filename=0x7fffd1ec4440 flags=0x8000 mode=0"
+    )
+    zone("IST-5:30")  # five and a half hours east of Greenwich
+    assert format_wallclock(1038282.286875, OFFSET_NS) == "16:42:32.123456"
+
+
+def test_wall_clock_rounds_to_the_microsecond_as_the_seconds_column_does(zone) -> None:
+    zone("UTC")
+    # 499 ns past the microsecond rounds down, 500 up, across a second's boundary too.
+    assert format_wallclock(1038282.286875, OFFSET_NS + 499) == "11:12:32.123456"
+    assert format_wallclock(1038282.286875, OFFSET_NS + 500) == "11:12:32.123457"
+    assert format_wallclock(1038282.286875, OFFSET_NS + 876_544_000) == "11:12:33.000000"

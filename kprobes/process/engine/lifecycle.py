@@ -142,3 +142,17 @@ class Lifecycle:
             if not member.live:
                 tracer.family.remove(member)
                 member.on_gone()
+
+    def poll_family(self) -> None:
+        """One batch of records of every ring of the family (the tracer's own and its
+        members'), while the loop waits for stops; an exception a member's handler raised
+        is raised from the tracer's table, as its own are (``World.wait_polling``)."""
+        tracer = self._tracer
+        if tracer.ring_poll is not None:
+            tracer.ring_poll()
+        for member in tracer.family:
+            if member.ring_poll is not None:
+                member.ring_poll()
+                error = member.manager.table.take_error()
+                if error is not None:
+                    tracer.manager.table.park(error)

@@ -192,6 +192,8 @@ class Tracer:
             if deadline is not None and time.monotonic() >= deadline:
                 return False  # between stops, also while they never cease
             poll = self.ring_poll
+            if self.family and (poll is not None or any(m.ring_poll for m in self.family)):
+                poll = self.lifecycle.poll_family  # the members' rings are read here too
             if poll is not None:
                 tid, status = world.wait_polling(deadline, poll)
             elif deadline is None and not inbox:

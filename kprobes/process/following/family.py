@@ -90,6 +90,11 @@ class Family:
 
         return first_image
 
+    def join(self, member: Member) -> None:
+        """``member`` joins with the probes it has (a process attached beside the root:
+        ``attach(beside=...)``); ``on_new_process`` is not called for it."""
+        self.members.append(member)
+
     def leave(self, member: Member) -> None:
         """``member`` exited: nothing of it is traced any more (a long run may start
         thousands of them: the family keeps the live ones)."""
