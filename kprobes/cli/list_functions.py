@@ -57,6 +57,7 @@ class _Source:
     path: str  # as the messages name it
     prefix: str  # "libc:", "/path/file:" or "" (the executable's)
     bias: int  # file address -> the address the reasons show
+    read_from: str | None = None  # where its bytes are read now (None: the image's path)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -104,7 +105,13 @@ def run(args: argparse.Namespace) -> int:
     judged: list[tuple[_Source, Verdict]] = []
     for source in sources:
         found = {s.name for s in source.image.iter_functions() if fnmatch.fnmatchcase(s.name, glob)}
-        with FileJudge(source.image, source.path, bias=source.bias, no_jump=no_jump) as judge:
+        with FileJudge(
+            source.image,
+            source.path,
+            bias=source.bias,
+            no_jump=no_jump,
+            read_from=source.read_from,
+        ) as judge:
             judged += [(source, v) for v in judge.iter_verdicts(sorted(found), how=how)]
     if not judged:
         raise SymbolNotFound(_no_match(sources, glob))
@@ -171,7 +178,7 @@ def _sources(args: argparse.Namespace) -> tuple[list[_Source], str]:
     path, glob = _path_and_glob(words)
     image = ElfImage.open(path)
     absolute = os.path.abspath(path)
-    return [_Source(image, absolute, f"{absolute}:", 0)], glob
+    return [_Source(image, absolute, f"{absolute}:", 0, path)], glob
 
 
 def _path_and_glob(words: Sequence[str]) -> tuple[str, str]:
@@ -198,10 +205,12 @@ def _of_process(pid: int, module: str | None) -> list[_Source]:
     resolver = SymbolResolver(pid)
     if module is None:
         found = resolver.main_module()
-        return [_Source(found.image, found.path, "", found.bias)]
+        return [_Source(found.image, found.path, "", found.bias, _inside(pid, found.path))]
     if not _GLOB_CHARS & set(module):
         found = resolver.find_module(module)
-        return [_Source(found.image, found.path, f"{module}:", found.bias)]
+        return [
+            _Source(found.image, found.path, f"{module}:", found.bias, _inside(pid, found.path))
+        ]
     matched = {m.path: m for m in resolver.modules() if fnmatch.fnmatchcase(m.name, module)}
     if not matched:
         mapped = ", ".join(sorted({m.name for m in resolver.modules()}))
@@ -209,17 +218,26 @@ def _of_process(pid: int, module: str | None) -> list[_Source]:
             f"no module matching {module!r} is mapped in process {pid} (mapped: {mapped})"
         )
     prefixes = _prefixes(list(matched))
-    return [_Source(m.image, m.path, prefixes[m.path], m.bias) for m in matched.values()]
+    return [
+        _Source(m.image, m.path, prefixes[m.path], m.bias, _inside(pid, m.path))
+        for m in matched.values()
+    ]
+
+
+def _inside(pid: int, path: str) -> str:
+    """The file as process ``pid`` sees it (its mount namespace), else as we do."""
+    inside = f"/proc/{pid}/root{path}"
+    return inside if os.path.exists(inside) else path
 
 
 def _of_command(args: argparse.Namespace, module: str | None) -> list[_Source]:
     argv = command_argv(args)
     files = ProgramFiles.of_command(find_command(argv[0], os.environ), os.environ)
     if module is None:
-        return [_Source(files.main.image, files.main.path, "", 0)]
+        return [_Source(files.main.image, files.main.path, "", 0, files.main.path)]
     if not _GLOB_CHARS & set(module):
         file = files.find(module)
-        return [_Source(file.image, file.path, f"{module}:", 0)]
+        return [_Source(file.image, file.path, f"{module}:", 0, file.path)]
     matched = [f for f in files.files if fnmatch.fnmatchcase(f.name, module)]
     if not matched:
         names = ", ".join(f.name for f in files.files)
@@ -228,7 +246,7 @@ def _of_command(args: argparse.Namespace, module: str | None) -> list[_Source]:
             f"({names})"
         )
     prefixes = _prefixes([f.path for f in matched])
-    return [_Source(f.image, f.path, prefixes[f.path], 0) for f in matched]
+    return [_Source(f.image, f.path, prefixes[f.path], 0, f.path) for f in matched]
 
 
 def _prefixes(paths: Sequence[str]) -> dict[str, str]:

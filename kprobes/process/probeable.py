@@ -76,19 +76,31 @@ class FileJudge:
     its addresses into the ones a process shows (0: the file's own), so that the reasons name
     what ``count`` would. ``no_jump``: why every probe keeps its int3 ("": none)."""
 
-    def __init__(self, image: ElfImage, path: str, *, bias: int = 0, no_jump: str = "") -> None:
+    def __init__(
+        self,
+        image: ElfImage,
+        path: str,
+        *,
+        bias: int = 0,
+        no_jump: str = "",
+        read_from: str | None = None,
+    ) -> None:
         self.image = image
         self.path = path
+        # Where the bytes are read now. Not always ``image.path``: images are cached by the
+        # file's identity, and the path one was first read by may be gone since (the
+        # /proc/PID/root/... of a process that has exited).
+        self.read_from = read_from or image.path
         self.bias = bias
         self.no_jump = no_jump
         self._data: bytes | mmap.mmap = b""
 
     def __enter__(self) -> FileJudge:
         try:
-            with open(self.image.path, "rb") as stream:
+            with open(self.read_from, "rb") as stream:
                 self._data = mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError) as exc:  # ValueError: an empty file
-            raise TargetError(f"cannot read {self.image.path}: {exc}") from exc
+            raise TargetError(f"cannot read {self.read_from}: {exc}") from exc
         return self
 
     def __exit__(self, *exc: object) -> None:
