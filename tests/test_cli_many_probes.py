@@ -28,7 +28,7 @@ import support
 from test_cli_trace import count_rows
 
 from kprobes.cli import main as cli_main
-from kprobes.cli import ptrace_backend
+from kprobes.cli.notes import Progress
 from kprobes.process.engine.world import World
 from kprobes.process.target import Process
 
@@ -133,7 +133,7 @@ def test_a_terminal_is_told_how_many_probes_are_being_placed(mallocs, monkeypatc
 
     terminal = Terminal()
     monkeypatch.setattr("sys.stderr", terminal)
-    monkeypatch.setattr(ptrace_backend, "PLACING_STOP", 0.01)  # many stops: the line is refreshed
+    monkeypatch.setattr(Progress, "PERIOD", 0.0)  # the line is refreshed after every probe
     code = cli_main.main(["count", "-p", str(mallocs.pid), "-d", "0.2", "libc:*"])
     assert code == 0, terminal.getvalue()
     shown = terminal.getvalue()
