@@ -9,10 +9,10 @@ from inside), the tool started first and ended with SIGINT once the program has 
 - ``none``: no probe;
 - ``uprobe``: the kernel's uprobe enabled through tracefs in an instance nobody reads (the
   uprobes peer of ``python -m bench``);
-- ``count``: counted in the kernel;
-- ``count --filter``: the same with a filter that keeps every event, which makes the command
-  read and decode each event to count it (how every ``count`` on this backend worked before,
-  and how ``-p``/``-c`` still do).
+- ``count -x``: counted in the kernel;
+- ``count -c``: the command run by the tool, its hits told apart by events, each read and
+  decoded to be counted (how every ``count`` on this backend worked before, and how
+  ``-p``/``-c`` still do).
 
 Each run checks the count the tool printed against the calls made.
 """
@@ -112,11 +112,18 @@ def main() -> None:
 
         return run
 
+    def command() -> float:
+        argv = [*KPROBES, "count", "--backend", "uprobes", "-c", f"{target} {func} {calls}", func]
+        out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+        if (hits := _counted(out, func)) != calls:
+            raise RuntimeError(f"count -c: {hits} of {calls} calls")
+        return _ns(out)
+
     cases: dict[str, Callable[[], float]] = {
         "none": plain,
         "uprobe": uprobe,
-        "count": tool(),
-        "count --filter": tool("--filter", "tid > 0"),
+        "count -x": tool(),
+        "count -c": command,
     }
     samples: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.runs):
