@@ -42,8 +42,9 @@ class TracePlaced:
     probe: Kprobe | Kretprobe
     event: str
     target: TraceTarget
-    # Counted by the kernel (``count``): perf counters on the event, which is not enabled
-    # (no record is written); ``counted`` keeps their sum once they are closed.
+    # Counted by the kernel (``count`` of every process that runs the file): perf counters
+    # on the event, which is not enabled (no record is written); ``counted`` keeps their
+    # sum once the run has ended (``stop_counting``).
     counters: list[Counter] = field(default_factory=list)
     counted: int | None = None
 
@@ -58,9 +59,9 @@ class TracePlaced:
 
     @property
     def hits(self) -> int:
-        """The hits of the processes traced: counted by the kernel for them; or with
-        ``-p``/``-c`` on uprobes, those recorded for them; otherwise the kernel's count (for
-        a file, every process that runs it)."""
+        """The hits of the processes traced: the kernel's counters' (every process that
+        runs the file); with ``-p``/``-c`` on uprobes, those recorded for them; otherwise
+        the kernel's count in its profile."""
         if self.counted is not None:
             return self.counted
         if self.counters:
