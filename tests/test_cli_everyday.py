@@ -233,10 +233,8 @@ def test_c_with_no_probe_ever_placed_exits_1(target: Path, command: str, wrapped
 HEAVY = ("kprobes.process.target", "kprobes.tracefs.session", "iced_x86", "elftools")
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["--version"]])
-def test_help_imports_no_engine(argv: list[str]) -> None:
-    """``kprobes --help`` imports none of the machinery (its start-up is measured by
-    ``python -m bench.tool_start``): a new interpreter, its modules listed at the end."""
+def _modules_after(argv: list[str]) -> tuple[set[str], subprocess.CompletedProcess[str]]:
+    """The modules a new interpreter holds after ``kprobes ARGV``, and its run."""
     code = (
         "import sys\n"
         "from kprobes.cli import main\n"
@@ -244,13 +242,32 @@ def test_help_imports_no_engine(argv: list[str]) -> None:
         f"    main.main({argv!r})\n"
         "except SystemExit:\n"
         "    pass\n"
-        "print(' '.join(sorted(sys.modules)), file=sys.stderr)\n"
+        "print('MODULES', ' '.join(sorted(sys.modules)), file=sys.stderr)\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    loaded = set(r.stderr.split())
-    assert "kprobes.cli.main" in loaded, r.stderr[-2000:]
+    listed = [line for line in r.stderr.splitlines() if line.startswith("MODULES ")]
+    assert listed, r.stderr[-2000:]
+    return set(listed[-1].split()[1:]), r
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["count", "--help"]])
+def test_help_imports_no_engine(argv: list[str]) -> None:
+    """``kprobes --help``, ``--version`` and a command's ``--help`` import none of the
+    machinery (start-up is measured by ``python -m bench.tool_start``)."""
+    loaded, r = _modules_after(argv)
+    assert "kprobes.cli.main" in loaded
     assert not loaded & set(HEAVY), sorted(loaded & set(HEAVY))
     assert "count" in r.stdout or "kprobes " in r.stdout
+
+
+def test_counting_with_c_imports_neither_dwarf_nor_pyelftools(target: Path) -> None:
+    """Placing a jump probe reads symbols and FDE headers with our own readers: pyelftools
+    (about 30 ms to import) and the DWARF readers are for jprobes and unwinding only."""
+    loaded, r = _modules_after(["count", "-c", f"{target} 3", "work"])
+    assert "kprobes.process.target" in loaded and "kprobes.symbols.cfi" in loaded
+    assert re.search(r"^work +3$", r.stdout, re.M), r.stdout + r.stderr
+    unwanted = {"elftools", "kprobes.symbols.dwarf", "kprobes.symbols.cfi_decode"}
+    assert not loaded & unwanted, sorted(loaded & unwanted)
 
 
 def test_every_public_name_is_there_when_asked() -> None:

@@ -32,7 +32,6 @@ from collections.abc import Callable, Sequence
 from kprobes.cli.backends import Backend, Placed, Sink, add_backend_arguments
 from kprobes.cli.notes import summarise
 from kprobes.cli.ownfile import in_file
-from kprobes.cli.ptrace_backend import PtraceBackend
 from kprobes.cli.sigint import RunInterrupted, SafeInterrupt
 from kprobes.cli.spellings import read_spelling
 from kprobes.cli.targets import add_target_arguments, say_pending
@@ -469,8 +468,11 @@ def open_backend(
                 "--kernel, or --backend uprobes with /PATH:SYMBOL specs)",
                 errno=errno.EINVAL,
             )
+        # Each backend is imported when chosen: ``--help`` needs neither, the ptrace
+        # backend's commands need none of tracefs, and the kernel's none of the engine.
+        from kprobes.cli.ptrace_backend import PtraceBackend
+
         return PtraceBackend(args, sink)
-    # Imported here: the ptrace backend's commands need none of tracefs (a start-up cost).
     from kprobes.cli.tracefs_backend import TraceFsBackend
 
     return TraceFsBackend(args, sink, specs, entry_times=entry_times, patterns=patterns)

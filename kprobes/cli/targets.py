@@ -20,12 +20,14 @@ import errno
 import shlex
 import sys
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from kprobes.cli.notes import summarise
 from kprobes.core.probes import Kprobe
 from kprobes.errors import SpecError, TargetError
-from kprobes.process.launch import attach, spawn
-from kprobes.process.target import Process
+
+if TYPE_CHECKING:
+    from kprobes.process.target import Process
 
 
 class _Pids(argparse.Action):
@@ -107,6 +109,8 @@ def open_targets(args: argparse.Namespace, *, follow_forks: bool = False) -> lis
     one after the first is a member of the first's family, whose ``run()`` drives them
     all and whose ``close()`` lets them all go. One that cannot be attached lets those
     before it go, untouched."""
+    from kprobes.process.launch import attach, spawn  # the engine: not for ``--help``
+
     pin = not getattr(args, "no_pin", False)
     if args.pids is None:
         argv = command_argv(args)

@@ -17,24 +17,70 @@ so that output can be diffed against the kernel's own ``trace`` file, bcc and bp
     status    live status line, loss summary
 """
 
-from kprobes.output.argtypes import FetchType, Kind, format_value, json_value, parse_type
-from kprobes.output.counts import (
-    FrequencyTable,
-    format_counts,
-    format_counts_json,
-    format_interval_header,
-)
-from kprobes.output.hist import (
-    HistBucket,
-    LatencyStats,
-    LinearHistogram,
-    Log2Histogram,
-    format_average,
-)
-from kprobes.output.jsonl import event_to_json, format_json
-from kprobes.output.perfetto import PerfettoWriter, WriterState
-from kprobes.output.status import format_status, format_summary, format_summary_json
-from kprobes.output.text import BufferCounts, format_event, format_header, format_timestamp
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kprobes.output.argtypes import FetchType, Kind, format_value, json_value, parse_type
+    from kprobes.output.counts import (
+        FrequencyTable,
+        format_counts,
+        format_counts_json,
+        format_interval_header,
+    )
+    from kprobes.output.hist import (
+        HistBucket,
+        LatencyStats,
+        LinearHistogram,
+        Log2Histogram,
+        format_average,
+    )
+    from kprobes.output.jsonl import event_to_json, format_json
+    from kprobes.output.perfetto import PerfettoWriter, WriterState
+    from kprobes.output.status import format_status, format_summary, format_summary_json
+    from kprobes.output.text import BufferCounts, format_event, format_header, format_timestamp
+
+# Where each name lives, imported on first use (PEP 562): a command imports only the
+# formatters it uses (``count`` needs neither Perfetto nor histograms).
+_WHERE = {
+    "BufferCounts": "kprobes.output.text",
+    "FetchType": "kprobes.output.argtypes",
+    "FrequencyTable": "kprobes.output.counts",
+    "HistBucket": "kprobes.output.hist",
+    "Kind": "kprobes.output.argtypes",
+    "LatencyStats": "kprobes.output.hist",
+    "LinearHistogram": "kprobes.output.hist",
+    "Log2Histogram": "kprobes.output.hist",
+    "PerfettoWriter": "kprobes.output.perfetto",
+    "WriterState": "kprobes.output.perfetto",
+    "event_to_json": "kprobes.output.jsonl",
+    "format_average": "kprobes.output.hist",
+    "format_counts": "kprobes.output.counts",
+    "format_counts_json": "kprobes.output.counts",
+    "format_event": "kprobes.output.text",
+    "format_header": "kprobes.output.text",
+    "format_interval_header": "kprobes.output.counts",
+    "format_json": "kprobes.output.jsonl",
+    "format_status": "kprobes.output.status",
+    "format_summary": "kprobes.output.status",
+    "format_summary_json": "kprobes.output.status",
+    "format_timestamp": "kprobes.output.text",
+    "format_value": "kprobes.output.argtypes",
+    "json_value": "kprobes.output.argtypes",
+    "parse_type": "kprobes.output.argtypes",
+}
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'kprobes.output' has no attribute {name!r}")
+    value = getattr(import_module(where), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "BufferCounts",

@@ -30,7 +30,6 @@ from kprobes.errors import ProbeRejected, TargetError, UnsupportedOption
 from kprobes.lifetime import uninterrupted
 from kprobes.model import BlacklistEntry, ProbeListing
 from kprobes.process import listing
-from kprobes.process.engine import jprobes
 from kprobes.process.engine.arming import Arming, ProbeLocation
 from kprobes.process.engine.attachment import Attachment
 from kprobes.process.engine.rescue import Rescue
@@ -364,6 +363,8 @@ class Process:
 
     def register_jprobes(self, jps: Sequence[Jprobe]) -> None:
         """Register jprobes; a failure rolls back the ones already registered."""
+        from kprobes.process.engine import jprobes  # and DWARF: only for jprobes
+
         tracer = self._tracer
         with self._program.registering():
             jprobes.register_jprobes(

@@ -1,11 +1,11 @@
 """One ELF file as the resolver needs it: its loadable segments and its function symbols.
 
-pyelftools reads the file header, the program headers and the section headers; the symbol
-tables themselves are decoded here with ``struct.iter_unpack`` over the raw section bytes.
-Iterating libc's ``.dynsym`` through pyelftools builds one parsed container per entry and
-takes about 60 ms; unpacking the same 3000 fixed-size ``Elf64_Sym`` records as tuples takes
-a few milliseconds, and a large ``.symtab`` (tens of thousands of entries) stays well under a
-second. Everything is decoded once per file and kept in plain dicts and sorted tuples.
+The file header, the program headers, the section headers and the symbol tables are all
+fixed-size little-endian records, decoded here with ``struct`` (pyelftools, which reads
+DWARF elsewhere, is not imported for this: it costs the command ~50 ms to import and builds
+one parsed container per entry, ~60 ms for libc's ``.dynsym``, where unpacking the same
+3000 ``Elf64_Sym`` records as tuples takes a few milliseconds). Everything is decoded once
+per file and kept in plain dicts and sorted tuples.
 
 Images are cached by file identity (real path, device, inode, modification time), so every
 process that maps libc shares one ``ElfImage``, and a file rewritten in place is read again.
@@ -26,12 +26,23 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
-from typing import Final
-
-from elftools.common.exceptions import ELFError
-from elftools.elf.elffile import ELFFile
+from typing import Any, BinaryIO, Final
 
 from kprobes.errors import TargetError
+
+# Elf64_Ehdr after e_ident: e_type e_machine e_version e_entry e_phoff e_shoff e_flags
+# e_ehsize e_phentsize e_phnum e_shentsize e_shnum e_shstrndx.
+_EHDR: Final = struct.Struct("<HHIQQQIHHHHHH")
+_PHDR: Final = struct.Struct("<IIQQQQQQ")  # p_type p_flags p_offset p_vaddr p_paddr ...
+_SHDR: Final = struct.Struct("<IIQQQQIIQQ")  # sh_name sh_type sh_flags sh_addr sh_offset ...
+_ELFCLASS64: Final = 2
+_ELFDATA2LSB: Final = 1
+_EM_X86_64: Final = 62
+_ET_DYN: Final = 3
+_PT_LOAD: Final = 1
+_SHT_NOBITS: Final = 8
+_PN_XNUM: Final = 0xFFFF  # e_phnum overflowed: the count is section 0's sh_info
+_SHN_XINDEX: Final = 0xFFFF  # e_shstrndx overflowed: the index is section 0's sh_link
 
 _SYM_FORMAT: Final = "<IBBHQQ"  # Elf64_Sym: st_name st_info st_other st_shndx st_value st_size
 _SYM_SIZE: Final = struct.calcsize(_SYM_FORMAT)
@@ -200,6 +211,82 @@ def _build(raw_tables: tuple[_RawTable, ...]) -> _Tables:
     )
 
 
+_Section = tuple[int, int, int, int, int, int, int, int, int, int]  # an Elf64_Shdr
+
+
+class _FileReader:
+    """Exact reads of an open ELF file: every short read is a truncated file (ValueError)."""
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self._stream = stream
+
+    def read(self, offset: int, size: int) -> bytes:
+        self._stream.seek(offset)
+        data = self._stream.read(size)
+        if len(data) != size:
+            raise ValueError(f"truncated: {size} bytes at {offset:#x}, {len(data)} read")
+        return data
+
+    def records(self, fmt: struct.Struct, offset: int, entsize: int, count: int) -> list[Any]:
+        """``count`` records of ``fmt``, ``entsize`` bytes apart, from ``offset``."""
+        if count == 0 or offset == 0:
+            return []
+        if entsize < fmt.size:
+            raise ValueError(f"header entries of {entsize} bytes, {fmt.size} expected")
+        table = self.read(offset, entsize * count)
+        return [fmt.unpack_from(table, i * entsize) for i in range(count)]
+
+    def sections(self, shoff: int, entsize: int, count: int) -> list[_Section]:
+        if shoff and count == 0:  # more than 0xff00 sections: the count is in section 0
+            count = _SHDR.unpack(self.read(shoff, _SHDR.size))[5]
+        return self.records(_SHDR, shoff, entsize, count)
+
+    def headers(self) -> tuple[tuple[int, ...], list[_Section], dict[str, int]]:
+        """The file header after e_ident (``_EHDR``), the section headers, and each
+        section's index by name; the overflow escapes of e_phnum/e_shstrndx resolved."""
+        header = list(_EHDR.unpack(self.read(16, _EHDR.size)))
+        sections = self.sections(header[5], header[10], header[11])
+        if header[9] == _PN_XNUM and sections:
+            header[9] = sections[0][7]
+        if header[12] == _SHN_XINDEX and sections:
+            header[12] = sections[0][6]
+        return tuple(header), sections, self.section_names(sections, header[12])
+
+    def section_data(self, section: _Section) -> bytes:
+        if section[1] == _SHT_NOBITS:
+            return b""
+        return self.read(section[4], section[5])
+
+    def section_names(self, sections: list[_Section], shstrndx: int) -> dict[str, int]:
+        """Each section's name and its index (the first of a repeated name)."""
+        if not 0 < shstrndx < len(sections):
+            return {}
+        strings = self.section_data(sections[shstrndx])
+        names: dict[str, int] = {}
+        for index, section in enumerate(sections):
+            end = strings.find(b"\0", section[0])
+            if section[0] < len(strings):
+                name = strings[section[0] : end if end >= 0 else len(strings)]
+                names.setdefault(name.decode("utf-8", "replace"), index)
+        return names
+
+
+def read_sections(path: str, names: tuple[str, ...]) -> dict[str, tuple[int, bytes]]:
+    """``{name: (sh_addr, bytes)}`` of the sections of the file at ``path`` called one of
+    ``names`` (NOBITS sections, which have no bytes in the file, are left out). Raises
+    OSError when the file cannot be read, ValueError when it is not a well-formed ELF64."""
+    with open(path, "rb") as stream:
+        file = _FileReader(stream)
+        if file.read(0, 4) != b"\x7fELF":
+            raise ValueError("not an ELF file")
+        _header, sections, found = file.headers()
+        return {
+            name: (sections[found[name]][3], file.section_data(sections[found[name]]))
+            for name in names
+            if name in found and sections[found[name]][1] != _SHT_NOBITS
+        }
+
+
 # How many earlier functions function_at() examines when the nearest one ends before the
 # address: enough to step over zero-sized labels placed inside a function.
 _LOOKBEHIND: Final = 8
@@ -274,52 +361,51 @@ class ElfImage:
             with open(path, "rb") as stream:
                 if stream.read(4) != b"\x7fELF":
                     raise TargetError(f"{path} is not an ELF file", errno=_errno.ENOEXEC)
-                stream.seek(0)
-                return cls._parse(path, ELFFile(stream))
+                return cls._parse(path, _FileReader(stream))
         except OSError as exc:
             raise TargetError(f"cannot read {path}: {exc.strerror}", errno=exc.errno) from exc
-        except (ELFError, struct.error, ValueError) as exc:
+        except (struct.error, ValueError) as exc:
             raise TargetError(
                 f"{path} is not a valid ELF file: {exc}", errno=_errno.ENOEXEC
             ) from exc
 
     @classmethod
-    def _parse(cls, path: str, elf: ELFFile) -> ElfImage:
-        header = elf.header
-        if elf.elfclass != 64 or not elf.little_endian or header.e_machine != "EM_X86_64":
+    def _parse(cls, path: str, file: _FileReader) -> ElfImage:
+        ident = file.read(0, 20)  # e_ident, e_type, e_machine
+        e_machine = int.from_bytes(ident[18:20], "little")
+        if ident[4] != _ELFCLASS64 or ident[5] != _ELFDATA2LSB or e_machine != _EM_X86_64:
+            bits = {1: "32", 2: "64"}.get(ident[4], "?")
             raise TargetError(
-                f"{path} is not an x86-64 ELF file (ELF{elf.elfclass}, {header.e_machine})",
+                f"{path} is not an x86-64 ELF file (ELF{bits}, e_machine {e_machine})",
                 errno=_errno.ENOEXEC,
             )
+        header, sections, names = file.headers()
+        e_type, phoff, phentsize, phnum = header[0], header[4], header[8], header[9]
         segments = tuple(
-            Segment(
-                vaddr=seg.header.p_vaddr,
-                offset=seg.header.p_offset,
-                filesz=seg.header.p_filesz,
-                memsz=seg.header.p_memsz,
-                flags=seg.header.p_flags,
-            )
-            for seg in elf.iter_segments()
-            if seg.header.p_type == "PT_LOAD"
+            Segment(vaddr=ph[3], offset=ph[2], filesz=ph[5], memsz=ph[6], flags=ph[1])
+            for ph in file.records(_PHDR, phoff, phentsize, phnum)
+            if ph[0] == _PT_LOAD
         )
         raw_tables: list[_RawTable] = []
         for name in _TABLE_NAMES:
-            section = elf.get_section_by_name(name)
-            if section is None or section.header.sh_type == "SHT_NOBITS":
+            index = names.get(name)
+            if index is None or sections[index][1] == _SHT_NOBITS:
                 continue
-            strtab = elf.get_section(section.header.sh_link)
+            link = sections[index][6]
+            if link >= len(sections):
+                raise ValueError(f"{name} links to section {link} of {len(sections)}")
             versions = b""
-            if name == ".dynsym":
-                versym = elf.get_section_by_name(".gnu.version")
-                if versym is not None:
-                    versions = versym.data()
-            raw_tables.append(_RawTable(name, section.data(), strtab.data(), versions))
-        return cls(
-            path,
-            is_dyn=header.e_type == "ET_DYN",
-            segments=segments,
-            raw_tables=tuple(raw_tables),
-        )
+            if name == ".dynsym" and ".gnu.version" in names:
+                versions = file.section_data(sections[names[".gnu.version"]])
+            raw_tables.append(
+                _RawTable(
+                    name,
+                    file.section_data(sections[index]),
+                    file.section_data(sections[link]),
+                    versions,
+                )
+            )
+        return cls(path, is_dyn=e_type == _ET_DYN, segments=segments, raw_tables=tuple(raw_tables))
 
     def _symbols(self) -> _Tables:
         tables = self._tables

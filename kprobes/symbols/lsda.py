@@ -23,8 +23,7 @@ import struct
 import threading
 from typing import Final
 
-from elftools.common.exceptions import ELFError
-from elftools.elf.elffile import ELFFile
+from kprobes.symbols.elf import read_sections
 
 _OMIT: Final = 0xFF
 _ULEB128: Final = 0x01
@@ -98,12 +97,8 @@ def _sections_of(path: str) -> list[tuple[int, bytes]]:
     with _lock:
         found = _sections.get(key)
     if found is None:
-        found = []
-        with open(path, "rb") as f:
-            elf = ELFFile(f)
-            for sec in elf.iter_sections():
-                if sec.name in (".gcc_except_table", ".rodata") and sec.header.sh_addr:
-                    found.append((sec.header.sh_addr, sec.data()))
+        named = read_sections(path, (".gcc_except_table", ".rodata"))
+        found = [(addr, data) for addr, data in named.values() if addr]
         with _lock:
             _sections[key] = found
     return found
@@ -114,7 +109,7 @@ def landing_pads(path: str, lsda: int, func_start: int) -> tuple[int, ...]:
     file ``path`` (link-time addresses); LsdaError if they cannot be read."""
     try:
         sections = _sections_of(path)
-    except (OSError, ELFError) as exc:
+    except (OSError, ValueError, struct.error) as exc:
         raise LsdaError(f"{path}: {exc}") from exc
     for addr, data in sections:
         if addr <= lsda < addr + len(data):

@@ -34,7 +34,8 @@ from enum import Enum
 from typing import Final
 
 from kprobes.errors import TargetError
-from kprobes.symbols.cfi import Fde, RegRule, Row, Rule, find_fde
+from kprobes.symbols.cfa import Fde, RegRule, Row, Rule
+from kprobes.symbols.cfi import find_fde
 
 # DWARF register numbers of x86-64 (System V psABI, figure 3.36); 16 is the return address.
 DWARF_REGISTERS: Final = (
