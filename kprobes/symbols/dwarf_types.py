@@ -9,12 +9,15 @@ self-contained, and pure: DIEs in, frozen values out.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 from typing import Final
 
 from elftools.dwarf.die import DIE
+
+from kprobes.symbols.leb128 import uleb128
 
 
 class ParamKind(Enum):
@@ -170,16 +173,6 @@ def inherited_type(die: DIE) -> DIE | None:
     return None
 
 
-def _uleb128(data: list[int] | bytes, start: int) -> int:
-    value = shift = 0
-    for byte in data[start:]:
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            break
-    return value
-
-
 def _member_offset(member: DIE) -> int:
     """DW_AT_data_member_location as a constant or, before DWARF 4, DW_OP_plus_uconst N."""
     attr = member.attributes.get("DW_AT_data_member_location")
@@ -189,7 +182,8 @@ def _member_offset(member: DIE) -> int:
     if isinstance(value, int):
         return value
     if isinstance(value, list | bytes) and value and value[0] == _DW_OP_PLUS_UCONST:
-        return _uleb128(value, 1)
+        with contextlib.suppress(IndexError):  # cut short: as if absent
+            return uleb128(value, 1)[0]
     return 0
 
 

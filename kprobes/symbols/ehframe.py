@@ -19,6 +19,8 @@ import struct
 from dataclasses import dataclass
 from typing import Final
 
+from kprobes.symbols.leb128 import sleb128, uleb128
+
 DW_EH_PE_OMIT: Final = 0xFF
 _PCREL: Final = 0x10
 # Fixed-size value formats (the low nibble of a pointer encoding): struct formats.
@@ -41,20 +43,6 @@ class _Cie:
     fde_encoding: int
     lsda_encoding: int  # DW_EH_PE_OMIT without "L"
     has_data: bool  # augmentation "z": each FDE has an augmentation data length
-
-
-def _leb(data: bytes, pos: int, *, signed: bool) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            break
-    if signed and byte & 0x40:
-        value -= 1 << shift
-    return value, pos
 
 
 class RawEhFrame:
@@ -87,7 +75,7 @@ class RawEhFrame:
             return None
         lsda = None
         if cie.has_data and cie.lsda_encoding != DW_EH_PE_OMIT:
-            _length, pos = _leb(data, pos, signed=False)
+            _length, pos = uleb128(data, pos)
             lsda, pos = self._pointer(pos, cie.lsda_encoding)
             if lsda is None:
                 return None
@@ -98,7 +86,7 @@ class RawEhFrame:
         the next field starts; None for a form not read here."""
         form = encoding & 0x0F
         if form in (_ULEB128, _SLEB128):
-            value, end = _leb(self._data, pos, signed=form == _SLEB128)
+            value, end = (sleb128 if form == _SLEB128 else uleb128)(self._data, pos)
         elif form in _FIXED:
             value = struct.unpack_from(_FIXED[form], self._data, pos)[0]
             end = pos + struct.calcsize(_FIXED[form])
@@ -131,12 +119,12 @@ class RawEhFrame:
         pos = end + 1
         if version >= 4:
             pos += 2  # address_size, segment_selector_size
-        _code_align, pos = _leb(data, pos, signed=False)
-        _data_align, pos = _leb(data, pos, signed=True)
-        pos = pos + 1 if version == 1 else _leb(data, pos, signed=False)[1]  # return column
+        _code_align, pos = uleb128(data, pos)
+        _data_align, pos = sleb128(data, pos)
+        pos = pos + 1 if version == 1 else uleb128(data, pos)[1]  # return column
         if not augmentation.startswith(b"z"):
             return _Cie(0, DW_EH_PE_OMIT, has_data=False) if not augmentation else None
-        _length, pos = _leb(data, pos, signed=False)
+        _length, pos = uleb128(data, pos)
         fde_encoding, lsda_encoding = 0, DW_EH_PE_OMIT
         for letter in augmentation[1:].decode("ascii", "replace"):
             if letter == "L":

@@ -24,6 +24,7 @@ import threading
 from typing import Final
 
 from kprobes.symbols.elf import read_sections
+from kprobes.symbols.leb128 import uleb128
 
 _OMIT: Final = 0xFF
 _ULEB128: Final = 0x01
@@ -35,22 +36,9 @@ class LsdaError(Exception):
     """The LSDA is in a form this reader does not know."""
 
 
-def _uleb(data: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(data):
-            raise LsdaError("truncated uleb128")
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            return value, pos
-
-
 def _value(data: bytes, pos: int, enc: int) -> tuple[int, int]:
     if enc == _ULEB128:
-        return _uleb(data, pos)
+        return uleb128(data, pos)
     if enc == _UDATA4:
         return struct.unpack_from("<I", data, pos)[0], pos + 4
     if enc == _UDATA8 or enc == 0:
@@ -69,16 +57,16 @@ def parse_landing_pads(data: bytes, func_start: int) -> tuple[int, ...]:
         ttype_enc = data[pos]
         pos += 1
         if ttype_enc != _OMIT:
-            _, pos = _uleb(data, pos)
+            _, pos = uleb128(data, pos)
         callsite_enc = data[pos]
-        length, pos = _uleb(data, pos + 1)
+        length, pos = uleb128(data, pos + 1)
         end = pos + length
         pads = set()
         while pos < end:
             _start, pos = _value(data, pos, callsite_enc)
             _length, pos = _value(data, pos, callsite_enc)
             pad, pos = _value(data, pos, callsite_enc)
-            _action, pos = _uleb(data, pos)
+            _action, pos = uleb128(data, pos)
             if pad:
                 pads.add(lpstart + pad)
         return tuple(sorted(pads))

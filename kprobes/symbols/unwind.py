@@ -36,6 +36,7 @@ from typing import Final
 from kprobes.errors import TargetError
 from kprobes.symbols.cfa import Fde, RegRule, Row, Rule
 from kprobes.symbols.cfi import find_fde
+from kprobes.symbols.leb128 import sleb128, uleb128
 
 # DWARF register numbers of x86-64 (System V psABI, figure 3.36); 16 is the return address.
 DWARF_REGISTERS: Final = (
@@ -101,24 +102,17 @@ class _Stop(Exception):
 
 
 def _uleb(code: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(code):
-            raise _Stop(StopReason.UNSUPPORTED)
-        byte = code[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            return value, pos
+    try:
+        return uleb128(code, pos)
+    except IndexError:
+        raise _Stop(StopReason.UNSUPPORTED) from None
 
 
 def _sleb(code: bytes, pos: int) -> tuple[int, int]:
-    value, end = _uleb(code, pos)
-    bits = 7 * (end - pos)
-    if value & (1 << (bits - 1)):
-        value -= 1 << bits
-    return value, end
+    try:
+        return sleb128(code, pos)
+    except IndexError:
+        raise _Stop(StopReason.UNSUPPORTED) from None
 
 
 def _signed(value: int) -> int:
