@@ -104,6 +104,48 @@ class EventArg(NamedTuple):
     value: ArgValue
 
 
+@dataclass(frozen=True, slots=True)
+class StackFrame:
+    """One frame of a user stack, innermost first: where it is, named as the kernel's
+    ``%pS`` names an address (``func+0xOFF/0xSIZE``), ``[module]`` for a library."""
+
+    addr: int  # the thread's ip for the first frame, then return addresses
+    func: str = ""  # "" when no symbol covers the address
+    offset: int = 0  # from the function's start
+    size: int = 0  # the function's size (0: unknown)
+    module: str = ""  # a library's file name; "" in the program's own file (or unknown)
+
+    @property
+    def text(self) -> str:
+        """``func+0xOFF/0xSIZE [module]``; ``0xADDR [module]`` without a symbol."""
+        where = (
+            f"{self.func}+{self.offset:#x}/{max(self.size, 1):#x}"
+            if self.func
+            else (f"{self.addr:#x}")
+        )
+        return f"{where} [{self.module}]" if self.module else where
+
+    @property
+    def name(self) -> str:
+        """The frame in a flame graph or a folded line: the function, else ``[module]``,
+        else the hex address."""
+        return self.func or (f"[{self.module}]" if self.module else f"{self.addr:#x}")
+
+
+@dataclass(frozen=True, slots=True)
+class UserStack:
+    """The user stack of a hit, innermost first; ``stop`` says why the walk ended before
+    the outermost frame (``"no unwind info"``, ...), "" when it reached it."""
+
+    frames: tuple[StackFrame, ...]
+    stop: str = ""
+
+    @property
+    def marker(self) -> str:
+        """The frame printed after the last one when the walk stopped short: ``[stop]``."""
+        return f"[{self.stop}]" if self.stop else ""
+
+
 class Event(NamedTuple):
     """One probe hit, after the fact: the same value for every target (Process, Kernel,
     Uprobes) and every tier (a trap, a jump-optimized record, the kernel's ring buffer).
@@ -143,6 +185,9 @@ class Event(NamedTuple):
     # A read-only copy of the registers at the hit, for a Process probe whose handler asked
     # for them (``async_handler`` of the API); None otherwise.
     regs: Regs | None = None
+    # The thread's user stack at the hit, when the session asked for stacks (``trace -U``,
+    # ``stackcount``); None otherwise.
+    stack: UserStack | None = None
 
     @property
     def name(self) -> str:

@@ -95,6 +95,28 @@ BUILDS: dict[str, Build] = {
         needs=("libplug.so",),
     ),
     "plughost": Build("plughost.c", libs=("-ldl",)),
+    # Stacks without frame pointers (tests/test_stacks.py): -O2, rbp an ordinary register.
+    "libstk.so": Build("libstk.c", flags=("-O2", "-fomit-frame-pointer", "-fPIC", "-shared")),
+    "stacks": Build(
+        "stacks.c",
+        flags=("-O2", "-fomit-frame-pointer", "-Wall"),
+        libs=(f"-L{BIN}", "-lstk", "-Wl,-rpath,$ORIGIN"),
+        needs=("libstk.so",),
+    ),
+    # With frame pointers: what the kernel's userstacktrace (--backend uprobes) follows.
+    "stacks-fp": Build(
+        "stacks.c",
+        flags=("-O2", "-fno-omit-frame-pointer", "-Wall"),
+        libs=(f"-L{BIN}", "-lstk", "-Wl,-rpath,$ORIGIN"),
+        needs=("libstk.so",),
+    ),
+    # The same without unwind tables for its own functions: walks end there, and say so.
+    "stacks-nocfi": Build(
+        "stacks.c",
+        flags=("-O2", "-fomit-frame-pointer", "-fno-asynchronous-unwind-tables", "-Wall"),
+        libs=(f"-L{BIN}", "-lstk", "-Wl,-rpath,$ORIGIN"),
+        needs=("libstk.so",),
+    ),
 }
 
 

@@ -42,6 +42,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "trace": ("kprobes.cli.trace_cmd", "print each probe hit (ftrace format or --json)"),
     "count": ("kprobes.cli.count_cmd", "count hits per probe (funccount)"),
+    "stackcount": (
+        "kprobes.cli.stackcount_cmd",
+        "count hits per user stack (bcc's stackcount); folded stacks and flame graphs",
+    ),
     "latency": (
         "kprobes.cli.latency_cmd",
         "histogram of a function's call durations (funclatency)",

@@ -106,7 +106,9 @@ class PtraceBackend(Backend):
             self.command_pid = self.proc.pid
         self.sink = sink
         self.members: list[SpecTracer] = []  # followed children that exec'd (family.py)
-        self.optimize = not getattr(args, "no_optimize", False)
+        # Stacks are unwound at a breakpoint, in the stopped thread (stack_options.py).
+        self.stack_depth: int | None = args.stack_depth if getattr(args, "stack", False) else None
+        self.optimize = not getattr(args, "no_optimize", False) and self.stack_depth is None
         self.count_only = getattr(args, "count_only", False)
         self.attached: list[SpecTracer] = []  # the -p processes (or the -c command), in order
         try:
@@ -128,7 +130,13 @@ class PtraceBackend(Backend):
         self._glob_names: dict[int, set[str]] = {}  # pid -> the functions globs placed there
 
     def _spec_tracer(self, proc: Process) -> SpecTracer:
-        return SpecTracer(proc, self.sink, optimize=self.optimize, count_only=self.count_only)
+        return SpecTracer(
+            proc,
+            self.sink,
+            optimize=self.optimize,
+            count_only=self.count_only,
+            stack_depth=self.stack_depth,
+        )
 
     def place(self, specs: Sequence[ProbeSpec]) -> list[Placed]:
         """Every spec in every process, or none; what the first process placed is returned."""

@@ -11,6 +11,11 @@ place of the event clock's seconds (``"time"`` in ISO 8601 added to the JSON; be
 probe's own line, as bcc's ``-T`` adds its TIME column), as bcc's ``trace -T``: the hit's
 time, through an offset measured once (wallclock.py). ``--perfetto FILE`` also writes a trace
 for ui.perfetto.dev with entry/return pairs as slices per thread.
+
+``-U``/``--stack`` adds each event's user stack, as the kernel's ``userstacktrace`` option
+prints it after the event (output/stacks.py): in the text, a ``<user stack trace>`` line and
+a `` => func+0xOFF/0xSIZE [module]`` line per frame; ``"stack"`` in the JSON; ``stack`` in
+the args of the Perfetto trace. How each backend takes them: stack_options.py.
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ from typing import IO, Any
 
 from kprobes.cli.formats import parse_traced
 from kprobes.cli.session import Session, add_common_arguments
+from kprobes.cli.stack_options import add_stack_arguments, prepare_stacks
 from kprobes.errors import SpecError
 from kprobes.model import Event
 from kprobes.output.jsonl import format_json
 from kprobes.output.perfetto import PerfettoWriter
-from kprobes.output.text import format_event, format_wallclock
+from kprobes.output.stacks import USER_STACK, format_stack_lines
+from kprobes.output.text import format_context, format_event, format_wallclock
 from kprobes.spec import SymbolLocation
 
 
@@ -50,6 +57,7 @@ def add_parser(sub: Any, help: str) -> None:
         'of the seconds of the event clock (with --json, "time" in ISO 8601 is added)',
     )
     p.add_argument("--perfetto", metavar="FILE", help="also write a Perfetto (JSON) trace")
+    add_stack_arguments(p, optional=True)
     p.set_defaults(func=run)
 
 
@@ -64,9 +72,12 @@ def run(args: argparse.Namespace) -> int:
             column=text.index('"'),
             text=text,
         )
+    header = prepare_stacks(args) if args.stack else ""
     session = Session(args, specs)
     session.wall_clock = args.timestamp
     out = sys.stdout
+    if header and not args.json:
+        out.write(header)
     fmt = format_json if args.json else format_event
     perfetto_file: IO[str] | None = None
     perfetto: PerfettoWriter | None = None
@@ -88,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
             out.write(printer(ev) + "\n")
         else:  # bcc's -T: the time before the line
             out.write(f"{format_wallclock(ev.timestamp, wall)} {printer(ev)}\n")
+        if ev.stack is not None and not args.json:
+            lines = [format_context(ev, wall_offset_ns=wall) + USER_STACK]
+            out.write("\n".join([*lines, *format_stack_lines(ev.stack)]) + "\n")
         if perfetto is not None:
             perfetto.write(ev)
 

@@ -152,9 +152,15 @@ class TraceFsBackend(Backend):
         sink: Sink,
         group: str | None,
     ) -> Uprobes:
+        # trace --stack, stackcount: the kernel's userstacktrace (cli/stack_options.py).
+        depth: int | None = args.stack_depth if getattr(args, "stack", False) else None
         if args.command is not None:
             return Uprobes(
-                command=command_argv(args), group=group, sink=sink, buffer_kb=UPROBES_BUFFER_KB
+                command=command_argv(args),
+                group=group,
+                sink=sink,
+                buffer_kb=UPROBES_BUFFER_KB,
+                stack_depth=depth,
             )
         if args.pids is not None:
             return Uprobes(
@@ -163,9 +169,12 @@ class TraceFsBackend(Backend):
                 group=group,
                 sink=sink,
                 buffer_kb=UPROBES_BUFFER_KB,
+                stack_depth=depth,
             )
         path = _path_of(specs, patterns)
-        return Uprobes(path=path, group=group, sink=sink, buffer_kb=UPROBES_BUFFER_KB)
+        return Uprobes(
+            path=path, group=group, sink=sink, buffer_kb=UPROBES_BUFFER_KB, stack_depth=depth
+        )
 
     def _release(self) -> None:
         """Let a ``-c`` command run on its own: the kernel probes it from now on."""

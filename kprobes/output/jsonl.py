@@ -23,6 +23,11 @@ Keys (entry and return events)::
     return     true                  (return events only)
     func       name of the returning function
     func_ip    its address, int
+
+    stack       with trace --stack only: the user stack, innermost first, one object a frame:
+                {"ip", "func", "offset", "size", "module", "text"} (func and module null
+                when unknown; module null in the program's own file)
+    stack_stop  when the walk stopped before the outermost frame: why ("no unwind info")
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import json
 
 from kprobes.model import Event
 from kprobes.output.argtypes import JsonValue, json_value
+from kprobes.output.stacks import stack_to_json
 from kprobes.output.text import wall_time
 
 
@@ -54,6 +60,10 @@ def event_to_json(ev: Event, *, wall_offset_ns: int | None = None) -> dict[str, 
         obj["return"] = True
         obj["func"] = ev.func
         obj["func_ip"] = ev.func_ip
+    if ev.stack is not None:
+        obj["stack"] = stack_to_json(ev.stack)
+        if ev.stack.stop:
+            obj["stack_stop"] = ev.stack.stop
     return obj
 
 

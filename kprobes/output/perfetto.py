@@ -13,6 +13,11 @@ which needs a protobuf schema and library for what JSON already shows.
 * Every other event -- a probe in the middle of a function, a return whose entry was not seen,
   an entry of a function that never returns in the trace -- is a thread-scoped instant
   (``"ph": "i", "s": "t"``) named after the event, with its arguments.
+* An event with a user stack (``trace --stack``) has it in its ``args`` as ``stack``, the
+  frames' names innermost first (the marker last, if the walk stopped short): the Perfetto
+  UI shows a slice's and an instant's args in its details panel. Rejected: the format's
+  ``stackFrames``/``sf`` table, which chrome://tracing draws but which Perfetto's importer,
+  for which this JSON format is legacy and "best effort" (its FAQ), does not document.
 * Each process gets a ``process_name`` and each thread a ``thread_name`` metadata event from
   ``comm`` (again when a thread's comm changes, e.g. after exec).
 
@@ -89,6 +94,9 @@ def _describe(ev: Event) -> dict[str, object]:
     info: dict[str, object] = {"event": ev.name, "location": ev.location, "args": _args(ev)}
     if ev.is_return:
         info["func"] = ev.func
+    if ev.stack is not None:
+        frames = [f.text for f in ev.stack.frames]
+        info["stack"] = [*frames, ev.stack.marker] if ev.stack.marker else frames
     return info
 
 

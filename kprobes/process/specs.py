@@ -5,6 +5,10 @@ the sink; an ``r`` (or ``%return``) spec becomes a ``Kretprobe`` whose entry han
 the entry timestamp and any ``$argN`` and whose return handler builds the return event
 ``(caller+off/size <- func)``. The events are the same values the kernel targets produce, so
 the command line's outputs and aggregations do not know which target they came from.
+
+With ``stack_depth`` every event carries the thread's user stack (``trace --stack``,
+``stackcount``), unwound in the handler while the thread is stopped: such specs stay on
+the trap tier (an optimized probe's record holds no stack yet; docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -75,12 +79,20 @@ class SpecTracer:
     """Places specs on one process and turns their hits into events for ``sink``."""
 
     def __init__(
-        self, proc: Process, sink: Sink, *, optimize: bool = False, count_only: bool = False
+        self,
+        proc: Process,
+        sink: Sink,
+        *,
+        optimize: bool = False,
+        count_only: bool = False,
+        stack_depth: int | None = None,
     ) -> None:
         self.proc = proc
         self.sink = sink
-        self.optimize = optimize  # entry specs as optimized record probes where possible
-        self.count_only = count_only  # entry specs only count their hits: no events
+        # Stacks are unwound at the hit, in the stopped thread: on traps, with events.
+        self.stack_depth = stack_depth  # each event's user stack, this many frames at most
+        self.optimize = optimize and stack_depth is None  # entry specs as record probes
+        self.count_only = count_only and stack_depth is None  # only count hits: no events
         self.placed: list[PlacedSpec] = []
         self.lines: list[tuple[Kprobe | Kretprobe, str, LineHandler | None]] = []  # add()'s
         self.comm = CommCache(proc.pid)
@@ -169,6 +181,7 @@ class SpecTracer:
             self.symbolize,
         )
         drain = self.proc.records.drain_rings
+        depth, user_stack = self.stack_depth, self.proc.stacks.user_stack
 
         def pre_handler(kp: Kprobe, regs: Any) -> None:
             drain()
@@ -177,6 +190,7 @@ class SpecTracer:
             made = Event(
                 group, event, pid, tid, comm(tid), cpu(tid), _now(), ip, symbolize(ip),
                 fetcher.fetch(regs, memory),
+                stack=None if depth is None else user_stack(regs, depth),
             )  # fmt: skip
             if handler is None:
                 sink(made)
@@ -202,6 +216,7 @@ class SpecTracer:
         )
         drain = self.proc.records.drain_rings
         entry_time: dict[int, tuple[float, tuple[ArgValue, ...]]] = {}
+        depth, user_stack = self.stack_depth, self.proc.stacks.user_stack
 
         def entry_handler(ri: KretprobeInstance, regs: Any) -> None:
             at_entry = fetcher.entry(regs, memory) if fetcher.has_entry_args else ()
@@ -217,6 +232,7 @@ class SpecTracer:
                 group, event, pid, tid, comm(tid), cpu(tid), _now(), ret, symbolize(ret),
                 fetcher.fetch(regs, memory, at_entry), is_return=True,
                 func=symbolize(func_ip).split("+")[0], func_ip=func_ip, entry_timestamp=start,
+                stack=None if depth is None else user_stack(regs, depth, ip=ret),
             )  # fmt: skip
             if handler is None:
                 sink(made)

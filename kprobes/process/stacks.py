@@ -1,25 +1,50 @@
-"""Stack traces of a stopped thread, for handlers: ``proc.backtrace(regs)``.
+"""Stack traces of a stopped thread, for handlers: ``proc.backtrace(regs)``, and as values
+(``proc.stacks.user_stack(regs)``: the frames of ``trace --stack`` and ``stackcount``).
 
 Frames come from each module's unwind tables (``symbols/unwind.py``), read through the
 process's own view of its files (its mount namespace; the mapped inode of a file deleted
 since). A frame hooked by a kretprobe shows its real return address, asked of the trampoline,
 never the trampoline itself.
 
-``Backtraces`` is a part of ``Process`` (target.py), which hands ``backtrace`` on.
+A walk that ends before the outermost frame (``_start``, ``clone``) says why in the stack's
+``stop``: a frame without unwind table entry and without a usable frame pointer, stack memory
+that cannot be read, the depth limit. Those words are short, as a marker frame prints them
+(`` => [no unwind info]``).
+
+``Backtraces`` is a part of ``Process`` (target.py), which hands ``backtrace`` on and holds
+it as ``proc.stacks``.
 """
 
 from __future__ import annotations
 
 import builtins
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
+
+from kprobes.errors import ProbeError
+from kprobes.model import StackFrame, UserStack
 
 if TYPE_CHECKING:
     from kprobes.process.engine.attachment import Attachment
+    from kprobes.symbols.maps import Module
+    from kprobes.symbols.unwind import Frame
+
+# What a marker frame says of a walk that stopped short (symbols/unwind.py's StopReason).
+STOP_MARKERS = {
+    "outermost": "",
+    "no_module": "no unwind info",
+    "no_unwind_info": "no unwind info",
+    "unknown_register": "no unwind info",
+    "unsupported": "no unwind info",
+    "unreadable": "stack unreadable",
+    "not_outward": "corrupt stack",
+    "max_frames": "depth limit",
+}
 
 
 class Backtraces:
-    """``backtrace()`` for ``Process``."""
+    """``backtrace()`` for ``Process``, and ``user_stack()`` for the command line."""
 
     def __init__(self, program: Attachment) -> None:
         self._program = program
@@ -32,12 +57,53 @@ class Backtraces:
         hooked by a kretprobe shows its real return address, never the trampoline. Call it
         from a handler: the thread must be stopped where ``regs`` were taken.
         """
+        out: builtins.list[tuple[int, str]] = []
+        for frame, module, found in self._walk(regs.as_dict(), regs.tid, max_frames):
+            if module is None:
+                text = f"{frame.addr:#x}"
+            elif found is None:
+                text = f"{frame.addr:#x} [{module.name}]"
+            else:
+                name, offset, _size = found
+                text = f"{name}+{offset:#x} [{module.name}]"
+            out.append((frame.addr, text))
+        return out
+
+    def user_stack(self, regs: Any, max_frames: int = 127, *, ip: int | None = None) -> UserStack:
+        """The call stack of the thread whose registers are ``regs`` as a value: each frame
+        named ``func+0xOFF/0xSIZE``, ``module`` set for a library's (not the program's own
+        file), and why the walk stopped short, if it did. ``ip`` replaces ``regs``' own
+        instruction pointer: a return handler gives the real return address, so that the
+        stack is the caller's, from where the call returns to. Call it from a handler."""
+        values = regs.as_dict()
+        if ip is not None:
+            values["rip"] = ip
+        try:
+            main: str | None = self._program.symbols().main_module().path
+        except ProbeError:
+            main = None
+        frames = []
+        stop = ""
+        for frame, module, found in self._walk(values, regs.tid, max_frames):
+            lib = "" if module is None or module.path == main else module.name
+            if found is None:
+                frames.append(StackFrame(frame.addr, module=lib))
+            else:
+                frames.append(StackFrame(frame.addr, found[0], found[1], found[2], lib))
+            if frame.stop is not None:
+                stop = STOP_MARKERS.get(frame.stop.name.lower(), frame.stop.value)
+        return UserStack(tuple(frames), stop)
+
+    def _walk(
+        self, regs: dict[str, int], tid: int, max_frames: int
+    ) -> Iterator[tuple[Frame, Module | None, tuple[str, int, int] | None]]:
+        """Each frame of the walk, its module and (function, offset, size) when known."""
         # Imported on the first backtrace: most sessions never take one (a start-up cost).
         from kprobes.symbols.unwind import FoundBy, unwind
 
         program = self._program
         pid, resolver, tramp = program.pid, program.symbols(), program.tracer.trampoline
-        thread = program.tracer.threads.get(regs.tid)
+        thread = program.tracer.threads.get(tid)
         refreshed = False
         files: dict[str, str] = {}
 
@@ -72,20 +138,15 @@ class Backtraces:
             real = tramp.home_of(thread, slot + 8)
             return value if real is None else real
 
-        out: builtins.list[tuple[int, str]] = []
-        for frame in unwind(regs.as_dict(), read_word, module_at, real_return, max_frames):
+        for frame in unwind(regs, read_word, module_at, real_return, max_frames):
             # A return address may be the first byte after the function that made the call
             # (a call to a function that never returns): name the call's function.
             exact = frame.how in (FoundBy.FIRST, FoundBy.SIGNAL)
             at = frame.addr if exact else frame.addr - 1
             module = resolver.get_module_at(at)
             found = None if module is None else module.image.function_at(at - module.bias)
-            if module is None:
-                text = f"{frame.addr:#x}"
-            elif found is None:
-                text = f"{frame.addr:#x} [{module.name}]"
+            if found is None:
+                yield frame, module, None
             else:
                 symbol, offset = found
-                text = f"{symbol.name}+{offset + frame.addr - at:#x} [{module.name}]"
-            out.append((frame.addr, text))
-        return out
+                yield frame, module, (symbol.name, offset + frame.addr - at, symbol.size)

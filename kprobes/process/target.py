@@ -100,7 +100,7 @@ class Process:
             forget_image=[program.forget_image, calls.forget_image, self._arming.forget_image],
             pending=pending,
         )
-        self._stacks = Backtraces(program)
+        self.stacks = Backtraces(program)  # backtraces, and stacks as values (stacks.py)
         self.family = Family(self) if family is None else family
         tracer.on_gone = self._publish if family is None else self._member_gone
         tracer.on_child_exec = self._adopt
@@ -471,7 +471,7 @@ class Process:
 
     def backtrace(self, regs: Any, max_frames: int = 64) -> builtins.list[tuple[int, str]]:
         """The call stack of the thread whose registers are ``regs`` (stacks.py)."""
-        return self._stacks.backtrace(regs, max_frames)
+        return self.stacks.backtrace(regs, max_frames)
 
     # Record probes' rings and their reader (fast/recording.py says what each one means).
 

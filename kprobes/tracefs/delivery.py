@@ -61,6 +61,8 @@ class Delivery:
     _pidfds: builtins.list[int]
     _exited: bool
     pages_per_read: int
+    # Gives the kernel's user stacks to their events (userstacks.py); None: none recorded.
+    attach_stacks: Callable[[builtins.list[Event]], builtins.list[Event]] | None
 
     if TYPE_CHECKING:
 
@@ -148,6 +150,8 @@ class Delivery:
             return []
         events, lost = decode_pages(pages, self._layout, self._builders, self._watchers)
         self.lost += lost
+        if self.attach_stacks is not None:  # before any event is dropped or held back
+            events = self.attach_stacks(events)
         if self.tasks.unsettled:
             events = self.tasks.settle(events, self._accepts)
         if self._clocks:

@@ -145,6 +145,7 @@ class TraceTarget(Delivery):
         self._builders: dict[int, Builder] = {}  # common_type → builder, for decode_pages
         self._lookups = self._make_lookups()
         self._clocks = EntryClocks()  # of return probes placed with entry_times
+        self.attach_stacks = None
         self._stopping = False
         self._pending: BaseException | None = None
         try:

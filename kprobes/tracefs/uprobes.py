@@ -38,6 +38,10 @@ file's probe, followed or not. ``recorded_hits(probe)`` counts those of the proc
 
 Places in definition lines (``add``) are the kernel's ``PATH:0xOFFSET`` (a file offset), or
 ``[MODULE:]SYMBOL[+OFFS]`` resolved as above.
+
+With ``stack_depth=N`` each event carries its thread's user stack (``Event.stack``) as the
+kernel's ``userstacktrace`` option records it: by frame pointers, 8 frames at most
+(userstacks.py).
 """
 
 from __future__ import annotations
@@ -51,11 +55,12 @@ import struct
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from functools import partial
 
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe
 from kprobes.errors import ProbeError, ProbeRejected, SpecError, SymbolNotFound, TargetError
-from kprobes.model import Event
+from kprobes.model import Event, UserStack
 from kprobes.spec import (
     AddressLocation,
     Dereference,
@@ -71,6 +76,7 @@ from kprobes.spec import (
 from kprobes.symbols.aliases import function_key, group_aliases
 from kprobes.symbols.elf import ElfImage, SymbolKind, did_you_mean
 from kprobes.symbols.resolve import SymbolResolver
+from kprobes.tracefs import userstacks
 from kprobes.tracefs.control import require_root
 from kprobes.tracefs.eventformat import EventFormat
 from kprobes.tracefs.held import HeldCommand
@@ -124,6 +130,7 @@ class Uprobes(TraceTarget):
         group: str | None = None,
         buffer_kb: int = 2048,
         sink: Sink | None = None,
+        stack_depth: int | None = None,
     ) -> None:
         if pids and pid is None:
             pid = pids[0]
@@ -166,6 +173,11 @@ class Uprobes(TraceTarget):
             super().__init__(group=group, buffer_kb=buffer_kb, sink=sink, pid=pid, pids=pids)
             if self._held is not None:
                 self._watch_execs()
+            if stack_depth is not None:  # each event's user stack, by frame pointers
+                userstacks.enable(self.fs, self.session, self._builders)
+                self.attach_stacks = partial(
+                    userstacks.attach, name=self._name_stack, depth=stack_depth
+                )
         except BaseException:
             if self._held is not None:
                 self._held.abandon()
@@ -482,6 +494,19 @@ class Uprobes(TraceTarget):
                 if fresh.modules():  # an exited process shows no mappings: keep the old
                     resolver = self._resolvers[tgid] = fresh
         return resolver
+
+    def _name_stack(self, addrs: Sequence[int], tid: int) -> UserStack:
+        """A user stack the kernel recorded, named in thread ``tid``'s process (read again
+        once if an address is in none of its files: a library loaded since)."""
+        resolver = self._resolver_of(tid)
+        if resolver is not None and any(resolver.get_module_at(a) is None for a in addrs):
+            with contextlib.suppress(OSError, ProbeError):
+                resolver.refresh()
+        try:
+            main = None if resolver is None else resolver.main_module().path
+        except ProbeError:
+            main = self.main_file
+        return userstacks.name_frames(addrs, resolver, main)
 
     def _describe(self, addr: int, tid: int) -> str:
         resolver = self._resolver_of(tid)
