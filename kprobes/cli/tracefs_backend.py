@@ -296,9 +296,9 @@ class TraceFsBackend(Backend):
 
     def discard_backlog(self) -> None:
         """What the buffer still holds is counted (``entries`` of each CPU's stats) and
-        goes with the instance at ``close()``."""
+        goes with the instance at ``close()``, with what was read but not handed over."""
         if self.target.session.is_open:
-            self._unread = self.target.session.unread_events()
+            self._unread = self.target.session.unread_events() + self.target.undelivered
 
 
 def _group_of(specs: Sequence[ProbeSpec]) -> str | None:

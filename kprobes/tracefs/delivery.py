@@ -2,7 +2,11 @@
 
 Events come back asynchronously: ``poll()`` reads every CPU's ``trace_pipe_raw``, decodes the
 records with the builders compiled at registration (``records.py``), merges the CPUs by
-timestamp and hands each ``Event`` to its probe's handler, then to the sink. ``run()`` polls
+timestamp and hands each ``Event`` to its probe's handler, then to the sink. Reading a page
+consumes it, so no signal's exception may come between the read and the decoded events being
+kept: those signals are held for that moment, and the events wait in ``_undelivered`` until
+each is handed over (an exception from a handler, or Ctrl-C's, leaves the rest for the next
+``poll()``: the ending's reading delivers them). ``run()`` polls
 until ``stop()``, the end of a ``pid=`` target's process, or a timeout. Hit and miss counts
 are the kernel's (``kprobe_profile``/``uprobe_profile``), copied into the probes by
 ``update_counts()``.
@@ -15,9 +19,11 @@ from __future__ import annotations
 import builtins
 import contextlib
 import select
+import signal
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from kprobes.core.probes import TRAP_HANDLER_EXCEPTION, ProbeFlags
@@ -36,6 +42,19 @@ if TYPE_CHECKING:
     from kprobes.tracefs.tasks import Tasks
 
 _POLL_SLICE = 0.25  # longest sleep in run(): a missed wake-up costs at most this
+# The signals whose Python handlers may raise (the command line's SIGINT, SIGTERM, SIGHUP and
+# its re-check timer): held while pages are read and decoded.
+_HELD_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGALRM})
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold the signals that may raise: one that comes is handled once the block is left."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class Delivery:
@@ -58,6 +77,7 @@ class Delivery:
     _clocks: EntryClocks
     _stopping: bool
     _pending: BaseException | None
+    _undelivered: deque[Event]
     _pidfds: builtins.list[int]
     _exited: bool
     pages_per_read: int
@@ -194,13 +214,25 @@ class Delivery:
     def poll(self) -> int:
         """Deliver every event recorded so far to the handlers; return how many."""
         regs = {reg.event: reg for reg in self._by_id.values()}  # as of the decoding
-        events = self._read()
-        for event in events:
-            self._dispatch(event, regs[event.event])
+        undelivered = self._undelivered
+        with _signals_held():  # the pages read are consumed: their events must be kept
+            undelivered.extend(self._read())
+        delivered = 0
+        while undelivered:
+            event = undelivered.popleft()
+            reg = regs.get(event.event)
+            if reg is not None:  # a backlog's probe may have gone since
+                self._dispatch(event, reg)
+                delivered += 1
         pending, self._pending = self._pending, None
         if pending is not None:
             raise pending
-        return len(events)
+        return delivered
+
+    @property
+    def undelivered(self) -> int:
+        """Events read from the kernel but not handed over yet (left by an exception)."""
+        return len(self._undelivered)
 
     def stop(self) -> None:
         """Make ``run()`` return after the current batch (callable from a handler)."""

@@ -38,6 +38,7 @@ import builtins
 import contextlib
 import errno as _errno
 import os
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -146,6 +147,7 @@ class TraceTarget(Delivery):
         self._lookups = self._make_lookups()
         self._clocks = EntryClocks()  # of return probes placed with entry_times
         self.attach_stacks = None
+        self._undelivered: deque[Event] = deque()  # read, not yet handed over (delivery.py)
         self._stopping = False
         self._pending: BaseException | None = None
         try:

@@ -481,3 +481,36 @@ def test_return_sites_are_named_when_the_command_is_gone_before_it_is_read(
     returns = [e for e in got if e.is_return]
     assert len(returns) == 3
     assert all(e.location.startswith("calls+0x") for e in returns), [e.location for e in got]
+
+
+def test_a_signal_just_after_pages_are_read_loses_no_event(
+    start: Callable[..., Waiting], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading a page consumes it. Ctrl-C's exception, coming as the pages are read (here
+    the read sends SIGINT itself), is raised once their events are kept, not between the
+    read and the decoding: the next ``poll()`` (the command line's ending) delivers them."""
+    from kprobes.tracefs.ringbuffer import CpuBuffers
+
+    read_pages = CpuBuffers.read_pages
+    sent = []
+
+    def read_then_interrupt(self: CpuBuffers, max_pages: int = 256) -> list[tuple[int, bytes]]:
+        pages = read_pages(self, max_pages)
+        if pages and not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+        return pages
+
+    monkeypatch.setattr(CpuBuffers, "read_pages", read_then_interrupt)
+    prog = start(3)
+    got: list[ArgValue] = []
+    with Uprobes(pid=prog.pid) as u:
+        probe = Kprobe(symbol="work", async_handler=lambda _p, event: got.append(event.arg("x")))
+        u.register_kprobe(probe, ["x=%di:s64"])
+        prog.go()
+        with pytest.raises(KeyboardInterrupt):
+            while not sent:
+                u.poll()
+        assert got == [] and u.undelivered == 3
+        assert u.poll() == 3
+    assert got == [0, 1, 2]
