@@ -357,6 +357,18 @@ def stop_busy(prog: subprocess.Popen[bytes], timeout: float = 10) -> tuple[int, 
 TRACEFS_CANDIDATES = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
 
 
+def armed(tool_pid: int) -> bool:
+    """The kernel's session of ``tool_pid`` has its events defined and every one enabled
+    (they are all defined, then enabled one by one: one defined is not one armed)."""
+    group = f"kprobes_{tool_pid}"
+    events = Path(str(tracefs_root()), "instances", group, "events", group)
+    try:
+        enables = [e / "enable" for e in events.iterdir() if e.is_dir()]
+        return bool(enables) and all(f.read_text().strip() == "1" for f in enables)
+    except OSError:
+        return False
+
+
 def tracefs_root() -> Path | None:
     """The mounted tracefs with uprobe_events (mounting it if needed), or None."""
     for root in TRACEFS_CANDIDATES:

@@ -223,8 +223,9 @@ def test_pid_that_exits_in_the_middle_of_registrations(program, busy):
 
 def test_cli_pid_that_exits_between_attach_and_registration(program, shy, tmp_path):
     """``kprobes count -p PID`` whose program leaves after the attach and before the probes
-    are placed. To be sure of the order, the command runs with ``attach`` (the command
-    line's, kprobes/cli/targets.py) made to wait until the program is gone."""
+    are placed. To be sure of the order, the command runs with ``attach`` (of
+    kprobes/process/launch.py, which the command line imports when it runs) made to wait
+    until the program is gone."""
     prog = program([shy])
     wrapper = tmp_path / "late_kprobes.py"
     wrapper.write_text(
@@ -232,9 +233,9 @@ def test_cli_pid_that_exits_between_attach_and_registration(program, shy, tmp_pa
             """\
             import sys, time
             import kprobes.cli.main as cli
-            import kprobes.cli.targets as targets
+            import kprobes.process.launch as launch
 
-            attach_now = targets.attach
+            attach_now = launch.attach
 
             def attach_then_wait(pid, **kwargs):
                 proc = attach_now(pid, **kwargs)
@@ -246,7 +247,7 @@ def test_cli_pid_that_exits_between_attach_and_registration(program, shy, tmp_pa
                     time.sleep(0.005)
                 return proc
 
-            targets.attach = attach_then_wait
+            launch.attach = attach_then_wait
             sys.exit(cli.main(sys.argv[1:]))
             """
         )

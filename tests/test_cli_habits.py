@@ -231,18 +231,6 @@ class Gated:
         return out.decode().splitlines()
 
 
-def armed(tool_pid: int) -> bool:
-    """The kernel's session of ``tool_pid`` has its events defined and every one enabled
-    (they are all defined, then enabled one by one: one defined is not one armed)."""
-    group = f"kprobes_{tool_pid}"
-    events = Path(str(support.tracefs_root()), "instances", group, "events", group)
-    try:
-        enables = [e / "enable" for e in events.iterdir() if e.is_dir()]
-        return bool(enables) and all(f.read_text().strip() == "1" for f in enables)
-    except OSError:
-        return False
-
-
 def run_gated(
     popen, tmp_path: Path, backend: str, args: list[object], *gated: Gated
 ) -> tuple[str, str]:
@@ -257,7 +245,7 @@ def run_gated(
     def placed() -> bool:
         assert tool.poll() is None, f"the command ended: {err.read_text()}"
         if backend == "uprobes":
-            return armed(tool.pid)
+            return support.armed(tool.pid)
         return "is pending" in err.read_text()
 
     support.wait_until(placed, 60, "the probes placed")

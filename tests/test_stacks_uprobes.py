@@ -15,16 +15,15 @@ here (no tracefs).
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
+import signal
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import support
 
-from kprobes.cli import main as cli_main
 from kprobes.model import Event, StackFrame, UserStack
 from kprobes.tracefs import userstacks
 
@@ -79,20 +78,51 @@ def test_a_stack_is_cut_at_the_depth_and_the_kernel_s_limit_said() -> None:
 # -- live, on the kernel's uprobes -----------------------------------------------------------
 
 
-def kprobes(*args: object) -> tuple[str, str]:
-    """stdout and stderr of ``kprobes ARGS`` run in this process (it must succeed)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli_main.main([str(a) for a in args])
-    assert code == 0, err.getvalue()
-    return out.getvalue(), err.getvalue()
+def kprobes_on_live_program(program: Path, tmp_path: Path, *args: object) -> tuple[str, str]:
+    """stdout and stderr of ``kprobes ARGS -p PID`` on ``PROGRAM gated``: the program makes
+    its calls once the kernel's probes are armed, and lives on until the command has ended
+    (SIGINT once the program has made its calls), so that every event is read while its
+    process is there to name its frames in (its memory map)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    out, err = tmp_path / "out", tmp_path / "err"
+    prog = subprocess.Popen([program, "gated"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert prog.stdin is not None and prog.stdout is not None
+    try:
+        with open(out, "wb") as o, open(err, "wb") as e:
+            tool = subprocess.Popen(
+                [support.KPROBES, *map(str, args), "-p", str(prog.pid)], stdout=o, stderr=e
+            )
+        try:
+
+            def armed() -> bool:
+                assert tool.poll() is None, err.read_text()
+                return support.armed(tool.pid)
+
+            support.wait_until(armed, 60, "the uprobes armed")
+            prog.stdin.write(b"go\n")
+            prog.stdin.flush()
+            assert prog.stdout.readline().startswith(b"stacks ")  # its calls are made
+            tool.send_signal(signal.SIGINT)
+            assert tool.wait(timeout=120) == 0, err.read_text()
+        finally:
+            if tool.poll() is None:
+                tool.kill()
+                tool.wait()
+    finally:
+        prog.stdin.close()
+        prog.wait(timeout=60)
+    return out.read_text(), err.read_text()
 
 
 @pytest.mark.tracefs
 @support.needs_uprobes
-def test_trace_on_uprobes_prints_the_kernel_s_frame_pointer_stacks(build: Build) -> None:
+def test_trace_on_uprobes_prints_the_kernel_s_frame_pointer_stacks(
+    build: Build, tmp_path: Path
+) -> None:
     program = build("stacks-fp")
-    out, err = kprobes("trace", "--backend", "uprobes", "-U", "-c", program, "leaf")
+    out, err = kprobes_on_live_program(
+        program, tmp_path, "trace", "--backend", "uprobes", "-U", "leaf"
+    )
     assert "breakpoint" not in err  # the tier note is our own backend's
     lines = out.splitlines()
     assert lines[0].startswith("# user stacks: the kernel's userstacktrace, which follows")
@@ -116,14 +146,18 @@ def test_trace_on_uprobes_prints_the_kernel_s_frame_pointer_stacks(build: Build)
 
 @pytest.mark.tracefs
 @support.needs_uprobes
-def test_stackcount_and_json_on_uprobes(build: Build) -> None:
+def test_stackcount_and_json_on_uprobes(build: Build, tmp_path: Path) -> None:
     program = build("stacks-fp")
-    out, err = kprobes("stackcount", "--backend", "uprobes", "--folded", "-c", program, "leaf")
+    out, err = kprobes_on_live_program(
+        program, tmp_path / "count", "stackcount", "--backend", "uprobes", "--folded", "leaf"
+    )
     assert "# user stacks: the kernel's userstacktrace" in err  # not in the folded lines
     rows = [line.rpartition(" ") for line in out.splitlines()]
     assert sum(int(n) for _, _, n in rows) == 10
     assert sum(int(n) for names, _, n in rows if names.endswith(";main;leaf")) == 8, out
-    out, _ = kprobes("trace", "--backend", "uprobes", "-U", "--json", "-c", program, "leaf")
+    out, _ = kprobes_on_live_program(
+        program, tmp_path / "json", "trace", "--backend", "uprobes", "-U", "--json", "leaf"
+    )
     records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert len(records) == 10
     assert all(r["stack"][0]["func"] == "leaf" and r["stack"][0]["offset"] == 0 for r in records)

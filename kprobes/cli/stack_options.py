@@ -9,7 +9,9 @@ backend makes of them.
 * the kernel's uprobes (``--backend uprobes``): the kernel's ``userstacktrace`` trace option
   in our instance, which follows frame pointers only (a stack through code built without
   them loses frames or gets wrong ones) and keeps at most 8 frames; the output's header and
-  ``--help`` say so;
+  ``--help`` say so. Its frames are named in the process's memory map when its events are
+  read: a process gone by then (a short ``-c`` command) has its frames as addresses (the
+  kernel records no map of it, where perf keeps its mmap records);
 * the kernel's kprobes (``--kernel``): refused (a kernel function's user stack is not what
   these commands show).
 """
@@ -36,7 +38,9 @@ UPROBES_HEADER = (
 BACKENDS_HELP = (
     "our own backend unwinds with the files' unwind tables (.eh_frame: right without frame "
     "pointers) and keeps its probes on breakpoints; --backend uprobes uses the kernel's "
-    f"userstacktrace, which follows frame pointers only, at most {KERNEL_USER_FRAMES} frames"
+    f"userstacktrace, which follows frame pointers only, at most {KERNEL_USER_FRAMES} frames, "
+    "named while the process lives (a process gone before its events are read shows "
+    "addresses)"
 )
 
 

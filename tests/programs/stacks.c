@@ -7,8 +7,13 @@
  *   main -> stk_through -> leaf  2 times (stk_through is in libstk.so)
  *
  * Each function does work after its call returns, so that no call becomes a tail jump
- * (which would leave a frame out), and none is inlined or cloned. */
+ * (which would leave a frame out), and none is inlined or cloned.
+ *
+ *   stacks          makes the calls, prints "stacks TOTAL"
+ *   stacks gated    waits for a line on stdin first, and after its line for the end of
+ *                   stdin: alive while a tool reads its events (attached with -p) */
 #include <stdio.h>
+#include <string.h>
 
 #define KEEP __attribute__((noinline, noclone))
 
@@ -38,9 +43,15 @@ KEEP int b(int x)
     return r + 5;
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
     int total = 0;
+    int gated = argc > 1 && strcmp(argv[1], "gated") == 0;
+    int c;
+
+    if (gated)
+        while ((c = getchar()) != EOF && c != '\n')
+            ;
 
     for (int i = 0; i < 3; i++)
         total += a(i);
@@ -49,5 +60,9 @@ int main(void)
     for (int i = 0; i < 2; i++)
         total += stk_through(leaf, i);
     printf("stacks %d\n", total);
+    fflush(stdout);
+    if (gated)
+        while (getchar() != EOF)
+            ;
     return 0;
 }
