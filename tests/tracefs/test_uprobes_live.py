@@ -504,13 +504,18 @@ def test_a_signal_just_after_pages_are_read_loses_no_event(
     monkeypatch.setattr(CpuBuffers, "read_pages", read_then_interrupt)
     prog = start(3)
     got: list[ArgValue] = []
-    with Uprobes(pid=prog.pid) as u:
-        probe = Kprobe(symbol="work", async_handler=lambda _p, event: got.append(event.arg("x")))
-        u.register_kprobe(probe, ["x=%di:s64"])
-        prog.go()
-        with pytest.raises(KeyboardInterrupt):
-            while not sent:
-                u.poll()
-        assert got == [] and u.undelivered == 3
-        assert u.poll() == 3
+    # Python's own SIGINT handler (a test run in the background inherits SIGINT ignored).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with Uprobes(pid=prog.pid) as u:
+            probe = Kprobe(symbol="work", async_handler=lambda _p, e: got.append(e.arg("x")))
+            u.register_kprobe(probe, ["x=%di:s64"])
+            prog.go()
+            with pytest.raises(KeyboardInterrupt):
+                while not sent:
+                    u.poll()
+            assert got == [] and u.undelivered == 3
+            assert u.poll() == 3
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert got == [0, 1, 2]
