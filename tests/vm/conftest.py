@@ -12,6 +12,8 @@ import os
 
 import pytest
 
+from . import early
+
 IN_VM = os.environ.get("KPROBES_IN_VM") == "1"
 
 collect_ignore = [] if IN_VM else ["guest"]
@@ -21,3 +23,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "vm: boots a stock kernel under qemu and runs tests/vm/guest inside it"
     )
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The kernel tests' VM boots now, beside the rest of the suite, if they are to run."""
+    if not IN_VM and any(item.nodeid.endswith(early.NODE) for item in session.items):
+        early.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if not IN_VM:
+        early.stop()

@@ -59,6 +59,11 @@ MODULES = (
 SETUP_HINT = "run `sh scripts/ensure-system-deps` as root (make setup does)"
 
 
+# The VMs running now (a caller that gives up on one, such as a test session ending early,
+# kills them: tests/vm/early.py).
+RUNNING: set[subprocess.Popen[bytes]] = set()
+
+
 class VmError(Exception):
     """The VM could not be prepared or did not finish; the message says what to do."""
 
@@ -229,20 +234,21 @@ def run(
         ]  # fmt: skip
         try:
             with open(console, "wb") as serial:
+                vm = subprocess.Popen(
+                    cmd, stdin=subprocess.DEVNULL, stdout=serial, stderr=subprocess.STDOUT
+                )
+                RUNNING.add(vm)
                 try:
-                    subprocess.run(
-                        cmd,
-                        stdin=subprocess.DEVNULL,
-                        stdout=serial,
-                        stderr=subprocess.STDOUT,
-                        timeout=timeout,
-                        check=False,
-                    )
+                    vm.wait(timeout=timeout)
                 except subprocess.TimeoutExpired:
+                    vm.kill()
+                    vm.wait()
                     text = console.read_text(errors="replace")
                     raise VmError(
                         f"the VM did not power off within {timeout:.0f} s; console:\n{text}"
                     ) from None
+                finally:
+                    RUNNING.discard(vm)
             console_text = console.read_text(errors="replace")
         finally:
             with contextlib.suppress(OSError):

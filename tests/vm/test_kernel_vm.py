@@ -8,25 +8,16 @@ import re
 
 import pytest
 
-from .harness import REPO, VmError, run
-
-GUEST_TESTS = "tests/vm/guest"
-# Seconds for the whole boot + test run (software emulation), only to catch a hang: a full
-# `make test` beside other work on a 2-CPU host once took more than 240.
-BUDGET = 900
-# One virtual CPU. With two, a full `make test` once saw the guest kernel lock up (soft lockup
-# in a `kprobes` command, RCU stalls on the other vCPU) under software emulation; one vCPU
-# has no cross-CPU waits to starve, and runs the guest tests as fast.
-CPUS = 1
+from . import early
+from .harness import VmError
 
 
 @pytest.mark.vm
-@pytest.mark.deadline(BUDGET + 30)
+@pytest.mark.deadline(early.BUDGET + 90)
 def test_kernel_tests_pass_in_a_vm() -> None:
-    argv = [str(REPO / ".venv/bin/python"), "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-    argv += ["--durations=5"]
+    """The VM was booted when collection ended (early.py): here its result is taken."""
     try:
-        result = run([*argv, "-rfE", GUEST_TESTS], timeout=BUDGET, cpus=CPUS)
+        result = early.result()
     except VmError as exc:
         pytest.fail(f"the VM could not run the kernel tests: {exc}")
     report = f"guest output:\n{result.output}\n--- console (tail) ---\n{result.console[-3000:]}"
