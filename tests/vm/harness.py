@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import glob
 import hashlib
+import json
 import lzma
 import os
 import re
@@ -57,11 +59,6 @@ MODULES = (
 )
 
 SETUP_HINT = "run `sh scripts/ensure-system-deps` as root (make setup does)"
-
-
-# The VMs running now (a caller that gives up on one, such as a test session ending early,
-# kills them: tests/vm/early.py).
-RUNNING: set[subprocess.Popen[bytes]] = set()
 
 
 class VmError(Exception):
@@ -237,7 +234,6 @@ def run(
                 vm = subprocess.Popen(
                     cmd, stdin=subprocess.DEVNULL, stdout=serial, stderr=subprocess.STDOUT
                 )
-                RUNNING.add(vm)
                 try:
                     vm.wait(timeout=timeout)
                 except subprocess.TimeoutExpired:
@@ -247,8 +243,7 @@ def run(
                     raise VmError(
                         f"the VM did not power off within {timeout:.0f} s; console:\n{text}"
                     ) from None
-                finally:
-                    RUNNING.discard(vm)
+
             console_text = console.read_text(errors="replace")
         finally:
             with contextlib.suppress(OSError):
@@ -265,18 +260,33 @@ def run(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--cpus", type=int, default=2)
+    parser.add_argument(
+        "--result", metavar="FILE", help="write the run as JSON to FILE (tests/vm/early.py)"
+    )
     parser.add_argument("command", nargs="+")
     args = parser.parse_args()
     try:
-        result = run(args.command, cwd=Path.cwd(), timeout=args.timeout)
+        result = run(args.command, cwd=Path.cwd(), timeout=args.timeout, cpus=args.cpus)
     except VmError as exc:
+        if args.result:
+            _write_json(args.result, {"error": str(exc)})
         print(f"kernel-vm: {exc}", file=sys.stderr)
         return 99
+    if args.result:
+        _write_json(args.result, dataclasses.asdict(result))
     sys.stdout.write(result.output)
     if result.returncode < 0:
         sys.stderr.write(result.console)
     print(f"kernel-vm: exit {result.returncode} after {result.seconds:.1f} s", file=sys.stderr)
     return result.returncode if result.returncode >= 0 else 99
+
+
+def _write_json(path: str, value: dict[str, object]) -> None:
+    """Whole or not at all: a reader that sees the file sees all of it."""
+    with open(f"{path}.part", "w") as out:
+        json.dump(value, out)
+    os.replace(f"{path}.part", path)
 
 
 if __name__ == "__main__":
