@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from kprobes.cli.formats import parse_traced
 from kprobes.cli.session import Session, add_common_arguments
@@ -31,9 +31,13 @@ from kprobes.errors import SpecError
 from kprobes.model import Event
 from kprobes.output.jsonl import format_json
 from kprobes.output.perfetto import PerfettoWriter
+from kprobes.output.rows import compile_json, compile_text
 from kprobes.output.stacks import USER_STACK, format_stack_lines
 from kprobes.output.text import format_context, format_event, format_wallclock
-from kprobes.spec import SymbolLocation
+from kprobes.spec import ProbeSpec, SymbolLocation
+
+if TYPE_CHECKING:
+    from kprobes.process.fast.batch import RowLayout, RowWriter
 
 
 def add_parser(sub: Any, help: str) -> None:
@@ -59,6 +63,35 @@ def add_parser(sub: Any, help: str) -> None:
     p.add_argument("--perfetto", metavar="FILE", help="also write a Perfetto (JSON) trace")
     add_stack_arguments(p, optional=True)
     p.set_defaults(func=run)
+
+
+class TraceRows:
+    """``trace``'s lines for the events our own backend's records give as rows, a batch at a
+    time (process/fast/batch.py, output/rows.py): the same bytes ``handle`` writes for them,
+    written a batch at a time, and counted as the session's events."""
+
+    def __init__(self, session: Session, out: IO[str], *, json: bool) -> None:
+        self.session = session
+        self.out = out
+        self.json = json
+
+    def writer(self, layout: RowLayout) -> RowWriter | None:
+        if self.json:
+            name = f"{layout.group}/{layout.event}"
+            fmt = compile_json(
+                name, layout.pid, layout.names, layout.types, layout.plain, layout.comm
+            )
+        else:
+            fmt = compile_text(layout.event, layout.names, layout.types, layout.plain, layout.comm)
+        if fmt is None:
+            return None
+        session, write = self.session, self.out.write
+
+        def write_rows(rows: list[tuple[Any, ...]], ip: int, location: str) -> None:
+            session.events += len(rows)
+            write(fmt(rows, ip, location))
+
+        return write_rows
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,6 +139,14 @@ def run(args: argparse.Namespace) -> int:
             perfetto.write(ev)
 
     session.handle = handle
+    if not (args.timestamp or args.stack or perfetto is not None):
+        # Events that need nothing but their line: our own backend's records, as rows.
+        rows = TraceRows(session, out, json=args.json)
+
+        def batch(spec: ProbeSpec) -> TraceRows | None:
+            return None if spec.effective_event in own else rows
+
+        session.batch = batch
     try:
         session.run()
     finally:

@@ -97,5 +97,12 @@ class TscClock:
         self._segments.append((t1, here, per_ns))
         self._last_pair = (ns1, t1)
 
+    def last_segment(self) -> tuple[int, float, float]:
+        """The segment a tick at or after its start is mapped by: (its start tick, its
+        ns, ticks per ns); ``seconds(tsc)`` is ``(ns + (tsc - start) / per) / 1e9`` there,
+        which a batch reader computes inline."""
+        start, ns, per_ns = self._segments[-1]
+        return start, ns, per_ns
+
     def seconds(self, tsc: int) -> float:
         return self._ns(tsc) / 1e9

@@ -35,11 +35,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
+from kprobes.arch.x86_64 import ring_block
 from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64.capture import Captured, CapturePlan
 from kprobes.arch.x86_64.regs import REG_INDEX, Regs
 from kprobes.linux.tsc import TscClock
 from kprobes.model import Event
+from kprobes.process.fast.batch import BatchOutput, Decoder, RowWriter, compile_decoder, row_layout
 from kprobes.process.fetch.evaluate import ArgFetcher, CpuReader, Memory
 from kprobes.process.fetch.fast import Resolver, data_resolver, file_resolver
 from kprobes.spec import SymbolLocation, parse
@@ -68,6 +70,9 @@ class FastProbe:
     pid: int  # the process the events are of
     group: str = "kprobes"  # the events' names (``Event.group``/``Event.event``)
     event: str = ""
+    # Takes the events of the probe's records as rows, a batch at a time, where the probe
+    # is alone at its site (batch.py); None: every event goes to the handler.
+    batch: BatchOutput | None = None
 
     def __post_init__(self) -> None:
         if not self.event:
@@ -121,6 +126,16 @@ def equip(
     return FastProbe(spec, fetcher, True, memory, (resolve_data, file_addr), pid)
 
 
+@dataclass(frozen=True, slots=True)
+class Batcher:
+    """How the runs of one record id are delivered in batches: for ``probe`` alone at its
+    site, its decoder and its output's writer."""
+
+    probe: Kprobe
+    decode: Decoder
+    write: RowWriter
+
+
 @dataclass(slots=True)
 class RecordSite:
     """A site optimized with a record action: its id in the records, and its captures."""
@@ -160,6 +175,8 @@ class RingReader:
         self._draining = False
         self.is_muted = False  # discard(): records are released unread from then on
         self._clock: TscClock | None = None
+        # Record id and slots → its batch path, or None: the handlers' (made at its first run).
+        self._batchers: dict[tuple[int, int], Batcher | None] = {}
 
     @property
     def is_active(self) -> bool:
@@ -192,6 +209,7 @@ class RingReader:
             self.unread += sa.skip_records(view)
         self.sites.clear()
         self.threads.clear()
+        self._batchers.clear()
 
     # -- reading --------------------------------------------------------------------------
 
@@ -247,9 +265,15 @@ class RingReader:
     def _drain(self, limit: int) -> int:
         assert self._clock is not None
         self._clock.sample()
+        views = list(self._areas())
+        if len(views) == 1 and not self._kept:  # one ring: its block, in batches
+            block = ring_block.read_block(views[0], limit=limit)
+            self.dropped += block.dropped
+            self._deliver_block(block)
+            return block.count
         batches = []
         most = 0
-        for view in self._areas():
+        for view in views:
             batch = sa.read_records(view, limit=limit)
             self.dropped += batch.dropped
             most = max(most, len(batch.records))
@@ -277,6 +301,71 @@ class RingReader:
                 deliver(kept.popleft())
         return True
 
+    def _deliver_block(self, block: ring_block.Block) -> None:
+        """A block's records in order: a run whose probe takes batches as rows, the others
+        one by one to their handlers; what a late read or a handler's end of the run
+        leaves is kept for the next read (as records)."""
+        assert self._clock is not None
+        runs = block.runs
+        view = memoryview(block.data)
+        for i, run in enumerate(runs):
+            if self._is_late() or self.table.pending_error is not None:
+                self._kept.extend(block.records(runs[i:]))
+                return
+            batcher = None if run.has_regs else self._batcher(run.probe, run.slots)
+            if batcher is None:
+                self._kept.extend(block.records((run,)))
+                if not self._deliver_kept():
+                    self._kept.extend(block.records(runs[i + 1 :]))
+                    return
+                continue
+            rows = batcher.decode(view[run.start : run.end], *self._clock.last_segment())
+            self.delivered += len(rows)
+            addr = self.sites[run.probe].site.addr
+            try:
+                batcher.write(rows, addr, self.symbolize(addr))
+            except Exception as exc:  # raised from run(), as a handler's would be
+                self.table.park(exc)
+
+    def _batcher(self, rid: int, slots: int) -> Batcher | None:
+        """The batch path of record id ``rid``'s runs of ``slots`` slots, if its site has
+        one probe with a handler and that probe takes batches (made once, and again when
+        the site's probes change)."""
+        rs = self.sites.get(rid)
+        if rs is None:
+            return None
+        active = [p for p in rs.site.active if p.async_handler is not None]
+        fp = self.fast_of(active[0]) if len(active) == 1 else None
+        if fp is None or fp.batch is None:
+            return None
+        key = (rid, slots)
+        if key in self._batchers:
+            known = self._batchers[key]
+            if known is None or known.probe is active[0]:
+                return known
+        self._batchers[key] = made = self._make_batcher(rs, active[0], fp, slots)
+        return made
+
+    def _make_batcher(
+        self, rs: RecordSite, kp: Kprobe, fp: FastProbe, slots: int
+    ) -> Batcher | None:
+        assert self._clock is not None and fp.batch is not None
+        compiled = compile_decoder(
+            fp.spec, fp.resolvers, rs.plan, rs.site.addr, slots,
+            self.threads, self._thread_miss, self._clock.seconds, self.comm,
+        )  # fmt: skip
+        if compiled is None:
+            return None
+        decode, plain = compiled
+        layout = row_layout(fp.spec, fp.group, fp.event, fp.pid, plain, self.comm)
+        write = fp.batch.writer(layout)
+        return None if write is None else Batcher(kp, decode, write)
+
+    def _thread_miss(self, thread: int) -> int:
+        """A thread pointer not known yet: look at every thread again (``relearn``)."""
+        self.relearn()
+        return self.threads.setdefault(thread, 0)
+
     def _deliver(self, record: sa.Record) -> None:
         rs = self.sites.get(record.probe)
         if rs is None:
@@ -285,8 +374,7 @@ class RingReader:
         captured = Captured(rs.plan, record.data)
         tid = self.threads.get(record.thread)
         if tid is None:
-            self.relearn()
-            tid = self.threads.setdefault(record.thread, 0)
+            tid = self._thread_miss(record.thread)
         regs = Regs(tid)
         words = regs.words
         if record.regs is not None:
