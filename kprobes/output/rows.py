@@ -30,7 +30,15 @@ Rows = list[tuple[Any, ...]]
 RowsFormatter = Callable[[Rows, int, str], str]  # (rows, ip, location) → the lines
 
 _SAFE: Final = re.compile(r"[\w./+:=() -]*")  # text that may stand in the source as it is
-_TS: Final = "{(us := (round(ts * 1000000000) + 500) // 1000) // 1000000:5d}.{us % 1000000:06d}"
+# ``format_timestamp``: the microsecond, then its text from a cache of the batch's (a hot
+# function's events share their microsecond by the dozen, and a padded int format costs
+# more than the rest of the line).
+_TS: Final = "{stamps[(round(ts * 1000000000) + 500) // 1000]}"
+
+
+def _stamp(usecs: int) -> str:
+    secs, usec_rem = divmod(usecs, 1_000_000)
+    return f"{secs:5d}.{usec_rem:06d}"
 
 
 class _PerKey(dict[int, str]):
@@ -47,13 +55,13 @@ class _PerKey(dict[int, str]):
 
 class _Source:
     def __init__(self) -> None:
-        self.names: dict[str, Any] = {}
+        self.names: dict[str, Any] = {"PerKey": _PerKey, "stamp": _stamp}
 
     def literal(self, text: str) -> str:
         """``text`` as a part of an f-string: as it is if it is safe, else a name."""
         if _SAFE.fullmatch(text):
             return text
-        name = f"t{len(self.names)}"
+        name = f"t{len(self.names)}"  # a name the namespace does not have yet
         self.names[name] = text
         return "{" + name + "}"
 
@@ -67,6 +75,7 @@ class _Source:
         source = (
             "def format_rows(rows, ip, location):\n"
             f"    head = {head}\n"
+            "    stamps = PerKey(stamp)\n"
             f'    return "".join([f"{line}\\n" for tid, cpu, ts, {values} in rows])\n'
         )
         exec(compile(source, "<rows formatter>", "exec"), self.names)
@@ -79,7 +88,7 @@ def _text_value(src: _Source, i: int, type_text: str, plain: bool) -> str:
     if plain and kind in (Kind.UNSIGNED, Kind.SIGNED):
         return f"{{v{i}}}"
     if plain and kind is Kind.HEX:
-        return f"0x{{v{i}:x}}"
+        return f"{{hex(v{i})}}"  # an unsigned int: 0x and lowercase digits, as 0x%x
     if plain and kind is Kind.CHAR:
         return f"'{{chr(v{i})}}'"
     return f"{{{src.function(text_formatter(type_text))}(v{i})}}"

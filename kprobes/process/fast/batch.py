@@ -50,8 +50,9 @@ from kprobes.process.fetch.tree import Kind, address, kind_of, value
 from kprobes.spec import FetchArg, ImmediateString, ProbeSpec, TypeSpec
 
 Row = tuple[Any, ...]  # (tid, cpu, timestamp, value, ...): one event of one probe
-# (a block's run of records, the clock's last segment: start tsc, its ns, ticks per ns) → rows
-Decoder = Callable[[memoryview, int, float, float], list[Row]]
+# (a block's run of records, a segment of the clock: its start tick, its ns, ticks per ns,
+# the next one's start) → rows
+Decoder = Callable[[memoryview, int, float, float, float], list[Row]]
 RowWriter = Callable[[list[Row], int, str], None]  # (rows, ip, location)
 
 _ELEMENT: Final = {1: "B", 2: "H", 4: "I", 8: "Q"}
@@ -266,7 +267,7 @@ def compile_decoder(
     ``site_addr`` whose site captures ``plan``, and which of its values are plain; None where
     it could not give exactly the evaluator's values (see the module docstring).
     ``threads`` names the thread pointers the reader knows, ``thread_miss`` the others;
-    ``seconds`` is the clock's conversion, for a tick before its last segment."""
+    ``seconds`` is the clock's conversion, for a tick outside the segment it is given."""
     src = _Source(plan)
     try:
         plain = tuple(_arg(src, i, arg, resolvers, site_addr) for i, arg in enumerate(spec.args))
@@ -276,7 +277,7 @@ def compile_decoder(
     values = "".join(f"v{i}, " for i in range(len(spec.args)))
     body = "\n".join(f"        {line}" for line in src.lines)
     source = f"""\
-def decode(view, start, ns, per):
+def decode(view, start, ns, per, end):
     rows = []
     append = rows.append
     for {", ".join(fields)}, in iter_unpack(view):
@@ -286,7 +287,7 @@ def decode(view, start, ns, per):
         cpu = meta >> {sa.META_CPU_SHIFT} & {sa.META_CPU_MASK}
         if cpu == {sa.META_CPU_MASK}:
             cpu = -1
-        ts = (ns + (tsc - start) / per) / 1e9 if tsc >= start else seconds(tsc)
+        ts = (ns + (tsc - start) / per) / 1e9 if start <= tsc < end else seconds(tsc)
 {body}
         append((tid, cpu, ts, {values}))
     return rows

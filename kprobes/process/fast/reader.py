@@ -29,6 +29,7 @@ of seconds of Python on a loaded machine: ``-d 1`` once ran for minutes).
 from __future__ import annotations
 
 import heapq
+import struct
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     from kprobes.spec import ProbeSpec
     from kprobes.symbols.resolve import SymbolResolver
 
+_U64: Final = struct.Struct("<Q").unpack_from
 BATCH: Final = 16384  # records read by a poll: run(timeout) returns between batches
 CHECK_EVERY: Final = 32  # records delivered between two looks at the clock (``until``)
 SLICE: Final = 1024  # records copied at a time, then handed over
@@ -319,7 +321,9 @@ class RingReader:
                     self._kept.extend(block.records(runs[i + 1 :]))
                     return
                 continue
-            rows = batcher.decode(view[run.start : run.end], *self._clock.last_segment())
+            first_tsc = _U64(block.data, run.start + sa.REC_TSC)[0]
+            segment = self._clock.segment_of(first_tsc)
+            rows = batcher.decode(view[run.start : run.end], *segment)
             self.delivered += len(rows)
             addr = self.sites[run.probe].site.addr
             try:
