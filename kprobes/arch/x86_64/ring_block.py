@@ -137,7 +137,7 @@ def _runs(data: bytes, sizes: list[int]) -> tuple[Run, ...]:
     words.release()
     runs = []
     at = 0
-    for meta, group in itertools.groupby(m & KIND_MASK for m in metas):
+    for meta, group in itertools.groupby(map(KIND_MASK.__and__, metas)):
         count = len(list(group))
         slots = (meta >> sa.META_SLOTS_SHIFT) & 0xFFFF
         runs.append(Run(meta, at, count, slots))
