@@ -118,13 +118,13 @@ def test_batches_print_the_bytes_the_handlers_print(
 
 def test_a_filter_keeps_the_handlers_path(target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     made = []
-    compile_decoder = reader_mod.compile_decoder
+    plan_decoder = reader_mod.plan_decoder
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         made.append(args[0])
-        return compile_decoder(*args, **kwargs)
+        return plan_decoder(*args, **kwargs)
 
-    monkeypatch.setattr(reader_mod, "compile_decoder", spy)
+    monkeypatch.setattr(reader_mod, "plan_decoder", spy)
     out, _ = kprobes("trace", "--filter", "i >= 5", "-c", f"{target} 10", "p work i=%di:u32")
     assert [line.rpartition("=")[2] for line in out.splitlines()] == list(map(str, range(5, 10)))
     assert made == []

@@ -31,13 +31,13 @@ from kprobes.errors import SpecError
 from kprobes.model import Event
 from kprobes.output.jsonl import format_json
 from kprobes.output.perfetto import PerfettoWriter
-from kprobes.output.rows import compile_json, compile_text
+from kprobes.output.rows import json_line, text_line
 from kprobes.output.stacks import USER_STACK, format_stack_lines
 from kprobes.output.text import format_context, format_event, format_wallclock
 from kprobes.spec import ProbeSpec, SymbolLocation
 
 if TYPE_CHECKING:
-    from kprobes.process.fast.batch import RowLayout, RowWriter
+    from kprobes.process.fast.batch import LineFormat, RowLayout
 
 
 def add_parser(sub: Any, help: str) -> None:
@@ -66,32 +66,32 @@ def add_parser(sub: Any, help: str) -> None:
 
 
 class TraceRows:
-    """``trace``'s lines for the events our own backend's records give as rows, a batch at a
-    time (process/fast/batch.py, output/rows.py): the same bytes ``handle`` writes for them,
-    written a batch at a time, and counted as the session's events."""
+    """``trace``'s lines for the events our own backend's records give a batch at a time
+    (process/fast/batch.py, output/rows.py): the bytes ``handle`` writes for them, written a
+    batch at a time, and counted as the session's events."""
 
     def __init__(self, session: Session, out: IO[str], *, json: bool) -> None:
         self.session = session
         self.out = out
         self.json = json
 
-    def writer(self, layout: RowLayout) -> RowWriter | None:
+    def writer(self, layout: RowLayout) -> LineFormat | None:
+        args = (layout.names, layout.types, layout.plain, layout.comm)
         if self.json:
-            name = f"{layout.group}/{layout.event}"
-            fmt = compile_json(
-                name, layout.pid, layout.names, layout.types, layout.plain, layout.comm
-            )
+            line = json_line(f"{layout.group}/{layout.event}", layout.pid, *args)
         else:
-            fmt = compile_text(layout.event, layout.names, layout.types, layout.plain, layout.comm)
-        if fmt is None:
+            line = text_line(layout.event, *args)
+        if line is None:
             return None
         session, write = self.session, self.out.write
 
-        def write_rows(rows: list[tuple[Any, ...]], ip: int, location: str) -> None:
-            session.events += len(rows)
-            write(fmt(rows, ip, location))
+        def write_lines(text: str, events: int) -> None:
+            session.events += events
+            write(text)
 
-        return write_rows
+        from kprobes.process.fast.batch import LineFormat  # the ptrace backend's, when it runs
+
+        return LineFormat(line.expr, line.setup, line.names, write_lines)
 
 
 def run(args: argparse.Namespace) -> int:

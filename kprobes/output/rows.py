@@ -1,19 +1,21 @@
 """Events given as rows, formatted a batch at a time: the fast reader's text and JSON lines.
 
 A target that decodes its records in batches (process/fast/batch.py) hands a probe's events
-over as rows ``(tid, cpu, timestamp, value, ...)`` with what is the same for all of them (the
-event's names, its process, its arguments' names and types, its place) given once. Here each
-probe gets a function, compiled from its layout, that turns a list of rows into the lines
-``text.format_event`` and ``jsonl.format_json`` would print for the same events, byte for
-byte, in one string: the columns that depend on the thread and the CPU are made once per
-thread and CPU, the rest is one f-string per row. A value the producer says is plain (an int
-already cut to its type) is printed inline; any other goes through ``argtypes``, as the
-per-event formatters do, so a fault, a string or an array prints the same.
+over as values ``tid``, ``cpu``, ``ts`` (the timestamp) and ``v0``, ``v1``... (the
+fetch-args) with what is the same for all of them (the event's names, its process, its
+arguments' names and types, its place) given once. Here each probe gets its line as source,
+``LineSource``: an f-string over those values that the decoder's loop inlines (one
+expression per event, no call, no row), giving the bytes ``text.format_event`` and
+``jsonl.format_json`` would print for the same event. The columns that depend on the thread
+and the CPU are made once per thread and CPU, the timestamp once per microsecond of a batch.
+A value the producer says is plain (an int already cut to its type) is printed inline; any
+other goes through ``argtypes``, as the per-event formatters do, so a fault, a string or an
+array prints the same. ``compile_rows`` makes a line a function over rows, on its own.
 
-The functions are generated Python source, as the kernel records' builders are
-(tracefs/records.py); text from the probe (names, the place) enters through the namespace
-unless it is plain identifier text. Rejected: building ``Event`` values and calling the
-per-event formatters (three quarters of the time of ``trace`` went there).
+Text from the probe (names, the place) enters through the namespace unless it is plain
+identifier text. Rejected: building ``Event`` values and calling the per-event formatters
+(three quarters of the time of ``trace`` went there); a formatter called per batch on a list
+of rows (making and unpacking the rows cost a fifth of the time).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 from kprobes.output.argtypes import Kind, json_formatter, parse_type, text_formatter
@@ -33,7 +36,19 @@ _SAFE: Final = re.compile(r"[\w./+:=() -]*")  # text that may stand in the sourc
 # ``format_timestamp``: the microsecond, then its text from a cache of the batch's (a hot
 # function's events share their microsecond by the dozen, and a padded int format costs
 # more than the rest of the line).
-_TS: Final = "{stamps[(round(ts * 1000000000) + 500) // 1000]}"
+_TS: Final = "{o_stamps[(round(ts * 1000000000) + 500) // 1000]}"
+
+
+@dataclass(frozen=True, slots=True)
+class LineSource:
+    """One probe's line, as source for a loop over its events: ``expr`` is an expression
+    (an f-string, newline included) over ``tid``, ``cpu``, ``ts`` and the values ``v0``,
+    ``v1``...; ``setup`` is a statement run once a batch, over ``ip`` and ``location``;
+    ``names`` is what both read besides (every name starts with ``o_``)."""
+
+    expr: str
+    setup: str
+    names: dict[str, Any]
 
 
 def _stamp(usecs: int) -> str:
@@ -55,32 +70,39 @@ class _PerKey(dict[int, str]):
 
 class _Source:
     def __init__(self) -> None:
-        self.names: dict[str, Any] = {"PerKey": _PerKey, "stamp": _stamp}
+        self.names: dict[str, Any] = {"o_PerKey": _PerKey, "o_stamp": _stamp}
 
     def literal(self, text: str) -> str:
         """``text`` as a part of an f-string: as it is if it is safe, else a name."""
         if _SAFE.fullmatch(text):
             return text
-        name = f"t{len(self.names)}"  # a name the namespace does not have yet
+        name = f"o_t{len(self.names)}"  # a name the namespace does not have yet
         self.names[name] = text
         return "{" + name + "}"
 
     def function(self, fn: Callable[[Any], str]) -> str:
-        name = f"f{len(self.names)}"
+        name = f"o_f{len(self.names)}"
         self.names[name] = fn
         return name
 
-    def compile(self, line: str, count: int, head: str) -> RowsFormatter:
-        values = "".join(f"v{i}, " for i in range(count))
-        source = (
-            "def format_rows(rows, ip, location):\n"
-            f"    head = {head}\n"
-            "    stamps = PerKey(stamp)\n"
-            f'    return "".join([f"{line}\\n" for tid, cpu, ts, {values} in rows])\n'
-        )
-        exec(compile(source, "<rows formatter>", "exec"), self.names)
-        formatter: RowsFormatter = self.names["format_rows"]
-        return formatter
+    def line(self, line: str, head: str) -> LineSource:
+        setup = f"o_head = {head}; o_stamps = o_PerKey(o_stamp)"
+        return LineSource(f'f"{line}\\n"', setup, self.names)
+
+
+def compile_rows(line: LineSource, count: int) -> RowsFormatter:
+    """The function that formats a list of rows ``(tid, cpu, ts, v0, ...)`` (``count``
+    values) with ``line``: what a batch reader inlines, on its own."""
+    values = "".join(f"v{i}, " for i in range(count))
+    source = (
+        "def format_rows(rows, ip, location):\n"
+        f"    {line.setup}\n"
+        f'    return "".join([{line.expr} for tid, cpu, ts, {values} in rows])\n'
+    )
+    names = dict(line.names)
+    exec(compile(source, "<rows formatter>", "exec"), names)
+    formatter: RowsFormatter = names["format_rows"]
+    return formatter
 
 
 def _text_value(src: _Source, i: int, type_text: str, plain: bool) -> str:
@@ -94,23 +116,23 @@ def _text_value(src: _Source, i: int, type_text: str, plain: bool) -> str:
     return f"{{{src.function(text_formatter(type_text))}(v{i})}}"
 
 
-def compile_text(
+def text_line(
     event: str,
     names: Sequence[str],
     types: Sequence[str],
     plain: Sequence[bool],
     comm: Callable[[int], str],
-) -> RowsFormatter:
-    """The rows of one probe as ``format_event`` lines (without ``-T`` or irq flags)."""
+) -> LineSource:
+    """One probe's events as ``format_event`` lines (without ``-T`` or irq flags)."""
     src = _Source()
-    src.names["who"] = _PerKey(lambda tid: f"{comm(tid) or UNKNOWN_COMM:>16}-{tid:<7} ")
-    src.names["cpus"] = _PerKey(lambda cpu: f"[{cpu:03d}] " if cpu >= 0 else "[???] ")
+    src.names["o_who"] = _PerKey(lambda tid: f"{comm(tid) or UNKNOWN_COMM:>16}-{tid:<7} ")
+    src.names["o_cpus"] = _PerKey(lambda cpu: f"[{cpu:03d}] " if cpu >= 0 else "[???] ")
     args = "".join(
         f" {src.literal(name)}={_text_value(src, i, t, p)}"
         for i, (name, t, p) in enumerate(zip(names, types, plain, strict=True))
     )
-    line = f"{{who[tid]}}{{cpus[cpu]}} {_TS}: {src.literal(event)}: ({{head}}){args}"
-    return src.compile(line, len(names), "location or f'0x{ip:x}'")
+    line = f"{{o_who[tid]}}{{o_cpus[cpu]}} {_TS}: {src.literal(event)}: ({{o_head}}){args}"
+    return src.line(line, "location or f'0x{ip:x}'")
 
 
 def _json_value(src: _Source, i: int, type_text: str, plain: bool) -> str:
@@ -120,29 +142,29 @@ def _json_value(src: _Source, i: int, type_text: str, plain: bool) -> str:
     return f"{{{src.function(json_formatter(type_text))}(v{i})}}"
 
 
-def compile_json(
+def json_line(
     name: str,
     pid: int,
     names: Sequence[str],
     types: Sequence[str],
     plain: Sequence[bool],
     comm: Callable[[int], str],
-) -> RowsFormatter | None:
-    """The rows of one probe ``name`` (GROUP/EVENT) of process ``pid`` as ``format_json``
+) -> LineSource | None:
+    """One probe ``name`` (GROUP/EVENT) of process ``pid``'s events as ``format_json``
     lines (without ``-T`` or stacks); None if two arguments have one name (one key of the
     JSON object: ``format_json`` keeps the last value, in the first one's place)."""
     if len(set(names)) < len(names):
         return None
     src = _Source()
     dumps = json.dumps
-    src.names["start"] = f'{{"event": {dumps(name)}, "pid": {pid}, "tid": '
-    src.names["who"] = _PerKey(lambda tid: f'{tid}, "comm": {dumps(comm(tid))}, "cpu": ')
-    src.names["cpus"] = _PerKey(lambda cpu: str(cpu) if cpu >= 0 else "null")
-    src.names["dumps"] = dumps
+    src.names["o_start"] = f'{{"event": {dumps(name)}, "pid": {pid}, "tid": '
+    src.names["o_who"] = _PerKey(lambda tid: f'{tid}, "comm": {dumps(comm(tid))}, "cpu": ')
+    src.names["o_cpus"] = _PerKey(lambda cpu: str(cpu) if cpu >= 0 else "null")
+    src.names["o_dumps"] = dumps
     args = ", ".join(
         f"{src.literal(dumps(n))}: {_json_value(src, i, t, p)}"
         for i, (n, t, p) in enumerate(zip(names, types, plain, strict=True))
     )
-    line = '{start}{who[tid]}{cpus[cpu]}, "timestamp": {ts!r}{head}' + args + "}}}}"
-    head = 'f\', "ip": {ip}, "location": {dumps(location)}, "args": {{\''
-    return src.compile(line.replace('"', '\\"'), len(names), head)
+    line = '{o_start}{o_who[tid]}{o_cpus[cpu]}, "timestamp": {ts!r}{o_head}' + args + "}}}}"
+    head = 'f\', "ip": {ip}, "location": {o_dumps(location)}, "args": {{\''
+    return src.line(line.replace('"', '\\"'), head)

@@ -27,7 +27,7 @@ record (a call costs as much as the rest of the row).
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -44,16 +44,15 @@ from kprobes.arch.x86_64.capture import (
     Value,
     capture_size,
 )
+from kprobes.errors import InternalError
 from kprobes.process.fetch.evaluate import MASK64, _convert, _type_text
 from kprobes.process.fetch.fast import STRING_LIMIT, Resolver
 from kprobes.process.fetch.tree import Kind, address, kind_of, value
 from kprobes.spec import FetchArg, ImmediateString, ProbeSpec, TypeSpec
 
-Row = tuple[Any, ...]  # (tid, cpu, timestamp, value, ...): one event of one probe
 # (a block's run of records, a segment of the clock: its start tick, its ns, ticks per ns,
-# the next one's start) → rows
-Decoder = Callable[[memoryview, int, float, float, float], list[Row]]
-RowWriter = Callable[[list[Row], int, str], None]  # (rows, ip, location)
+# the next one's start, the site's address and its location) → the events' text
+Decoder = Callable[[memoryview, int, float, float, float, int, str], str]
 
 _ELEMENT: Final = {1: "B", 2: "H", 4: "I", 8: "Q"}
 _INTEGERS: Final = frozenset(f"{p}{w}" for p in "usx" for w in (8, 16, 32, 64))
@@ -74,11 +73,25 @@ class RowLayout:
     comm: Callable[[int], str]  # a thread's name, as the reader's events give it
 
 
-class BatchOutput(Protocol):
-    """A command's output for one probe that takes its events as rows, a batch at a time."""
+@dataclass(frozen=True, slots=True)
+class LineFormat:
+    """How an output prints one probe's events, for the decoder to inline: ``expr`` is the
+    source of an expression over ``tid``, ``cpu``, ``ts`` (seconds) and the values ``v0``,
+    ``v1``... that gives an event's text; ``setup`` a statement run once a batch, over
+    ``ip`` and ``location`` (the site's); ``names`` what they read besides (each name
+    starting with ``o_``). ``write(text, events)`` takes a batch's text."""
 
-    def writer(self, layout: RowLayout) -> RowWriter | None:
-        """The writer of this probe's rows (called once, when its first records come);
+    expr: str
+    setup: str
+    names: dict[str, Any]
+    write: Callable[[str, int], None]
+
+
+class BatchOutput(Protocol):
+    """A command's output for one probe that takes its events a batch at a time."""
+
+    def writer(self, layout: RowLayout) -> LineFormat | None:
+        """How this probe's events are printed (asked once, when its first records come);
         None: the events go to the handler after all."""
         ...
 
@@ -252,34 +265,38 @@ def _arg(src: _Source, i: int, arg: Any, resolvers: Resolver, site_addr: int) ->
     raise _NotPlain(type(fetch).__name__)
 
 
-def compile_decoder(
-    spec: ProbeSpec,
-    resolvers: Resolver,
-    plan: CapturePlan,
-    site_addr: int,
-    slots: int,
-    threads: dict[int, int],
-    thread_miss: Callable[[int], int],
-    seconds: Callable[[int], float],
-    comm: Callable[[int], str],
-) -> tuple[Decoder, tuple[bool, ...]] | None:
-    """The decoder of a run of ``spec``'s records (``slots`` slots each, no registers) at
-    ``site_addr`` whose site captures ``plan``, and which of its values are plain; None where
-    it could not give exactly the evaluator's values (see the module docstring).
-    ``threads`` names the thread pointers the reader knows, ``thread_miss`` the others;
-    ``seconds`` is the clock's conversion, for a tick outside the segment it is given."""
-    src = _Source(plan)
-    try:
-        plain = tuple(_arg(src, i, arg, resolvers, site_addr) for i, arg in enumerate(spec.args))
-    except _NotPlain:
-        return None
-    fmt, fields = src.struct_format(slots)
-    values = "".join(f"v{i}, " for i in range(len(spec.args)))
-    body = "\n".join(f"        {line}" for line in src.lines)
-    source = f"""\
-def decode(view, start, ns, per, end):
-    rows = []
-    append = rows.append
+@dataclass(frozen=True, slots=True)
+class DecoderPlan:
+    """What a probe's decoder reads and computes, before the output's line is known:
+    ``plain[i]`` says value ``i`` is always an int cut to its type (``RowLayout.plain``)."""
+
+    spec: ProbeSpec
+    source: _Source
+    plain: tuple[bool, ...]
+
+    def compile(
+        self,
+        line: LineFormat,
+        slots: int,
+        threads: dict[int, int],
+        thread_miss: Callable[[int], int],
+        seconds: Callable[[int], float],
+        comm: Callable[[int], str],
+    ) -> Decoder:
+        """The decoder of a run of records of ``slots`` slots each (no registers) into the
+        text ``line`` makes of them. ``threads`` names the thread pointers the reader knows,
+        ``thread_miss`` the others; ``seconds`` is the clock's conversion, for a tick
+        outside the segment the decoder is given."""
+        if any(not name.startswith("o_") for name in line.names):
+            raise InternalError("an output's names must start with o_")
+        src = self.source
+        fmt, fields = src.struct_format(slots)
+        body = "\n".join(f"        {statement}" for statement in src.lines)
+        source = f"""\
+def decode(view, start, ns, per, end, ip, location):
+    {line.setup}
+    out = []
+    append = out.append
     for {", ".join(fields)}, in iter_unpack(view):
         tid = threads_get(tp)
         if tid is None:
@@ -289,31 +306,39 @@ def decode(view, start, ns, per, end):
             cpu = -1
         ts = (ns + (tsc - start) / per) / 1e9 if start <= tsc < end else seconds(tsc)
 {body}
-        append((tid, cpu, ts, {values}))
-    return rows
+        append({line.expr})
+    return "".join(out)
 """
-    namespace: dict[str, Any] = {
-        **src.names,
-        "iter_unpack": struct.Struct(fmt).iter_unpack,
-        "threads_get": threads.get,
-        "thread_miss": thread_miss,
-        "seconds": seconds,
-        "comm": comm,
-        "string": _string,
-    }
-    exec(compile(source, f"<decoder of {spec.effective_event}>", "exec"), namespace)
-    decoder: Decoder = namespace["decode"]
-    return decoder, plain
+        namespace: dict[str, Any] = {
+            **line.names,
+            **src.names,
+            "iter_unpack": struct.Struct(fmt).iter_unpack,
+            "threads_get": threads.get,
+            "thread_miss": thread_miss,
+            "seconds": seconds,
+            "comm": comm,
+            "string": _string,
+        }
+        exec(compile(source, f"<decoder of {self.spec.effective_event}>", "exec"), namespace)
+        decoder: Decoder = namespace["decode"]
+        return decoder
+
+    def layout(self, group: str, event: str, pid: int, comm: Callable[[int], str]) -> RowLayout:
+        """What the output is told of the values (``LineFormat``'s ``v0``, ``v1``...)."""
+        spec = self.spec
+        types = tuple(_type_text(arg.effective_type) for arg in spec.args)
+        return RowLayout(group, event, pid, spec.arg_names, types, self.plain, comm)
 
 
-def row_layout(
-    spec: ProbeSpec,
-    group: str,
-    event: str,
-    pid: int,
-    plain: Sequence[bool],
-    comm: Callable[[int], str],
-) -> RowLayout:
-    """The layout of the rows ``compile_decoder`` makes for ``spec``."""
-    types = tuple(_type_text(arg.effective_type) for arg in spec.args)
-    return RowLayout(group, event, pid, spec.arg_names, types, tuple(plain), comm)
+def plan_decoder(
+    spec: ProbeSpec, resolvers: Resolver, plan: CapturePlan, site_addr: int
+) -> DecoderPlan | None:
+    """How ``spec``'s values are read from the records of its site at ``site_addr``, which
+    captures ``plan``; None where the decoder could not give exactly the evaluator's values
+    (see the module docstring)."""
+    src = _Source(plan)
+    try:
+        plain = tuple(_arg(src, i, arg, resolvers, site_addr) for i, arg in enumerate(spec.args))
+    except _NotPlain:
+        return None
+    return DecoderPlan(spec, src, plain)

@@ -42,7 +42,7 @@ from kprobes.arch.x86_64.capture import Captured, CapturePlan
 from kprobes.arch.x86_64.regs import REG_INDEX, Regs
 from kprobes.linux.tsc import TscClock
 from kprobes.model import Event
-from kprobes.process.fast.batch import BatchOutput, Decoder, RowWriter, compile_decoder, row_layout
+from kprobes.process.fast.batch import BatchOutput, Decoder, plan_decoder
 from kprobes.process.fetch.evaluate import ArgFetcher, CpuReader, Memory
 from kprobes.process.fetch.fast import Resolver, data_resolver, file_resolver
 from kprobes.spec import SymbolLocation, parse
@@ -135,7 +135,7 @@ class Batcher:
 
     probe: Kprobe
     decode: Decoder
-    write: RowWriter
+    write: Callable[[str, int], None]  # a batch's text, and its events
 
 
 @dataclass(slots=True)
@@ -323,11 +323,11 @@ class RingReader:
                 continue
             first_tsc = _U64(block.data, run.start + sa.REC_TSC)[0]
             segment = self._clock.segment_of(first_tsc)
-            rows = batcher.decode(view[run.start : run.end], *segment)
-            self.delivered += len(rows)
             addr = self.sites[run.probe].site.addr
+            text = batcher.decode(view[run.start : run.end], *segment, addr, self.symbolize(addr))
+            self.delivered += run.count
             try:
-                batcher.write(rows, addr, self.symbolize(addr))
+                batcher.write(text, run.count)
             except Exception as exc:  # raised from run(), as a handler's would be
                 self.table.park(exc)
 
@@ -354,16 +354,16 @@ class RingReader:
         self, rs: RecordSite, kp: Kprobe, fp: FastProbe, slots: int
     ) -> Batcher | None:
         assert self._clock is not None and fp.batch is not None
-        compiled = compile_decoder(
-            fp.spec, fp.resolvers, rs.plan, rs.site.addr, slots,
-            self.threads, self._thread_miss, self._clock.seconds, self.comm,
-        )  # fmt: skip
-        if compiled is None:
+        plan = plan_decoder(fp.spec, fp.resolvers, rs.plan, rs.site.addr)
+        if plan is None:
             return None
-        decode, plain = compiled
-        layout = row_layout(fp.spec, fp.group, fp.event, fp.pid, plain, self.comm)
-        write = fp.batch.writer(layout)
-        return None if write is None else Batcher(kp, decode, write)
+        line = fp.batch.writer(plan.layout(fp.group, fp.event, fp.pid, self.comm))
+        if line is None:
+            return None
+        decode = plan.compile(
+            line, slots, self.threads, self._thread_miss, self._clock.seconds, self.comm
+        )
+        return Batcher(kp, decode, line.write)
 
     def _thread_miss(self, thread: int) -> int:
         """A thread pointer not known yet: look at every thread again (``relearn``)."""
