@@ -297,10 +297,13 @@ def decode(view, start, ns, per, end, ip, location):
     {line.setup}
     out = []
     append = out.append
+    last = -1  # the thread pointer of the record before (a thread's records come in runs)
     for {", ".join(fields)}, in iter_unpack(view):
-        tid = threads_get(tp)
-        if tid is None:
-            tid = thread_miss(tp)
+        if tp != last:
+            tid = threads_get(tp)
+            if tid is None:
+                tid = thread_miss(tp)
+            last = tp
         cpu = meta >> {sa.META_CPU_SHIFT} & {sa.META_CPU_MASK}
         if cpu == {sa.META_CPU_MASK}:
             cpu = -1
