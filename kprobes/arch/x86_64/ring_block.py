@@ -16,6 +16,8 @@ for the records the batch path leaves to the handlers.
 
 from __future__ import annotations
 
+import array
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Final
@@ -94,7 +96,7 @@ def read_block(buffer: memoryview | bytearray, *, limit: int | None = None) -> B
     ticket = tail
     while len(sizes) < most:
         bound = min(head, ticket + most - len(sizes))
-        ticket, n = sa._skip_one_slot_run(words, ring // 8, cap, ticket, bound)
+        ticket, n = _one_slot_run(words, ring // 8, cap, ticket, bound)
         sizes += itertools.repeat(1, n)
         if len(sizes) >= most:
             break
@@ -123,6 +125,47 @@ def read_block(buffer: memoryview | bytearray, *, limit: int | None = None) -> B
     return Block(data, tail, _runs(data, sizes), dropped, pending)
 
 
+def _one_slot_run(
+    words: memoryview, ring: int, cap: int, ticket: int, head: int
+) -> tuple[int, int]:
+    """``shared_area._skip_one_slot_run`` with a stretch of commit words compared at once:
+    read as one integer (8-byte words, little-endian) against ``low * ONES + STEPS``, the
+    words ``low, low + 1, ...`` packed the same way (no Python int per slot). The same rule:
+    a slot followed by the next ticket's commit word is a one-slot record; the run's last
+    slot is left to the caller. Returns (the ticket after the run, records in it)."""
+    start = ticket
+    stride = sa.SLOT // 8
+    while head - ticket > 1:
+        index = ticket & (cap - 1)
+        n = min(head - ticket, cap - index, 4096)  # a stretch, to the ring's end at most
+        first = ring + index * stride
+        found = words[first : first + n * stride : stride].tobytes()
+        low = sa.COMMIT_TAG + ticket + 1
+        ones, steps = _progression(n)
+        if int.from_bytes(found, "little") == low * ones + steps:
+            ticket += n - 1  # the last: the caller, or the next stretch, looks at it again
+            if index + n < cap:
+                continue
+            ticket += 1  # the ring's last slot: the next stretch starts with its successor
+            if words[ring] == sa.COMMIT_TAG + ticket + 1:
+                continue
+            ticket -= 1
+            break
+        want = array.array("Q", range(low, low + n)).tobytes()
+        matched = next(i for i in range(n) if found[8 * i : 8 * i + 8] != want[8 * i : 8 * i + 8])
+        ticket += max(matched - 1, 0)
+        break
+    return ticket, ticket - start
+
+
+@functools.lru_cache(maxsize=16)
+def _progression(n: int) -> tuple[int, int]:
+    """``n`` 8-byte words read as one little-endian integer: all ones, and 0, 1, 2, ...;
+    ``low * ONES + STEPS`` is then ``low, low + 1, ...`` (no carry: each word < 2**64)."""
+    ones = int.from_bytes(array.array("Q", [1] * n).tobytes(), "little")
+    return ones, int.from_bytes(array.array("Q", range(n)).tobytes(), "little")
+
+
 def _runs(data: bytes, sizes: list[int]) -> tuple[Run, ...]:
     """The block's records grouped into runs of one kind."""
     if not sizes:
@@ -130,18 +173,39 @@ def _runs(data: bytes, sizes: list[int]) -> tuple[Run, ...]:
     words = memoryview(data).cast("Q")
     stride = sa.SLOT // 8
     if len(sizes) * sa.SLOT == len(data):  # every record one slot: their meta words at once
-        metas = words[1::stride].tolist()
+        metas = words[1::stride]
+        if _is_one_kind(metas.tobytes()):  # the common case, a hot probe's block: one run
+            meta = metas[0] & KIND_MASK
+            words.release()
+            return (Run(meta, 0, len(sizes), (meta >> sa.META_SLOTS_SHIFT) & 0xFFFF),)
+        kinds = map(KIND_MASK.__and__, metas.tolist())
     else:
         starts = itertools.accumulate(sizes[:-1], initial=0)
-        metas = [words[s * stride + 1] for s in starts]
-    words.release()
+        kinds = (words[s * stride + 1] & KIND_MASK for s in starts)
     runs = []
     at = 0
-    for meta, group in itertools.groupby(map(KIND_MASK.__and__, metas)):
+    for meta, group in itertools.groupby(kinds):
         count = len(list(group))
         slots = (meta >> sa.META_SLOTS_SHIFT) & 0xFFFF
         runs.append(Run(meta, at, count, slots))
         at += count * slots * sa.SLOT
+    words.release()
     if at != len(data):
         raise InternalError("the records' sizes do not add up to the block they were read in")
     return tuple(runs)
+
+
+_TOP_BIT: Final = bytes(b & 0x80 for b in range(256))
+
+
+def _is_one_kind(metas: bytes) -> bool:
+    """Whether the packed meta words ``metas`` all say one probe, one size and registers or
+    not (their CPUs may differ): each byte of a kind's bits compared across the words."""
+    if metas == metas[:8] * (len(metas) // 8):  # one CPU too: one comparison
+        return True
+    for lane in range(6):  # the probe id and the slots: bytes 0-5
+        column = metas[lane::8]
+        if column.count(column[:1]) != len(column):
+            return False
+    top = metas[7::8].translate(_TOP_BIT)  # the registers bit, beside the CPU's top bits
+    return top.count(top[:1]) == len(top)
