@@ -19,6 +19,7 @@ from __future__ import annotations
 import array
 import functools
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
@@ -178,7 +179,7 @@ def _runs(data: bytes, sizes: list[int]) -> tuple[Run, ...]:
             meta = metas[0] & KIND_MASK
             words.release()
             return (Run(meta, 0, len(sizes), (meta >> sa.META_SLOTS_SHIFT) & 0xFFFF),)
-        kinds = map(KIND_MASK.__and__, metas.tolist())
+        kinds: Iterable[int] = map(KIND_MASK.__and__, metas.tolist())
     else:
         starts = itertools.accumulate(sizes[:-1], initial=0)
         kinds = (words[s * stride + 1] & KIND_MASK for s in starts)
