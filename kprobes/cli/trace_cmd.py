@@ -91,7 +91,7 @@ class TraceRows:
 
         from kprobes.process.fast.batch import LineFormat  # the ptrace backend's, when it runs
 
-        return LineFormat(line.expr, line.setup, line.names, write_lines)
+        return LineFormat(line.expr, line.setup, line.context, line.names, write_lines)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -33,27 +33,35 @@ Rows = list[tuple[Any, ...]]
 RowsFormatter = Callable[[Rows, int, str], str]  # (rows, ip, location) → the lines
 
 _SAFE: Final = re.compile(r"[\w./+:=() -]*")  # text that may stand in the source as it is
-# ``format_timestamp``: the microsecond, then its text from a cache of the batch's (a hot
-# function's events share their microsecond by the dozen, and a padded int format costs
-# more than the rest of the line).
-_TS: Final = "{o_stamps[(round(ts * 1000000000) + 500) // 1000]}"
+# ``format_timestamp``: the microsecond, and its text made again only when it is not the
+# event before's (a hot function's events share their microsecond by the dozen, and the
+# text costs more than the rest of the line). ``round`` of a float is ``float.__round__``,
+# called without the builtin's look-up of ``__round__`` (a timestamp is always a float).
+_TS: Final = (
+    "{(o_text if (o_us := (o_round(ts * 1000000000) + 500) // 1000) == o_last"
+    " else (o_text := o_stamp(o_last := o_us)))}"
+)
 
 
 @dataclass(frozen=True, slots=True)
 class LineSource:
     """One probe's line, as source for a loop over its events: ``expr`` is an expression
-    (an f-string, newline included) over ``tid``, ``cpu``, ``ts`` and the values ``v0``,
-    ``v1``...; ``setup`` is a statement run once a batch, over ``ip`` and ``location``;
-    ``names`` is what both read besides (every name starts with ``o_``)."""
+    (an f-string, newline included) over ``ts``, the values ``v0``, ``v1``... and
+    ``o_context``; ``setup`` is a statement run once a batch, over ``ip`` and ``location``;
+    ``context`` one run when the thread or the CPU changes, over ``tid`` and ``cpu`` (it
+    sets ``o_context``, the columns they decide); ``names`` is what they read besides (every
+    name starts with ``o_``)."""
 
     expr: str
     setup: str
+    context: str
     names: dict[str, Any]
 
 
 def _stamp(usecs: int) -> str:
+    """``format_timestamp``'s ``f"{secs:5d}.{usec_rem:06d}"``, without format specs."""
     secs, usec_rem = divmod(usecs, 1_000_000)
-    return f"{secs:5d}.{usec_rem:06d}"
+    return f"{str(secs).rjust(5)}.{str(usec_rem + 1_000_000)[1:]}"
 
 
 class _PerKey(dict[int, str]):
@@ -70,7 +78,10 @@ class _PerKey(dict[int, str]):
 
 class _Source:
     def __init__(self) -> None:
-        self.names: dict[str, Any] = {"o_PerKey": _PerKey, "o_stamp": _stamp}
+        self.names: dict[str, Any] = {
+            "o_stamp": _stamp,
+            "o_round": float.__round__,
+        }
 
     def literal(self, text: str) -> str:
         """``text`` as a part of an f-string: as it is if it is safe, else a name."""
@@ -86,8 +97,9 @@ class _Source:
         return name
 
     def line(self, line: str, head: str) -> LineSource:
-        setup = f"o_head = {head}; o_stamps = o_PerKey(o_stamp)"
-        return LineSource(f'f"{line}\\n"', setup, self.names)
+        setup = f"o_head = {head}; o_last = -1; o_text = ''"
+        context = "o_context = o_who[tid] + o_cpus[cpu]"
+        return LineSource(f'f"{line}\\n"', setup, context, self.names)
 
 
 def compile_rows(line: LineSource, count: int) -> RowsFormatter:
@@ -97,7 +109,11 @@ def compile_rows(line: LineSource, count: int) -> RowsFormatter:
     source = (
         "def format_rows(rows, ip, location):\n"
         f"    {line.setup}\n"
-        f'    return "".join([{line.expr} for tid, cpu, ts, {values} in rows])\n'
+        "    out = []\n"
+        f"    for tid, cpu, ts, {values} in rows:\n"
+        f"        {line.context}\n"
+        f"        out.append({line.expr})\n"
+        '    return "".join(out)\n'
     )
     names = dict(line.names)
     exec(compile(source, "<rows formatter>", "exec"), names)
@@ -131,7 +147,7 @@ def text_line(
         f" {src.literal(name)}={_text_value(src, i, t, p)}"
         for i, (name, t, p) in enumerate(zip(names, types, plain, strict=True))
     )
-    line = f"{{o_who[tid]}}{{o_cpus[cpu]}} {_TS}: {src.literal(event)}: ({{o_head}}){args}"
+    line = f"{{o_context}} {_TS}: {src.literal(event)}: ({{o_head}}){args}"
     return src.line(line, "location or f'0x{ip:x}'")
 
 
@@ -165,6 +181,6 @@ def json_line(
         f"{src.literal(dumps(n))}: {_json_value(src, i, t, p)}"
         for i, (n, t, p) in enumerate(zip(names, types, plain, strict=True))
     )
-    line = '{o_start}{o_who[tid]}{o_cpus[cpu]}, "timestamp": {ts!r}{o_head}' + args + "}}}}"
+    line = '{o_start}{o_context}, "timestamp": {ts!r}{o_head}' + args + "}}}}"
     head = 'f\', "ip": {ip}, "location": {o_dumps(location)}, "args": {{\''
     return src.line(line.replace('"', '\\"'), head)

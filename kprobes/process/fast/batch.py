@@ -78,11 +78,14 @@ class LineFormat:
     """How an output prints one probe's events, for the decoder to inline: ``expr`` is the
     source of an expression over ``tid``, ``cpu``, ``ts`` (seconds) and the values ``v0``,
     ``v1``... that gives an event's text; ``setup`` a statement run once a batch, over
-    ``ip`` and ``location`` (the site's); ``names`` what they read besides (each name
-    starting with ``o_``). ``write(text, events)`` takes a batch's text."""
+    ``ip`` and ``location`` (the site's); ``context`` a statement run when the thread or
+    the CPU changes from one event to the next (over ``tid`` and ``cpu``); ``names`` what
+    they read besides (each name, and each variable they set, starting with ``o_``).
+    ``write(text, events)`` takes a batch's text."""
 
     expr: str
     setup: str
+    context: str
     names: dict[str, Any]
     write: Callable[[str, int], None]
 
@@ -297,16 +300,19 @@ def decode(view, start, ns, per, end, ip, location):
     {line.setup}
     out = []
     append = out.append
-    last = -1  # the thread pointer of the record before (a thread's records come in runs)
+    last = last_meta = -1  # the record before's: a thread's records come in runs
     for {", ".join(fields)}, in iter_unpack(view):
-        if tp != last:
-            tid = threads_get(tp)
-            if tid is None:
-                tid = thread_miss(tp)
-            last = tp
-        cpu = meta >> {sa.META_CPU_SHIFT} & {sa.META_CPU_MASK}
-        if cpu == {sa.META_CPU_MASK}:
-            cpu = -1
+        if tp != last or meta != last_meta:  # another thread, or another CPU
+            if tp != last:
+                tid = threads_get(tp)
+                if tid is None:
+                    tid = thread_miss(tp)
+                last = tp
+            cpu = meta >> {sa.META_CPU_SHIFT} & {sa.META_CPU_MASK}
+            if cpu == {sa.META_CPU_MASK}:
+                cpu = -1
+            last_meta = meta
+            {line.context}
         ts = (ns + (tsc - start) / per) / 1e9 if start <= tsc < end else seconds(tsc)
 {body}
         append({line.expr})
