@@ -85,7 +85,9 @@ def main() -> int:
     args = p.parse_args()
     target = compile_c("target")
     path = "per-event" if args.per_event else "batch"
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"{args.calls:,} calls of work_push, {args.runs} runs each, median; {path} path")
+    print(f"load average before: {load}")
     head = ("output", "wall s", "events/s (wall)", "events/s (run)", "dropped")
     print("{:<10} {:>8} {:>16} {:>15} {:>9}".format(*head))
     for output in args.only.split(","):
