@@ -9,7 +9,8 @@ the test program's hot loop, its probes jump-optimized (record probes):
   (``Event`` values, ``format_event``/``format_json``), and the two outputs are compared
   whole, over many fetch types (registers cut to s64/u32/x64/s8/char/bitfield, an immediate,
   ``$comm``, a string, a byte array, a faulting read);
-- options the batch path does not cover (``--filter``) still print through the handlers.
+- ``--filter`` on the batch path keeps what the sink keeps, and counts the rest;
+- options the batch path does not cover (``-n``) still print through the handlers.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import pytest
 
 from kprobes.cli import main as cli_main
+from kprobes.cli.session import Session, event_fields, parse_spec
 from kprobes.output.jsonl import format_json
 from kprobes.output.text import format_event
 from kprobes.process.fast import reader as reader_mod
@@ -75,27 +77,32 @@ SPECS = (
 )
 
 
-@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
-def test_batches_print_the_bytes_the_handlers_print(
-    target: Path, as_json: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def both_paths(
+    target: Path, monkeypatch: pytest.MonkeyPatch, as_json: bool, *extra: str
+) -> tuple[str, str, list[str], int]:
+    """``trace`` of SPECS on a 3000-call run, each block the reader takes also handed,
+    record by record, to the per-event path (its lines, filtered as the session's sink
+    would, kept apart): (stdout, stderr, the per-event lines, runs the batch path took)."""
     per_event: list[str] = []
     batched_runs = 0
     deliver_block = RingReader._deliver_block
     fmt = format_json if as_json else format_event
+    keep = Session._compile_filter(extra[1] if extra else None, [parse_spec(t) for t in SPECS])
+
+    def record(_kp: Any, ev: Any) -> None:
+        if keep is None or keep(event_fields(ev)):
+            per_event.append(fmt(ev) + "\n")
 
     def both(self: RingReader, block: Any) -> None:
-        """The block's records through the handlers' path first (into ``per_event``), then
-        through the batch path (into stdout)."""
         nonlocal batched_runs
         saved = {}
         for rs in self.sites.values():
             for kp in rs.site.active:
                 saved[kp] = kp.async_handler
-                kp.async_handler = lambda _kp, ev: per_event.append(fmt(ev) + "\n")
+                kp.async_handler = record
         try:
-            for record in block.records():
-                self._deliver(record)
+            for one in block.records():
+                self._deliver(one)
         finally:
             for kp, handler in saved.items():
                 kp.async_handler = handler
@@ -106,7 +113,16 @@ def test_batches_print_the_bytes_the_handlers_print(
         deliver_block(self, block)
 
     monkeypatch.setattr(RingReader, "_deliver_block", both)
-    out, _ = kprobes("trace", *(["--json"] if as_json else []), "-c", f"{target} 3000", *SPECS)
+    json_flag = ["--json"] if as_json else []
+    out, err = kprobes("trace", *json_flag, *extra, "-c", f"{target} 3000", *SPECS)
+    return out, err, per_event, batched_runs
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_batches_print_the_bytes_the_handlers_print(
+    target: Path, as_json: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out, _, per_event, batched_runs = both_paths(target, monkeypatch, as_json)
     assert batched_runs >= 2  # both record probes went the batch way
     assert len(per_event) == 3001
     trap = [line for line in out.splitlines(keepends=True) if "p_compute_0" in line]
@@ -116,7 +132,23 @@ def test_batches_print_the_bytes_the_handlers_print(
     assert '"hello kprobes"' in out
 
 
-def test_a_filter_keeps_the_handlers_path(target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+FILTER = 'a < 100 || a >= 2990 || s ~ "hell*" || x == 7'
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_a_filter_on_the_batch_path_keeps_what_the_sink_keeps(
+    target: Path, as_json: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out, err, per_event, batched_runs = both_paths(target, monkeypatch, as_json, "--filter", FILTER)
+    assert batched_runs >= 2
+    assert len(per_event) == 100 + 10 + 1
+    trap = [line for line in out.splitlines(keepends=True) if "p_compute_0" in line]
+    assert len(trap) == 1
+    assert out == "".join(per_event[:110]) + trap[0] + per_event[110]
+    assert "112 printed, 2890 filtered out" in err  # the sink's counts, too
+
+
+def test_max_events_keeps_the_handlers_path(target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     made = []
     plan_decoder = reader_mod.plan_decoder
 
@@ -125,6 +157,6 @@ def test_a_filter_keeps_the_handlers_path(target: Path, monkeypatch: pytest.Monk
         return plan_decoder(*args, **kwargs)
 
     monkeypatch.setattr(reader_mod, "plan_decoder", spy)
-    out, _ = kprobes("trace", "--filter", "i >= 5", "-c", f"{target} 10", "p work i=%di:u32")
-    assert [line.rpartition("=")[2] for line in out.splitlines()] == list(map(str, range(5, 10)))
-    assert made == []
+    out, err = kprobes("trace", "-n", "5", "-c", f"{target} 1000", "p work i=%di:u32")
+    assert [line.rpartition("=")[2] for line in out.splitlines()] == list(map(str, range(5)))
+    assert made == [] and "5 events" in err

@@ -159,6 +159,17 @@ def event_fields(event: Event) -> dict[str, object]:
     return fields
 
 
+def event_fields_source(pid: int, names: Sequence[str]) -> str:
+    """``event_fields`` as the source of a dict display over ``tid``, ``cpu``,
+    ``o_comm(tid)`` and the values ``v0``, ``v1``... of an event of process ``pid`` whose
+    arguments are ``names``: what the batch path's filter reads (the same keys in the same
+    order, an argument over a common field of its name)."""
+    parts = ['"common_pid": tid', '"tid": tid', f'"pid": {int(pid)}']
+    parts += ['"comm": o_comm(tid)', '"cpu": cpu']
+    parts += [f"{name!r}: v{i}" for i, name in enumerate(names)]
+    return "{" + ", ".join(parts) + "}"
+
+
 class Session:
     """One run of a tracing command against its processes (or the kernel)."""
 
@@ -197,8 +208,9 @@ class Session:
         self.wall_offset_ns: int | None = None
         # Takes a spec's events as rows, a batch at a time, in place of ``sink`` and
         # ``handle`` (our own backend's record probes, process/fast/batch.py): what ``trace``
-        # gives where nothing is asked of each event; never with --filter or -n, which the
-        # sink applies. Its writer counts the events it is given.
+        # gives where nothing is asked of each event but its line and ``event_filter``;
+        # never with -n, which the sink applies. Its writer counts the events it is given
+        # and those the filter left out.
         self.batch: BatchOutputs | None = None
         self._interrupt = SafeInterrupt()
 
@@ -212,6 +224,11 @@ class Session:
         for spec in specs:
             fields.update(spec.filter_fields)
         return compile_filter(parse_filter(text, fields))
+
+    @property
+    def event_filter(self) -> Callable[[dict[str, object]], bool] | None:
+        """``--filter``, compiled: over ``event_fields`` of an event, keep it or not."""
+        return self._filter
 
     @property
     def interrupted(self) -> bool:
@@ -239,7 +256,7 @@ class Session:
                 self.specs,
                 entry_times=self.entry_times,
                 patterns=self.patterns,
-                batch=self.batch if self._filter is None and self._max is None else None,
+                batch=self.batch if self._max is None else None,
             )
             interrupt.end_run = backend.end_run
             interrupt.is_mid_hit = backend.is_mid_hit

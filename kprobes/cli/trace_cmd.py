@@ -25,7 +25,7 @@ import sys
 from typing import IO, TYPE_CHECKING, Any
 
 from kprobes.cli.formats import parse_traced
-from kprobes.cli.session import Session, add_common_arguments
+from kprobes.cli.session import Session, add_common_arguments, event_fields_source
 from kprobes.cli.stack_options import add_stack_arguments, prepare_stacks
 from kprobes.errors import SpecError
 from kprobes.model import Event
@@ -84,14 +84,19 @@ class TraceRows:
         if line is None:
             return None
         session, write = self.session, self.out.write
+        names, keep = dict(line.names), ""
+        if session.event_filter is not None:  # --filter, on the same fields as the sink's
+            names["o_filter"], names["o_comm"] = session.event_filter, layout.comm
+            keep = f"o_filter({event_fields_source(layout.pid, layout.names)})"
 
-        def write_lines(text: str, events: int) -> None:
-            session.events += events
+        def write_lines(text: str, printed: int, left_out: int) -> None:
+            session.events += printed
+            session.filtered += left_out
             write(text)
 
         from kprobes.process.fast.batch import LineFormat  # the ptrace backend's, when it runs
 
-        return LineFormat(line.expr, line.setup, line.context, line.names, write_lines)
+        return LineFormat(line.expr, line.setup, line.context, names, write_lines, keep)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -51,8 +51,9 @@ from kprobes.process.fetch.tree import Kind, address, kind_of, value
 from kprobes.spec import FetchArg, ImmediateString, ProbeSpec, TypeSpec
 
 # (a block's run of records, a segment of the clock: its start tick, its ns, ticks per ns,
-# the next one's start, the site's address and its location) → the events' text
-Decoder = Callable[[memoryview, int, float, float, float, int, str], str]
+# the next one's start, the site's address and its location) → the events' text, and how
+# many of the run's events it holds (the others were left out: ``LineFormat.keep``)
+Decoder = Callable[[memoryview, int, float, float, float, int, str], tuple[str, int]]
 
 _ELEMENT: Final = {1: "B", 2: "H", 4: "I", 8: "Q"}
 _INTEGERS: Final = frozenset(f"{p}{w}" for p in "usx" for w in (8, 16, 32, 64))
@@ -81,13 +82,16 @@ class LineFormat:
     ``ip`` and ``location`` (the site's); ``context`` a statement run when the thread or
     the CPU changes from one event to the next (over ``tid`` and ``cpu``); ``names`` what
     they read besides (each name, and each variable they set, starting with ``o_``).
-    ``write(text, events)`` takes a batch's text."""
+    ``keep``, if not empty, is a condition over the same values: an event for which it is
+    false is left out (a filter). ``write(text, printed, left_out)`` takes a batch's text
+    and its counts."""
 
     expr: str
     setup: str
     context: str
     names: dict[str, Any]
-    write: Callable[[str, int], None]
+    write: Callable[[str, int, int], None]
+    keep: str = ""
 
 
 class BatchOutput(Protocol):
@@ -295,6 +299,7 @@ class DecoderPlan:
         src = self.source
         fmt, fields = src.struct_format(slots)
         body = "\n".join(f"        {statement}" for statement in src.lines)
+        keep = f"        if not ({line.keep}):\n            continue\n" if line.keep else ""
         source = f"""\
 def decode(view, start, ns, per, end, ip, location):
     {line.setup}
@@ -315,8 +320,8 @@ def decode(view, start, ns, per, end, ip, location):
             {line.context}
         ts = (ns + (tsc - start) / per) / 1e9 if start <= tsc < end else seconds(tsc)
 {body}
-        append({line.expr})
-    return "".join(out)
+{keep}        append({line.expr})
+    return "".join(out), len(out)
 """
         namespace: dict[str, Any] = {
             **line.names,

@@ -135,7 +135,7 @@ class Batcher:
 
     probe: Kprobe
     decode: Decoder
-    write: Callable[[str, int], None]  # a batch's text, and its events
+    write: Callable[[str, int, int], None]  # a batch's text, its events, those left out
 
 
 @dataclass(slots=True)
@@ -324,10 +324,12 @@ class RingReader:
             first_tsc = _U64(block.data, run.start + sa.REC_TSC)[0]
             segment = self._clock.segment_of(first_tsc)
             addr = self.sites[run.probe].site.addr
-            text = batcher.decode(view[run.start : run.end], *segment, addr, self.symbolize(addr))
+            text, printed = batcher.decode(
+                view[run.start : run.end], *segment, addr, self.symbolize(addr)
+            )
             self.delivered += run.count
             try:
-                batcher.write(text, run.count)
+                batcher.write(text, printed, run.count - printed)
             except Exception as exc:  # raised from run(), as a handler's would be
                 self.table.park(exc)
 
