@@ -1,4 +1,4 @@
-"""Events given as rows, formatted a batch at a time: the fast reader's text and JSON lines.
+"""Events formatted a batch at a time: the fast reader's text and JSON lines.
 
 A target that decodes its records in batches (process/fast/batch.py) hands a probe's events
 over as values ``tid``, ``cpu``, ``ts`` (the timestamp) and ``v0``, ``v1``... (the

@@ -1,27 +1,31 @@
-"""Records turned into rows a batch at a time: the fast reader's decoder.
+"""Records turned into their events' text a batch at a time: the fast reader's decoder.
 
 The reader (reader.py) hands each record to its probe's handler as an ``Event``: the record's
 registers, a ``Captured``, a ``Memory``, the fetch-args evaluated by the trap tier's own
 closures, then the ``Event``, about 30 µs a record in all. A command that only prints the
-events (``trace``, nothing asked of each event in Python) gives its probe a ``BatchOutput``
-instead, and the reader, for each run of that probe's records in a block read from the ring
-(arch/x86_64/ring_block.py), calls a decoder compiled for the probe's record layout: one
-``struct.iter_unpack`` of exactly the fields it needs, each value computed inline, and a list
-of rows ``(tid, cpu, timestamp, value, ...)`` that the output's writer formats in one go.
+events (``trace``: nothing asked of each event in Python but its line, and maybe a filter)
+gives its probe a ``BatchOutput`` instead. For each run of that probe's records in a block
+read from the ring (arch/x86_64/ring_block.py) the reader then calls one function generated
+for the probe's record layout and its output: one ``struct.iter_unpack`` of exactly the
+fields it needs, each fetch-arg's value computed inline as ``v0``, ``v1``..., and the
+output's line (``LineFormat``, an expression the output gives as source: output/rows.py)
+appended for each event; the batch's text is written at once.
 
-**Exact or not at all.** A row holds the very values the evaluator would give for the same
-record: the same cut to the type (``evaluate._convert``'s rules, written as expressions), the
-same fault rule (a memory capture's status counts the bytes copied), the same string rule
-(``Captured.read_string``), the same clock (``TscClock``'s last segment, else its own call).
-``compile_decoder`` returns None wherever that is not plain to see, and those records keep the
-handlers' path: fetch-args through a dereference chain (``+8(+16(%si))``), ``symbol`` types,
-a plan with two captures of memory of one kind (the evaluator may then find an address in
-another probe's copy), string arrays, records that carry the registers.
+**Exact or not at all.** The values are the very values the evaluator would give for the
+same record: the same cut to the type (``evaluate._convert``'s rules, written as
+expressions), the same fault rule (a memory capture's status counts the bytes copied), the
+same string rule (``Captured.read_string``), the same clock (``TscClock``'s segment, else its
+own call). ``plan_decoder`` returns None wherever that is not plain to see, and those records
+keep the handlers' path: fetch-args through a dereference chain (``+8(+16(%si))``),
+``symbol`` types, a plan with two captures of memory of one kind (the evaluator may then
+find an address in another probe's copy), string arrays; the reader keeps there too the
+records that carry the registers and the sites with more than one probe.
 
 Decoders are generated Python source, as tracefs/records.py generates the kernel records'
-builders; only names chosen here and integer constants are written into it, everything else
-enters through the function's namespace. Rejected: one closure per fetch-arg called per
-record (a call costs as much as the rest of the row).
+builders; only names chosen here, integer constants and the output's line are written into
+it, everything else enters through the function's namespace. Rejected: one closure per
+fetch-arg called per record (a call costs as much as the rest of the event), and rows handed
+to a formatter (making and unpacking them cost a fifth of the time).
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ _INTEGERS: Final = frozenset(f"{p}{w}" for p in "usx" for w in (8, 16, 32, 64))
 
 @dataclass(frozen=True, slots=True)
 class RowLayout:
-    """What a probe's rows hold, for the writer that prints them: the event's names, its
+    """What a probe's events hold, for the output that prints them: the event's names, its
     process, each fetch-arg's name and type (as ``EventArg.type``), and ``plain[i]``: value
     ``i`` is always an int already cut to its type (never a fault, a text or an array)."""
 

@@ -72,8 +72,8 @@ class FastProbe:
     pid: int  # the process the events are of
     group: str = "kprobes"  # the events' names (``Event.group``/``Event.event``)
     event: str = ""
-    # Takes the events of the probe's records as rows, a batch at a time, where the probe
-    # is alone at its site (batch.py); None: every event goes to the handler.
+    # Prints the events of the probe's records a batch at a time, where the probe is alone
+    # at its site (batch.py); None: every event goes to the handler.
     batch: BatchOutput | None = None
 
     def __post_init__(self) -> None:
@@ -304,9 +304,9 @@ class RingReader:
         return True
 
     def _deliver_block(self, block: ring_block.Block) -> None:
-        """A block's records in order: a run whose probe takes batches as rows, the others
-        one by one to their handlers; what a late read or a handler's end of the run
-        leaves is kept for the next read (as records)."""
+        """A block's records in order: a run whose probe takes batches through its decoder,
+        the others one by one to their handlers; what a late read or a handler's end of
+        the run leaves is kept for the next read (as records)."""
         assert self._clock is not None
         runs = block.runs
         view = memoryview(block.data)
