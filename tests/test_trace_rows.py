@@ -3,7 +3,8 @@
 Each test runs ``kprobes trace`` through the command line's ``main()`` in this process on
 the test program's hot loop, its probes jump-optimized (record probes):
 
-- every event of a 200,000-call loop is there, in order, or counted as dropped;
+- every event of a 200,000-call loop is there, in order, or counted as dropped (and of a
+  700,000-call loop, whose records lap the ring);
 - the batch path's bytes are the per-event path's bytes for the *same records*: each block
   the reader takes from the ring is also handed, record by record, to the per-event path
   (``Event`` values, ``format_event``/``format_json``), and the two outputs are compared
@@ -50,9 +51,12 @@ def kprobes(*args: object) -> tuple[str, str]:
     return out.getvalue(), err.getvalue()
 
 
-@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
-def test_every_event_of_a_hot_loop_in_order(target: Path, as_json: bool) -> None:
-    calls = 200_000
+@pytest.mark.parametrize(
+    ("as_json", "calls"),
+    [(False, 200_000), (True, 200_000), (False, 700_000)],
+    ids=["text", "json", "text-past-the-ring"],  # 700,000 > the ring's 524,288: it laps
+)
+def test_every_event_of_a_hot_loop_in_order(target: Path, as_json: bool, calls: int) -> None:
     out, err = kprobes(
         "trace", *(["--json"] if as_json else []), "-c", f"{target} {calls}", "p work i=%di:u64"
     )

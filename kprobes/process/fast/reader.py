@@ -12,7 +12,7 @@ built from the live thread: one handler, two tiers, the same values.
 **In batches.** A probe whose events are only printed (``FastProbe.batch``: ``trace``) and
 is alone at its site skips the ``Event``: the ring is read as one block (ring_block.py) and
 each run of its records goes through a decoder generated for its layout and its output's
-line (batch.py), the same bytes at some forty times the pace; the other runs go to the
+line (batch.py), the same bytes at twenty to forty times the pace; the other runs go to the
 handlers, in record order.
 
 **Threads** are named by their thread pointer (fs base) in the record; the tool learns each
