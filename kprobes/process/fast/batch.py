@@ -12,7 +12,7 @@ output's line (``LineFormat``, an expression the output gives as source: output/
 appended for each event; the batch's text is written at once.
 
 **Exact or not at all.** The values are the very values the evaluator would give for the
-same record: the same cut to the type (``evaluate._convert``'s rules, written as
+same record: the same cut to the type (``evaluate.cut_to_type``'s rules, written as
 expressions), the same fault rule (a memory capture's status counts the bytes copied), the
 same string rule (``Captured.read_string``), the same clock (``TscClock``'s segment, else its
 own call). ``plan_decoder`` returns None wherever that is not plain to see, and those records
@@ -49,7 +49,7 @@ from kprobes.arch.x86_64.capture import (
     capture_size,
 )
 from kprobes.errors import InternalError
-from kprobes.process.fetch.evaluate import MASK64, _convert, _type_text
+from kprobes.process.fetch.evaluate import MASK64, cut_to_type, type_text
 from kprobes.process.fetch.fast import STRING_LIMIT, Resolver
 from kprobes.process.fetch.tree import Kind, address, kind_of, value
 from kprobes.spec import FetchArg, ImmediateString, ProbeSpec, TypeSpec
@@ -139,7 +139,7 @@ _PARTS = _Parts()
 
 
 def _cut(type_: TypeSpec, v: str) -> str:
-    """The expression that cuts the 64-bit word ``v`` to ``type_`` (``evaluate._convert``)."""
+    """The expression that cuts the 64-bit word ``v`` to ``type_`` (``evaluate.cut_to_type``)."""
     name = type_.name
     if name == "char":
         return f"({v} & 255)"
@@ -248,7 +248,7 @@ def _arg(src: _Source, i: int, arg: Any, resolvers: Resolver, site_addr: int) ->
             part = value(fetch, _PARTS, resolve_data, file_addr)
             if isinstance(part, Const) or part.name == "rip":  # the reader sets rip: the site
                 word = part.value if isinstance(part, Const) else site_addr
-                src.lines.append(f"{out} = {src.constant(_convert(type_, word))}")
+                src.lines.append(f"{out} = {src.constant(cut_to_type(type_, word))}")
             else:
                 (field,) = src.capture(Value(part))
                 src.lines.append(f"{out} = {_cut(type_, field)}")
@@ -344,7 +344,7 @@ def decode(view, start, ns, per, end, ip, location):
     def layout(self, group: str, event: str, pid: int, comm: Callable[[int], str]) -> RowLayout:
         """What the output is told of the values (``LineFormat``'s ``v0``, ``v1``...)."""
         spec = self.spec
-        types = tuple(_type_text(arg.effective_type) for arg in spec.args)
+        types = tuple(type_text(arg.effective_type) for arg in spec.args)
         return RowLayout(group, event, pid, spec.arg_names, types, self.plain, comm)
 
 
