@@ -27,7 +27,7 @@ from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import InstancePool, Kretprobe, KretprobeInstance
 from kprobes.errors import NotMapped, ProbeError
 from kprobes.linux import procfs
-from kprobes.process.specs import SpecTracer
+from kprobes.process.specs import BatchOutputs, SpecTracer
 from kprobes.process.target import Process
 from kprobes.spec import ProbeSpec
 from kprobes.spec.render import render_location
@@ -95,8 +95,11 @@ class PtraceBackend(Backend):
     its family (``open_targets``), with specs of its own, a bare symbol naming its own
     executable; the specs go in every one of them or in none."""
 
-    def __init__(self, args: argparse.Namespace, sink: Sink) -> None:
+    def __init__(
+        self, args: argparse.Namespace, sink: Sink, batch: BatchOutputs | None = None
+    ) -> None:
         super().__init__()
+        self.batch = batch  # the sink's events as rows, where they can be (specs.py)
         # -c follows the command and everything it starts, as perf does; -p on request.
         follow = args.command is not None or getattr(args, "follow_forks", False)
         procs = open_targets(args, follow_forks=follow)
@@ -136,6 +139,7 @@ class PtraceBackend(Backend):
             optimize=self.optimize,
             count_only=self.count_only,
             stack_depth=self.stack_depth,
+            batch=self.batch,
         )
 
     def place(self, specs: Sequence[ProbeSpec]) -> list[Placed]:

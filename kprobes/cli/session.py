@@ -28,6 +28,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from kprobes.cli.backends import Backend, Placed, Sink, add_backend_arguments
 from kprobes.cli.notes import summarise
@@ -41,6 +42,9 @@ from kprobes.model import Event
 from kprobes.output.status import format_status, format_summary
 from kprobes.spec import FieldKind, ProbeSpec, compile_filter, parse, parse_filter
 from kprobes.spec.render import render_location
+
+if TYPE_CHECKING:
+    from kprobes.process.specs import BatchOutputs
 
 STATUS_PERIOD = 0.5
 # How long after the end was asked the events left are still read (the rest is counted
@@ -155,6 +159,17 @@ def event_fields(event: Event) -> dict[str, object]:
     return fields
 
 
+def event_fields_source(pid: int, names: Sequence[str]) -> str:
+    """``event_fields`` as the source of a dict display over ``tid``, ``cpu``,
+    ``o_comm(tid)`` and the values ``v0``, ``v1``... of an event of process ``pid`` whose
+    arguments are ``names``: what the batch path's filter reads (the same keys in the same
+    order, an argument over a common field of its name)."""
+    parts = ['"common_pid": tid', '"tid": tid', f'"pid": {int(pid)}']
+    parts += ['"comm": o_comm(tid)', '"cpu": cpu']
+    parts += [f"{name!r}: v{i}" for i, name in enumerate(names)]
+    return "{" + ", ".join(parts) + "}"
+
+
 class Session:
     """One run of a tracing command against its processes (or the kernel)."""
 
@@ -191,6 +206,12 @@ class Session:
         # CLOCK_REALTIME minus the events' clock, measured once as the run starts
         # (wallclock.py); None until then, and without ``wall_clock``.
         self.wall_offset_ns: int | None = None
+        # Takes a spec's events as rows, a batch at a time, in place of ``sink`` and
+        # ``handle`` (our own backend's record probes, process/fast/batch.py): what ``trace``
+        # gives where nothing is asked of each event but its line and ``event_filter``;
+        # never with -n, which the sink applies. Its writer counts the events it is given
+        # and those the filter left out.
+        self.batch: BatchOutputs | None = None
         self._interrupt = SafeInterrupt()
 
     @staticmethod
@@ -203,6 +224,11 @@ class Session:
         for spec in specs:
             fields.update(spec.filter_fields)
         return compile_filter(parse_filter(text, fields))
+
+    @property
+    def event_filter(self) -> Callable[[dict[str, object]], bool] | None:
+        """``--filter``, compiled: over ``event_fields`` of an event, keep it or not."""
+        return self._filter
 
     @property
     def interrupted(self) -> bool:
@@ -230,6 +256,7 @@ class Session:
                 self.specs,
                 entry_times=self.entry_times,
                 patterns=self.patterns,
+                batch=self.batch if self._max is None else None,
             )
             interrupt.end_run = backend.end_run
             interrupt.is_mid_hit = backend.is_mid_hit
@@ -458,9 +485,11 @@ def open_backend(
     *,
     entry_times: bool = False,
     patterns: Sequence[str] = (),
+    batch: BatchOutputs | None = None,
 ) -> Backend:
     """The backend the options ask for (``--backend``/``--kernel``, ``-p``/``-c``);
-    ``patterns`` are the globs that will be placed too (``count``)."""
+    ``patterns`` are the globs that will be placed too (``count``); ``batch``, the outputs
+    that take a spec's events as rows (our own backend's records: ``Session.batch``)."""
     if args.backend == "ptrace":
         if args.pids is None and args.command is None:
             raise TargetError(
@@ -472,7 +501,7 @@ def open_backend(
         # backend's commands need none of tracefs, and the kernel's none of the engine.
         from kprobes.cli.ptrace_backend import PtraceBackend
 
-        return PtraceBackend(args, sink)
+        return PtraceBackend(args, sink, batch)
     from kprobes.cli.tracefs_backend import TraceFsBackend
 
     return TraceFsBackend(args, sink, specs, entry_times=entry_times, patterns=patterns)

@@ -22,18 +22,22 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from kprobes.cli.formats import parse_traced
-from kprobes.cli.session import Session, add_common_arguments
+from kprobes.cli.session import Session, add_common_arguments, event_fields_source
 from kprobes.cli.stack_options import add_stack_arguments, prepare_stacks
 from kprobes.errors import SpecError
 from kprobes.model import Event
 from kprobes.output.jsonl import format_json
 from kprobes.output.perfetto import PerfettoWriter
+from kprobes.output.rows import json_line, text_line
 from kprobes.output.stacks import USER_STACK, format_stack_lines
 from kprobes.output.text import format_context, format_event, format_wallclock
-from kprobes.spec import SymbolLocation
+from kprobes.spec import ProbeSpec, SymbolLocation
+
+if TYPE_CHECKING:
+    from kprobes.process.fast.batch import LineFormat, RowLayout
 
 
 def add_parser(sub: Any, help: str) -> None:
@@ -59,6 +63,40 @@ def add_parser(sub: Any, help: str) -> None:
     p.add_argument("--perfetto", metavar="FILE", help="also write a Perfetto (JSON) trace")
     add_stack_arguments(p, optional=True)
     p.set_defaults(func=run)
+
+
+class TraceRows:
+    """``trace``'s lines for the events our own backend's records give a batch at a time
+    (process/fast/batch.py, output/rows.py): the bytes ``handle`` writes for them, written a
+    batch at a time, and counted as the session's events."""
+
+    def __init__(self, session: Session, out: IO[str], *, json: bool) -> None:
+        self.session = session
+        self.out = out
+        self.json = json
+
+    def writer(self, layout: RowLayout) -> LineFormat | None:
+        args = (layout.names, layout.types, layout.plain, layout.comm)
+        if self.json:
+            line = json_line(f"{layout.group}/{layout.event}", layout.pid, *args)
+        else:
+            line = text_line(layout.event, *args)
+        if line is None:
+            return None
+        session, write = self.session, self.out.write
+        names, keep = dict(line.names), ""
+        if session.event_filter is not None:  # --filter, on the same fields as the sink's
+            names["o_filter"], names["o_comm"] = session.event_filter, layout.comm
+            keep = f"o_filter({event_fields_source(layout.pid, layout.names)})"
+
+        def write_lines(text: str, printed: int, left_out: int) -> None:
+            session.events += printed
+            session.filtered += left_out
+            write(text)
+
+        from kprobes.process.fast.batch import LineFormat  # the ptrace backend's, when it runs
+
+        return LineFormat(line.expr, line.setup, line.context, names, write_lines, keep)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,6 +144,14 @@ def run(args: argparse.Namespace) -> int:
             perfetto.write(ev)
 
     session.handle = handle
+    if not (args.timestamp or args.stack or perfetto is not None):
+        # Events that need nothing but their line: our own backend's records, as rows.
+        rows = TraceRows(session, out, json=args.json)
+
+        def batch(spec: ProbeSpec) -> TraceRows | None:
+            return None if spec.effective_event in own else rows
+
+        session.batch = batch
     try:
         session.run()
     finally:

@@ -97,5 +97,15 @@ class TscClock:
         self._segments.append((t1, here, per_ns))
         self._last_pair = (ns1, t1)
 
+    def segment_of(self, tsc: int) -> tuple[int, float, float, float]:
+        """The segment that maps ``tsc``: (its start tick, its ns, ticks per ns, the tick
+        where the next starts, or infinity). For a tick from its start to the next,
+        ``seconds(tick)`` is ``(ns + (tick - start) / per) / 1e9``, which a batch reader
+        computes inline (a tick before the first segment is not in it)."""
+        i = max(bisect.bisect_right(self._starts, tsc) - 1, 0)
+        start, ns, per_ns = self._segments[i]
+        end = self._starts[i + 1] if i + 1 < len(self._starts) else float("inf")
+        return start, ns, per_ns, end
+
     def seconds(self, tsc: int) -> float:
         return self._ns(tsc) / 1e9

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import enum
 import functools
+import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kprobes.model import ArgValue
@@ -97,6 +99,21 @@ def _signed(value: int, bits: int) -> int:
 def format_value(type_text: str, value: ArgValue) -> str:
     """One value as the kernel's trace file shows it after ``name=``."""
     return _format(parse_type(type_text), value)
+
+
+def text_formatter(type_text: str) -> Callable[[ArgValue], str]:
+    """``format_value`` of one type, the type parsed once (a batch formatter's)."""
+    return functools.partial(_format, parse_type(type_text))
+
+
+def json_formatter(type_text: str) -> Callable[[ArgValue], str]:
+    """A value of one type as JSON text, as ``format_json`` writes it in ``args``."""
+    ftype = parse_type(type_text)
+
+    def dump(value: ArgValue) -> str:
+        return json.dumps(_json(ftype, value, False), separators=(", ", ": "))
+
+    return dump
 
 
 def _format(ftype: FetchType, value: ArgValue) -> str:

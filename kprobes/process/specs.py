@@ -23,6 +23,7 @@ from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe, KretprobeInstance
 from kprobes.errors import ProbeRejected, SpecError
 from kprobes.model import ArgValue, Event
+from kprobes.process.fast.batch import BatchOutput
 from kprobes.process.fast.reader import FastProbe
 from kprobes.process.fetch.evaluate import ArgFetcher, CommCache, CpuReader, Memory, Symbolizer
 from kprobes.process.fetch.fast import data_resolver, file_resolver
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
 Sink = Callable[[Event], None]
 # A probe line's own handler (Process.add): handler(kp, event), or handler(ri, event).
 LineHandler = Callable[[Any, Event], Any]
+# The output that takes a spec's events as rows, a batch at a time (process/fast/batch.py),
+# where nothing needs each event as a value; None: the sink gets each event.
+BatchOutputs = Callable[[ProbeSpec], BatchOutput | None]
 _now = time.monotonic
 
 
@@ -86,9 +90,11 @@ class SpecTracer:
         optimize: bool = False,
         count_only: bool = False,
         stack_depth: int | None = None,
+        batch: BatchOutputs | None = None,
     ) -> None:
         self.proc = proc
         self.sink = sink
+        self.batch = batch
         # Stacks are unwound at the hit, in the stopped thread: on traps, with events.
         self.stack_depth = stack_depth  # each event's user stack, this many frames at most
         self.optimize = optimize and stack_depth is None  # entry specs as record probes
@@ -165,6 +171,8 @@ class SpecTracer:
             spec, fetcher, False, self.memory, resolvers, self.proc.pid,
             spec.effective_group, spec.effective_event,
         )  # fmt: skip
+        if handler is None and self.batch is not None:
+            fast.batch = self.batch(spec)  # the sink's events, as rows where they can be
         self.proc.records.prepare(kp, fast)
         return PlacedSpec(spec, kp)
 

@@ -9,6 +9,12 @@ the detour copied (fetch/fast.py), and the registers if the probe asked for them
 Where the probe cannot be optimized the same handler runs at its trap, with an ``Event``
 built from the live thread: one handler, two tiers, the same values.
 
+**In batches.** A probe whose events are only printed (``FastProbe.batch``: ``trace``) and
+is alone at its site skips the ``Event``: the ring is read as one block (ring_block.py) and
+each run of its records goes through a decoder generated for its layout and its output's
+line (batch.py), the same bytes at twenty to forty times the pace; the other runs go to the
+handlers, in record order.
+
 **Threads** are named by their thread pointer (fs base) in the record; the tool learns each
 thread's fs base at its first stop and when the first record probe is placed (every thread
 held), and reads the ring before a thread's exit is handled, so that a new thread that
@@ -29,17 +35,20 @@ of seconds of Python on a loaded machine: ``-d 1`` once ran for minutes).
 from __future__ import annotations
 
 import heapq
+import struct
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
+from kprobes.arch.x86_64 import ring_block
 from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64.capture import Captured, CapturePlan
 from kprobes.arch.x86_64.regs import REG_INDEX, Regs
 from kprobes.linux.tsc import TscClock
 from kprobes.model import Event
+from kprobes.process.fast.batch import BatchOutput, Decoder, plan_decoder
 from kprobes.process.fetch.evaluate import ArgFetcher, CpuReader, Memory
 from kprobes.process.fetch.fast import Resolver, data_resolver, file_resolver
 from kprobes.spec import SymbolLocation, parse
@@ -50,6 +59,7 @@ if TYPE_CHECKING:
     from kprobes.spec import ProbeSpec
     from kprobes.symbols.resolve import SymbolResolver
 
+_U64: Final = struct.Struct("<Q").unpack_from
 BATCH: Final = 16384  # records read by a poll: run(timeout) returns between batches
 CHECK_EVERY: Final = 32  # records delivered between two looks at the clock (``until``)
 SLICE: Final = 1024  # records copied at a time, then handed over
@@ -68,6 +78,9 @@ class FastProbe:
     pid: int  # the process the events are of
     group: str = "kprobes"  # the events' names (``Event.group``/``Event.event``)
     event: str = ""
+    # Prints the events of the probe's records a batch at a time, where the probe is alone
+    # at its site (batch.py); None: every event goes to the handler.
+    batch: BatchOutput | None = None
 
     def __post_init__(self) -> None:
         if not self.event:
@@ -121,6 +134,16 @@ def equip(
     return FastProbe(spec, fetcher, True, memory, (resolve_data, file_addr), pid)
 
 
+@dataclass(frozen=True, slots=True)
+class Batcher:
+    """How the runs of one record id are delivered in batches: for ``probe`` alone at its
+    site, its decoder and its output's writer."""
+
+    probe: Kprobe
+    decode: Decoder
+    write: Callable[[str, int, int], None]  # a batch's text, its events, those left out
+
+
 @dataclass(slots=True)
 class RecordSite:
     """A site optimized with a record action: its id in the records, and its captures."""
@@ -160,6 +183,8 @@ class RingReader:
         self._draining = False
         self.is_muted = False  # discard(): records are released unread from then on
         self._clock: TscClock | None = None
+        # Record id and slots → its batch path, or None: the handlers' (made at its first run).
+        self._batchers: dict[tuple[int, int], Batcher | None] = {}
 
     @property
     def is_active(self) -> bool:
@@ -192,6 +217,7 @@ class RingReader:
             self.unread += sa.skip_records(view)
         self.sites.clear()
         self.threads.clear()
+        self._batchers.clear()
 
     # -- reading --------------------------------------------------------------------------
 
@@ -247,9 +273,15 @@ class RingReader:
     def _drain(self, limit: int) -> int:
         assert self._clock is not None
         self._clock.sample()
+        views = list(self._areas())
+        if len(views) == 1 and not self._kept:  # one ring: its block, in batches
+            block = ring_block.read_block(views[0], limit=limit)
+            self.dropped += block.dropped
+            self._deliver_block(block)
+            return block.count
         batches = []
         most = 0
-        for view in self._areas():
+        for view in views:
             batch = sa.read_records(view, limit=limit)
             self.dropped += batch.dropped
             most = max(most, len(batch.records))
@@ -277,6 +309,75 @@ class RingReader:
                 deliver(kept.popleft())
         return True
 
+    def _deliver_block(self, block: ring_block.Block) -> None:
+        """A block's records in order: a run whose probe takes batches through its decoder,
+        the others one by one to their handlers; what a late read or a handler's end of
+        the run leaves is kept for the next read (as records)."""
+        assert self._clock is not None
+        runs = block.runs
+        view = memoryview(block.data)
+        for i, run in enumerate(runs):
+            if self._is_late() or self.table.pending_error is not None:
+                self._kept.extend(block.records(runs[i:]))
+                return
+            batcher = None if run.has_regs else self._batcher(run.probe, run.slots)
+            if batcher is None:
+                self._kept.extend(block.records((run,)))
+                if not self._deliver_kept():
+                    self._kept.extend(block.records(runs[i + 1 :]))
+                    return
+                continue
+            first_tsc = _U64(block.data, run.start + sa.REC_TSC)[0]
+            segment = self._clock.segment_of(first_tsc)
+            addr = self.sites[run.probe].site.addr
+            text, printed = batcher.decode(
+                view[run.start : run.end], *segment, addr, self.symbolize(addr)
+            )
+            self.delivered += run.count
+            try:
+                batcher.write(text, printed, run.count - printed)
+            except Exception as exc:  # raised from run(), as a handler's would be
+                self.table.park(exc)
+
+    def _batcher(self, rid: int, slots: int) -> Batcher | None:
+        """The batch path of record id ``rid``'s runs of ``slots`` slots, if its site has
+        one probe with a handler and that probe takes batches (made once, and again when
+        the site's probes change)."""
+        rs = self.sites.get(rid)
+        if rs is None:
+            return None
+        active = [p for p in rs.site.active if p.async_handler is not None]
+        fp = self.fast_of(active[0]) if len(active) == 1 else None
+        if fp is None or fp.batch is None:
+            return None
+        key = (rid, slots)
+        if key in self._batchers:
+            known = self._batchers[key]
+            if known is None or known.probe is active[0]:
+                return known
+        self._batchers[key] = made = self._make_batcher(rs, active[0], fp, slots)
+        return made
+
+    def _make_batcher(
+        self, rs: RecordSite, kp: Kprobe, fp: FastProbe, slots: int
+    ) -> Batcher | None:
+        assert self._clock is not None and fp.batch is not None
+        plan = plan_decoder(fp.spec, fp.resolvers, rs.plan, rs.site.addr)
+        if plan is None:
+            return None
+        line = fp.batch.writer(plan.layout(fp.group, fp.event, fp.pid, self.comm))
+        if line is None:
+            return None
+        decode = plan.compile(
+            line, slots, self.threads, self._thread_miss, self._clock.seconds, self.comm
+        )
+        return Batcher(kp, decode, line.write)
+
+    def _thread_miss(self, thread: int) -> int:
+        """A thread pointer not known yet: look at every thread again (``relearn``)."""
+        self.relearn()
+        return self.threads.setdefault(thread, 0)
+
     def _deliver(self, record: sa.Record) -> None:
         rs = self.sites.get(record.probe)
         if rs is None:
@@ -285,8 +386,7 @@ class RingReader:
         captured = Captured(rs.plan, record.data)
         tid = self.threads.get(record.thread)
         if tid is None:
-            self.relearn()
-            tid = self.threads.setdefault(record.thread, 0)
+            tid = self._thread_miss(record.thread)
         regs = Regs(tid)
         words = regs.words
         if record.regs is not None:

@@ -147,8 +147,9 @@ def _address_of(base: Operand, offset: int) -> Value:
     return deref
 
 
-def _convert(type_: TypeSpec, raw: int) -> int:
-    """Cut a value to its type: width, sign, bitfield."""
+def cut_to_type(type_: TypeSpec, raw: int) -> int:
+    """Cut a value to its type: width, sign, bitfield (the batch reader's decoders write
+    the same rules as expressions: fast/batch.py)."""
     name = type_.name
     if name == "char":
         return raw & 0xFF
@@ -205,7 +206,7 @@ def _value_fetch(value: Value, type_: TypeSpec) -> Fetch:
 
     def number(regs: Any, m: Memory) -> ArgValue:
         v = value(regs, m)
-        return None if v is None else _convert(type_, v)
+        return None if v is None else cut_to_type(type_, v)
 
     return number
 
@@ -222,7 +223,7 @@ def _memory_fetch(address: Value, type_: TypeSpec) -> Fetch:
 
         def one_number(m: Memory, addr: int) -> ArgValue:
             raw = _read_int(m, addr, size)
-            return None if raw is None else _convert(type_, raw)
+            return None if raw is None else cut_to_type(type_, raw)
 
         one = one_number
 
@@ -298,11 +299,12 @@ class ArgFetcher:
         saved = iter(at_entry)
         for a in self.args:
             value = next(saved, None) if a.at_entry else a.fetch(regs, m)
-            out.append(EventArg(a.name, _type_text(a.type), value))
+            out.append(EventArg(a.name, type_text(a.type), value))
         return tuple(out)
 
 
-def _type_text(t: TypeSpec) -> str:
+def type_text(t: TypeSpec) -> str:
+    """A fetch type as ``EventArg.type`` spells it (``u32``, ``x8[4]``, ``b4@2/32``)."""
     if t.bitfield is not None:
         return f"b{t.bitfield.width}@{t.bitfield.offset}/{t.name[1:]}"
     return t.name if t.count is None else f"{t.name}[{t.count}]"

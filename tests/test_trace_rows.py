@@ -1,0 +1,166 @@
+"""``trace``'s fast reader: records decoded and formatted a batch at a time (issue 21).
+
+Each test runs ``kprobes trace`` through the command line's ``main()`` in this process on
+the test program's hot loop, its probes jump-optimized (record probes):
+
+- every event of a 200,000-call loop is there, in order, or counted as dropped (and of a
+  700,000-call loop, whose records lap the ring);
+- the batch path's bytes are the per-event path's bytes for the *same records*: each block
+  the reader takes from the ring is also handed, record by record, to the per-event path
+  (``Event`` values, ``format_event``/``format_json``), and the two outputs are compared
+  whole, over many fetch types (registers cut to s64/u32/x64/s8/char/bitfield, an immediate,
+  ``$comm``, a string, a byte array, a faulting read);
+- ``--filter`` on the batch path keeps what the sink keeps, and counts the rest;
+- options the batch path does not cover (``-n``) still print through the handlers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kprobes.cli import main as cli_main
+from kprobes.cli.session import Session, event_fields, parse_spec
+from kprobes.output.jsonl import format_json
+from kprobes.output.text import format_event
+from kprobes.process.fast import reader as reader_mod
+from kprobes.process.fast.reader import RingReader
+
+pytestmark = pytest.mark.ptrace
+
+SUMMARY = re.compile(r"(\d+) events, (\d+) hits, (\d+) missed, (\d+) dropped")
+
+
+@pytest.fixture
+def target(build: Any) -> Path:
+    return build("target")
+
+
+def kprobes(*args: object) -> tuple[str, str]:
+    """stdout and stderr of ``kprobes ARGS`` run in this process (it must succeed)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main.main([str(a) for a in args])
+    assert code == 0, err.getvalue()
+    return out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("as_json", "calls"),
+    [(False, 200_000), (True, 200_000), (False, 700_000)],
+    ids=["text", "json", "text-past-the-ring"],  # 700,000 > the ring's 524,288: it laps
+)
+def test_every_event_of_a_hot_loop_in_order(target: Path, as_json: bool, calls: int) -> None:
+    out, err = kprobes(
+        "trace", *(["--json"] if as_json else []), "-c", f"{target} {calls}", "p work i=%di:u64"
+    )
+    if as_json:
+        values = [json.loads(line)["args"]["i"] for line in out.splitlines()]
+    else:
+        values = [int(line.rpartition(" i=")[2]) for line in out.splitlines()]
+    m = SUMMARY.search(err)
+    assert m is not None, err
+    events, hits, _, dropped = map(int, m.groups())
+    assert hits == calls and events == len(values)
+    assert values == sorted(values) and len(set(values)) == len(values)  # in order, once each
+    assert values[0] >= 0 and values[-1] <= calls - 1
+    assert calls - len(values) == dropped  # a gap only where the summary says drops
+
+
+SPECS = (
+    r"p work a=%di:s64 b=%di:u32 c=%di d=%di:s8 e=%di:char f=%di:b4@2/32 h=%di:x16 k=\7"
+    " n=$comm x=%di:s32 g=+0(%di):u8",  # g: address i, which faults
+    "p show s=+0(%di):string bytes=+0(%di):u8[4]",
+    "p compute x=%di:s32",  # keeps its breakpoint (a ret in its first 5 bytes): a trap event
+)
+
+
+def both_paths(
+    target: Path, monkeypatch: pytest.MonkeyPatch, as_json: bool, *extra: str
+) -> tuple[str, str, list[str], int]:
+    """``trace`` of SPECS on a 3000-call run, each block the reader takes also handed,
+    record by record, to the per-event path (its lines, filtered as the session's sink
+    would, kept apart): (stdout, stderr, the per-event lines, runs the batch path took)."""
+    per_event: list[str] = []
+    batched_runs = 0
+    deliver_block = RingReader._deliver_block
+    fmt = format_json if as_json else format_event
+    keep = Session._compile_filter(extra[1] if extra else None, [parse_spec(t) for t in SPECS])
+
+    def record(_kp: Any, ev: Any) -> None:
+        if keep is None or keep(event_fields(ev)):
+            per_event.append(fmt(ev) + "\n")
+
+    def both(self: RingReader, block: Any) -> None:
+        nonlocal batched_runs
+        saved = {}
+        for rs in self.sites.values():
+            for kp in rs.site.active:
+                saved[kp] = kp.async_handler
+                kp.async_handler = record
+        try:
+            for one in block.records():
+                self._deliver(one)
+        finally:
+            for kp, handler in saved.items():
+                kp.async_handler = handler
+        batched_runs += sum(
+            not run.has_regs and self._batcher(run.probe, run.slots) is not None
+            for run in block.runs
+        )
+        deliver_block(self, block)
+
+    monkeypatch.setattr(RingReader, "_deliver_block", both)
+    json_flag = ["--json"] if as_json else []
+    out, err = kprobes("trace", *json_flag, *extra, "-c", f"{target} 3000", *SPECS)
+    return out, err, per_event, batched_runs
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_batches_print_the_bytes_the_handlers_print(
+    target: Path, as_json: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out, _, per_event, batched_runs = both_paths(target, monkeypatch, as_json)
+    assert batched_runs >= 2  # both record probes went the batch way
+    assert len(per_event) == 3001
+    trap = [line for line in out.splitlines(keepends=True) if "p_compute_0" in line]
+    assert len(trap) == 1  # between work's events and show's, as the program made them
+    assert out == "".join(per_event[:3000]) + trap[0] + per_event[3000]
+    assert "(fault)" in out or "null" in out
+    assert '"hello kprobes"' in out
+
+
+FILTER = 'a < 100 || a >= 2990 || s ~ "hell*" || x == 7'
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_a_filter_on_the_batch_path_keeps_what_the_sink_keeps(
+    target: Path, as_json: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out, err, per_event, batched_runs = both_paths(target, monkeypatch, as_json, "--filter", FILTER)
+    assert batched_runs >= 2
+    assert len(per_event) == 100 + 10 + 1
+    trap = [line for line in out.splitlines(keepends=True) if "p_compute_0" in line]
+    assert len(trap) == 1
+    assert out == "".join(per_event[:110]) + trap[0] + per_event[110]
+    assert "112 printed, 2890 filtered out" in err  # the sink's counts, too
+
+
+def test_max_events_keeps_the_handlers_path(target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    made = []
+    plan_decoder = reader_mod.plan_decoder
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        made.append(args[0])
+        return plan_decoder(*args, **kwargs)
+
+    monkeypatch.setattr(reader_mod, "plan_decoder", spy)
+    out, err = kprobes("trace", "-n", "5", "-c", f"{target} 1000", "p work i=%di:u32")
+    assert [line.rpartition("=")[2] for line in out.splitlines()] == list(map(str, range(5)))
+    assert made == [] and "5 events" in err
