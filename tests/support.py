@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import io
 import os
 import re
 import select
@@ -686,3 +687,15 @@ def default_signals() -> None:
     ``nohup`` SIGHUP too), and Python keeps an inherited SIG_IGN."""
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
+
+
+def run_main(*args: object) -> tuple[str, str]:
+    """stdout and stderr of ``kprobes ARGS`` run in this process, through the command line's
+    ``main()`` (no interpreter start-up per run); the command must succeed."""
+    from kprobes.cli import main as cli_main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main.main([str(a) for a in args])
+    assert code == 0, err.getvalue()
+    return out.getvalue(), err.getvalue()

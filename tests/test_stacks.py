@@ -21,9 +21,7 @@ through a ``kprobes`` process is the other CLI tests'). The kernel's uprobes bac
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import io
 import itertools
 import json
 import re
@@ -36,8 +34,7 @@ from pathlib import Path
 
 import pytest
 import support
-
-from kprobes.cli import main as cli_main
+from support import run_main as kprobes
 
 pytestmark = pytest.mark.ptrace
 
@@ -48,15 +45,6 @@ COUNTS = {"a": 3, "b": 5, "stk_through": 2}
 @pytest.fixture
 def program(build: Build) -> Path:
     return build("stacks")
-
-
-def kprobes(*args: object) -> tuple[str, str]:
-    """stdout and stderr of ``kprobes ARGS`` run in this process (it must succeed)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli_main.main([str(a) for a in args])
-    assert code == 0, err.getvalue()
-    return out.getvalue(), err.getvalue()
 
 
 @functools.cache

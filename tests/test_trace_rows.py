@@ -16,16 +16,14 @@ the test program's hot loop, its probes jump-optimized (record probes):
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support import run_main as kprobes
 
-from kprobes.cli import main as cli_main
 from kprobes.cli.session import Session, event_fields, parse_spec
 from kprobes.output.jsonl import format_json
 from kprobes.output.text import format_event
@@ -40,15 +38,6 @@ SUMMARY = re.compile(r"(\d+) events, (\d+) hits, (\d+) missed, (\d+) dropped")
 @pytest.fixture
 def target(build: Any) -> Path:
     return build("target")
-
-
-def kprobes(*args: object) -> tuple[str, str]:
-    """stdout and stderr of ``kprobes ARGS`` run in this process (it must succeed)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli_main.main([str(a) for a in args])
-    assert code == 0, err.getvalue()
-    return out.getvalue(), err.getvalue()
 
 
 @pytest.mark.parametrize(

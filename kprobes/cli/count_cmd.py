@@ -28,6 +28,7 @@ from kprobes.cli.session import (
     add_interval_argument,
     exec_file,
     parse_spec,
+    positive_int,
 )
 from kprobes.cli.spellings import read_glob
 from kprobes.errors import NotMapped, ProbeError, SpecError
@@ -58,7 +59,7 @@ def add_parser(sub: Any, help: str) -> None:
     )
     p.add_argument(
         "--top",
-        type=_positive,
+        type=positive_int,
         metavar="N",
         help="only the N rows with the most hits (each interval with -i), in the table's "
         "order: ascending, the busiest last",
@@ -78,13 +79,6 @@ def add_parser(sub: Any, help: str) -> None:
         "as bpftrace's max_probes",
     )
     p.set_defaults(func=run)
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
-    return value
 
 
 def _is_pattern(text: str) -> bool:

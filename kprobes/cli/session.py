@@ -84,6 +84,14 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def positive_int(text: str) -> int:
+    """An option's whole number of 1 or more (``--top N``), for argparse."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)

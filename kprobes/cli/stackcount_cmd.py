@@ -19,7 +19,7 @@ import argparse
 import sys
 from typing import Any
 
-from kprobes.cli.session import Session, add_common_arguments, parse_spec
+from kprobes.cli.session import Session, add_common_arguments, parse_spec, positive_int
 from kprobes.cli.stack_options import BACKENDS_HELP, add_stack_arguments, prepare_stacks
 from kprobes.model import Event
 from kprobes.output.flamegraph import flame_graph_svg
@@ -48,15 +48,10 @@ def add_parser(sub: Any, help: str) -> None:
         help="also write an interactive flame graph (search, zoom on click, counts in "
         "tooltips) that a browser opens from disk",
     )
-    p.add_argument("--top", type=_positive, metavar="N", help="only each probe's N busiest stacks")
+    p.add_argument(
+        "--top", type=positive_int, metavar="N", help="only each probe's N busiest stacks"
+    )
     p.set_defaults(func=run)
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:
