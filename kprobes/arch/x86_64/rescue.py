@@ -40,6 +40,7 @@ RECORDS: Final = 0x62000
 RECORD_SIZE: Final = 24
 RECORD_MAX: Final = (AREA_SIZE - RECORDS) // RECORD_SIZE
 MAX_PAGES: Final = 64
+PAGE: Final = 0x1000
 MAX_RANGES: Final = 64
 
 MAGIC: Final = 0x6575637365526B50  # "PkResc" + "ue", little-endian
@@ -159,6 +160,25 @@ def bp_entry(addr: int, original: int, jmp: bytes = b"") -> bytes:
     if jmp:
         word |= BP_JUMP | int.from_bytes(jmp[1:5], "little") << 8
     return _QQ.pack(addr, word)
+
+
+def find_areas(start: int, end: int, read: Callable[[int, int], bytes]) -> list[int]:
+    """The start of every rescue area in ``[start, end)``, one line of the maps of anonymous
+    executable memory: adjacent mappings of one kind merge into one line, so a later tool's
+    rescue mapped right below a dead one's hides it from a look at the line's start alone
+    (the dead one's int3s were then taken for another debugger's). Every page is a candidate
+    start; one read a page (a rescue is skipped whole).
+    """
+    found = []
+    at = start
+    while at + AREA_SIZE <= end:
+        word = read(at + HEADER + H_MAGIC, 8)
+        if len(word) == 8 and _Q.unpack(word)[0] == MAGIC:
+            found.append(at)
+            at += AREA_SIZE
+        else:
+            at += PAGE
+    return found
 
 
 def left_breakpoints(area: int, read: Callable[[int, int], bytes]) -> dict[int, int]:

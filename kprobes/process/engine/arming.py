@@ -25,7 +25,7 @@ from kprobes.arch.x86_64.emulate import changes_rip_only, emulator_for
 from kprobes.arch.x86_64.leftover import original_under_jump
 from kprobes.arch.x86_64.plan import SLOT_SIZE, PlanKind, build_slot, plan_instruction
 from kprobes.arch.x86_64.rescue import AREA_SIZE as RESCUE_SIZE
-from kprobes.arch.x86_64.rescue import left_breakpoints
+from kprobes.arch.x86_64.rescue import find_areas, left_breakpoints
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Jprobe, Kretprobe
 from kprobes.core.table import ProbeSite
@@ -247,8 +247,11 @@ class Arming:
             memory, own = self._program.memory(), self._tracer.rescue.area
             self._dead_int3s = {}
             for m in read_maps(self.pid):
-                if not m.path and m.end - m.start >= RESCUE_SIZE and m.start != own:
-                    self._dead_int3s.update(left_breakpoints(m.start, memory.read_some))
+                if m.path or "x" not in m.perms or m.end - m.start < RESCUE_SIZE:
+                    continue
+                for area in find_areas(m.start, m.end, memory.read_some):
+                    if area != own:
+                        self._dead_int3s.update(left_breakpoints(area, memory.read_some))
         return self._dead_int3s
 
     def _take_back_leftover_jumps(self, start: int, size: int) -> None:
