@@ -236,3 +236,43 @@ def test_the_program_finishes_when_the_tool_is_killed_mid_trace(records, popen, 
     tool.wait()
     assert prog.wait(timeout=90) == 0
     assert out.read_text() == support.reference_output([records, 2, n]).decode()
+
+
+def _area_resident(pid: int) -> list[tuple[int, int]]:
+    """(size, resident) in KiB of each mapping of the program's shared areas (the area, then
+    the ring's first pages mapped again after it)."""
+    out = []
+    size = 0
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0]:
+            size = 0 if "/memfd:kprobes-area" in line else -1
+        elif size >= 0 and line.startswith("Size:"):
+            size = int(line.split()[1])
+        elif size > 0 and line.startswith("Rss:"):
+            out.append((size, int(line.split()[1])))
+    return out
+
+
+def test_the_ring_is_in_before_the_first_record(spawn, records):
+    """A record probe's ring is faulted in when the probe is optimized (memory.py), so that
+    the ring's first lap costs the program no page fault; a count's ring is left out."""
+    counted = spawn([records, 1, 10])
+    counted.register_kprobe(kprobes.Kprobe(symbol="note", optimize=True))
+    (entry,) = counted.list()
+    assert entry.is_optimized, entry
+    areas = _area_resident(counted.pid)
+    assert areas and all(rss < size // 2 for size, rss in areas), areas  # only what it counts
+    assert counted.run(timeout=60) and counted.exit_code == 0
+
+    recorded = spawn([records, 1, 10])
+    hits: list[Any] = []
+    recorded.register_kprobe(
+        kprobes.Kprobe(symbol="note", optimize=True, async_handler=lambda p, h: hits.append(h))
+    )
+    (entry,) = recorded.list()
+    assert entry.is_optimized, entry
+    areas = _area_resident(recorded.pid)
+    # before any hit: the ring and its mirror (not the header and the counters)
+    assert areas and all(size - rss < 1024 for size, rss in areas), areas
+    assert recorded.run(timeout=60) and recorded.exit_code == 0
+    assert len(hits) == 10

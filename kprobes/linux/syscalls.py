@@ -10,6 +10,7 @@ NR_MMAP: Final = 9
 NR_MPROTECT: Final = 10
 NR_MUNMAP: Final = 11
 NR_RT_SIGACTION: Final = 13
+NR_MADVISE: Final = 28
 NR_FTRUNCATE: Final = 77
 NR_OPENAT: Final = 257
 NR_MEMFD_CREATE: Final = 319

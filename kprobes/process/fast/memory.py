@@ -14,6 +14,15 @@ pages' mapper), bump-allocated and never freed or reused while the tool is attac
 may be inside one long after its probe went back to an int3. A clean end unmaps them, and the
 areas, where no thread can be (``unmapping.py``). The area and the detours must lie within
 ±2 GiB of the probe; a probe out of the area's reach stays on traps and says so.
+
+**The ring is faulted in before the first record goes there** (``fault_in_ring``: an
+injected ``madvise(MADV_POPULATE_WRITE)``, once per area). Else the ring's first lap makes
+the program fault in each page as its records reach it, about 3 µs a page here: 50 ns on
+every 64-byte record, five times what the record costs once the page is in. An area that
+only counts never gets its ring's 32 MiB. A kernel older than 5.14 refuses the advice; its
+records fault their pages in as before. Rejected: ``MAP_POPULATE`` when the area is mapped
+(every counting program would pay the ring's memory), and the tool touching the pages
+through its own mapping (the program would still take a fault for each page it maps).
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from typing import TYPE_CHECKING, Final
 from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64.detour import DETOUR_MAX
 from kprobes.errors import NotRelocatable, TargetError
-from kprobes.linux.syscalls import NR_CLOSE, NR_FTRUNCATE, NR_MEMFD_CREATE, NR_MMAP
+from kprobes.linux.syscalls import NR_CLOSE, NR_FTRUNCATE, NR_MADVISE, NR_MEMFD_CREATE, NR_MMAP
 from kprobes.process.engine.xol import MARK_SIZE, REACH, candidate_addresses
 from kprobes.process.fast.state import DetourPage, JumpState, SharedArea
 from kprobes.process.inject import calls
@@ -42,6 +51,7 @@ AREA_NAME: Final = b"kprobes-area\0"
 _MFD_CLOEXEC: Final = 1
 _MAP_FIXED_NOREPLACE: Final = 0x100000
 _MAP_FIXED: Final = 0x10
+_MADV_POPULATE_WRITE: Final = 23  # Linux 5.14
 
 
 class DetourMemory:
@@ -83,6 +93,21 @@ class DetourMemory:
                 return i
         areas.append(self.make_area(near))
         return len(areas) - 1
+
+    def fault_in_ring(self, index: int) -> None:
+        """The program's pages of area ``index``'s ring (and its mirror) in, before its first
+        record: once, whatever the kernel answers (an old one refuses: the records fault the
+        pages in as they come)."""
+        area = self._state.areas[index]
+        if area.is_ring_in:
+            return
+        area.is_ring_in = True
+        start = area.addr + area.layout.ring_offset
+        size = area.layout.ring_bytes + sa.MIRROR
+        with self._injector.injection_thread() as thread:
+            calls.run_syscall(
+                thread, 0, NR_MADVISE, start, size, _MADV_POPULATE_WRITE, rescue=self._tracer.rescue
+            )
 
     def make_area(self, near: int) -> SharedArea:
         layout = sa.AreaLayout(NCOUNTERS, self._state.ring_bytes // sa.SLOT)

@@ -42,6 +42,7 @@ from kprobes.arch.x86_64.decode import MAX_INSN_LEN
 from kprobes.arch.x86_64.detour import build_detour
 from kprobes.arch.x86_64.jumpopt import Refusal, find_region
 from kprobes.arch.x86_64.plan import SLOT_SIZE
+from kprobes.arch.x86_64.record import RecordAction
 from kprobes.core.optimizer import OptState, SiteOpt, why_no_jump
 from kprobes.errors import NotRelocatable, TargetError
 from kprobes.process.engine.breakpoints import JUMP_LEN
@@ -226,6 +227,8 @@ class Optimizer:
             if isinstance(action, str):
                 so.to(OptState.REFUSED, action)
                 return
+            if isinstance(action, RecordAction):
+                self._memory.fault_in_ring(so.area)
             page = self._memory.detour_page(addr)
             at = page.start + page.used
             detour = build_detour(at, region, action)

@@ -18,7 +18,7 @@ from kprobes.core.optimizer import SiteOpt
 from kprobes.process.fast.reader import RingReader
 from kprobes.process.fast.shield import Shield
 
-RING_BYTES: Final = 32 << 20  # per area; pages are the program's only once written
+RING_BYTES: Final = 32 << 20  # per area; faulted in once a record goes there (memory.py)
 
 
 @dataclass(slots=True)
@@ -29,6 +29,7 @@ class SharedArea:
     layout: sa.AreaLayout
     mapping: mmap.mmap
     next_counter: int = 0
+    is_ring_in: bool = False  # the program's pages of the ring are faulted in (memory.py)
 
     @property
     def view(self) -> memoryview:
