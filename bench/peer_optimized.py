@@ -20,15 +20,14 @@ What runs per hit, and what is checked after each run:
   detours; the counter, or the records walked in the ring (each committed) and their
   arguments' sum.
 
-Ours are optimized or the run fails (a trap would measure another tier). The API's record
-probes carry the registers (``records.equip``: a Python handler may read them), three ring
-slots a record; the CLI's carry only their fetch-args, one slot. Neither ring is read fast
-enough to keep up with a loop that does nothing else: the tool hands records to Python at
-some µs each while the program writes one every few ns, so the record rows' N is chosen to
-fit the default ring (32 MiB: 174,762 three-slot or 524,288 one-slot records) and the notes
-say how many were dropped. A run is therefore the ring's first lap, whose hits fault its pages
-in (the program's mapping is not populated: process/fast/memory.py), at some µs a 4 KiB page; the
-floor's ``record-cold`` rows pay the same, its ``record`` rows do not. The harness runs this
+Ours are optimized or the run fails (a trap would measure another tier). Records carry their
+fetch-args alone, one ring slot (the API's carry the registers only with ``with_regs=True``:
+three slots). The ring is not read fast enough to keep up with a loop that does nothing else:
+the tool hands records to Python at some µs each while the program writes one every few ns,
+so the record rows' N is chosen to fit the default ring (32 MiB: 524,288 one-slot records)
+and the notes say how many were dropped. A run is therefore the ring's first lap, whose pages
+the program faulted in when the probe went in (process/fast/memory.py, ``fault_in_ring``):
+as the floor's ``record`` rows, not its ``record-cold`` ones. The harness runs this
 module as a separate process (so that it can be pinned)::
 
     python -m bench.peer_optimized count|record|cli FUNC PROGRAM [ARGS...]
@@ -68,7 +67,7 @@ OURS: tuple[tuple[str, str, str, int, int, int], ...] = (
     ),
     (
         "optimized-record",
-        "kprobes, optimized record (i=%di + registers: 3 slots), async_handler",
+        "kprobes, optimized record (i=%di: 1 slot), async_handler",
         "record",
         1,
         150_000,
@@ -76,7 +75,7 @@ OURS: tuple[tuple[str, str, str, int, int, int], ...] = (
     ),
     (
         "optimized-record-4t",
-        "kprobes, optimized record (i=%di + registers), async_handler, 4 threads (CPU time)",
+        "kprobes, optimized record (i=%di), async_handler, 4 threads (CPU time)",
         "record",
         4,
         150_000,

@@ -5,7 +5,7 @@
 
 spawns ``bench/bin/target work_push CALLS`` (``make -C bench`` builds it), registers one
 ``Kprobe(async_handler=count, args="i=%di")`` (``opt``: ``optimize=True``, a record probe
-whose records carry the registers; ``trap``: the same handler at an int3), runs the program
+whose records carry ``i`` alone; ``trap``: the same handler at an int3), runs the program
 to its end and prints the events handed over, the records dropped, and the tool's CPU and
 wall time per event.
 """

@@ -182,8 +182,8 @@ class Event(NamedTuple):
     func: str = ""
     func_ip: int = 0
     entry_timestamp: float = 0.0  # return events: when the call was entered (0.0 if unknown)
-    # A read-only copy of the registers at the hit, for a Process probe whose handler asked
-    # for them (``async_handler`` of the API); None otherwise.
+    # A read-only copy of the registers at the hit, for a Process probe that asked for them
+    # (``Kprobe(async_handler=..., with_regs=True)``); None otherwise.
     regs: Regs | None = None
     # The thread's user stack at the hit, when the session asked for stacks (``trace -U``,
     # ``stackcount``); None otherwise.

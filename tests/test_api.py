@@ -223,6 +223,22 @@ def test_args_without_an_async_handler_are_refused(spawn, target, tmp_path, expe
     assert out.read_bytes() == expected
 
 
+def test_registers_without_an_async_handler_are_refused(spawn, target, tmp_path, expected):
+    """``with_regs=True`` asks for a copy of the registers in an async_handler's records:
+    with a pre_handler (which reads the live ones) it would be for nobody."""
+    proc, out = start(spawn, tmp_path, [target, N])
+    kp = kprobes.Kprobe(symbol="work", pre_handler=lambda p, regs: None, with_regs=True)
+    with pytest.raises(errors.UnsupportedOption) as info:
+        proc.register_kprobe(kp)
+    assert str(info.value).startswith(
+        "Process cannot honour with_regs=True on a Kprobe: registers are copied for the "
+        "records of an async_handler"
+    ), str(info.value)
+    assert not kp.is_registered and proc.list() == []
+    run_to_exit(proc)
+    assert out.read_bytes() == expected
+
+
 def test_register_twice_is_rejected(spawn, target, tmp_path):
     proc, _ = start(spawn, tmp_path, [target, N])
     kp = kprobes.Kprobe(symbol="work")

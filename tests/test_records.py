@@ -54,7 +54,11 @@ def run_with_handler(
         proc = spawn([exe, threads, n], stdout=f.fileno())
     hits: list[Any] = []
     kp = kprobes.Kprobe(
-        symbol="note", optimize=True, async_handler=lambda p, h: hits.append(h), args=ARGS
+        symbol="note",
+        optimize=True,
+        async_handler=lambda p, h: hits.append(h),
+        args=ARGS,
+        with_regs=True,
     )
     if not optimize:
         proc.optimization = False

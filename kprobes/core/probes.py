@@ -61,10 +61,11 @@ class Kprobe:
     ``optimize=True`` asks for a jump instead of a breakpoint where the site allows it (the
     kernel's optimized probes). A probe with no handler is then a *count*: its hits are
     counted in the program, with no trap, and ``nhit`` shows them. A probe with an
-    ``async_handler`` is a *record*: each hit writes a record (registers, and the fetch-args
-    ``args`` in the probe language, e.g. ``"size=%di name=+0(%si):string"``, evaluated at the
-    hit) that the target reads later and hands to ``async_handler(probe, event)`` as a
-    read-only ``Event``: the handler cannot change the program, so no trap is needed. Where the
+    ``async_handler`` is a *record*: each hit writes a record (the fetch-args ``args`` in the
+    probe language, e.g. ``"size=%di name=+0(%si):string"``, evaluated at the hit, and with
+    ``with_regs=True`` a copy of the registers: three times the record) that the target reads
+    later and hands to ``async_handler(probe, event)`` as a read-only ``Event``: the handler
+    cannot change the program, so no trap is needed. Where the
     site cannot be optimized, the same handler runs at a trap with the same snapshot. A
     probe with a pre, post or fault handler (which may change registers) keeps the breakpoint;
     ``list()`` says why a probe is not optimized.
@@ -90,6 +91,7 @@ class Kprobe:
         optimize: bool = False,
         async_handler: AsyncHandler | None = None,
         args: str | Sequence[str] = (),
+        with_regs: bool = False,
     ) -> None:
         self.symbol = symbol
         self.offset = offset
@@ -100,6 +102,7 @@ class Kprobe:
         self.optimize = optimize
         self.async_handler = async_handler
         self.args: tuple[str, ...] = (args,) if isinstance(args, str) else tuple(args)
+        self.with_regs = with_regs  # the async_handler's Event carries the registers
         self.flags = ProbeFlags.DISABLED if disabled else ProbeFlags.NONE
         self.nmissed = 0
         self.nhit = 0

@@ -55,6 +55,14 @@ def _check_kprobe(target: str, kp: Kprobe, *, is_kernel: bool) -> None:
             "jump-optimized probes)"
         )
         raise UnsupportedOption(target, "optimize=True", "Kprobe", why)
+    if kp.with_regs:
+        raise UnsupportedOption(
+            target,
+            "with_regs=True",
+            "Kprobe",
+            "the kernel's events hold the fetch-args alone: name the registers you need as "
+            'fetch-args (args="di=%di ax=%ax"), or use Process',
+        )
     check_handlers(kp)
 
 

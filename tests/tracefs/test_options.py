@@ -136,6 +136,11 @@ def test_a_definition_line_with_maxactive_is_refused_on_uprobes(
             "Kernel cannot honour entry_handler on a Kretprobe",
         ),
         (Jprobe(symbol="vfs_read", entry=_nothing), "Kernel cannot honour entry on a Jprobe"),
+        (
+            Kprobe(symbol="vfs_read", async_handler=_nothing, with_regs=True),
+            "Kernel cannot honour with_regs=True on a Kprobe: the kernel's events hold the "
+            "fetch-args alone",
+        ),
     ],
 )
 def test_the_kernels_reasons(probe: Any, start_of_message: str) -> None:

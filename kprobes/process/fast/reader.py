@@ -131,7 +131,7 @@ def equip(
     path = loc.module if isinstance(loc, SymbolLocation) and loc.module else "/proc/self"
     file_addr = file_resolver(symbols, path)
     fetcher = ArgFetcher(spec, resolve_data, file_addr)
-    return FastProbe(spec, fetcher, True, memory, (resolve_data, file_addr), pid)
+    return FastProbe(spec, fetcher, kp.with_regs, memory, (resolve_data, file_addr), pid)
 
 
 @dataclass(frozen=True, slots=True)

@@ -87,9 +87,13 @@ class Recording:
         (``UnsupportedOption``), never ignored."""
         for kp in kps:
             check_handlers(kp)
-            if kp.async_handler is None and (kp.args or kp in events):
-                option = f"args={' '.join(kp.args)!r}" if kp.args else f"event={events[kp]!r}"
-                what = "fetch-args are evaluated" if kp.args else "events are made"
+            if kp.async_handler is None and (kp.args or kp in events or kp.with_regs):
+                if kp.args:
+                    option, what = f"args={' '.join(kp.args)!r}", "fetch-args are evaluated"
+                elif kp in events:
+                    option, what = f"event={events[kp]!r}", "events are made"
+                else:
+                    option, what = "with_regs=True", "registers are copied"
                 raise UnsupportedOption(
                     "Process",
                     option,
