@@ -9,9 +9,10 @@ minute in the suite.) For the whole time, in a loop:
   (tests/programs/checker.c: four threads calling ``work``, recursing, allocating, each
   result checked) and a live Python whose loop checks what it computes;
 * each round picks a command (``trace``, ``count``, ``latency``, ``hist``), optimized or
-  ``--no-optimize``, with specs on the program's own code and on libc, attaches it with
-  ``-p`` and ends it one way: its own ``-d``, ``-n``, SIGINT, SIGTERM, SIGHUP, or SIGKILL at a
-  random moment (before it placed its probes, while it places them, while it runs);
+  ``--no-optimize`` (an optimized ``trace`` one time in two with ``--block``), with specs
+  on the program's own code and on libc, attaches it with ``-p`` and ends it one way: its
+  own ``-d``, ``-n``, SIGINT, SIGTERM, SIGHUP, or SIGKILL at a random moment (before it
+  placed its probes, while it places them, while it runs);
 * a CPU burner runs in another process all along (``--no-load`` leaves it out);
 * in every other round on ``malloc``, another tool's kernel uprobe (a tracefs event in an
   instance of its own, as bpftrace or ``perf probe`` places one) goes on the target's libc
@@ -262,6 +263,8 @@ def one_round(target: Target, rng: random.Random, tally: Tally, verbose: bool) -
     argv = [*KPROBES, command, "-p", str(target.proc.pid), *extra, *specs]
     if not optimized:
         argv.append("--no-optimize")
+    elif command == "trace" and rng.random() < 0.5:
+        argv.append("--block")  # threads wait in the detours for the reader (test_block.py)
     seconds = round(rng.uniform(0.2, 2.0), 2)
     if ending == "duration":
         argv += ["-d", str(seconds)]

@@ -601,6 +601,17 @@ def cli(*args: object, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     )
 
 
+def without_output_of(text: str, output: bytes) -> str:
+    """``text`` (a ``-c`` trace's stdout) less each line of ``output`` (the command's own,
+    written to the same stdout), once each: the command may write in the middle of one of
+    the tool's lines, which a block write split in two."""
+    for line in output.decode().splitlines(keepends=True):
+        if line not in text:
+            raise AssertionError(f"the command's line {line!r} is not in the output")
+        text = text.replace(line, "", 1)
+    return text
+
+
 def reference_output(
     argv: Sequence[str | Path], *, stdin: bytes = b"", timeout: float = 30
 ) -> bytes:

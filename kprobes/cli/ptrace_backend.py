@@ -113,6 +113,7 @@ class PtraceBackend(Backend):
         self.stack_depth: int | None = args.stack_depth if getattr(args, "stack", False) else None
         self.optimize = not getattr(args, "no_optimize", False) and self.stack_depth is None
         self.count_only = getattr(args, "count_only", False)
+        self.block = getattr(args, "block", False)  # trace --block (recording.py)
         self.attached: list[SpecTracer] = []  # the -p processes (or the -c command), in order
         try:
             for proc in procs:
@@ -133,6 +134,7 @@ class PtraceBackend(Backend):
         self._glob_names: dict[int, set[str]] = {}  # pid -> the functions globs placed there
 
     def _spec_tracer(self, proc: Process) -> SpecTracer:
+        proc.records.block_when_full = self.block
         return SpecTracer(
             proc,
             self.sink,

@@ -16,18 +16,24 @@ for ui.perfetto.dev with entry/return pairs as slices per thread.
 prints it after the event (output/stacks.py): in the text, a ``<user stack trace>`` line and
 a `` => func+0xOFF/0xSIZE [module]`` line per frame; ``"stack"`` in the JSON; ``stack`` in
 the args of the Perfetto trace. How each backend takes them: stack_options.py.
+
+``--block`` keeps every event of a hot function: a hit that finds the ring full waits for the
+reader to make room instead of being dropped (process/fast/recording.py), for as long as the
+reader reads: the program runs at the reader's pace, and a tool that dies or is stopped
+releases it within half a second (shared_area.py's lease).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from typing import IO, TYPE_CHECKING, Any
 
 from kprobes.cli.formats import parse_traced
 from kprobes.cli.session import Session, add_common_arguments, event_fields_source
 from kprobes.cli.stack_options import add_stack_arguments, prepare_stacks
-from kprobes.errors import SpecError
+from kprobes.errors import SpecError, TargetError
 from kprobes.model import Event
 from kprobes.output.jsonl import format_json
 from kprobes.output.perfetto import PerfettoWriter
@@ -61,6 +67,14 @@ def add_parser(sub: Any, help: str) -> None:
         'of the seconds of the event clock (with --json, "time" in ISO 8601 is added)',
     )
     p.add_argument("--perfetto", metavar="FILE", help="also write a Perfetto (JSON) trace")
+    p.add_argument(
+        "--block",
+        action="store_true",
+        help="lose no event: a hit that finds the ring full waits until the tool has read "
+        "(by default it is dropped and counted, as perf's lost events). The program then "
+        "runs at the tool's pace; if the tool dies or is stopped, the program goes on (and "
+        "drops) within half a second. ptrace backend only",
+    )
     add_stack_arguments(p, optional=True)
     p.set_defaults(func=run)
 
@@ -109,6 +123,13 @@ def run(args: argparse.Namespace) -> int:
             "a probe's own line and --json are two outputs: give one",
             column=text.index('"'),
             text=text,
+        )
+    if args.block and args.backend != "ptrace":
+        raise TargetError(
+            "--block makes our own optimized probes wait for room in their ring: the kernel's "
+            "ring buffer drops (or overwrites) when full, and cannot make the program wait "
+            "(give the ptrace backend)",
+            errno=errno.EINVAL,
         )
     header = prepare_stacks(args) if args.stack else ""
     session = Session(args, specs)

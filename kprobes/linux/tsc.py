@@ -44,6 +44,12 @@ def read_tsc() -> int:
     return int(_rdtsc.read())
 
 
+def ticks_per_second() -> int:
+    """The TSC's nominal rate (the CPU's clock in /proc/cpuinfo): good to a few per cent,
+    for a deadline; ``TscClock`` measures the real one."""
+    return int(_nominal_hz())
+
+
 def _nominal_hz() -> float:
     try:
         with open("/proc/cpuinfo") as f:

@@ -5,6 +5,8 @@ registers if the probe's handler wants them, the captures of its fetch-args (cap
 the commit word last; when the ring is full it counts a drop and writes nothing, and fetches
 nothing. Reserving first is what makes a record probe cheap to leave behind: after the tool's
 death nobody reads the ring, it fills, and from then on a hit costs the reservation's check.
+An action that ``may_wait`` (``--block``) retries a full ring, with a ``pause`` between two
+tries, as long as the reader's lease holds (shared_area.py), and only then drops.
 
 The thread is identified by its fs base, the thread pointer that glibc and musl point at
 their thread control block and that the tracer reads in every thread's registers
@@ -73,6 +75,7 @@ class RecordAction:
     plan: CapturePlan = field(default_factory=CapturePlan)
     cpu_id: CpuId = CpuId.RDPID
     counter: int | None = None  # also count every hit there, recorded or dropped
+    may_wait: bool = False  # a full ring is retried while the reader's lease holds
 
     def __post_init__(self) -> None:
         if not 0 <= self.probe_id < 1 << 31:
@@ -128,8 +131,11 @@ class RecordAction:
         block.add(Instruction.create_reg_reg(Code.ADD_R64_RM64, rcx, rsi))
         block.add(mov_store(rbx, area.REC_COMMIT, rcx))
         block.branch(Code.JMP_REL32_64, "done")
-        # Step 7: the ring is full: count the drop, write nothing.
+        # Step 7: the ring is full: wait while the reader's lease holds (``may_wait``), else
+        # count the drop and write nothing.
         block.label("full")
+        if self.may_wait:
+            self._emit_wait(block)
         block.add(Instruction.create_mem(Code.INC_RM64, rip_operand(self.ring.drops)), lock=True)
         block.label("done")
 
@@ -160,6 +166,22 @@ class RecordAction:
         block.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, rax, 6))  # * SLOT
         block.add(Instruction.create_reg_mem(Code.LEA_R64_M, rbx, rip_operand(ring.ring)))
         block.add(Instruction.create_reg_reg(Code.ADD_R64_RM64, rbx, rax))
+
+    def _emit_wait(self, block: Block) -> None:
+        """Step 7a: back to Step 1 while ``rdtsc`` < the lease; falls through once it is not
+        (clobbers rax and rdx, as Step 1 and the header do)."""
+        rax, rdx = _GPRS["rax"], _GPRS["rdx"]
+        block.add(Instruction.create(Code.RDTSC))
+        block.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, rdx, 32))
+        block.add(Instruction.create_reg_reg(Code.OR_R64_RM64, rax, rdx))
+        block.add(
+            Instruction.create_reg_mem(Code.CMP_R64_RM64, rax, rip_operand(self.ring.block_until))
+        )
+        block.branch(Code.JAE_REL32_64, "drop")
+        block.add(Instruction.create(Code.PAUSE))
+        block.add(Instruction.create_reg_mem(Code.MOV_R64_RM64, rax, rip_operand(self.ring.head)))
+        block.branch(Code.JMP_REL32_64, "retry")
+        block.label("drop")
 
     def _emit_header(self, block: Block) -> None:
         """The header of the record at rbx (its place from Step 2); clobbers rax, rcx, rdx."""

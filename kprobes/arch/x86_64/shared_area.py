@@ -41,6 +41,16 @@ byte by byte). A producer that loads that ``tail`` may overwrite those slots: it
 stores cannot pass its load, and the reader's loads came before its store. So no record is
 ever overwritten while it is read, and reads never tear.
 
+**Waiting for room (``--block``).** A producer that finds the ring full may wait instead of
+dropping, while the reader says it reads: ``block_until`` holds a TSC deadline that the reader
+pushes forward each time it reads (a *lease*: ``set_lease``). The producer retries while
+``rdtsc`` is below it, and drops and counts once it is not. A reader that dies, is stopped,
+or stops reading (its output blocked) stops renewing it, and every waiting producer goes on
+when it runs out: no thread ever waits for a reader that is gone. 0, the word's value in a
+fresh area, never lets a producer wait. Rejected: a bound per record alone (a dead reader
+would cost the program that bound on every hit); a futex the reader wakes (a syscall in the
+detour, which a program's seccomp filter may forbid).
+
 A record reserved and never committed (its producer longjmp'ed out of a signal handler in
 the middle of the detour) stops the reader there for good; ``Batch.pending`` says the reader
 waits, and the tool, at a full stop with no thread inside a detour, can tell it is abandoned.
@@ -74,6 +84,7 @@ OFF_HEAD: Final = 64  # producers: the next ticket
 OFF_TAIL: Final = 128  # the reader: the first ticket not yet consumed
 OFF_DROPS: Final = 192  # producers: hits not recorded because the ring was full
 OFF_DROPS_READ: Final = 256  # the reader: drops already reported
+OFF_BLOCK_UNTIL: Final = 320  # the reader: producers may wait for room until this TSC
 
 COUNTER_STRIDE: Final = CACHE_LINE
 
@@ -172,6 +183,7 @@ class AreaLayout:
             head=base + OFF_HEAD,
             tail=base + OFF_TAIL,
             drops=base + OFF_DROPS,
+            block_until=base + OFF_BLOCK_UNTIL,
             ring=base + self.ring_offset,
             capacity=self.capacity,
         )
@@ -184,6 +196,7 @@ class RingAddrs:
     head: int
     tail: int
     drops: int
+    block_until: int
     ring: int
     capacity: int  # slots
 
@@ -263,6 +276,16 @@ def read_counters(buffer: memoryview | bytearray, indexes: Iterable[int]) -> lis
         return [int(words[layout.counter_offset(i) // 8]) for i in indexes]
     finally:
         words.release()  # no export left behind: the area's mapping may be closed later
+
+
+def set_lease(buffer: memoryview | bytearray, tsc: int) -> None:
+    """Let producers that find the ring full wait for room until the TSC reads ``tsc`` (0:
+    never wait). One aligned 8-byte store."""
+    words = memoryview(buffer).cast("B").cast("Q")
+    try:
+        words[OFF_BLOCK_UNTIL // 8] = tsc
+    finally:
+        words.release()
 
 
 def decode_record(ticket: int, raw: bytes) -> Record:

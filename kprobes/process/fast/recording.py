@@ -19,6 +19,7 @@ from kprobes.arch.x86_64.record import CpuId, RecordAction
 from kprobes.core.probes import check_handlers
 from kprobes.errors import InternalError, TargetError, UnsupportedOption
 from kprobes.process.engine.threads import ThreadState
+from kprobes.process.fast.lease import Lease
 from kprobes.process.fast.reader import FastProbe, RingReader, equip, trap_delivery
 from kprobes.process.fetch.evaluate import CommCache, CpuReader, Memory, Symbolizer
 from kprobes.process.fetch.fast import NotCapturable, plan_captures
@@ -125,7 +126,9 @@ class Recording:
             self._fast.pop(id(kp), None)
 
     def close(self) -> None:
-        """The process is no longer traced: the files the trap tier's events read go."""
+        """The process is no longer traced: the files the trap tier's events read go, and
+        no thread waits for room in a ring any more."""
+        self._state.release_waiters()
         if self._cpu is not None:
             self._cpu.close()
 
@@ -196,6 +199,22 @@ class Recording:
         sa.AreaLayout(0, value // sa.SLOT)  # raises for a size that is not one
         self._state.ring_bytes = value
 
+    @property
+    def block_when_full(self) -> bool:
+        """A record probe's hit that finds its ring full waits for the reader to make room,
+        as long as the reader reads, instead of dropping (``trace --block``): every event
+        is kept, at the cost of slowing the program to the reader's pace. Set before the
+        first record probe is optimized."""
+        return self._state.waits_when_full
+
+    @block_when_full.setter
+    def block_when_full(self, value: bool) -> None:
+        if value == self._state.waits_when_full:
+            return
+        if self._state.areas:
+            raise TargetError("the rings are in use: set block_when_full before optimizing")
+        self._state.waits_when_full = value
+
     def ring_reader(self) -> RingReader:
         state = self._state
         if state.reader is None:
@@ -219,6 +238,7 @@ class Recording:
         """Drop the records of optimized probes not read yet (their handlers will not see
         them): what a run that was interrupted, or had enough, leaves behind."""
         reader = self._state.reader
+        self._state.release_waiters()  # nobody reads for them any more
         if reader is not None:
             reader.discard()
 
@@ -257,6 +277,8 @@ class Recording:
             self._injector.activate_fetch_faults()
         with_regs = any(fp.with_regs for fp in fast)
         reader = self.ring_reader()
+        if self._state.waits_when_full:
+            self._hold_lease()
         if not reader.is_active:
             self._learn_all_threads(reader)
         if so.record_id == 0 or so.plan != plan:
@@ -269,9 +291,20 @@ class Recording:
                 plan=plan,
                 cpu_id=_cpu_id(),
                 counter=counter,
+                may_wait=self._state.waits_when_full,
             )
         except InternalError as exc:  # a record larger than the ring's mirror
             return f"its fetch-args need too large a record: {exc}"
+
+    def _hold_lease(self) -> None:
+        """Producers that find the ring full wait from now on, while the tool lives and
+        reads (lease.py); not once the reader was told to stop (``discard_records``)."""
+        state = self._state
+        if state.reader is not None and state.reader.is_muted:
+            return
+        if state.lease is None:
+            state.lease = Lease(lambda: [area.view for area in state.areas])
+        state.lease.hold()
 
     def _learn_all_threads(self, reader: RingReader) -> None:
         self._note_threads(reader)

@@ -15,6 +15,7 @@ from typing import Final
 
 from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.core.optimizer import SiteOpt
+from kprobes.process.fast.lease import Lease
 from kprobes.process.fast.reader import RingReader
 from kprobes.process.fast.shield import Shield
 
@@ -51,6 +52,8 @@ class JumpState:
 
     is_enabled: bool = True  # proc.optimization
     ring_bytes: int = RING_BYTES
+    waits_when_full: bool = False  # record detours wait for room (recording.py)
+    lease: Lease | None = None  # how long they may wait (lease.py), once one may
     sites: dict[int, SiteOpt] = field(default_factory=dict)
     areas: list[SharedArea] = field(default_factory=list)  # one per ±2 GiB neighbourhood
     pages: list[DetourPage] = field(default_factory=list)
@@ -59,6 +62,7 @@ class JumpState:
 
     def forget(self) -> None:
         """The address space was replaced (exec): nothing of ours is in it any more."""
+        self.release_waiters()
         if self.reader is not None:
             self.reader.drain()
             self.reader.forget()
@@ -66,6 +70,11 @@ class JumpState:
         self.sites.clear()
         self.areas.clear()
         self.pages.clear()
+
+    def release_waiters(self) -> None:
+        """No thread waits for room in a ring from now on (lease.py): the reader stops."""
+        if self.lease is not None:
+            self.lease.release()
 
     def counts(self) -> Iterator[tuple[int, int]]:
         """(site address, hits counted in the program since the last call) of every site."""

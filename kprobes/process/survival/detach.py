@@ -48,6 +48,9 @@ def detach_all(tracer: Tracer, jumps: JumpState) -> list[str]:
     tracer.world.stop()
     why_kept: list[str] = []
     try:
+        # Step 1b: no thread waits for room in a ring any more (--block: shared_area.py); one
+        # inside a detour's wait leaves it at its next look at the lease.
+        jumps.release_waiters()
         # Step 2
         for tracee in list(tracer.tracees.values()):
             if tracee.kind is not TraceeKind.VFORK:
