@@ -307,7 +307,7 @@ def one_round(target: Target, rng: random.Random, tally: Tally, verbose: bool) -
         stderr = err.read().decode(errors="replace")
     tally.rounds += 1
     tally.endings[ending] = tally.endings.get(ending, 0) + 1
-    tier = "opt" if optimized else "traps"
+    tier = ("opt+block" if "--block" in argv else "opt") if optimized else "traps"
     beside = " beside another tool's uprobe" if other is not None else ""
     what = f"{command} {' '.join(specs)} {tier} {ending} on {target.kind}{beside}"
     if verbose:
