@@ -3,6 +3,7 @@
 The detour retries a full ring while the reader's lease holds (shared_area.py), so a trace of
 any length is complete; the reader renews the lease at every read, so a tool that dies, is
 stopped or detaches releases every waiting thread, and the program goes on (dropping).
+A tool SIGKILLed while threads wait: test_records.py's killed mid-trace, ``block``.
 """
 
 from __future__ import annotations
@@ -11,42 +12,20 @@ import os
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import support
-from test_records import ARGS, expected, values
-
-import kprobes
+from test_records import expected, run_on_a_small_ring, values
 
 pytestmark = pytest.mark.ptrace
 
 
 def test_a_full_ring_waits_for_a_slow_handler_and_loses_nothing(spawn, build, tmp_path):
-    """The ring holds a few records, the handler is slow: without waiting most hits would
-    be dropped (test_records.py's full ring); with it every one reaches the handler."""
-    records = build("records")
+    """The ring holds a few records, the handler is slow: without waiting most hits are
+    dropped (test_records.py's full ring); with it every one reaches the handler."""
     threads, n = 4, 1000
-    out = tmp_path / "out"
-    with open(out, "wb") as f:
-        proc = spawn([records, threads, n], stdout=f.fileno())
-    proc.ring_size = 8192  # 128 slots
-    proc.records.block_when_full = True
-    hits: list[Any] = []
-
-    def slow(p: Any, h: Any) -> None:
-        hits.append(h)
-        time.sleep(0.0001)
-
-    kp = kprobes.Kprobe(symbol="note", optimize=True, async_handler=slow, args=ARGS)
-    proc.register_kprobe(kp)
-    (entry,) = proc.list()
-    assert entry.is_optimized, entry
-    assert proc.run(timeout=300)
-    assert proc.exit_code == 0
-    assert out.read_text() == support.reference_output([records, threads, n]).decode()
+    proc, kp, hits = run_on_a_small_ring(spawn, build("records"), tmp_path, threads, n, block=True)
     assert proc.dropped == 0 and kp.nhit == len(hits) == threads * n
     assert all(values(h) == expected(h.arg("t"), h.arg("i")) for h in hits)
     by_thread: dict[int, list[int]] = {}
@@ -87,32 +66,6 @@ def test_block_is_refused_on_the_kernels_backends():
     assert result.stderr.startswith(
         "kprobes: --block makes our own optimized probes wait for room in their ring"
     ), result.stderr
-
-
-def test_a_killed_tool_never_holds_the_program(build, popen, tmp_path):
-    """Nothing reads the ring once the tool is dead: it fills, the threads (two, with bad
-    pointers the rescue fixes) wait until the lease runs out, then drop and go on."""
-    records = build("records")
-    n = 400_000  # 2 threads: 800,000 records of 2 or more slots, past the 524,288 slots
-    out = tmp_path / "out"
-    stdin_r, stdin_w = os.pipe()
-    with open(out, "wb") as f:
-        prog = popen([records, 2, n, "wait"], stdin=stdin_r, stdout=f.fileno())
-    os.close(stdin_r)
-    tool = popen(
-        [support.KPROBES, "trace", "--block", "-p", prog.pid, f"p note {ARGS}"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    addr = support.runtime_address(prog.pid, records, "note")
-    support.wait_until(lambda: support.raw_read(prog.pid, addr, 1) == b"\xe9", 60, "the jump")
-    os.write(stdin_w, b"x")
-    os.close(stdin_w)
-    support.wait_ran(prog.pid, 0.005)  # records being written and read
-    os.kill(tool.pid, signal.SIGKILL)
-    tool.wait()
-    assert prog.wait(timeout=300) == 0
-    assert out.read_text() == support.reference_output([records, 2, n]).decode()
 
 
 def test_a_stopped_tool_never_holds_the_program(build, popen, tmp_path):

@@ -329,13 +329,14 @@ def test_four_pending_probes_are_one_line_and_v_lists_them(target: Path) -> None
     assert r.returncode == 0, r.stderr
     pending = [line for line in r.stderr.splitlines() if "pending" in line]
     assert pending == [
-        "kprobes: 4 probes are pending, each placed when the program loads its library: "
-        "4 in libc (-v lists them)"
+        "kprobes: 4 probes are pending, each placed when its file is mapped (a library "
+        "loaded, or a program run by exec): 4 in libc (-v lists them)"
     ], r.stderr
     r = cli("count", "-v", "-c", f"{target} 1", *FOUR_IN_LIBC)
     pending = [line for line in r.stderr.splitlines() if "pending" in line]
     assert pending == [
-        f"kprobes: {name} is pending: it is placed when the program loads its library"
+        f"kprobes: {name} is pending: it is placed when its file is mapped (a library loaded, "
+        "or a program run by exec)"
         for name in FOUR_IN_LIBC
     ], r.stderr
 

@@ -37,38 +37,14 @@ def test_a_dead_tools_int3_is_taken_back_and_probed(build, popen):
     prog = support.start_busy(popen, busy, 2, DEPTH)
     addr = support.runtime_address(prog.pid, busy, "on_usr2")  # never called until SIGUSR2
     original = support.raw_read(prog.pid, addr, 1)
-    first = popen(
+    _killed_once_placed(
+        popen,
+        prog.pid,
         [KPROBES, "count", "--no-optimize", "-p", prog.pid, "on_usr2", "hot"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    support.wait_until(
-        lambda: support.raw_read(prog.pid, addr, 1) == b"\xcc", 60, "the first tool's int3"
-    )
-    first.send_signal(signal.SIGKILL)
-    first.wait()
-    support.wait_until(
-        lambda: "TracerPid:\t0" in Path(f"/proc/{prog.pid}/status").read_text(), 30, "the detach"
+        lambda: support.raw_read(prog.pid, addr, 1) == b"\xcc",
     )
     assert support.raw_read(prog.pid, addr, 1) == b"\xcc"  # left by the dead tool
-
-    later = popen(
-        [KPROBES, "count", "--no-optimize", "-p", prog.pid, "on_usr2", "-d", "3"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    support.wait_until(
-        lambda: f"TracerPid:\t{later.pid}" in Path(f"/proc/{prog.pid}/status").read_text()
-        or later.poll() is not None,
-        60,
-        "the later tool's attach",
-    )
-    while later.poll() is None:  # hits for the later tool's probe, as long as it runs
-        os.kill(prog.pid, signal.SIGUSR2)
-        time.sleep(0.05)
-    out, err = later.communicate(timeout=120)
-    assert later.returncode == 0, err.decode()
-    assert count_rows(out.decode()).get("on_usr2", 0) >= 1, out.decode()
+    _probed_by_a_later_tool(popen, prog.pid, ["--no-optimize"])
     assert support.raw_read(prog.pid, addr, 1) == original  # the site is whole again
     os.kill(prog.pid, signal.SIGUSR2)  # the handler runs its own first byte
     code, stdout, stderr = support.stop_busy(prog)
@@ -94,6 +70,29 @@ def _killed_once_placed(popen, pid: int, argv: list, placed) -> None:  # type: i
     support.wait_until(
         lambda: "TracerPid:\t0" in Path(f"/proc/{pid}/status").read_text(), 30, "the detach"
     )
+
+
+def _probed_by_a_later_tool(popen, pid: int, extra: list) -> None:  # type: ignore[no-untyped-def]
+    """A later ``count`` of ``on_usr2`` places its probe and counts its hits."""
+    later = popen(
+        [KPROBES, "count", *extra, "-p", pid, "on_usr2", "-d", "3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    support.wait_until(
+        lambda: (
+            f"TracerPid:\t{later.pid}" in Path(f"/proc/{pid}/status").read_text()
+            or later.poll() is not None
+        ),
+        60,
+        "the later tool's attach",
+    )
+    while later.poll() is None:  # hits for the later tool's probe, as long as it runs
+        os.kill(pid, signal.SIGUSR2)
+        time.sleep(0.05)
+    out, err = later.communicate(timeout=120)
+    assert later.returncode == 0, err.decode()
+    assert count_rows(out.decode()).get("on_usr2", 0) >= 1, out.decode()
 
 
 def test_an_int3_of_a_rescue_merged_below_another_is_taken_back(build, popen):
@@ -122,23 +121,7 @@ def test_an_int3_of_a_rescue_merged_below_another_is_taken_back(build, popen):
     areas = [a for lo, hi in _anon_code(prog.pid) for a in rescue.find_areas(lo, hi, read)]
     assert len(areas) == 2, areas  # both dead rescues are found, wherever they lie
 
-    later = popen(
-        [KPROBES, "count", "-p", prog.pid, "on_usr2", "-d", "3"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    support.wait_until(
-        lambda: f"TracerPid:\t{later.pid}" in Path(f"/proc/{prog.pid}/status").read_text()
-        or later.poll() is not None,
-        60,
-        "the later tool's attach",
-    )
-    while later.poll() is None:
-        os.kill(prog.pid, signal.SIGUSR2)
-        time.sleep(0.05)
-    out, err = later.communicate(timeout=120)
-    assert later.returncode == 0, err.decode()
-    assert count_rows(out.decode()).get("on_usr2", 0) >= 1, out.decode()
+    _probed_by_a_later_tool(popen, prog.pid, [])  # optimized: its rescue is mapped first
     assert support.raw_read(prog.pid, cold, 1) == original
     code, stdout, stderr = support.stop_busy(prog)
     assert (code, stdout) == (0, support.busy_output(2, DEPTH)), stderr

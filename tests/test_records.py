@@ -119,22 +119,34 @@ def test_the_trap_tier_gives_the_same_hits(spawn, records, tmp_path):
     assert all(h.regs is not None for h in trap)
 
 
-def test_a_full_ring_counts_drops_and_never_tears(spawn, records, tmp_path):
+def run_on_a_small_ring(
+    spawn: Any, records: Path, tmp_path: Path, threads: int, n: int, *, block: bool = False
+) -> tuple[Any, kprobes.Kprobe, list[Any]]:
+    """``records THREADS N`` to its end, traced by a slow handler through a ring of 128
+    slots (a reader that cannot keep up), waiting for room with ``block``."""
     out = tmp_path / "out"
     with open(out, "wb") as f:
-        proc = spawn([records, 2, 20000], stdout=f.fileno())
-    proc.ring_size = 8192  # 128 slots: a slow reader cannot keep up
+        proc = spawn([records, threads, n], stdout=f.fileno())
+    proc.ring_size = 8192
+    proc.records.block_when_full = block
     hits: list[Any] = []
 
     def slow(p: Any, h: Any) -> None:
         hits.append(h)
-        time.sleep(0.0002)
+        time.sleep(0.0001 if block else 0.0002)
 
     kp = kprobes.Kprobe(symbol="note", optimize=True, async_handler=slow, args=ARGS)
     proc.register_kprobe(kp)
-    assert proc.run(timeout=120)
+    (entry,) = proc.list()
+    assert entry.is_optimized, entry
+    assert proc.run(timeout=300)
     assert proc.exit_code == 0
-    assert out.read_text() == support.reference_output([records, 2, 20000]).decode()
+    assert out.read_text() == support.reference_output([records, threads, n]).decode()
+    return proc, kp, hits
+
+
+def test_a_full_ring_counts_drops_and_never_tears(spawn, records, tmp_path):
+    proc, kp, hits = run_on_a_small_ring(spawn, records, tmp_path, 2, 20000)
     assert kp.nhit == 40000
     assert proc.dropped > 0 and len(hits) + proc.dropped == kp.nhit
     assert all(values(h) == expected(h.arg("t"), h.arg("i")) for h in hits)
@@ -216,7 +228,10 @@ def test_a_refused_site_says_it_uses_a_breakpoint(build):
     assert len([line for line in r.stdout.splitlines() if "p_work_0:" in line]) == 3
 
 
-def test_the_program_finishes_when_the_tool_is_killed_mid_trace(records, popen, tmp_path):
+@pytest.mark.parametrize("block", [False, True], ids=["drop", "block"])
+def test_the_program_finishes_when_the_tool_is_killed_mid_trace(records, popen, tmp_path, block):
+    """With ``--block`` (test_block.py) the threads that wait for room in the full ring go
+    on once the dead tool's lease runs out."""
     # One call in seven faults: a fixup each, by the tracer, then by the rescue. Enough calls
     # that a machine many times faster than a 2-vCPU guest is still at them when the tool dies.
     n = 1_000_000
@@ -226,7 +241,14 @@ def test_the_program_finishes_when_the_tool_is_killed_mid_trace(records, popen, 
         prog = popen([records, 2, n, "wait"], stdin=stdin_r, stdout=f.fileno())
     os.close(stdin_r)
     tool = popen(
-        [support.KPROBES, "trace", "-p", prog.pid, f"p note {ARGS}"],
+        [
+            support.KPROBES,
+            "trace",
+            *(["--block"] if block else []),
+            "-p",
+            prog.pid,
+            f"p note {ARGS}",
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )

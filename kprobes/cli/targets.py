@@ -135,6 +135,9 @@ def _say(message: str) -> None:
     print(f"kprobes: {message}", file=sys.stderr, flush=True)
 
 
+_PLACED_WHEN = "placed when its file is mapped (a library loaded, or a program run by exec)"
+
+
 def say_pending(probes: Iterable[object], names: Iterable[str], *, verbose: bool) -> None:
     """Probes still waiting for their library after placement: a line each, or one for many
     (``notes.summarise``)."""
@@ -142,12 +145,12 @@ def say_pending(probes: Iterable[object], names: Iterable[str], *, verbose: bool
     for probe, name in zip(probes, names, strict=True):
         entry = getattr(probe, "kp", probe)  # a Kretprobe's or Jprobe's entry probe
         if isinstance(entry, Kprobe) and entry.is_pending:
-            waiting.append((name, "it is placed when the program loads its library"))
+            waiting.append((name, f"it is {_PLACED_WHEN}"))
             libraries.append(f"in {name.partition(':')[0] or 'its library'}")
     for line in summarise(
         waiting,
         one="is pending",
-        many="are pending, each placed when the program loads its library",
+        many=f"are pending, each {_PLACED_WHEN}",
         verbose=verbose,
         kinds=libraries,
     ):
