@@ -184,3 +184,48 @@ def test_a_damaged_file_prints_every_event_before_the_damage(target: Path, tmp_p
     (tmp_path / "text.data").write_text("hello\n")
     code, out, err = failing("script", tmp_path / "text.data")
     assert code == 1 and "not a kprobes record file" in err
+
+
+def test_report_sums_up_what_script_prints(target: Path, tmp_path: Path) -> None:
+    data = tmp_path / "sums.data"
+    kprobes("record", "-o", data, "-c", f"{target} 5000", *SPECS[:3], "r work")
+    counts, _ = kprobes("report", data)
+    rows = dict(line.split() for line in counts.splitlines()[1:])
+    assert rows == {
+        "kprobes/p_work_0": "5000",
+        "kprobes/r_work_0": "5000",
+        "kprobes/p_show_0": "1",
+        "kprobes/p_compute_0": "1",
+    }
+    log2, _ = kprobes("report", "--hist", "b", "-H", data)  # b: i as u32
+    buckets = {
+        int(m.group(1)): int(m.group(2))
+        for m in re.finditer(r"^ *(\d+) -> \d+ *: (\d+)", log2, re.M)
+    }
+    assert buckets[0] == 2 and buckets[2] == 2 and buckets[4096] == 5000 - 4096
+    assert sum(buckets.values()) == 5000
+    table, _ = kprobes("report", "--hist", "s", data)
+    assert '"hello kprobes"' in table
+    latency, _ = kprobes("report", "--latency", "-u", data)
+    assert "count: 5000" in latency and "usecs" in latency
+    script, _ = kprobes("script", data)
+    assert script.count("r_work_0") == 5000
+
+
+def test_script_takes_trace_s_output_options(
+    target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = tmp_path / "opts.data"
+    perfetto = tmp_path / "trace.json"
+    out, _ = trace_and_record(
+        monkeypatch, data, "--perfetto", str(perfetto), "-c", f"{target} 300", *SPECS[:3]
+    )
+    again = tmp_path / "script.json"
+    script, _ = kprobes("script", "--perfetto", again, data)
+    assert script == out
+    assert again.read_text() == perfetto.read_text()
+    assert len(json.loads(again.read_text())["traceEvents"]) >= 302
+    recorded = tmp_path / "wall.data"
+    kprobes("record", "-o", recorded, "-c", f"{target} 30", "p work i=%di")
+    wall, _ = kprobes("script", "-T", recorded)
+    assert re.fullmatch(r"( *target-\d+ +\[\d+\] +\d\d:\d\d:\d\d\.\d{6}: p_work_0: .*\n){30}", wall)

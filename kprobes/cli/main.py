@@ -49,6 +49,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kprobes.cli.script_cmd",
         "print a record file's events as trace would have (perf script); counts, histograms",
     ),
+    "report": (
+        "kprobes.cli.report_cmd",
+        "sum a record file up: events per probe, a value's histogram, latencies (perf report)",
+    ),
     "count": ("kprobes.cli.count_cmd", "count hits per probe (funccount)"),
     "stackcount": (
         "kprobes.cli.stackcount_cmd",
