@@ -27,9 +27,11 @@ from support import run_main as kprobes
 
 from kprobes.cli import main as cli_main
 from kprobes.cli import trace_cmd
+from kprobes.cli.replay import Replay
 from kprobes.output.recfile import END, META, RecordWriter
 from kprobes.process.fast.reader import RingReader
-from kprobes.process.fast.tee import RecordTee
+from kprobes.process.fast.tee import ModuleInfo, RecordTee
+from kprobes.symbols.elf import ElfImage, build_id
 
 pytestmark = pytest.mark.ptrace
 
@@ -229,3 +231,27 @@ def test_script_takes_trace_s_output_options(
     kprobes("record", "-o", recorded, "-c", f"{target} 30", "p work i=%di")
     wall, _ = kprobes("script", "-T", recorded)
     assert re.fullmatch(r"( *target-\d+ +\[\d+\] +\d\d:\d\d:\d\d\.\d{6}: p_work_0: .*\n){30}", wall)
+
+
+def test_addresses_are_named_from_the_recorded_files_while_they_are_the_same(
+    target: Path, tmp_path: Path, build: Any
+) -> None:
+    """A replayed process names an address as the live ``Symbolizer`` does, from the file
+    mapped there (``MODS``) while its build-id is the recorded one; else in hex, and the
+    file is listed as changed."""
+    program = tmp_path / "prog"
+    program.write_bytes(target.read_bytes())
+    main = ElfImage.open(str(program)).lookup("main")
+    assert main is not None
+    bias = 0x5555_0000_0000
+    replay = Replay(lambda ev: None)
+    proc = replay._process(1)
+    proc.modules = [ModuleInfo(str(program), bias, bias + 0x10000, bias, build_id(str(program)))]
+    assert proc.symbolize(bias + main.value + 4) == f"main+0x4/{main.size:#x}"
+    assert proc.symbolize(bias + 0x20000) == f"{bias + 0x20000:#x}"  # in no file
+    program.write_bytes(build("jprobe").read_bytes())  # another file at the same path
+    again = Replay(lambda ev: None)
+    other = again._process(1)
+    other.modules = proc.modules
+    assert other.symbolize(bias + main.value + 4) == f"{bias + main.value + 4:#x}"
+    assert again.changed == [str(program)]

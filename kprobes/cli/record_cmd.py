@@ -123,7 +123,8 @@ class _Recorder:
         def tap(proc: Any) -> None:
             proc.ring_size = args.ring_size
             reader = proc.records.ring_reader()
-            reader.tee = RecordTee(reader, proc.pid, self.writer)
+            modules = lambda: proc.symbols().modules()  # noqa: E731
+            reader.tee = RecordTee(reader, proc.pid, self.writer, modules)
 
         for tracer in backend.attached:
             tap(tracer.proc)

@@ -12,8 +12,9 @@ same clock; ``EVNT`` chunks (the trap tier's events, the kernel's) go to ``sink`
 place in the file.
 
 What the file does not hold cannot be asked for: a symbol a fetch-arg needs that the
-recorder did not resolve (``@sym`` of a probe the recorder never prepared) is an error, an
-address a ``:symbol`` value holds is printed in hex unless it is a recorded site.
+recorder did not resolve is an error; an address a value holds (``:symbol``) is named from
+the file mapped there (``MODS``: path and build-id) while it is still that file, else
+printed in hex, and ``changed`` lists the files that are not.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import IO, Any
 from kprobes.arch.x86_64 import ring_block
 from kprobes.core.probes import Kprobe
 from kprobes.core.table import ProbeSite, ProbeTable
-from kprobes.errors import RecordFileError, SymbolNotFound, TargetError
+from kprobes.errors import ProbeError, RecordFileError, SymbolNotFound, TargetError
 from kprobes.linux.tsc import TscClock
 from kprobes.model import Event
 from kprobes.output.recfile import (
@@ -34,20 +35,23 @@ from kprobes.output.recfile import (
     END,
     EVNT,
     META,
+    MODS,
     RING,
     SITE,
     THRD,
     Chunk,
     event_of,
     iter_chunks,
+    modules_of,
     ring_blocks,
     site_of,
 )
 from kprobes.process.fast.batch import BatchOutput
 from kprobes.process.fast.reader import FastProbe, RecordSite, RingReader
-from kprobes.process.fast.tee import SiteInfo
+from kprobes.process.fast.tee import ModuleInfo, SiteInfo
 from kprobes.process.fetch.evaluate import ArgFetcher, Memory
 from kprobes.spec import ProbeSpec
+from kprobes.symbols.elf import ElfImage, build_id
 
 Sink = Callable[[Event], None]
 Batches = Callable[[ProbeSpec], BatchOutput | None]
@@ -86,11 +90,38 @@ class _Process:
         self.table = ProbeTable()
         self.fast: dict[int, FastProbe] = {}  # id(Kprobe) → its FastProbe
         self.comms: dict[int, str] = {}
-        self.locations: dict[int, str] = {}
+        self.locations: dict[int, str] = {}  # the sites' texts, as the recorder made them
+        self.modules: list[ModuleInfo] = []
+        self.images: dict[str, ElfImage | None] = {}  # None: gone or changed
+        self.changed: set[str] = set()  # files whose build-id is not the recording's
         self.reader = RingReader(self.table, list, self.symbolize, self.comm, self.fast_of)
 
     def symbolize(self, addr: int) -> str:
-        return self.locations.get(addr) or f"0x{addr:x}"
+        """``func+0xoff/0xsize`` as ``Symbolizer`` names it live: a site's text as
+        recorded, else from the mapped file if it is still the one recorded (its
+        build-id), else the hex address."""
+        text = self.locations.get(addr)
+        if text is not None:
+            return text
+        module = next((m for m in self.modules if m.start <= addr < m.end), None)
+        image = None if module is None else self._image(module)
+        found = None if image is None or module is None else image.function_at(addr - module.bias)
+        if found is None:
+            return f"0x{addr:x}"
+        symbol, offset = found
+        text = self.locations[addr] = f"{symbol.name}+{offset:#x}/{max(symbol.size, 1):#x}"
+        return text
+
+    def _image(self, module: ModuleInfo) -> ElfImage | None:
+        path = module.path
+        if path not in self.images:
+            self.images[path] = None
+            if build_id(path) != module.build_id:
+                self.changed.add(path)
+            else:
+                with contextlib.suppress(ProbeError):
+                    self.images[path] = ElfImage.open(path)
+        return self.images[path]
 
     def comm(self, tid: int) -> str:
         return self.comms.get(tid, "")
@@ -146,6 +177,11 @@ class Replay:
     end: dict[str, Any] | None = None  # the recording's END chunk, once read
     processes: dict[int, _Process] = field(default_factory=dict)
 
+    @property
+    def changed(self) -> list[str]:
+        """Files mapped in the recording that are gone or another now (build-id)."""
+        return sorted({path for proc in self.processes.values() for path in proc.changed})
+
     def _process(self, pid: int) -> _Process:
         proc = self.processes.get(pid)
         if proc is None:
@@ -160,7 +196,7 @@ class Replay:
                 pid, blocks = ring_blocks(chunk)
                 self._process(pid).ring(blocks, chunk.offset)
                 continue
-            if tag not in (SITE, THRD, CLCK, EVNT, END):
+            if tag not in (SITE, THRD, MODS, CLCK, EVNT, END):
                 continue  # a later version's addition
             try:
                 value = chunk.json()
@@ -170,6 +206,8 @@ class Replay:
                     self.end = value
                 elif tag == SITE:
                     self._process(value["pid"]).site(site_of(value))
+                elif tag == MODS:
+                    self._process(value["pid"]).modules = modules_of(value)
                 elif tag == THRD:
                     proc = self._process(value["pid"])
                     proc.reader.threads[value["thread"]] = value["tid"]

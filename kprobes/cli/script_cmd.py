@@ -81,6 +81,11 @@ def say_end(path: str, replay: Replay, counts: FilteredEvents, verb: str) -> Non
         if end.get("ended_by"):
             line += f" (ended by {end['ended_by']})"
     sys.stderr.write(line + "\n")
+    for changed in replay.changed:
+        sys.stderr.write(
+            f"kprobes: {changed} is not the file recorded (its build-id): the addresses "
+            "in it are printed in hex\n"
+        )
 
 
 def say_damage(path: str, exc: RecordFileError, counts: FilteredEvents, verb: str) -> int:

@@ -3,7 +3,8 @@
 A header, then chunks, each ``tag (4 ASCII bytes), crc32 of the payload (u32), payload
 length (u64)`` and the payload; little-endian throughout. The records of the rings go in as
 they lay there (``RING``, binary), everything else as one JSON object a chunk: the session
-(``META``), a record id's site (``SITE``), a thread (``THRD``), the clock's segments
+(``META``), a record id's site (``SITE``), a thread (``THRD``), the files mapped
+(``MODS``), the clock's segments
 (``CLCK``), an event the trap tier made (``EVNT``) and the session's end (``END ``).
 docs/record-format.md is the reference; ``VERSION`` changes with any change a reader of
 an older version would misread.
@@ -32,7 +33,7 @@ from kprobes.arch.x86_64 import ring_block
 from kprobes.arch.x86_64.capture import Bytes, Capture, CapturePlan, Const, Reg, String, Value, Word
 from kprobes.errors import ProbeError, RecordFileError
 from kprobes.model import ArgValue, Event, EventArg, StackFrame, UserStack
-from kprobes.process.fast.tee import ProbeInfo, SiteInfo
+from kprobes.process.fast.tee import ModuleInfo, ProbeInfo, SiteInfo
 from kprobes.spec import parse
 from kprobes.spec.render import render
 
@@ -43,7 +44,8 @@ _CHUNK: Final = struct.Struct("<4sIQ")  # tag, crc32 of the payload, its length
 _RING: Final = struct.Struct("<IHH")  # pid, blocks, 0
 _BLOCK: Final = struct.Struct("<QQQ")  # first ticket, drops since the last read, bytes
 
-META, SITE, THRD, CLCK, RING, EVNT, END = "META", "SITE", "THRD", "CLCK", "RING", "EVNT", "END "
+META, SITE, THRD, MODS, CLCK, RING = "META", "SITE", "THRD", "MODS", "CLCK", "RING"
+EVNT, END = "EVNT", "END "
 
 
 class RecordWriter:
@@ -71,6 +73,10 @@ class RecordWriter:
 
     def thread(self, pid: int, thread: int, tid: int, comm: str) -> None:
         self.json(THRD, {"pid": pid, "thread": thread, "tid": tid, "comm": comm})
+
+    def modules(self, pid: int, modules: Sequence[ModuleInfo]) -> None:
+        rows = [[m.path, m.start, m.end, m.bias, m.build_id] for m in modules]
+        self.json(MODS, {"pid": pid, "modules": rows})
 
     def clock(self, pid: int, segments: Sequence[tuple[int, float, float]]) -> None:
         self.json(CLCK, {"pid": pid, "segments": [list(s) for s in segments]})
@@ -269,3 +275,7 @@ def event_of(value: dict[str, Any]) -> Event:
         frames = tuple(StackFrame(*f) for f in stack["frames"])
         stack = UserStack(frames, stack["stop"])
     return Event(**value, args=args, stack=stack)
+
+
+def modules_of(value: dict[str, Any]) -> list[ModuleInfo]:
+    return [ModuleInfo(str(p), int(s), int(e), int(b), i) for p, s, e, b, i in value["modules"]]

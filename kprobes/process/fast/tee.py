@@ -11,7 +11,9 @@ each the first time a block needs it:
   very decoders ``trace`` uses can be made again from the file without the program;
 - the threads the records name (thread pointer → tid, and the thread's name, read now:
   it may be gone when the file is read), looked up as the reader would (``tid_of``);
-- the clock's segments (ticks → seconds), as the reader has them.
+- the clock's segments (ticks → seconds), as the reader has them;
+- the files mapped (path, place, build-id), with each new site, for the addresses a
+  record holds (``:symbol``) that the file's reader must name.
 
 Rejected: decoding the records into a compact form while recording (the per-record Python
 this avoids), and copying the ring's bytes without the commit check (a record still being
@@ -32,6 +34,8 @@ from kprobes.process.fast.batch import plan_decoder
 from kprobes.process.fast.reader import RecordSite, RingReader
 from kprobes.process.fetch.evaluate import ArgFetcher
 from kprobes.spec import ProbeSpec
+from kprobes.symbols.elf import build_id
+from kprobes.symbols.maps import Module
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,12 +65,27 @@ class SiteInfo:
     probes: tuple[ProbeInfo, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class ModuleInfo:
+    """A file mapped in the process: its path, where (``bias``: runtime address less the
+    file's), and its build-id (None if it has none), which tells a reader of the record
+    whether the file at ``path`` is still the one that was mapped."""
+
+    path: str
+    start: int
+    end: int
+    bias: int
+    build_id: str | None
+
+
 class RecordSink(Protocol):
     """Where a process's records and what formats them go (the record file)."""
 
     def site(self, pid: int, info: SiteInfo) -> None: ...
 
     def thread(self, pid: int, thread: int, tid: int, comm: str) -> None: ...
+
+    def modules(self, pid: int, modules: Sequence[ModuleInfo]) -> None: ...
 
     def clock(self, pid: int, segments: Sequence[tuple[int, float, float]]) -> None: ...
 
@@ -89,10 +108,19 @@ class RecordTee:
     """A ``RingTee`` for one process's reader: each read's blocks to ``sink``, after what
     they need that the sink was not given yet."""
 
-    def __init__(self, reader: RingReader, pid: int, sink: RecordSink) -> None:
+    def __init__(
+        self,
+        reader: RingReader,
+        pid: int,
+        sink: RecordSink,
+        modules: Callable[[], Sequence[Module]] | None = None,
+    ) -> None:
         self.reader = reader
         self.pid = pid
         self.sink = sink
+        self._modules = modules  # the files mapped now: given with each new site
+        self._written_modules: tuple[ModuleInfo, ...] = ()
+        self._build_ids: dict[str, str | None] = {}
         self._sites: dict[int, tuple[RecordSite, tuple[int, ...]]] = {}  # rid → as written
         self._threads: dict[int, int] = {}  # thread pointer → tid, as written
         self._segments = 0  # clock segments written
@@ -143,10 +171,26 @@ class RecordTee:
                     tuple((int(k), v) for k, v in files.answers.items()),
                 )
             )
+        self._note_modules()
         addr = rs.site.addr
         location = self.reader.symbolize(addr)
         info = SiteInfo(rid, addr, location, rs.plan, rs.with_regs, tuple(probes))
         self.sink.site(self.pid, info)
+
+    def _note_modules(self) -> None:
+        """The files mapped now, if they changed: what names the addresses the records hold
+        (a ``:symbol`` value) when the file is read."""
+        if self._modules is None:
+            return
+        ids = self._build_ids
+        infos = []
+        for m in self._modules():
+            if m.path not in ids:
+                ids[m.path] = build_id(m.path)
+            infos.append(ModuleInfo(m.path, m.start, m.end, m.bias, ids[m.path]))
+        if tuple(infos) != self._written_modules:
+            self._written_modules = tuple(infos)
+            self.sink.modules(self.pid, infos)
 
     def _note_threads(self, block: ring_block.Block) -> None:
         """Every thread pointer of ``block`` named (a hot loop's block has one: its words
