@@ -18,11 +18,15 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import support
 from support import run_main as kprobes
 
 from kprobes.cli import main as cli_main
@@ -255,3 +259,52 @@ def test_addresses_are_named_from_the_recorded_files_while_they_are_the_same(
     other.modules = proc.modules
     assert other.symbolize(bias + main.value + 4) == f"{bias + main.value + 4:#x}"
     assert again.changed == [str(program)]
+
+
+@pytest.fixture
+def busy(build: Any) -> Path:
+    return build("busy")
+
+
+def _record_busy(popen: Any, busy: Path, tmp_path: Path) -> tuple[Any, Any, Path, Path]:
+    """``kprobes record -p`` of a running ``busy`` (2 threads), once its probe is placed:
+    (the program, the tool, the file, the tool's stderr)."""
+    from test_cli_ending import start, wait_placed
+
+    prog = support.start_busy(popen, busy, 2, 20)
+    data = tmp_path / "busy.data"
+    tool, err = start(popen, ["record", "-o", data, "-p", prog.pid, "hot i=%di:s64"], tmp_path)
+    wait_placed(tool, err, prog.pid, busy)
+    time.sleep(1)
+    return prog, tool, data, err
+
+
+def test_a_signal_ends_a_recording_whole(busy: Path, popen: Any, tmp_path: Path) -> None:
+    prog, tool, data, err = _record_busy(popen, busy, tmp_path)
+    tool.send_signal(signal.SIGINT)
+    assert tool.wait(timeout=30) == 0, err.read_text()
+    m = SUMMARY.search(err.read_text())
+    assert m is not None
+    events = int(m.group(1))
+    assert events > 0
+    code, out, script_err = failing("script", data)
+    assert code == 0, script_err
+    assert out.count(" p_hot_0: ") == events  # what the summary said it recorded
+    assert "ended by SIGINT" in script_err
+    code, stdout, _ = support.stop_busy(prog)
+    assert (code, stdout) == (0, support.busy_output(2, 20))
+
+
+def test_a_recorder_killed_leaves_a_file_script_reads_to_the_cut(
+    busy: Path, popen: Any, tmp_path: Path
+) -> None:
+    prog, tool, data, _ = _record_busy(popen, busy, tmp_path)
+    os.kill(tool.pid, signal.SIGKILL)
+    tool.wait(timeout=30)
+    code, out, err = failing("script", data)
+    assert code == 1
+    assert out.count(" p_hot_0: ") > 0
+    (line,) = err.splitlines()
+    assert "cut short" in line and "were printed" in line
+    code, stdout, _ = support.stop_busy(prog)  # the program carries on without the tool
+    assert (code, stdout) == (0, support.busy_output(2, 20))
