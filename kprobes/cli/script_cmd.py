@@ -14,6 +14,7 @@ it is (exit status 1).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -111,9 +112,12 @@ def run(args: argparse.Namespace) -> int:
         replay = Replay(counts.sink, output.batch if output.rows is not None else None, meta)
         try:
             replay.read(chunks)
+            output.close()
         except RecordFileError as exc:
             output.close()
             return say_damage(args.file, exc, counts, "printed")
-        output.close()
+        except BrokenPipeError:  # | head: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
     say_end(args.file, replay, counts, "printed")
     return 0
