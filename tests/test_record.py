@@ -76,6 +76,7 @@ SPECS = (
     "p compute x=%di:s32",  # keeps its breakpoint (a ret in its first 5 bytes): a trap event
     "p kpt_asm x=%di y=%si",  # two probes at one site: the per-event path
     "p kpt_asm z=%si",
+    "p libc:printf f=%di",  # a second ring (libc is out of reach of the first): merged by time
 )
 
 
@@ -132,6 +133,7 @@ def test_script_prints_the_bytes_trace_printed(
     assert out.count("p_work_0") == (110 if filtered else 3000)
     assert "p_compute_0" in out and "p_kpt_asm_0" in out
     assert filtered or out.count("p_kpt_asm_0") == 4  # 2 calls, 2 probes
+    assert filtered or out.count("p_libc_printf_0") == 4
     assert "(fault)" in out or "null" in out
     script, err = kprobes("script", *(["--json"] if as_json else []), data)
     assert script == out
