@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import IO, Any
 
 from kprobes.arch.x86_64 import ring_block
@@ -166,16 +166,15 @@ class _Process:
             raise exc
 
 
-@dataclass
 class Replay:
     """A record file's events, in the order ``trace`` would have printed them: ``sink``
     takes each event, ``batches`` (if given) the output of a spec's records as rows."""
 
-    sink: Sink
-    batches: Batches | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
-    end: dict[str, Any] | None = None  # the recording's END chunk, once read
-    processes: dict[int, _Process] = field(default_factory=dict)
+    def __init__(self, sink: Sink, batches: Batches | None = None) -> None:
+        self.sink = sink
+        self.batches = batches
+        self.end: dict[str, Any] | None = None  # the recording's END chunk, once read
+        self.processes: dict[int, _Process] = {}
 
     @property
     def changed(self) -> list[str]:

@@ -134,15 +134,10 @@ class _Summary:
 def run(args: argparse.Namespace) -> int:
     with reading(args.file) as f:
         meta, chunks = open_file(f)
-        summary: _Summary | None = None
-
-        def handle(ev: Event) -> None:
-            if summary is not None:
-                summary.handle(ev)
-
-        counts = FilteredEvents(meta, handle)
+        counts = FilteredEvents(meta)
         summary = _Summary(args, counts)
-        replay = Replay(counts.sink, summary.batch, meta)
+        counts.handle = summary.handle
+        replay = Replay(counts.sink, summary.batch)
         try:
             replay.read(chunks)
         except RecordFileError as exc:

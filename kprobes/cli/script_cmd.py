@@ -21,7 +21,7 @@ from typing import Any
 
 from kprobes.cli.record_cmd import DEFAULT_FILE
 from kprobes.cli.replay import Replay, open_file, reading
-from kprobes.cli.session import Session, event_fields
+from kprobes.cli.session import compile_event_filter, event_fields
 from kprobes.cli.trace_cmd import TraceOutput, add_output_arguments, parse_specs
 from kprobes.errors import RecordFileError
 from kprobes.model import Event
@@ -49,10 +49,10 @@ class FilteredEvents:
     """The recording's ``--filter`` over the file's events, and their counts (what
     ``Session.sink`` does live; ``TraceRows`` counts the rows here too)."""
 
-    def __init__(self, meta: dict[str, Any], handle: Callable[[Event], None]) -> None:
+    def __init__(self, meta: dict[str, Any]) -> None:
         specs, _ = parse_specs(meta["specs"], as_json=False)
-        self._filter = Session._compile_filter(meta.get("filter"), specs)
-        self.handle = handle
+        self._filter = compile_event_filter(meta.get("filter"), specs)
+        self.handle: Callable[[Event], None] = lambda ev: None  # what takes the events kept
         self.events = 0
         self.filtered = 0
 
@@ -106,10 +106,10 @@ def run(args: argparse.Namespace) -> int:
         if meta.get("header") and not args.json:
             out.write(meta["header"])
         wall = meta.get("wall_offset_ns") if args.timestamp else None
-        output: TraceOutput | None = None
-        counts = FilteredEvents(meta, lambda ev: output.handle(ev) if output else None)
+        counts = FilteredEvents(meta)
         output = TraceOutput(args, traced, counts, lambda: wall, out)
-        replay = Replay(counts.sink, output.batch if output.rows is not None else None, meta)
+        counts.handle = output.handle
+        replay = Replay(counts.sink, output.batch if output.rows is not None else None)
         try:
             replay.read(chunks)
             output.close()
