@@ -310,3 +310,43 @@ def test_a_recorder_killed_leaves_a_file_script_reads_to_the_cut(
     assert "cut short" in line and "were printed" in line
     code, stdout, _ = support.stop_busy(prog)  # the program carries on without the tool
     assert (code, stdout) == (0, support.busy_output(2, 20))
+
+
+# -- record --block (issue 21, item 3: trace's --block, process/fast/lease.py) ----------
+
+
+def test_block_loses_nothing_of_a_loop_much_longer_than_the_ring(
+    target: Path, tmp_path: Path
+) -> None:
+    calls = 1_000_000  # 15 times what a 1 MiB ring holds
+    data = tmp_path / "block.data"
+    argv = ["record", "--block", "--ring-size", "1M", "-o", data, "-c", f"{target} {calls}"]
+    _, err = kprobes(*argv, "p work i=%di:u64")
+    m = SUMMARY.search(err)
+    assert m is not None, err
+    assert tuple(map(int, m.groups())) == (calls, calls, 0, 0)
+    out, _ = kprobes("script", data)
+    assert [int(line.rpartition(" i=")[2]) for line in out.splitlines()] == list(range(calls))
+    code, _, err = failing("record", "--block", "--backend", "uprobes", "-c", target, "p work")
+    assert code == 1 and "--block makes our own optimized probes wait" in err
+
+
+def test_a_blocking_recorder_killed_releases_the_program(
+    busy: Path, popen: Any, tmp_path: Path
+) -> None:
+    """The tool stopped, then SIGKILLed, while the program's threads wait for room in a
+    full ring: they wait no longer than the lease, and the program ends unharmed."""
+    from test_cli_ending import start, wait_placed
+
+    prog = support.start_busy(popen, busy, 2, 20)
+    data = tmp_path / "held.data"
+    argv = ["record", "--block", "--ring-size", "64K", "-o", data, "-p", prog.pid]
+    tool, err = start(popen, [*argv, "hot i=%di:s64"], tmp_path)
+    wait_placed(tool, err, prog.pid, busy)
+    time.sleep(0.5)
+    os.kill(tool.pid, signal.SIGSTOP)  # nobody reads: the ring fills, the threads wait
+    time.sleep(0.5)
+    os.kill(tool.pid, signal.SIGKILL)
+    tool.wait(timeout=30)
+    code, stdout, _ = support.stop_busy(prog, timeout=20)
+    assert (code, stdout) == (0, support.busy_output(2, 20))

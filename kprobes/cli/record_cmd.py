@@ -9,7 +9,9 @@ go to the file as they lay in the ring, a read at a time, with what formats them
 (process/fast/tee.py; the file: output/recfile.py, docs/record-format.md), and ``script``
 prints what ``trace`` would have printed. The ring is larger than ``trace``'s (``--ring-size``,
 128 MiB by default: a 2,000,000-call loop's records fit in it however the reader is
-scheduled), since the reader here only copies.
+scheduled), since the reader here only copies. With ``--block`` (``trace``'s) a full ring
+makes the program wait for the reader instead of dropping: a loop of any length then comes
+whole, at the pace of the file's writes.
 
 Every other event (a probe that keeps its breakpoint, a return probe, the kernel's
 backends, ``-U``, ``-n``) is written as the event ``trace`` would have printed, in the
@@ -29,7 +31,7 @@ from kprobes import __version__
 from kprobes.cli.backends import Backend
 from kprobes.cli.session import Session
 from kprobes.cli.stack_options import prepare_stacks
-from kprobes.cli.trace_cmd import add_trace_arguments, parse_specs
+from kprobes.cli.trace_cmd import add_trace_arguments, check_block, parse_specs
 from kprobes.errors import TargetError
 from kprobes.model import Event
 from kprobes.output.recfile import END, META, RecordWriter
@@ -158,6 +160,7 @@ class _Recorder:
 
 def run(args: argparse.Namespace) -> int:
     specs, _ = parse_specs(args.specs, as_json=False)  # a probe's own line is script's
+    check_block(args)
     header = prepare_stacks(args) if args.stack else ""
     session = Session(args, specs)
     session.wall_clock = True  # kept for script -T
