@@ -56,6 +56,7 @@ stress: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench
 	$(BIN)/python -m bench.registration
+	$(BIN)/python -m bench.record_rate
 	$(BIN)/python -m bench.decode
 	$(BIN)/python -m bench.decode --vm
 

@@ -12,6 +12,7 @@
     │   └── UnsupportedOption       EINVAL: this target cannot honour an option the probe asks for
     ├── TargetError                 the process is gone, not traceable, not ELF, ...
     ├── TraceFsError                the kernel refused a tracefs write (with its error_log line)
+    ├── RecordFileError             a record file is not one, or is damaged from ``.offset`` on
     └── InternalError               a bug in kprobes: an impossible state was reached
 
 Library code raises these and never prints; the CLI catches ``ProbeError`` in one place.
@@ -109,6 +110,16 @@ class TraceFsError(ProbeError):
     def __init__(self, message: str, *, errno: int | None = None, log_line: str = "") -> None:
         super().__init__(message, errno=errno)
         self.log_line = log_line
+
+
+class RecordFileError(ProbeError):
+    """A record file (``kprobes record``) is not one, or is damaged from ``offset`` on."""
+
+    default_errno = _errno.EBADMSG
+
+    def __init__(self, message: str, offset: int) -> None:
+        super().__init__(message)
+        self.offset = offset
 
 
 class InternalError(ProbeError):

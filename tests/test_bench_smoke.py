@@ -256,3 +256,32 @@ def test_optimized_goals_compare_like_with_like() -> None:
     assert "20x / 20x" in lines["optimized-record-4t"]
     assert "**missed** / **missed**" in lines["optimized-record-4t"]
     assert optimized_table([fake_row("uprobes-push", 1_000, ours=False)]) is None
+
+
+def record_rate(*flags: str) -> str:
+    """``python -m bench.record_rate`` on a small N: each row checks its own events (every
+    hit delivered or counted lost), or the run fails."""
+    argv = [sys.executable, "-m", "bench.record_rate", "--runs", "1", "--calls", "3000"]
+    result = subprocess.run(
+        [*argv, *flags], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_record_rate_rows_deliver_every_event() -> None:
+    out = record_rate("--no-perf")
+    rows = [line.split("|") for line in out.splitlines()[3:]]
+    assert len(rows) == 6, out
+    assert all(row[5].strip() == "3,000" and row[6].strip() == "0" for row in rows), out
+
+
+@pytest.mark.tracefs
+def test_record_rate_perf_rows_clean_up() -> None:
+    """The perf rows, where perf is installed: perf's uprobe is gone afterwards."""
+    if subprocess.run(["sh", "-c", "command -v perf"], capture_output=True).returncode:
+        pytest.skip("no perf: scripts/ensure-system-deps installs linux-perf")
+    out = record_rate("--only", "perf-record,perf-script")
+    assert "perf record (kernel uprobe)" in out and "perf script" in out
+    assert "kpbench" not in (TRACEFS / "uprobe_events").read_text()
+    assert_no_uprobes_left()

@@ -41,6 +41,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "run an instrumentation module: a Python file with init(target) and exit(target)",
     ),
     "trace": ("kprobes.cli.trace_cmd", "print each probe hit (ftrace format or --json)"),
+    "record": (
+        "kprobes.cli.record_cmd",
+        "write every probe hit to a file, as fast as the program makes them (perf record)",
+    ),
+    "script": (
+        "kprobes.cli.script_cmd",
+        "print a record file's events as trace would have (perf script); counts, histograms",
+    ),
+    "report": (
+        "kprobes.cli.report_cmd",
+        "sum a record file up: events per probe, a value's histogram, latencies (perf report)",
+    ),
     "count": ("kprobes.cli.count_cmd", "count hits per probe (funccount)"),
     "stackcount": (
         "kprobes.cli.stackcount_cmd",

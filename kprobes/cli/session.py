@@ -178,6 +178,19 @@ def event_fields_source(pid: int, names: Sequence[str]) -> str:
     return "{" + ", ".join(parts) + "}"
 
 
+def compile_event_filter(
+    text: str | None, specs: Sequence[ProbeSpec]
+) -> Callable[[dict[str, object]], bool] | None:
+    """``--filter TEXT`` over the events of ``specs`` (``event_fields``), compiled; None
+    without a filter."""
+    if not text:
+        return None
+    fields = dict(CLI_FIELDS)
+    for spec in specs:
+        fields.update(spec.filter_fields)
+    return compile_filter(parse_filter(text, fields))
+
+
 class Session:
     """One run of a tracing command against its processes (or the kernel)."""
 
@@ -226,12 +239,7 @@ class Session:
     def _compile_filter(
         text: str | None, specs: Sequence[ProbeSpec]
     ) -> Callable[[dict[str, object]], bool] | None:
-        if not text:
-            return None
-        fields = dict(CLI_FIELDS)
-        for spec in specs:
-            fields.update(spec.filter_fields)
-        return compile_filter(parse_filter(text, fields))
+        return compile_event_filter(text, specs)
 
     @property
     def event_filter(self) -> Callable[[dict[str, object]], bool] | None:

@@ -28,9 +28,10 @@ from __future__ import annotations
 import argparse
 import errno
 import sys
-from typing import IO, TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
-from kprobes.cli.formats import parse_traced
+from kprobes.cli.formats import Printer, parse_traced
 from kprobes.cli.session import Session, add_common_arguments, event_fields_source
 from kprobes.cli.stack_options import add_stack_arguments, prepare_stacks
 from kprobes.errors import SpecError, TargetError
@@ -48,6 +49,15 @@ if TYPE_CHECKING:
 
 def add_parser(sub: Any, help: str) -> None:
     p = sub.add_parser("trace", help=help)
+    add_trace_arguments(p)
+    p.add_argument("--json", action="store_true", help="one JSON object per event")
+    add_output_arguments(p)
+    p.set_defaults(func=run)
+
+
+def add_trace_arguments(p: argparse.ArgumentParser) -> None:
+    """The probe lines and the options that choose the events (``trace``'s and
+    ``record``'s)."""
     p.add_argument(
         "specs",
         nargs="+",
@@ -58,15 +68,7 @@ def add_parser(sub: Any, help: str) -> None:
         "(bcc's), $retval",
     )
     add_common_arguments(p)
-    p.add_argument("--json", action="store_true", help="one JSON object per event")
-    p.add_argument(
-        "-T",
-        "--timestamp",
-        action="store_true",
-        help="the time of each hit on the wall clock, HH:MM:SS.ffffff local time, in place "
-        'of the seconds of the event clock (with --json, "time" in ISO 8601 is added)',
-    )
-    p.add_argument("--perfetto", metavar="FILE", help="also write a Perfetto (JSON) trace")
+    add_stack_arguments(p, optional=True)
     p.add_argument(
         "--block",
         action="store_true",
@@ -75,8 +77,39 @@ def add_parser(sub: Any, help: str) -> None:
         "runs at the tool's pace; if the tool dies or is stopped, the program goes on (and "
         "drops) within half a second. ptrace backend only",
     )
-    add_stack_arguments(p, optional=True)
-    p.set_defaults(func=run)
+
+
+def check_block(args: argparse.Namespace) -> None:
+    """``--block`` is our own backend's (``trace``'s and ``record``'s)."""
+    if args.block and args.backend != "ptrace":
+        raise TargetError(
+            "--block makes our own optimized probes wait for room in their ring: the kernel's "
+            "ring buffer drops (or overwrites) when full, and cannot make the program wait "
+            "(give the ptrace backend)",
+            errno=errno.EINVAL,
+        )
+
+
+def add_output_arguments(p: argparse.ArgumentParser) -> None:
+    """How the events are printed besides ``--json`` (``trace``'s and ``script``'s)."""
+    p.add_argument(
+        "-T",
+        "--timestamp",
+        action="store_true",
+        help="the time of each hit on the wall clock, HH:MM:SS.ffffff local time, in place "
+        'of the seconds of the event clock (with --json, "time" in ISO 8601 is added)',
+    )
+    p.add_argument("--perfetto", metavar="FILE", help="also write a Perfetto (JSON) trace")
+
+
+class EventCounts(Protocol):
+    """What ``TraceRows`` counts its events in, and the filter it applies (a ``Session``)."""
+
+    events: int
+    filtered: int
+
+    @property
+    def event_filter(self) -> Callable[[dict[str, object]], bool] | None: ...
 
 
 class TraceRows:
@@ -84,7 +117,7 @@ class TraceRows:
     (process/fast/batch.py, output/rows.py): the bytes ``handle`` writes for them, written a
     batch at a time, and counted as the session's events."""
 
-    def __init__(self, session: Session, out: IO[str], *, json: bool) -> None:
+    def __init__(self, session: EventCounts, out: IO[str], *, json: bool) -> None:
         self.session = session
         self.out = out
         self.json = json
@@ -113,72 +146,98 @@ class TraceRows:
         return LineFormat(line.expr, line.setup, line.context, names, write_lines, keep)
 
 
-def run(args: argparse.Namespace) -> int:
-    parsed = [parse_traced(text) for text in args.specs]
-    specs = [spec for spec, _ in parsed]
+def parse_specs(texts: Sequence[str], *, as_json: bool) -> TracedSpecs:
+    """The probe lines, and each probe's own line by its event's name (refused with
+    ``--json``: two outputs)."""
+    parsed = [parse_traced(text) for text in texts]
     own = {spec.effective_event: printer for spec, printer in parsed if printer is not None}
-    if own and args.json:
-        text = next(t for t, (_, printer) in zip(args.specs, parsed, strict=True) if printer)
+    if own and as_json:
+        text = next(t for t, (_, printer) in zip(texts, parsed, strict=True) if printer)
         raise SpecError(
             "a probe's own line and --json are two outputs: give one",
             column=text.index('"'),
             text=text,
         )
-    if args.block and args.backend != "ptrace":
-        raise TargetError(
-            "--block makes our own optimized probes wait for room in their ring: the kernel's "
-            "ring buffer drops (or overwrites) when full, and cannot make the program wait "
-            "(give the ptrace backend)",
-            errno=errno.EINVAL,
-        )
-    header = prepare_stacks(args) if args.stack else ""
-    session = Session(args, specs)
-    session.wall_clock = args.timestamp
-    out = sys.stdout
-    if header and not args.json:
-        out.write(header)
-    fmt = format_json if args.json else format_event
-    perfetto_file: IO[str] | None = None
-    perfetto: PerfettoWriter | None = None
-    if args.perfetto:
-        perfetto_file = open(args.perfetto, "w")  # noqa: SIM115 - closed below
-        returns = {
-            s.location.symbol
-            for s in specs
-            if s.is_return and isinstance(s.location, SymbolLocation)
-        }
-        perfetto = PerfettoWriter(perfetto_file, return_funcs=returns)
+    return [spec for spec, _ in parsed], own
 
-    def handle(ev: Event) -> None:
-        wall = session.wall_offset_ns
-        printer = own.get(ev.event)
+
+TracedSpecs = tuple[list[ProbeSpec], dict[str, Printer]]
+
+
+class TraceOutput:
+    """What ``trace`` prints of its events (``handle``, and rows through ``batch``), for
+    a session or for a record file (``script``); ``wall`` gives the wall clock's offset
+    (``-T``) once it is known."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        traced: TracedSpecs,
+        counts: EventCounts,
+        wall: Callable[[], int | None],
+        out: IO[str],
+    ) -> None:
+        specs, self.own = traced
+        self.out = out
+        self.json = bool(args.json)
+        self.wall = wall
+        self.perfetto_file: IO[str] | None = None
+        self.perfetto: PerfettoWriter | None = None
+        if args.perfetto:
+            self.perfetto_file = open(args.perfetto, "w")  # noqa: SIM115 - closed in close()
+            returns = {
+                s.location.symbol
+                for s in specs
+                if s.is_return and isinstance(s.location, SymbolLocation)
+            }
+            self.perfetto = PerfettoWriter(self.perfetto_file, return_funcs=returns)
+        self.fmt = format_json if args.json else format_event
+        # Events that need nothing but their line: our own backend's records, as rows.
+        plain = not (args.timestamp or args.stack or self.perfetto is not None)
+        self.rows = TraceRows(counts, out, json=args.json) if plain else None
+
+    def handle(self, ev: Event) -> None:
+        out, wall = self.out, self.wall()
+        printer = self.own.get(ev.event)
         if printer is None:
-            out.write(fmt(ev, wall_offset_ns=wall) + "\n")
+            out.write(self.fmt(ev, wall_offset_ns=wall) + "\n")
         elif wall is None:
             out.write(printer(ev) + "\n")
         else:  # bcc's -T: the time before the line
             out.write(f"{format_wallclock(ev.timestamp, wall)} {printer(ev)}\n")
-        if ev.stack is not None and not args.json:
+        if ev.stack is not None and not self.json:
             lines = [format_context(ev, wall_offset_ns=wall) + USER_STACK]
             out.write("\n".join([*lines, *format_stack_lines(ev.stack)]) + "\n")
-        if perfetto is not None:
-            perfetto.write(ev)
+        if self.perfetto is not None:
+            self.perfetto.write(ev)
 
-    session.handle = handle
-    if not (args.timestamp or args.stack or perfetto is not None):
-        # Events that need nothing but their line: our own backend's records, as rows.
-        rows = TraceRows(session, out, json=args.json)
+    def batch(self, spec: ProbeSpec) -> TraceRows | None:
+        """The rows output of ``spec``'s events, where they need nothing but their line."""
+        return None if spec.effective_event in self.own else self.rows
 
-        def batch(spec: ProbeSpec) -> TraceRows | None:
-            return None if spec.effective_event in own else rows
+    def close(self) -> None:
+        self.out.flush()
+        if self.perfetto is not None and self.perfetto_file is not None:
+            self.perfetto.close()
+            self.perfetto_file.close()
 
-        session.batch = batch
+
+def run(args: argparse.Namespace) -> int:
+    traced = parse_specs(args.specs, as_json=args.json)
+    check_block(args)
+    header = prepare_stacks(args) if args.stack else ""
+    session = Session(args, traced[0])
+    session.wall_clock = args.timestamp
+    out = sys.stdout
+    if header and not args.json:
+        out.write(header)
+    output = TraceOutput(args, traced, session, lambda: session.wall_offset_ns, out)
+    session.handle = output.handle
+    if output.rows is not None:
+        session.batch = output.batch
     try:
         session.run()
     finally:
-        out.flush()
-        if perfetto is not None and perfetto_file is not None:
-            perfetto.close()
-            perfetto_file.close()
+        output.close()
     sys.stderr.write(session.summary())
     return session.exit_status()

@@ -77,6 +77,32 @@ class TscClock:
         self._segments: list[tuple[int, float, float]] = [(tsc, ns, _nominal_hz() / 1e9)]
         self._last_pair = (ns, tsc)
 
+    @classmethod
+    def from_segments(cls, segments: list[tuple[int, float, float]]) -> TscClock:
+        """The clock another ``TscClock`` had, from its ``segments`` (a record file's: the
+        mapping of its ticks is then the recording's, to the last bit); never sampled."""
+        if not segments:
+            raise ValueError("a clock needs at least one segment")
+        clock = cls.__new__(cls)
+        clock._starts, clock._segments = [], []
+        clock.extend(segments)
+        return clock
+
+    def extend(self, segments: list[tuple[int, float, float]]) -> None:
+        """More of another clock's segments, after those it has (``from_segments``)."""
+        for start, ns, per_ns in segments:
+            if self._starts and start <= self._starts[-1]:
+                raise ValueError(f"a segment at tick {start} is not after the last")
+            self._starts.append(start)
+            self._segments.append((start, ns, per_ns))
+        self._last_pair = (int(self._segments[-1][1]), self._segments[-1][0])
+
+    @property
+    def segments(self) -> list[tuple[int, float, float]]:
+        """The mapping so far: (start tick, its ns, ticks per ns) a segment, in order (a
+        copy; segments are only ever added at its end)."""
+        return list(self._segments)
+
     @staticmethod
     def _pair() -> tuple[int, int]:
         a = time.monotonic_ns()

@@ -287,6 +287,23 @@ def read_sections(path: str, names: tuple[str, ...]) -> dict[str, tuple[int, byt
         }
 
 
+def build_id(path: str) -> str | None:
+    """The GNU build-id of the file at ``path`` in hex (its ``.note.gnu.build-id``), None
+    if it has none or cannot be read: what tells a file from another of the same path."""
+    try:
+        note = read_sections(path, (".note.gnu.build-id",)).get(".note.gnu.build-id")
+    except (OSError, ValueError):
+        return None
+    if note is None or len(note[1]) < 16:
+        return None
+    data = note[1]
+    namesz, descsz, kind = struct.unpack_from("<III", data, 0)
+    start = 12 + (namesz + 3) // 4 * 4
+    if kind != 3 or start + descsz > len(data):  # NT_GNU_BUILD_ID
+        return None
+    return data[start : start + descsz].hex()
+
+
 # How many earlier functions function_at() examines when the nearest one ends before the
 # address: enough to step over zero-sized labels placed inside a function.
 _LOOKBEHIND: Final = 8

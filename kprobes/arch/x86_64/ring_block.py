@@ -126,6 +126,35 @@ def read_block(buffer: memoryview | bytearray, *, limit: int | None = None) -> B
     return Block(data, tail, _runs(data, sizes), dropped, pending)
 
 
+def runs_of(data: bytes, *, cut: bool = False) -> tuple[Run, ...]:
+    """The runs of a block's bytes read back (a record file's): each record's size from its
+    meta word, all at once where every record is one slot. InternalError if they do not
+    tile the bytes; with ``cut`` (the bytes end in the middle of a record), the runs of the
+    whole records before it."""
+    n = len(data) // sa.SLOT
+    if len(data) % sa.SLOT and not cut:
+        raise InternalError(f"{len(data)} bytes are not a whole number of slots")
+    words = memoryview(data)[: n * sa.SLOT].cast("Q")
+    metas = words[1 :: sa.SLOT // 8].tobytes()
+    words.release()
+    lanes = metas[4::8] + metas[5::8]  # the slots field's two bytes of every meta word
+    if lanes == b"\x01" * n + b"\x00" * n:
+        return _runs(data[: n * sa.SLOT], [1] * n)
+    sizes = []
+    at = 0
+    while at < n:
+        k = (int.from_bytes(data[at * sa.SLOT + 8 : at * sa.SLOT + 16], "little") >> 32) & 0xFFFF
+        if not 0 < k <= sa.MAX_SLOTS:
+            raise InternalError(f"a record says it takes {k} slots")
+        if at + k > n:
+            if cut:
+                break
+            raise InternalError(f"a record of {k} slots is cut short")
+        sizes.append(k)
+        at += k
+    return _runs(data[: at * sa.SLOT], sizes)
+
+
 def _one_slot_run(
     words: memoryview, ring: int, cap: int, ticket: int, head: int
 ) -> tuple[int, int]:

@@ -15,6 +15,10 @@ each run of its records goes through a decoder generated for its layout and its 
 line (batch.py), the same bytes at twenty to forty times the pace; the other runs go to the
 handlers, in record order.
 
+**Or as they lie**: with a ``tee`` (``kprobes record``: tee.py) each read's blocks go to it
+whole, undecoded, in place of both paths; a record file's reader (cli/replay.py) later hands
+them to ``deliver_blocks`` of a reader of its own, as this one would have.
+
 **Threads** are named by their thread pointer (fs base) in the record; the tool learns each
 thread's fs base at its first stop and when the first record probe is placed (every thread
 held), and reads the ring before a thread's exit is handled, so that a new thread that
@@ -38,9 +42,9 @@ import heapq
 import struct
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from kprobes.arch.x86_64 import ring_block
 from kprobes.arch.x86_64 import shared_area as sa
@@ -63,6 +67,7 @@ _U64: Final = struct.Struct("<Q").unpack_from
 BATCH: Final = 16384  # records read by a poll: run(timeout) returns between batches
 CHECK_EVERY: Final = 32  # records delivered between two looks at the clock (``until``)
 SLICE: Final = 1024  # records copied at a time, then handed over
+TEE_SLICE: Final = 1 << 16  # records copied at a time for a tee (4 MiB of one-slot records)
 
 
 @dataclass(slots=True)
@@ -144,6 +149,13 @@ class Batcher:
     write: Callable[[str, int, int], None]  # a batch's text, its events, those left out
 
 
+class RingTee(Protocol):
+    """Takes what each read of the rings copied, as it lies, in place of the handlers: the
+    blocks of one read (one a ring), written to a record file (process/fast/tee.py)."""
+
+    def take(self, blocks: Sequence[ring_block.Block]) -> None: ...
+
+
 @dataclass(slots=True)
 class RecordSite:
     """A site optimized with a record action: its id in the records, and its captures."""
@@ -185,10 +197,26 @@ class RingReader:
         self._clock: TscClock | None = None
         # Record id and slots → its batch path, or None: the handlers' (made at its first run).
         self._batchers: dict[tuple[int, int], Batcher | None] = {}
+        # Takes the records as they lie in place of the handlers (``kprobes record``).
+        self.tee: RingTee | None = None
 
     @property
     def is_active(self) -> bool:
         return bool(self.sites)
+
+    @property
+    def clock(self) -> TscClock | None:
+        """Ticks to seconds (made with the first site; a record file's reader sets it)."""
+        return self._clock
+
+    @clock.setter
+    def clock(self, value: TscClock) -> None:
+        self._clock = value
+
+    def tid_of(self, thread: int) -> int:
+        """The thread a records' thread pointer names (0 if no thread has it now)."""
+        tid = self.threads.get(thread)
+        return self._thread_miss(thread) if tid is None else tid
 
     @property
     def is_draining(self) -> bool:
@@ -238,10 +266,11 @@ class RingReader:
             # clock (and a handler's end of the run) is looked at often; a poll reads a
             # batch of them, a full read the ring's worth.
             most = max(self._capacities(), default=0) if everything else BATCH
-            for _ in range(1 + most // SLICE):
+            piece = SLICE if self.tee is None else TEE_SLICE
+            for _ in range(1 + most // piece):
                 if self._is_late() or self.table.pending_error is not None:
                     break
-                if self._drain(SLICE) < SLICE:
+                if self._drain(piece) < piece:
                     break
         finally:
             self._draining = False
@@ -273,26 +302,29 @@ class RingReader:
     def _drain(self, limit: int) -> int:
         assert self._clock is not None
         self._clock.sample()
-        views = list(self._areas())
-        if len(views) == 1 and not self._kept:  # one ring: its block, in batches
-            block = ring_block.read_block(views[0], limit=limit)
+        blocks = [ring_block.read_block(view, limit=limit) for view in self._areas()]
+        for block in blocks:
             self.dropped += block.dropped
-            self._deliver_block(block)
-            return block.count
-        batches = []
-        most = 0
-        for view in views:
-            batch = sa.read_records(view, limit=limit)
-            self.dropped += batch.dropped
-            most = max(most, len(batch.records))
-            if batch.records:
-                batches.append(batch.records)
+        if self.tee is not None:
+            self.tee.take(blocks)
+            self.delivered += sum(block.count for block in blocks)
+        else:
+            self.deliver_blocks(blocks)
+        return max((block.count for block in blocks), default=0)
+
+    def deliver_blocks(self, blocks: Sequence[ring_block.Block]) -> None:
+        """The blocks one read took from the rings (one a ring), to their handlers or
+        their batch path: one ring's block as it lies, several rings' records merged by
+        time. A record file's reader (``kprobes script``) hands its blocks here too."""
+        if len(blocks) == 1 and not self._kept:  # one ring: its block, in batches
+            self._deliver_block(blocks[0])
+            return
+        batches = [block.records() for block in blocks if block.count]
         records: Iterable[sa.Record] = (
             batches[0] if len(batches) == 1 else heapq.merge(*batches, key=lambda r: r.tsc)
         )
         self._kept.extend(records)
         self._deliver_kept()
-        return most
 
     def _deliver_kept(self) -> bool:
         """The copied records, oldest first, until a handler ends the run or ``until``
