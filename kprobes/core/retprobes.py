@@ -126,8 +126,10 @@ class Kretprobe(EntryProbed):
         maxactive: int = 0,
         data_size: int = 0,
         disabled: bool = False,
+        optimize: bool = False,
     ) -> None:
         super().__init__(symbol, offset, addr, disabled)
+        self.kp.optimize = optimize
         self.handler = handler
         self.entry_handler = entry_handler
         self.maxactive = maxactive
@@ -136,6 +138,30 @@ class Kretprobe(EntryProbed):
         self.nabandoned = 0  # instances dropped because their frame vanished (longjmp, throw)
         self.nhit = 0  # returns reported
         self.pool: InstancePool | None = None  # set while registered
+        # Durations timed in the program (optimized): bcc's log2 slots of ns, their sum.
+        self.duration_slots: tuple[int, ...] = ()
+        self.duration_total_ns = 0
+
+    @property
+    def optimize(self) -> bool:
+        """Asked for the fast tier: entry and return without a trap where the site allows."""
+        return self.kp.optimize
+
+    def why_on_traps(self) -> str | None:
+        """Why this return probe runs on the trap tier whatever its site; None if it may run
+        in the program (no handler that must run synchronously)."""
+        if not self.kp.optimize:
+            return ""
+        if self.handler is not None:
+            return "its handler runs synchronously at the return, at a trap"
+        if self.entry_handler is not None or self.data_size:
+            return "its entry_handler runs synchronously at the entry, at a trap"
+        return None
+
+    def note_durations(self, slots: tuple[int, ...], total_ns: int) -> None:
+        """What the program has timed so far (cumulative: the optimized tier's counters)."""
+        self.duration_slots = slots
+        self.duration_total_ns = total_ns
 
     def __repr__(self) -> str:
         state = "registered" if self.is_registered else "unregistered"

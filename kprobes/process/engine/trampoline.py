@@ -209,6 +209,8 @@ class Trampoline:
             if _Q.unpack(mem.read(ri.stack, 8))[0] == self.addr:
                 mem.write(ri.stack, _Q.pack(ri.ret_addr))
         t.unhooked = bool(t.rets)
+        if self.tracer.fast is not None:  # and the frames the optimized tier hooked, for good
+            self.tracer.fast.unhook_returns([t])
 
     def on_unwound(self, regs: Any) -> None:
         """A catch block begins: frames above it survive and are hooked again."""
