@@ -24,6 +24,8 @@ from kprobes import Kretprobe
 
 pytestmark = pytest.mark.ptrace
 
+DRIVERS = Path(__file__).resolve().parent / "drivers"
+
 
 @pytest.fixture
 def rets(build: Callable[[str], Path]) -> Path:
@@ -62,3 +64,147 @@ def test_deep_recursion_counts_every_return_in_the_program(spawn, rets, tmp_path
     assert rp.nhit == depth + 1 and rp.nmissed == 0 and rp.nabandoned == 0
     assert rp.kp.nhit == depth + 1  # every entry, by the detour: no trap
     assert sum(rp.duration_slots) == depth + 1
+
+
+def test_threads_recursing_10000_deep_count_every_return(spawn, rets, tmp_path):
+    threads, calls, depth = 8, 2, 10_000
+    argv = [rets, "threads", threads, calls, depth]
+    proc, out = start(spawn, tmp_path, argv)
+    rp = Kretprobe(symbol="rec", optimize=True)
+    proc.register_kretprobe(rp)
+    assert optimized(proc, rp)
+    run_to_exit(proc, timeout=300)
+    assert out.read_bytes() == support.reference_output(argv)
+    total = threads * calls * (depth + 1)
+    assert rp.nhit == total and rp.nmissed == 0 and rp.nabandoned == 0
+    assert rp.kp.nhit == total
+
+
+def test_maxactive_caps_each_threads_nesting(spawn, rets, tmp_path):
+    depth = 30
+    proc, out = start(spawn, tmp_path, [rets, "rec", depth])
+    rp = Kretprobe(symbol="rec", optimize=True, maxactive=10)
+    proc.register_kretprobe(rp)
+    assert optimized(proc, rp)
+    run_to_exit(proc)
+    assert out.read_bytes() == f"rec={depth * (depth + 1) // 2}\n".encode()
+    assert rp.nhit == 10 and rp.nmissed == depth + 1 - 10
+
+
+def test_tail_call_chains_both_trampolines_to_the_real_caller(spawn, rets, tmp_path):
+    n = 10
+    proc, out = start(spawn, tmp_path, [rets, "tail", n])
+    ra = Kretprobe(symbol="tail_a", optimize=True)
+    rb = Kretprobe(symbol="tail_b", optimize=True)
+    proc.register_kretprobes([ra, rb])
+    assert optimized(proc, rb)
+    run_to_exit(proc)
+    assert out.read_bytes() == support.reference_output([rets, "tail", n])
+    assert ra.nhit == rb.nhit == n and ra.nabandoned == rb.nabandoned == 0
+
+
+def test_longjmp_releases_vanished_frames_and_never_mispairs(spawn, rets, tmp_path):
+    rounds = 5
+    proc, out = start(spawn, tmp_path, [rets, "longjmp", rounds])
+    deep = Kretprobe(symbol="deep", optimize=True)
+    leaf = Kretprobe(symbol="leaf", optimize=True)
+    proc.register_kretprobes([deep, leaf])
+    assert optimized(proc, deep) and optimized(proc, leaf)
+    run_to_exit(proc)
+    assert out.read_bytes() == support.reference_output([rets, "longjmp", rounds])
+    # deep(6)..deep(0) never return: 7 frames a round, released by the next entry (the
+    # last round's by leaf's), each counted once by the probe whose entry found it.
+    assert deep.nhit == 0 and leaf.nhit == 1
+    assert deep.nabandoned + leaf.nabandoned == 7 * rounds
+    assert leaf.nabandoned == 7
+
+
+def test_forked_child_returns_through_its_own_copy_of_the_shadow_stack(spawn, rets, tmp_path):
+    proc, out = start(spawn, tmp_path, [rets, "fork"])
+    rp = Kretprobe(symbol="forker", optimize=True)
+    proc.register_kretprobe(rp)
+    assert optimized(proc, rp)
+    run_to_exit(proc)
+    assert sorted(out.read_text().splitlines()) == ["child back", "parent back child=7"]
+    # Both returns went through the trampoline (the child's with its private copy), and the
+    # counters are shared: the child's return is counted too.
+    assert rp.kp.nhit == 1 and rp.nhit == 2 and rp.nabandoned == 0
+
+
+def test_cxx_exceptions_through_optimized_return_probes(spawn, build, tmp_path):
+    prog = build("rets_cxx")
+    n = 8
+    proc, out = start(spawn, tmp_path, [prog, n])
+    probes = {
+        name: Kretprobe(symbol=name, optimize=True) for name in ("catcher", "thrower", "leaf")
+    }
+    proc.register_kretprobes(list(probes.values()))
+    for rp in probes.values():
+        assert optimized(proc, rp)
+    run_to_exit(proc)
+    assert out.read_bytes() == support.reference_output([prog, n])
+    # The unwinder's guard puts the real return address back in every hooked frame of the
+    # throwing thread: thrower's 6 frames a round are released, never reported; catcher
+    # returns unhooked (its entry is released by the next round's). Every leaf() call
+    # returns: six from the Guard destructors during the unwinding, one in the catch block.
+    thrower, catcher, leaf = probes["thrower"], probes["catcher"], probes["leaf"]
+    assert thrower.nhit == 0 and thrower.kp.nhit == 6 * n
+    assert catcher.kp.nhit == n and catcher.nhit == 0
+    assert leaf.nhit == leaf.kp.nhit == 7 * n
+    released = sum(rp.nabandoned for rp in probes.values())
+    assert 7 * (n - 1) <= released <= 7 * n  # the last round's frames may stay unreleased
+    assert all(rp.nmissed == 0 for rp in probes.values())
+
+
+def block_until_bottom(spawn: Any, rets: Path, depth: int) -> tuple[Any, int, int]:
+    out_r, out_w = os.pipe()
+    in_r, in_w = os.pipe()
+    proc = spawn([rets, "block", depth], stdin=in_r, stdout=out_w)
+    os.close(in_r)
+    os.close(out_w)
+    return proc, out_r, in_w
+
+
+def test_detach_with_hooked_frames_leaves_a_working_program(spawn, rets, tmp_path):
+    depth = 20
+    proc, out_r, in_w = block_until_bottom(spawn, rets, depth)
+    rp = Kretprobe(symbol="rec_block", optimize=True)
+    proc.register_kretprobe(rp)
+    assert optimized(proc, rp)
+    while rp.kp.nhit < depth + 1:
+        proc.run(timeout=0.1)
+    assert support.read_line(out_r, 10) == b"bottom\n"
+    proc.detach()  # 21 frames return through the trampoline's page: it must not be needed
+    os.write(in_w, b"go\n")
+    assert support.read_line(out_r, 10) == f"block={depth * (depth + 1) // 2 + 1}\n".encode()
+    status = support.wait_child(proc.pid, 10)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def test_tool_killed_with_returns_pending_leaves_a_working_program(popen, rets):
+    depth = 50
+    prog = popen(
+        [rets, "waitblock", depth],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert prog.stdin is not None and prog.stdout is not None
+    driver = popen(
+        [sys.executable, DRIVERS / "return_until_killed.py", prog.pid, "rec_block"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, PYTHONPATH=str(DRIVERS.parent.parent)),
+    )
+    assert driver.stdout is not None
+    line = support.read_line(driver.stdout.fileno(), timeout=60)
+    assert line == b"ready\n", driver.communicate(timeout=5)[1].decode()[-2000:]
+    prog.stdin.write(b"go\n")
+    prog.stdin.flush()
+    assert support.read_line(prog.stdout.fileno(), timeout=20) == b"bottom\n"
+    driver.send_signal(signal.SIGKILL)  # 51 frames hooked, their tool gone
+    driver.wait(timeout=10)
+    out, err = prog.communicate(b"go\n", timeout=30)
+    assert prog.returncode == 0, err.decode()[-2000:]
+    want = depth * (depth + 1) // 2
+    assert out == f"block={want + 1}\nrec={want}\n".encode()

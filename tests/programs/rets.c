@@ -8,6 +8,7 @@
  *   rets threads T N D T threads, each calls rec(D) N times
  *   rets fork          forker() forks inside; both processes return from it
  *   rets block D       rec_block(D): at the bottom it reads a line from stdin, then returns
+ *   rets waitblock D   reads a line from stdin first, then as block; then rec(D) once more
  */
 #include <pthread.h>
 #include <setjmp.h>
@@ -75,8 +76,9 @@ static void *worker(void *arg)
 	return NULL;
 }
 
-__attribute__((noinline)) long forker(void)
+__attribute__((noinline)) long forker(long x)
 {
+	SINK_ADD(x); /* code before the call: room for a jump at the entry */
 	pid_t pid = fork();
 	if (pid == 0)
 		return 100;
@@ -125,8 +127,14 @@ int main(int argc, char **argv)
 		printf("threads total=%ld\n", total);
 	} else if (!strcmp(mode, "block")) {
 		printf("block=%ld\n", rec_block(n));
+	} else if (!strcmp(mode, "waitblock")) {
+		char line[64];
+		if (!fgets(line, sizeof line, stdin))
+			return 1;
+		printf("block=%ld\n", rec_block(n));
+		printf("rec=%ld\n", rec(n));
 	} else if (!strcmp(mode, "fork")) {
-		long r = forker();
+		long r = forker(1);
 		if (r == 100) {
 			printf("child back\n");
 			fflush(stdout);
