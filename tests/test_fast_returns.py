@@ -181,17 +181,12 @@ def test_detach_with_hooked_frames_leaves_a_working_program(spawn, rets, tmp_pat
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
 
 
-def test_tool_killed_with_returns_pending_leaves_a_working_program(popen, rets):
-    depth = 50
-    prog = popen(
-        [rets, "waitblock", depth],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    assert prog.stdin is not None and prog.stdout is not None
+def probed_by_a_driver(popen: Any, argv: list[Any], *symbols: str) -> tuple[Any, Any]:
+    """The program, waiting for a line, and a driver process holding optimized return
+    probes on ``symbols`` in it (tests/drivers/return_until_killed.py), ready."""
+    prog = popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     driver = popen(
-        [sys.executable, DRIVERS / "return_until_killed.py", prog.pid, "rec_block"],
+        [sys.executable, DRIVERS / "return_until_killed.py", prog.pid, *symbols],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=dict(os.environ, PYTHONPATH=str(DRIVERS.parent.parent)),
@@ -199,6 +194,13 @@ def test_tool_killed_with_returns_pending_leaves_a_working_program(popen, rets):
     assert driver.stdout is not None
     line = support.read_line(driver.stdout.fileno(), timeout=60)
     assert line == b"ready\n", driver.communicate(timeout=5)[1].decode()[-2000:]
+    return prog, driver
+
+
+def test_tool_killed_with_returns_pending_leaves_a_working_program(popen, rets):
+    depth = 50
+    prog, driver = probed_by_a_driver(popen, [rets, "waitblock", depth], "rec_block")
+    assert prog.stdin is not None and prog.stdout is not None
     prog.stdin.write(b"go\n")
     prog.stdin.flush()
     assert support.read_line(prog.stdout.fileno(), timeout=20) == b"bottom\n"
@@ -208,3 +210,17 @@ def test_tool_killed_with_returns_pending_leaves_a_working_program(popen, rets):
     assert prog.returncode == 0, err.decode()[-2000:]
     want = depth * (depth + 1) // 2
     assert out == f"block={want + 1}\nrec={want}\n".encode()
+
+
+def test_exceptions_unwind_hooked_frames_after_the_tools_death(popen, build):
+    """The unwinder's in-program unhook (a jump on its entry points) works with no tool:
+    every frame entered after the SIGKILL is hooked, and the exceptions still unwind."""
+    prog_path = build("rets_cxx")
+    n = 8
+    argv = [prog_path, n, "wait"]
+    prog, driver = probed_by_a_driver(popen, argv, "catcher", "thrower", "leaf")
+    driver.send_signal(signal.SIGKILL)
+    driver.wait(timeout=10)
+    out, err = prog.communicate(b"go\n", timeout=30)
+    assert prog.returncode == 0, (prog.returncode, err.decode()[-2000:])
+    assert out == support.reference_output(argv, stdin=b"go\n")

@@ -1,9 +1,9 @@
 """A kprobes user holding an optimized return probe, which the tests kill with SIGKILL.
 
-    return_until_killed.py PID SYMBOL
+    return_until_killed.py PID SYMBOL...
 
-Attaches to PID, registers ``Kretprobe(symbol=SYMBOL, optimize=True)``, waits until
-``list()`` shows it ``[OPTIMIZED]``, prints ``ready`` and dispatches until it is killed. The
+Attaches to PID, registers ``Kretprobe(symbol=SYMBOL, optimize=True)`` for each SYMBOL,
+waits until ``list()`` shows them ``[OPTIMIZED]``, prints ``ready`` and dispatches until it is killed. The
 frames the program enters meanwhile are hooked to a trampoline in the program; nothing here
 puts their return addresses back: SIGKILL gives it no chance.
 """
@@ -17,10 +17,9 @@ import kprobes
 
 
 def main() -> int:
-    pid, symbol = int(sys.argv[1]), sys.argv[2]
+    pid, symbols = int(sys.argv[1]), sys.argv[2:]
     with kprobes.attach(pid) as proc:
-        rp = kprobes.Kretprobe(symbol=symbol, optimize=True)
-        proc.register_kretprobe(rp)
+        proc.register_kretprobes([kprobes.Kretprobe(symbol=s, optimize=True) for s in symbols])
         deadline = time.monotonic() + 20
         while not all(entry.is_optimized for entry in proc.list()):
             if time.monotonic() > deadline:

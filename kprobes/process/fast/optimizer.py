@@ -46,6 +46,7 @@ from kprobes.core.optimizer import OptState, SiteOpt, why_no_jump
 from kprobes.errors import NotRelocatable, TargetError
 from kprobes.process.engine.breakpoints import JUMP_LEN
 from kprobes.process.engine.threads import ThreadState
+from kprobes.process.engine.trampoline import UnwindUnhook
 from kprobes.process.fast import returns
 from kprobes.process.fast.returns import FastReturns, return_probe_of
 from kprobes.process.inject import calls
@@ -234,6 +235,8 @@ class Optimizer:
             area = self._state.areas[so.area]
             if is_return:
                 action = self._returns.action(site, area, so)
+            elif any(isinstance(p.owner, UnwindUnhook) for p in site.probes):
+                action = self._returns.unhook_action(site, area, so)
             else:
                 action = self._recording.action(site, area, so)
             if isinstance(action, str):

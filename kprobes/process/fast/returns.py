@@ -196,6 +196,19 @@ class FastReturns:
             stacks.seen[site.addr] = _Seen(*self._read(area, so)[1:4])
         return rs.RetEntryAction(ret_site)
 
+    def unhook_action(self, site: ProbeSite, area: SharedArea, so: SiteOpt) -> Action:
+        """The action of the in-program unhook on an entry point of the unwinder
+        (engine/trampoline.py ``UnwindUnhook``)."""
+        self._ensure_memory(site.addr)
+        stacks = self._stacks
+        return rs.UnhookAction(
+            stacks.shadow,
+            stacks.tramp_start,
+            TRAMP_PAGE,
+            area.counter_addr(so.counter),
+            self._thread_id,
+        )
+
     def _ensure_memory(self, near: int) -> None:
         """The shadow stacks' mapping and the trampolines' page, made once per image."""
         stacks = self._stacks
