@@ -3,9 +3,9 @@
     return_until_killed.py PID SYMBOL...
 
 Attaches to PID, registers ``Kretprobe(symbol=SYMBOL, optimize=True)`` for each SYMBOL,
-waits until ``list()`` shows them ``[OPTIMIZED]``, prints ``ready`` and dispatches until it is killed. The
-frames the program enters meanwhile are hooked to a trampoline in the program; nothing here
-puts their return addresses back: SIGKILL gives it no chance.
+waits until ``list()`` shows them ``[OPTIMIZED]``, prints ``ready`` and dispatches until it
+is killed. The frames the program enters meanwhile are hooked to a trampoline in the
+program; nothing here puts their return addresses back: SIGKILL gives it no chance.
 """
 
 from __future__ import annotations
