@@ -224,3 +224,20 @@ def test_exceptions_unwind_hooked_frames_after_the_tools_death(popen, build):
     out, err = prog.communicate(b"go\n", timeout=30)
     assert prog.returncode == 0, (prog.returncode, err.decode()[-2000:])
     assert out == support.reference_output(argv, stdin=b"go\n")
+
+
+def test_optimization_off_puts_real_return_addresses_back_in_live_frames(spawn, rets):
+    depth = 20
+    proc, out_r, in_w = block_until_bottom(spawn, rets, depth)
+    rp = Kretprobe(symbol="rec_block", optimize=True)
+    proc.register_kretprobe(rp)
+    assert optimized(proc, rp)
+    while rp.kp.nhit < depth + 1:
+        proc.run(timeout=0.1)
+    assert support.read_line(out_r, 10) == b"bottom\n"
+    proc.optimization = False  # the entry goes back to its int3; 21 frames unhooked
+    assert not [e for e in proc.list() if e.is_optimized]
+    os.write(in_w, b"go\n")
+    assert proc.run(timeout=60) and proc.exit_code == 0
+    assert support.read_line(out_r, 10) == f"block={depth * (depth + 1) // 2 + 1}\n".encode()
+    assert rp.nhit == 0  # none came back through the trampoline

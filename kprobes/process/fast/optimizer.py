@@ -335,6 +335,11 @@ class Optimizer:
         self._tracer.rescue.note_jump(self._tracer.own_memories(), site.addr, original, b"")
         so.detour = 0
         so.to(OptState.TRAP)
+        # A return probe's live frames get their real return addresses back (a thread that
+        # was inside the entry detour hooks its frame still: the trampoline stays valid).
+        tramp = self._state.returns.trampolines.get(site.addr, 0)
+        if tramp:
+            self._state.returns.unhook(self._tracer.threads.values(), only=tramp)
 
     def unoptimize_around(self, addr: int) -> None:
         """A probe is being armed at ``addr``: an optimized region that covers it goes back to
