@@ -241,3 +241,50 @@ def test_optimization_off_puts_real_return_addresses_back_in_live_frames(spawn, 
     assert proc.run(timeout=60) and proc.exit_code == 0
     assert support.read_line(out_r, 10) == f"block={depth * (depth + 1) // 2 + 1}\n".encode()
     assert rp.nhit == 0  # none came back through the trampoline
+
+
+# -- the command line -----------------------------------------------------------------------
+
+
+def histogram_total(stdout: str) -> int:
+    lines = stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if "distribution" in line)
+    return sum(
+        int(line.split(":")[1].split("|")[0]) for line in lines[header + 1 :] if "->" in line
+    )
+
+
+@pytest.mark.parametrize("optimize", [True, False], ids=["in-the-program", "no-optimize"])
+def test_latency_times_every_call_of_threads_recursing_deep(rets, optimize):
+    threads, calls, depth = 4, 2, 10_000
+    argv = [rets, "threads", threads, calls, depth]
+    flags = [] if optimize else ["--no-optimize"]
+    r = support.cli("latency", *flags, "-c", " ".join(map(str, argv)), "rec", timeout=300)
+    assert r.returncode == 0, r.stderr
+    n = threads * calls * (depth + 1)
+    assert histogram_total(r.stdout) == n
+    assert f"count: {n}\n" in r.stdout
+    assert support.reference_output(argv).decode() in r.stdout  # the program's own, unharmed
+    assert "uses a breakpoint" not in r.stderr  # rec's entry takes the jump (or was not asked)
+    assert f"{n} events, {n} hits, 0 missed" in r.stderr
+
+
+def test_latency_says_why_a_return_probe_keeps_its_trap(rets):
+    r = support.cli("latency", "-c", f"{rets} tail 10", "tail_a")
+    assert r.returncode == 0, r.stderr
+    # tail_a is `add; jmp tail_b`: the jump's five bytes would take the jmp.
+    assert "tail_a_0 uses a breakpoint: a jump in the region" in r.stderr
+    assert histogram_total(r.stdout) == 10
+
+
+def test_latency_maxactive_caps_each_threads_nesting_in_the_program(rets):
+    """On the fast tier ``--maxactive`` caps each thread's shadow stack (on traps it is one
+    pool for every thread, and the threads' share of it is a matter of timing)."""
+    threads, depth = 4, 50
+    r = support.cli(
+        "latency", "--maxactive", 20, "-c", f"{rets} threads {threads} 1 {depth}", "rec"
+    )
+    assert r.returncode == 0, r.stderr
+    assert histogram_total(r.stdout) == threads * 20
+    missed = threads * (depth + 1 - 20)
+    assert f"{threads * 20} events, {threads * 20} hits, {missed} missed" in r.stderr

@@ -5,6 +5,16 @@ calls included), so recursion and threads do not mix durations up. With a kernel
 kernel records each entry as a second event, paired with the returns per thread
 (``TraceTarget.place_spec(entry_times=True)``).
 
+With the ptrace backend, where the function's entry takes a jump (the optimized tier), no
+call traps: the program keeps each call's entry time on a shadow stack, times the return in
+its trampoline and adds it to a log2 histogram in memory shared with the tool, which reads it
+when it reports (process/fast/returns.py). What such an interval still holds of ours: the
+entry detour after its ``rdtsc`` (the hook, a few stores) and the trampoline up to its own
+``rdtsc`` (the registers saved, the shadow stack searched): some tens of ns a call, measured
+in docs/performance.md. A function whose entry keeps its int3 (``--no-optimize``, or a site
+the jump cannot take: stderr says why) is timed at its traps, and then each interval holds
+two ptrace stops of ours.
+
 ``-i SECONDS`` prints the histogram and its average line every interval and starts afresh,
 as funclatency ``-i`` does, each interval under its ``HH:MM:SS`` (funclatency's ``-T``
 line, always printed here, as ``count -i`` does); the last, partial, at the end. A call
@@ -19,6 +29,7 @@ from datetime import datetime
 from typing import Any
 
 from kprobes.cli.session import Session, add_common_arguments, add_interval_argument, parse_spec
+from kprobes.core.retprobes import Kretprobe
 from kprobes.errors import SpecError
 from kprobes.model import Event
 from kprobes.output.counts import format_interval_header
@@ -58,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         )
     maxactive = str(args.maxactive) if args.maxactive > 0 else ""
     spec = parse_spec(f"r{maxactive} {args.function}")
+    args.durations_unit = int(1e9 / scale)  # the program times in this unit (ns per unit)
     session = Session(args, [spec])
     session.verb = "counted"
     session.entry_times = True  # the kernel's return events need their entry recorded too
@@ -70,8 +82,27 @@ def run(args: argparse.Namespace) -> int:
             hist.add(delta)
             stats.add(delta)
 
+    timed: dict[int, tuple[tuple[int, ...], int]] = {}  # what the program had timed, shown
+
+    def take_timed() -> None:
+        """The calls the program timed itself since the last report (optimized tier)."""
+        for p in session.placed:
+            rp = getattr(p, "probe", None)
+            if not isinstance(rp, Kretprobe) or not rp.duration_slots:
+                continue
+            slots, total = timed.get(id(rp), ((0,) * len(rp.duration_slots), 0))
+            for i, (now, before) in enumerate(zip(rp.duration_slots, slots, strict=True)):
+                if now > before:
+                    hist.add(1 << (i - 1) if i else 0, now - before)
+            count = sum(rp.duration_slots) - sum(slots)
+            stats.count += count
+            session.events += count  # each call timed is an event counted, as at a trap
+            stats.total += rp.duration_total - total
+            timed[id(rp)] = (rp.duration_slots, rp.duration_total)
+
     def show(when: datetime | None) -> None:
         """The histogram and its average (under the interval's time, with -i), reset."""
+        take_timed()
         out = sys.stdout
         if when is not None:
             out.write("\n" + format_interval_header(when))

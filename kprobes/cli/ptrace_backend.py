@@ -113,6 +113,7 @@ class PtraceBackend(Backend):
         self.stack_depth: int | None = args.stack_depth if getattr(args, "stack", False) else None
         self.optimize = not getattr(args, "no_optimize", False) and self.stack_depth is None
         self.count_only = getattr(args, "count_only", False)
+        self.durations_unit: int = getattr(args, "durations_unit", 0)
         self.attached: list[SpecTracer] = []  # the -p processes (or the -c command), in order
         try:
             for proc in procs:
@@ -139,6 +140,7 @@ class PtraceBackend(Backend):
             optimize=self.optimize,
             count_only=self.count_only,
             stack_depth=self.stack_depth,
+            durations_unit=self.durations_unit,
             batch=self.batch,
         )
 
@@ -363,7 +365,8 @@ class PtraceBackend(Backend):
         nothing left to read or count: its probes go at ``close()``, in one stop."""
         for proc in self._procs():
             proc.take_pending_error()  # the run is over: what was to end it is not wanted
-            if proc.is_alive and (proc.records.is_recording or self.count_only):
+            counts = self.count_only or self.durations_unit
+            if proc.is_alive and (proc.records.is_recording or counts):
                 with contextlib.suppress(ProbeError, OSError):
                     proc.enabled = False
 
@@ -390,6 +393,8 @@ class PtraceBackend(Backend):
             listed = {entry.addr: entry for entry in tracer.proc.list()}
             for p in tracer.placed:
                 probe = p.probe
+                if isinstance(probe, Kretprobe) and probe.optimize:
+                    probe = probe.kp  # its entry takes the jump, or keeps the int3
                 if isinstance(probe, Kprobe) and probe.optimize and probe.addr in listed:
                     entry = listed[probe.addr]
                     if not entry.is_optimized:

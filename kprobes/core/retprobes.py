@@ -138,9 +138,14 @@ class Kretprobe(EntryProbed):
         self.nabandoned = 0  # instances dropped because their frame vanished (longjmp, throw)
         self.nhit = 0  # returns reported
         self.pool: InstancePool | None = None  # set while registered
-        # Durations timed in the program (optimized): bcc's log2 slots of ns, their sum.
+        # Durations timed in the program (optimized): bcc's log2 slots, their sum, in
+        # units of ``duration_unit`` ns (1: ns; 1000: us), as ``kprobes latency`` asks.
+        self.duration_unit = 1
         self.duration_slots: tuple[int, ...] = ()
-        self.duration_total_ns = 0
+        self.duration_total = 0
+        # The command line's: the handlers run only where the site keeps its trap; on the
+        # optimized tier the program times the calls instead.
+        self.handlers_on_traps_only = False
 
     @property
     def optimize(self) -> bool:
@@ -152,16 +157,18 @@ class Kretprobe(EntryProbed):
         in the program (no handler that must run synchronously)."""
         if not self.kp.optimize:
             return ""
+        if self.handlers_on_traps_only:
+            return None
         if self.handler is not None:
             return "its handler runs synchronously at the return, at a trap"
         if self.entry_handler is not None or self.data_size:
             return "its entry_handler runs synchronously at the entry, at a trap"
         return None
 
-    def note_durations(self, slots: tuple[int, ...], total_ns: int) -> None:
+    def note_durations(self, slots: tuple[int, ...], total: int) -> None:
         """What the program has timed so far (cumulative: the optimized tier's counters)."""
         self.duration_slots = slots
-        self.duration_total_ns = total_ns
+        self.duration_total = total
 
     def __repr__(self) -> str:
         state = "registered" if self.is_registered else "unregistered"

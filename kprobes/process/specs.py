@@ -91,6 +91,7 @@ class SpecTracer:
         count_only: bool = False,
         stack_depth: int | None = None,
         batch: BatchOutputs | None = None,
+        durations_unit: int = 0,
     ) -> None:
         self.proc = proc
         self.sink = sink
@@ -99,6 +100,9 @@ class SpecTracer:
         self.stack_depth = stack_depth  # each event's user stack, this many frames at most
         self.optimize = optimize and stack_depth is None  # entry specs as record probes
         self.count_only = count_only and stack_depth is None  # only count hits: no events
+        # ``latency``: return specs timed in the program where their entry takes a jump
+        # (fast/returns.py), in units of this many ns; their events only from traps.
+        self.durations_unit = durations_unit if self.optimize else 0
         self.placed: list[PlacedSpec] = []
         self.lines: list[tuple[Kprobe | Kretprobe, str, LineHandler | None]] = []  # add()'s
         self.comm = CommCache(proc.pid)
@@ -254,7 +258,11 @@ class SpecTracer:
             handler=on_return,
             entry_handler=entry_handler,
             maxactive=spec.maxactive,
+            optimize=bool(self.durations_unit) and not fetcher.args and handler is None,
         )
+        if rp.optimize:
+            rp.handlers_on_traps_only = True
+            rp.duration_unit = self.durations_unit
         return PlacedSpec(spec, rp, entry_time=entry_time)
 
     def place(self, specs: Sequence[ProbeSpec]) -> list[PlacedSpec]:

@@ -188,7 +188,7 @@ class FastReturns:
         if not tramp:
             if stacks.tramp_used + rs.TRAMPOLINE_MAX > TRAMP_PAGE - MARK_SIZE:
                 return "no room left for another return trampoline (256 per process)"
-            code = rs.build_trampoline(ret_site, tsc_mult())
+            code = rs.build_trampoline(ret_site, max(1, tsc_mult() // max(1, rp.duration_unit)))
             for space in self._tracer.own_memories():
                 space.write(ret_site.trampoline, code)
             stacks.trampolines[site.addr] = ret_site.trampoline
@@ -246,9 +246,9 @@ class FastReturns:
         if rp is None or seen is None:
             return
         values = self._read(area, so)
-        _, returns, missed, abandoned, total_ns = values[:5]
+        _, returns, missed, abandoned, total = values[:5]
         rp.nhit += returns - seen.returns
         rp.nmissed += missed - seen.missed
         rp.nabandoned += abandoned - seen.abandoned
         seen.returns, seen.missed, seen.abandoned = returns, missed, abandoned
-        rp.note_durations(values[5:], total_ns)
+        rp.note_durations(values[5:], total)
