@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import support
+from test_retprobes import run_to_exit, start
 
 from kprobes import Kretprobe
 
@@ -30,20 +31,6 @@ DRIVERS = Path(__file__).resolve().parent / "drivers"
 @pytest.fixture
 def rets(build: Callable[[str], Path]) -> Path:
     return build("rets")
-
-
-def start(
-    spawn: Callable[..., Any], tmp_path: Path, argv: list[Any], **kw: Any
-) -> tuple[Any, Path]:
-    out = tmp_path / f"stdout.{len(list(tmp_path.iterdir()))}"
-    with open(out, "wb") as f:
-        proc = spawn(argv, stdout=f, **kw)
-    return proc, out
-
-
-def run_to_exit(proc: Any, timeout: float = 120) -> None:
-    assert proc.run(timeout=timeout), f"program {proc.pid} did not exit within {timeout} s"
-    assert proc.exit_code == 0
 
 
 def optimized(proc: Any, rp: Kretprobe) -> bool:
@@ -156,24 +143,26 @@ def test_cxx_exceptions_through_optimized_return_probes(spawn, build, tmp_path):
     assert all(rp.nmissed == 0 for rp in probes.values())
 
 
-def block_until_bottom(spawn: Any, rets: Path, depth: int) -> tuple[Any, int, int]:
+def block_until_bottom(spawn: Any, rets: Path, depth: int) -> tuple[Any, Kretprobe, int, int]:
+    """rets block DEPTH under an optimized return probe on rec_block, run until every frame
+    is hooked and the program waits at the bottom: (process, probe, its stdout, its stdin)."""
     out_r, out_w = os.pipe()
     in_r, in_w = os.pipe()
     proc = spawn([rets, "block", depth], stdin=in_r, stdout=out_w)
     os.close(in_r)
     os.close(out_w)
-    return proc, out_r, in_w
-
-
-def test_detach_with_hooked_frames_leaves_a_working_program(spawn, rets, tmp_path):
-    depth = 20
-    proc, out_r, in_w = block_until_bottom(spawn, rets, depth)
     rp = Kretprobe(symbol="rec_block", optimize=True)
     proc.register_kretprobe(rp)
     assert optimized(proc, rp)
     while rp.kp.nhit < depth + 1:
         proc.run(timeout=0.1)
     assert support.read_line(out_r, 10) == b"bottom\n"
+    return proc, rp, out_r, in_w
+
+
+def test_detach_with_hooked_frames_leaves_a_working_program(spawn, rets, tmp_path):
+    depth = 20
+    proc, _, out_r, in_w = block_until_bottom(spawn, rets, depth)
     proc.detach()  # 21 frames return through the trampoline's page: it must not be needed
     os.write(in_w, b"go\n")
     assert support.read_line(out_r, 10) == f"block={depth * (depth + 1) // 2 + 1}\n".encode()
@@ -228,13 +217,7 @@ def test_exceptions_unwind_hooked_frames_after_the_tools_death(popen, build):
 
 def test_optimization_off_puts_real_return_addresses_back_in_live_frames(spawn, rets):
     depth = 20
-    proc, out_r, in_w = block_until_bottom(spawn, rets, depth)
-    rp = Kretprobe(symbol="rec_block", optimize=True)
-    proc.register_kretprobe(rp)
-    assert optimized(proc, rp)
-    while rp.kp.nhit < depth + 1:
-        proc.run(timeout=0.1)
-    assert support.read_line(out_r, 10) == b"bottom\n"
+    proc, rp, out_r, in_w = block_until_bottom(spawn, rets, depth)
     proc.optimization = False  # the entry goes back to its int3; 21 frames unhooked
     assert not [e for e in proc.list() if e.is_optimized]
     os.write(in_w, b"go\n")

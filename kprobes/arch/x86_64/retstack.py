@@ -177,6 +177,16 @@ def _emit_top(block: Block) -> None:
     block.add(Instruction.create_reg_mem(Code.LEA_R64_M, R10, at(RAX, T_ENTRIES - ENTRY)))
 
 
+def _emit_newest_vs_slot(block: Block, empty: str) -> None:
+    """The newest entry (r10, see ``_emit_top``) or a jump to ``empty`` if depth rsi is 0;
+    then its return slot compared with r8 (the flags say which is above)."""
+    block.add(Instruction.create_reg_reg(Code.TEST_RM64_R64, RSI, RSI))
+    block.branch(Code.JE_REL32_64, empty)
+    _emit_top(block)
+    block.add(mov_load(RAX, R10, E_STACK))
+    block.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, RAX, R8))
+
+
 @dataclass(frozen=True, slots=True)
 class RetEntryAction:
     """The entry detour's action of an optimized return probe (see the module docstring)."""
@@ -205,11 +215,7 @@ class RetEntryAction:
         block.add(mov_load(RSI, RDI, T_DEPTH))
         # Step 3: release the entries of frames that vanished (below S, or at S unchained).
         block.label("release")
-        block.add(Instruction.create_reg_reg(Code.TEST_RM64_R64, RSI, RSI))
-        block.branch(Code.JE_REL32_64, "push")
-        _emit_top(block)
-        block.add(mov_load(RAX, R10, E_STACK))
-        block.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, RAX, R8))
+        _emit_newest_vs_slot(block, "push")
         block.branch(Code.JA_REL32_64, "push")
         block.branch(Code.JB_REL32_64, "drop")
         _imm64(block, RAX, site.tramp_start)
@@ -269,11 +275,7 @@ def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     b.add(mov_load(RSI, RDI, T_DEPTH))
     # Step 3: entries below R vanished; the newest at R is this call.
     b.label("pop")
-    b.add(Instruction.create_reg_reg(Code.TEST_RM64_R64, RSI, RSI))
-    b.branch(Code.JE_REL32_64, "lost")
-    _emit_top(b)
-    b.add(mov_load(RAX, R10, E_STACK))
-    b.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, RAX, R8))
+    _emit_newest_vs_slot(b, "lost")
     b.branch(Code.JE_REL32_64, "match")
     b.branch(Code.JA_REL32_64, "lost")
     b.add(Instruction.create_reg(Code.DEC_RM64, RSI))

@@ -19,7 +19,7 @@ for the new one their trampoline and records again.
 from __future__ import annotations
 
 import errno
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -129,23 +129,18 @@ class ReturnProbes:
         tramp = self._tracer.trampoline
         resolver = self._program.symbols()
         resolver.refresh()
-        for module in resolver.modules():
-            for name in UNWIND_ENTRIES + UNWIND_DONE:
-                sym = module.image.lookup(name)
-                if sym is None or not sym.kind.is_function:
-                    continue
-                addr = module.bias + sym.value
-                if addr in self._guarded:
-                    continue
-                on = tramp.on_unwound if name in UNWIND_DONE else tramp.on_unwind
-                kp = Kprobe(addr=addr, pre_handler=_guard_handler(on))
-                kp.owner = tramp.guard
-                try:
-                    self._manager.register(kp)
-                except ProbeRejected:
-                    continue  # an instruction we cannot run out of line: no guard there
-                self._guarded.add(addr)
-                tramp.guard_probes.append(kp)
+        for name, addr in _functions(resolver.modules(), UNWIND_ENTRIES + UNWIND_DONE):
+            if addr in self._guarded:
+                continue
+            on = tramp.on_unwound if name in UNWIND_DONE else tramp.on_unwind
+            kp = Kprobe(addr=addr, pre_handler=_guard_handler(on))
+            kp.owner = tramp.guard
+            try:
+                self._manager.register(kp)
+            except ProbeRejected:
+                continue  # an instruction we cannot run out of line: no guard there
+            self._guarded.add(addr)
+            tramp.guard_probes.append(kp)
         if self._in_program:
             self._unhook_in_program(resolver.modules())
 
@@ -158,23 +153,17 @@ class ReturnProbes:
         keep every jump out of them. On traps, while the tool lives, their handler does
         the same through the tool."""
         tramp = self._tracer.trampoline
-        for module in modules:
-            for name in UNHOOK_ENTRIES:
-                sym = module.image.lookup(name)
-                if sym is None or not sym.kind.is_function:
-                    continue
-                addr = module.bias + sym.value
-                if addr in self._unhooks:
-                    continue
-                on = _guard_handler(tramp.on_unwind_fast)
-                kp = Kprobe(addr=addr, pre_handler=on, optimize=True)
-                kp.owner = tramp.unhook_guard
-                try:
-                    self._manager.register(kp)
-                except ProbeRejected:
-                    continue
-                self._unhooks.add(addr)
-                tramp.guard_probes.append(kp)
+        for _, addr in _functions(modules, UNHOOK_ENTRIES):
+            if addr in self._unhooks:
+                continue
+            kp = Kprobe(addr=addr, pre_handler=_guard_handler(tramp.on_unwind_fast), optimize=True)
+            kp.owner = tramp.unhook_guard
+            try:
+                self._manager.register(kp)
+            except ProbeRejected:
+                continue
+            self._unhooks.add(addr)
+            tramp.guard_probes.append(kp)
 
     def forget_guard(self, addr: int) -> None:
         """The guard at ``addr`` went with its library (dlclose): placed again if it comes."""
@@ -200,6 +189,15 @@ class ReturnProbes:
         for rp in retprobes.values():
             if rp.pool is not None:
                 self.give_records(rp, list(rp.pool.free))
+
+
+def _functions(modules: Iterable[Module], names: Sequence[str]) -> Iterator[tuple[str, int]]:
+    """(name, runtime address) of each function of ``names`` each module defines."""
+    for module in modules:
+        for name in names:
+            sym = module.image.lookup(name)
+            if sym is not None and sym.kind.is_function:
+                yield name, module.bias + sym.value
 
 
 def _guard_handler(on: Callable[[Any], None]) -> Callable[[Kprobe, Any], None]:
