@@ -271,3 +271,36 @@ def test_latency_maxactive_caps_each_threads_nesting_in_the_program(rets):
     assert histogram_total(r.stdout) == threads * 20
     missed = threads * (depth + 1 - 20)
     assert f"{threads * 20} events, {threads * 20} hits, {missed} missed" in r.stderr
+
+
+def test_threads_coming_and_going_are_each_counted(spawn, build, tmp_path):
+    """100 rounds of 8 short-lived threads (800 threads, more than the 256 thread slots:
+    glibc gives a joined thread's stack and thread pointer to the next one, which finds its
+    slot again), every call of ``hot`` returned through the trampoline."""
+    rounds, threads, calls = 100, 8, 50
+    argv = [build("churn"), rounds, threads, calls]
+    proc, out = start(spawn, tmp_path, argv)
+    rp = Kretprobe(symbol="hot", optimize=True)
+    proc.register_kretprobe(rp)
+    assert optimized(proc, rp)
+    run_to_exit(proc)
+    assert out.read_bytes() == support.reference_output(argv)
+    n = rounds * threads * calls
+    assert rp.kp.nhit == n and rp.nhit == n and rp.nmissed == 0 and rp.nabandoned == 0
+
+
+def test_signal_handlers_calling_the_probed_function_are_never_mispaired(spawn, rets, tmp_path):
+    """A 1 ms timer's handler calls rec(3) while the main loop calls rec(5): a handler that
+    interrupts an entry or a return in the middle of its shadow stack is not hooked (a miss),
+    every other call is; the program's results stay right."""
+    n = 2_000_000
+    argv = [rets, "signals", n]
+    proc, out = start(spawn, tmp_path, argv)
+    rp = Kretprobe(symbol="rec", optimize=True)
+    proc.register_kretprobe(rp)
+    assert optimized(proc, rp)
+    run_to_exit(proc)
+    assert out.read_bytes() == support.reference_output(argv)
+    assert rp.nabandoned == 0
+    assert rp.nhit + rp.nmissed == rp.kp.nhit  # each entry hooked and returned, or missed
+    assert rp.kp.nhit >= 6 * n

@@ -9,12 +9,16 @@
  *   rets fork          forker() forks inside; both processes return from it
  *   rets block D       rec_block(D): at the bottom it reads a line from stdin, then returns
  *   rets waitblock D   reads a line from stdin first, then as block; then rec(D) once more
+ *   rets signals N     rec(5) N times while a 1 ms interval timer's handler calls rec(3);
+ *                      prints the main loop's sum and whether every handler's result was right
  */
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <signal.h>
 #include <string.h>
+#include <sys/time.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -54,6 +58,16 @@ __attribute__((noinline)) long rec_block(long n)
 		return fgets(line, sizeof line, stdin) ? 1 : 0;
 	}
 	return n + rec_block(n - 1);
+}
+
+static volatile long handler_calls, handler_bad;
+
+static void on_alarm(int sig)
+{
+	(void)sig;
+	handler_calls++;
+	if (rec(3) != 6)
+		handler_bad++;
 }
 
 static jmp_buf env;
@@ -127,6 +141,17 @@ int main(int argc, char **argv)
 		printf("threads total=%ld\n", total);
 	} else if (!strcmp(mode, "block")) {
 		printf("block=%ld\n", rec_block(n));
+	} else if (!strcmp(mode, "signals")) {
+		struct sigaction sa = {.sa_handler = on_alarm, .sa_flags = SA_RESTART};
+		sigaction(SIGALRM, &sa, NULL);
+		struct itimerval it = {{0, 1000}, {0, 1000}};
+		setitimer(ITIMER_REAL, &it, NULL);
+		long sum = 0;
+		for (long i = 0; i < n; i++)
+			sum += rec(5);
+		struct itimerval off = {{0, 0}, {0, 0}};
+		setitimer(ITIMER_REAL, &off, NULL);
+		printf("signals sum=%ld handlers %s\n", sum, handler_bad ? "wrong" : "right");
 	} else if (!strcmp(mode, "waitblock")) {
 		char line[64];
 		if (!fgets(line, sizeof line, stdin))
