@@ -40,7 +40,16 @@ UNITS = {"nsecs": 1e9, "usecs": 1e6, "msecs": 1e3}
 
 
 def add_parser(sub: Any, help: str) -> None:
-    p = sub.add_parser("latency", help=help)
+    p = sub.add_parser(
+        "latency",
+        help=help,
+        description=f"{help}. With the ptrace backend, where the function's entry takes a jump, "
+        "the program times each call itself (no trap); what an interval still holds of ours "
+        "is the entry detour after its clock read and the trampoline before its own, some "
+        "tens of ns a call. A function whose entry keeps its breakpoint (--no-optimize, or a "
+        "site the jump cannot take: stderr says why) is timed at its traps, two ptrace stops "
+        "of ours inside each interval.",
+    )
     p.add_argument("function", metavar="FUNC", help="the function: func, lib:func, /path:func")
     add_common_arguments(p)
     unit = p.add_mutually_exclusive_group()
@@ -51,7 +60,8 @@ def add_parser(sub: Any, help: str) -> None:
         type=int,
         default=0,
         help="calls followed at once (default: as many as needed with the ptrace backend, "
-        "the kernel's default with --kernel)",
+        "the kernel's default with --kernel); timed in the program, calls nested in one "
+        "thread (default 16384)",
     )
     add_interval_argument(p, "the histogram")
     p.set_defaults(func=run)
@@ -69,7 +79,10 @@ def run(args: argparse.Namespace) -> int:
         )
     maxactive = str(args.maxactive) if args.maxactive > 0 else ""
     spec = parse_spec(f"r{maxactive} {args.function}")
-    args.durations_unit = int(1e9 / scale)  # the program times in this unit (ns per unit)
+    # The program times the calls itself, in this unit (ns per unit), unless each call must
+    # be an event of its own: a filter to apply, a number of events to stop at.
+    in_place = args.filter is None and args.max_events is None
+    args.durations_unit = int(1e9 / scale) if in_place else 0
     session = Session(args, [spec])
     session.verb = "counted"
     session.entry_times = True  # the kernel's return events need their entry recorded too

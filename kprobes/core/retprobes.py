@@ -112,6 +112,13 @@ class Kretprobe(EntryProbed):
     ``handler(ri, regs)`` runs when the function returns (``regs.return_value`` is its
     result); ``entry_handler(ri, regs)`` runs at its entry and returning true cancels the
     return hook for that call. ``ri.data`` is a ``bytearray(data_size)`` shared by the two.
+
+    ``optimize=True`` with neither handler asks for the optimized tier: where the entry
+    site takes a jump, neither the entry nor the return traps; the program counts the
+    returns (``nhit``), the misses and the abandoned frames, and times each call into
+    ``duration_slots`` (bcc's log2 slots, in ``duration_unit`` ns) and ``duration_total``,
+    read when the user can see them, as an optimized kprobe's ``nhit`` is. ``maxactive``
+    then caps each thread's nesting. A probe with a handler stays on traps.
     """
 
     kind = "r"
