@@ -50,7 +50,7 @@ def test_deep_recursion_counts_every_return_in_the_program(spawn, rets, tmp_path
     assert out.read_bytes() == f"rec={depth * (depth + 1) // 2}\n".encode()
     assert rp.nhit == depth + 1 and rp.nmissed == 0 and rp.nabandoned == 0
     assert rp.kp.nhit == depth + 1  # every entry, by the detour: no trap
-    assert sum(rp.duration_slots) == depth + 1
+    assert sum(rp.hist_slots) == depth + 1
 
 
 def test_threads_recursing_10000_deep_count_every_return(spawn, rets, tmp_path):
@@ -304,3 +304,23 @@ def test_signal_handlers_calling_the_probed_function_are_never_mispaired(spawn, 
     assert rp.nabandoned == 0
     assert rp.nhit + rp.nmissed == rp.kp.nhit  # each entry hooked and returned, or missed
     assert rp.kp.nhit >= 6 * n
+
+
+@pytest.mark.parametrize("kind", ["u64", "u32"])
+def test_hist_of_return_values_aggregated_in_the_program_matches_the_traps(rets, kind):
+    """``hist -H`` of ``$retval``: the program's log2 histogram of rec's return values
+    (n(n+1)/2 for each n of 4 threads' recursions) is the trap tier's, slot for slot."""
+    command = f"{rets} threads 4 3 200"
+    spec = f"r rec ret=$retval:{kind}"
+    fast = support.cli("hist", "-H", "-c", command, spec, "--key", "ret", timeout=300)
+    traps = support.cli(
+        "hist", "-H", "--no-optimize", "-c", command, spec, "--key", "ret", timeout=300
+    )
+    assert fast.returncode == traps.returncode == 0, fast.stderr + traps.stderr
+    n = 4 * 3 * 201
+    assert histogram_total(fast.stdout) == n
+    assert fast.stdout == traps.stdout
+    assert f"{n} events, {n} hits, 0 missed" in fast.stderr
+    # On the fast tier r20 caps each thread's nesting: exactly 20 of each 201-deep descent.
+    capped = support.cli("hist", "-H", "-c", command, f"r20 rec ret=$retval:{kind}", "--key", "ret")
+    assert histogram_total(capped.stdout) == 4 * 3 * 20, capped.stderr

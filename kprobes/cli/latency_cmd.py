@@ -28,8 +28,13 @@ import sys
 from datetime import datetime
 from typing import Any
 
-from kprobes.cli.session import Session, add_common_arguments, add_interval_argument, parse_spec
-from kprobes.core.retprobes import Kretprobe
+from kprobes.cli.session import (
+    Session,
+    add_common_arguments,
+    add_interval_argument,
+    parse_spec,
+    take_program_hist,
+)
 from kprobes.errors import SpecError
 from kprobes.model import Event
 from kprobes.output.counts import format_interval_header
@@ -99,19 +104,11 @@ def run(args: argparse.Namespace) -> int:
 
     def take_timed() -> None:
         """The calls the program timed itself since the last report (optimized tier)."""
-        for p in session.placed:
-            rp = getattr(p, "probe", None)
-            if not isinstance(rp, Kretprobe) or not rp.duration_slots:
-                continue
-            slots, total = timed.get(id(rp), ((0,) * len(rp.duration_slots), 0))
-            for i, (now, before) in enumerate(zip(rp.duration_slots, slots, strict=True)):
-                if now > before:
-                    hist.add(1 << (i - 1) if i else 0, now - before)
-            count = sum(rp.duration_slots) - sum(slots)
-            stats.count += count
-            session.events += count  # each call timed is an event counted, as at a trap
-            stats.total += rp.duration_total - total
-            timed[id(rp)] = (rp.duration_slots, rp.duration_total)
+        slots, total = take_program_hist(session.placed, timed)
+        hist.add_slots(slots)
+        stats.count += sum(slots)
+        stats.total += total
+        session.events += sum(slots)  # each call timed is an event counted, as at a trap
 
     def show(when: datetime | None) -> None:
         """The histogram and its average (under the interval's time, with -i), reset."""

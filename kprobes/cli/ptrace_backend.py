@@ -114,6 +114,7 @@ class PtraceBackend(Backend):
         self.optimize = not getattr(args, "no_optimize", False) and self.stack_depth is None
         self.count_only = getattr(args, "count_only", False)
         self.durations_unit: int = getattr(args, "durations_unit", 0)
+        self.retval_bits: int = getattr(args, "retval_bits", 0)
         self.attached: list[SpecTracer] = []  # the -p processes (or the -c command), in order
         try:
             for proc in procs:
@@ -141,6 +142,7 @@ class PtraceBackend(Backend):
             count_only=self.count_only,
             stack_depth=self.stack_depth,
             durations_unit=self.durations_unit,
+            retval_bits=self.retval_bits,
             batch=self.batch,
         )
 
@@ -365,7 +367,7 @@ class PtraceBackend(Backend):
         nothing left to read or count: its probes go at ``close()``, in one stop."""
         for proc in self._procs():
             proc.take_pending_error()  # the run is over: what was to end it is not wanted
-            counts = self.count_only or self.durations_unit
+            counts = self.count_only or self.durations_unit or self.retval_bits
             if proc.is_alive and (proc.records.is_recording or counts):
                 with contextlib.suppress(ProbeError, OSError):
                     proc.enabled = False

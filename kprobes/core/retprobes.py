@@ -116,7 +116,7 @@ class Kretprobe(EntryProbed):
     ``optimize=True`` with neither handler asks for the optimized tier: where the entry
     site takes a jump, neither the entry nor the return traps; the program counts the
     returns (``nhit``), the misses and the abandoned frames, and times each call into
-    ``duration_slots`` (bcc's log2 slots, in ``duration_unit`` ns) and ``duration_total``,
+    ``hist_slots`` (bcc's log2 slots, in ``duration_unit`` ns) and ``hist_total``,
     read when the user can see them, as an optimized kprobe's ``nhit`` is. ``maxactive``
     then caps each thread's nesting. A probe with a handler stays on traps.
     """
@@ -145,11 +145,13 @@ class Kretprobe(EntryProbed):
         self.nabandoned = 0  # instances dropped because their frame vanished (longjmp, throw)
         self.nhit = 0  # returns reported
         self.pool: InstancePool | None = None  # set while registered
-        # Durations timed in the program (optimized): bcc's log2 slots, their sum, in
-        # units of ``duration_unit`` ns (1: ns; 1000: us), as ``kprobes latency`` asks.
+        # What the program aggregates at each return (optimized): each call's duration in
+        # units of ``duration_unit`` ns (1: ns; 1000: us), or, with ``value_bits`` 32 or 64,
+        # the return value's low bits; bcc's log2 slots of it and its sum.
         self.duration_unit = 1
-        self.duration_slots: tuple[int, ...] = ()
-        self.duration_total = 0
+        self.value_bits = 0
+        self.hist_slots: tuple[int, ...] = ()
+        self.hist_total = 0
         # The command line's: the handlers run only where the site keeps its trap; on the
         # optimized tier the program times the calls instead.
         self.handlers_on_traps_only = False
@@ -172,10 +174,10 @@ class Kretprobe(EntryProbed):
             return "its entry_handler runs synchronously at the entry, at a trap"
         return None
 
-    def note_durations(self, slots: tuple[int, ...], total: int) -> None:
-        """What the program has timed so far (cumulative: the optimized tier's counters)."""
-        self.duration_slots = slots
-        self.duration_total = total
+    def note_hist(self, slots: tuple[int, ...], total: int) -> None:
+        """What the program has aggregated so far (cumulative: the optimized tier's)."""
+        self.hist_slots = slots
+        self.hist_total = total
 
     def __repr__(self) -> str:
         state = "registered" if self.is_registered else "unregistered"

@@ -68,15 +68,16 @@ _HASH: Final = 0x61C88647  # Fibonacci hashing, an imm32
 
 # A probe's counters in the shared area, 8 bytes each from its first counter: the entries
 # (hits), the calls returned, entries not hooked (cap, no slot, busy), frames released,
-# the sum of the durations in ns, then the log2 histogram of durations in ns (bcc's slots).
+# the sum of what it aggregates (durations, or return values), then their log2 histogram
+# (bcc's 65 slots: slot k > 0 holds [2**(k-1), 2**k), 0 and 1 go to slot 1).
 C_HITS: Final = 0
 C_RETURNS: Final = 8
 C_MISSED: Final = 16
 C_ABANDONED: Final = 24
 C_SUM_NS: Final = 32
 C_HIST: Final = 64
-HIST_SLOTS: Final = 64
-COUNTERS_SIZE: Final = C_HIST + 8 * HIST_SLOTS  # 576 bytes
+HIST_SLOTS: Final = 65
+COUNTERS_SIZE: Final = C_HIST + 8 * HIST_SLOTS  # 584 bytes
 
 TRAMPOLINE_MAX: Final = 512  # bytes of one trampoline, with room to spare
 
@@ -101,7 +102,9 @@ def first_index(fs_base: int) -> int:
 class ReturnSite:
     """What the code of one optimized return probe needs: where the shadow stacks are, its
     trampoline, the range every trampoline lies in (for tail-call chains), the trap tier's
-    trampoline (0 if none), its counters, its cap and how to read the thread pointer."""
+    trampoline (0 if none), its counters, its cap, how to read the thread pointer, and what
+    its trampoline aggregates: the call's duration (``value_bits`` 0), or the low 32 or 64
+    bits of the return value."""
 
     shadow: int
     trampoline: int
@@ -111,10 +114,13 @@ class ReturnSite:
     counters: int
     cap: int = CAPACITY
     thread_id: ThreadId = ThreadId.FSBASE
+    value_bits: int = 0
 
     def __post_init__(self) -> None:
         if not 0 < self.cap <= CAPACITY:
             raise InternalError(f"a return probe's cap {self.cap} is not 1..{CAPACITY}")
+        if self.value_bits not in (0, 32, 64):
+            raise InternalError(f"a return value of {self.value_bits} bits")
 
 
 def _imm64(block: Block, reg: Register_, value: int) -> None:
@@ -257,6 +263,26 @@ class RetEntryAction:
         block.label("done")
 
 
+def _emit_measure(b: Block, site: ReturnSite, mult: int, saved_rax: int) -> None:
+    """rax = the return value the function left in rax (saved at ``[rsp + saved_rax]``), or
+    the call's duration (a negative one, TSCs of two CPUs, is 0), ``ticks * mult >> 32``."""
+    if site.value_bits:
+        b.add(mov_load(RAX, Register.RSP, saved_rax))
+        if site.value_bits == 32:
+            b.add(Instruction.create_reg_reg(Code.MOV_R32_RM32, Register.EAX, Register.EAX))
+        return
+    b.add(Instruction.create(Code.RDTSC))
+    b.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, RDX, 32))
+    b.add(Instruction.create_reg_reg(Code.OR_R64_RM64, RAX, RDX))
+    b.add(Instruction.create_reg_mem(Code.SUB_R64_RM64, RAX, at(R10, E_TSC)))
+    b.branch(Code.JNS_REL32_64, "positive")
+    b.add(Instruction.create_reg_reg(Code.XOR_R32_RM32, Register.EAX, Register.EAX))
+    b.label("positive")
+    _imm64(b, RCX, mult)
+    b.add(Instruction.create_reg(Code.MUL_RM64, RCX))
+    b.add(Instruction.create_reg_reg_i32(Code.SHRD_RM64_R64_IMM8, RAX, RDX, 32))
+
+
 def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     """The return trampoline of one probe, at ``site.trampoline``. ``mult`` turns TSC ticks
     into ns: ``ns = ticks * mult >> 32``."""
@@ -286,17 +312,8 @@ def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     b.add(mov_store(RDI, T_DEPTH, RSI))
     b.add(mov_load(RAX, R10, E_RET))
     b.add(mov_store(R8, 0, RAX))  # where the final ret finds it
-    # Step 4: the duration (a negative one, TSCs of two CPUs, is 0), in ns, aggregated.
-    b.add(Instruction.create(Code.RDTSC))
-    b.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, RDX, 32))
-    b.add(Instruction.create_reg_reg(Code.OR_R64_RM64, RAX, RDX))
-    b.add(Instruction.create_reg_mem(Code.SUB_R64_RM64, RAX, at(R10, E_TSC)))
-    b.branch(Code.JNS_REL32_64, "positive")
-    b.add(Instruction.create_reg_reg(Code.XOR_R32_RM32, Register.EAX, Register.EAX))
-    b.label("positive")
-    _imm64(b, RCX, mult)
-    b.add(Instruction.create_reg(Code.MUL_RM64, RCX))
-    b.add(Instruction.create_reg_reg_i32(Code.SHRD_RM64_R64_IMM8, RAX, RDX, 32))
+    # Step 4: what the probe aggregates, in rax.
+    _emit_measure(b, site, mult, 8 * (nsaved - 1))
     _imm64(b, R11, site.counters)
     b.add(Instruction.create_mem_reg(Code.ADD_RM64_R64, at(R11, C_SUM_NS), RAX), lock=True)
     b.add(Instruction.create_mem(Code.INC_RM64, at(R11, C_RETURNS)), lock=True)

@@ -184,6 +184,7 @@ class FastReturns:
             counters=area.counter_addr(so.counter),
             cap=cap,
             thread_id=self._thread_id,
+            value_bits=rp.value_bits,
         )
         if not tramp:
             if stacks.tramp_used + rs.TRAMPOLINE_MAX > TRAMP_PAGE - MARK_SIZE:
@@ -251,4 +252,4 @@ class FastReturns:
         rp.nmissed += missed - seen.missed
         rp.nabandoned += abandoned - seen.abandoned
         seen.returns, seen.missed, seen.abandoned = returns, missed, abandoned
-        rp.note_durations(values[5:], total)
+        rp.note_hist(values[5:], total)
