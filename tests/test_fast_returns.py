@@ -324,3 +324,42 @@ def test_hist_of_return_values_aggregated_in_the_program_matches_the_traps(rets,
     # On the fast tier r20 caps each thread's nesting: exactly 20 of each 201-deep descent.
     capped = support.cli("hist", "-H", "-c", command, f"r20 rec ret=$retval:{kind}", "--key", "ret")
     assert histogram_total(capped.stdout) == 4 * 3 * 20, capped.stderr
+
+
+def test_exec_gives_the_new_image_its_own_shadow_stacks_and_trampolines(spawn, build, tmp_path):
+    """procs exec 25 40: work() 25 times, exec itself, work() 40 times: the return probe is
+    placed and optimized again in the new image, with new memory of its own (the old
+    image's addresses mean nothing there)."""
+    argv = [build("procs"), "exec", 25, 40]
+    read_end, write_end = os.pipe()
+    try:
+        proc, out = start(spawn, tmp_path, argv, stdin=read_end)
+    finally:
+        os.close(read_end)
+    try:
+        rp = Kretprobe(symbol="work", optimize=True)
+        proc.register_kretprobe(rp)
+        assert optimized(proc, rp)
+        while b"phase2 ready\n" not in out.read_bytes():
+            assert proc.run(timeout=0.05) is False
+        proc.run(timeout=0.2)  # the new image's sweep
+        assert optimized(proc, rp)  # in the new image
+    finally:
+        os.close(write_end)
+    run_to_exit(proc)
+    assert out.read_bytes() == support.reference_output(argv)
+    assert rp.nhit == 65 and rp.nmissed == 0 and rp.nabandoned == 0
+
+
+def test_vfork_children_return_through_the_parents_shadow_stack(spawn, build, tmp_path):
+    """procs vfork 15: two vfork children call work() in the parent's memory, on its
+    thread pointer and below its stack pointer: their frames come and go on the parent's
+    shadow stack, above its entries."""
+    argv = [build("procs"), "vfork", 15]
+    proc, out = start(spawn, tmp_path, argv)
+    rp = Kretprobe(symbol="work", optimize=True)
+    proc.register_kretprobe(rp)
+    assert optimized(proc, rp)
+    run_to_exit(proc)
+    assert out.read_bytes() == support.reference_output(argv)
+    assert rp.nmissed == 0 and rp.nabandoned == 0 and rp.nhit == rp.kp.nhit >= 30

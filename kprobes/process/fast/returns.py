@@ -96,6 +96,13 @@ class ReturnStacks:
     trampolines: dict[int, int] = field(default_factory=dict)  # site address → trampoline
     seen: dict[int, _Seen] = field(default_factory=dict)  # site address → its counters read
 
+    def forget(self) -> None:
+        """The address space was replaced (exec): none of it is there any more (in place:
+        the optimizer's ``FastReturns`` holds this object)."""
+        self.shadow = self.tramp_start = self.tramp_used = 0
+        self.trampolines.clear()
+        self.seen.clear()
+
     def tramp_range(self) -> tuple[int, int]:
         return self.tramp_start, self.tramp_start + TRAMP_PAGE
 

@@ -67,7 +67,7 @@ class JumpState:
             self.reader.drain()
             self.reader.forget()
         self.shield.forget()
-        self.returns = ReturnStacks()
+        self.returns.forget()
         self.sites.clear()
         self.areas.clear()
         self.pages.clear()
