@@ -363,3 +363,26 @@ def test_vfork_children_return_through_the_parents_shadow_stack(spawn, build, tm
     run_to_exit(proc)
     assert out.read_bytes() == support.reference_output(argv)
     assert rp.nmissed == 0 and rp.nabandoned == 0 and rp.nhit == rp.kp.nhit >= 30
+
+
+def test_a_return_probe_registered_again_counts_into_its_own_counters(spawn, build, tmp_path):
+    """optimized.c 2 1000 3: 2 threads call work() 1000 times a round. A return probe for
+    round 1, none for round 2, a new one for round 3: each counts its own round."""
+    from test_optimized import Run
+
+    run = Run(spawn, build("optimized"), tmp_path, 2, 1000, 3)
+    first = Kretprobe(symbol="work", optimize=True)
+    run.proc.register_kretprobe(first)
+    assert optimized(run.proc, first)
+    run.run_until("round 1")
+    run.proc.unregister_kretprobe(first)
+    run.next_round()
+    run.run_until("round 2")
+    again = Kretprobe(symbol="work", optimize=True)
+    run.proc.register_kretprobe(again)
+    assert optimized(run.proc, again)
+    run.next_round()
+    run.finish()
+    assert run.output() == run.reference()
+    assert first.nhit == first.kp.nhit == 2000
+    assert again.nhit == again.kp.nhit == 2000

@@ -337,7 +337,7 @@ class Optimizer:
         so.to(OptState.TRAP)
         # A return probe's live frames get their real return addresses back (a thread that
         # was inside the entry detour hooks its frame still: the trampoline stays valid).
-        tramp = self._state.returns.trampolines.get(site.addr, 0)
+        tramp = self._state.returns.current.get(site.addr, 0)
         if tramp:
             self._state.returns.unhook(self._tracer.threads.values(), only=tramp)
 

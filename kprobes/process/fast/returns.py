@@ -93,7 +93,10 @@ class ReturnStacks:
     shadow: int = 0  # the shadow stacks' mapping
     tramp_start: int = 0  # the trampolines' page
     tramp_used: int = 0
-    trampolines: dict[int, int] = field(default_factory=dict)  # site address → trampoline
+    # Trampolines by what their code holds: (site address, its counters, unit, value bits);
+    # the one each site's current detour writes (for ``unhook``).
+    trampolines: dict[tuple[int, int, int, int], int] = field(default_factory=dict)
+    current: dict[int, int] = field(default_factory=dict)
     seen: dict[int, _Seen] = field(default_factory=dict)  # site address → its counters read
 
     def forget(self) -> None:
@@ -101,6 +104,7 @@ class ReturnStacks:
         the optimizer's ``FastReturns`` holds this object)."""
         self.shadow = self.tramp_start = self.tramp_used = 0
         self.trampolines.clear()
+        self.current.clear()
         self.seen.clear()
 
     def tramp_range(self) -> tuple[int, int]:
@@ -181,14 +185,18 @@ class FastReturns:
         stacks = self._stacks
         self._ensure_memory(site.addr)
         cap = rs.CAPACITY if rp.maxactive <= 0 else min(rp.maxactive, rs.CAPACITY)
-        tramp = stacks.trampolines.get(site.addr, 0)
+        counters = area.counter_addr(so.counter)
+        # A probe registered again at the site has new counters: a new trampoline (the old
+        # one stays, for the frames still hooked to it).
+        key = (site.addr, counters, rp.duration_unit, rp.value_bits)
+        tramp = stacks.trampolines.get(key, 0)
         ret_site = rs.ReturnSite(
             shadow=stacks.shadow,
             trampoline=tramp or stacks.tramp_start + stacks.tramp_used,
             tramp_start=stacks.tramp_start,
             tramp_size=TRAMP_PAGE,
             trap_trampoline=self._tracer.trampoline.addr,
-            counters=area.counter_addr(so.counter),
+            counters=counters,
             cap=cap,
             thread_id=self._thread_id,
             value_bits=rp.value_bits,
@@ -199,9 +207,10 @@ class FastReturns:
             code = rs.build_trampoline(ret_site, max(1, tsc_mult() // max(1, rp.duration_unit)))
             for space in self._tracer.own_memories():
                 space.write(ret_site.trampoline, code)
-            stacks.trampolines[site.addr] = ret_site.trampoline
+            stacks.trampolines[key] = ret_site.trampoline
             stacks.tramp_used += rs.TRAMPOLINE_MAX
             stacks.seen[site.addr] = _Seen(*self._read(area, so)[1:4])
+        stacks.current[site.addr] = ret_site.trampoline
         return rs.RetEntryAction(ret_site)
 
     def unhook_action(self, site: ProbeSite, area: SharedArea, so: SiteOpt) -> Action:
