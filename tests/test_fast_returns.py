@@ -386,3 +386,12 @@ def test_a_return_probe_registered_again_counts_into_its_own_counters(spawn, bui
     assert run.output() == run.reference()
     assert first.nhit == first.kp.nhit == 2000
     assert again.nhit == again.kp.nhit == 2000
+
+
+def test_trace_of_a_return_says_its_events_are_made_at_traps(rets):
+    r = support.cli("trace", "-c", f"{rets} leaf 3", "r leaf")
+    assert r.returncode == 0, r.stderr
+    assert "r_leaf_0 uses a breakpoint: a return's event is made at a trap" in r.stderr
+    assert r.stdout.count("<- leaf)") == 3
+    quiet = support.cli("trace", "--no-optimize", "-c", f"{rets} leaf 3", "r leaf")
+    assert "uses a breakpoint" not in quiet.stderr  # no jump was asked for

@@ -89,6 +89,11 @@ class GrowingPool(InstancePool):
         return free.pop()
 
 
+_RETURN_EVENTS_AT_TRAPS = (
+    "a return's event is made at a trap (in the program: only latency, and hist -H of $retval)"
+)
+
+
 class PtraceBackend(Backend):
     """Our own kprobes, through ptrace, on the processes ``-p`` names or the command ``-c``
     starts. The first process drives the others: each other ``-p`` process is a member of
@@ -385,7 +390,8 @@ class PtraceBackend(Backend):
             proc.records.discard_records()
 
     def placement_notes(self) -> list[tuple[str, str]]:
-        """Entry probes that asked for a jump and keep their breakpoint: (name, why)."""
+        """Probes that asked for a jump and keep their breakpoint, and return probes that
+        make events (the program writes no record of a return yet): (name, why)."""
         if not self.optimize:
             return []
         notes: dict[str, str] = {}  # one a probe, whichever process it keeps it in
@@ -395,7 +401,10 @@ class PtraceBackend(Backend):
             listed = {entry.addr: entry for entry in tracer.proc.list()}
             for p in tracer.placed:
                 probe = p.probe
-                if isinstance(probe, Kretprobe) and probe.optimize:
+                if isinstance(probe, Kretprobe) and not probe.optimize and probe.addr:
+                    notes.setdefault(p.name, _RETURN_EVENTS_AT_TRAPS)
+                    continue
+                if isinstance(probe, Kretprobe):
                     probe = probe.kp  # its entry takes the jump, or keeps the int3
                 if isinstance(probe, Kprobe) and probe.optimize and probe.addr in listed:
                     entry = listed[probe.addr]
