@@ -395,3 +395,20 @@ def test_trace_of_a_return_says_its_events_are_made_at_traps(rets):
     assert r.stdout.count("<- leaf)") == 3
     quiet = support.cli("trace", "--no-optimize", "-c", f"{rets} leaf 3", "r leaf")
     assert "uses a breakpoint" not in quiet.stderr  # no jump was asked for
+
+
+def test_coroutines_switching_stacks_under_hooked_frames_return_home(spawn, rets, tmp_path):
+    """rets coro: coroutine A's 4 hooked frames (on the lower stack) are released as vanished
+    when B's co_work enters above them; A's returns find their addresses in the thread's
+    lost ring (the trap tier's ``Thread.lost``), uncounted, and the program runs on."""
+    rounds = 50
+    argv = [rets, "coro", rounds]
+    proc, out = start(spawn, tmp_path, argv)
+    rp = Kretprobe(symbol="co_work", optimize=True)
+    proc.register_kretprobe(rp)
+    assert optimized(proc, rp)
+    run_to_exit(proc)
+    assert out.read_bytes() == support.reference_output(argv)
+    assert out.read_bytes() == f"coro a={4 * rounds} b={4 * rounds}\n".encode()
+    assert rp.kp.nhit == 8 * rounds
+    assert rp.nhit == 4 * rounds and rp.nabandoned == 4 * rounds  # B's counted, A's released

@@ -9,6 +9,9 @@
  *   rets fork          forker() forks inside; both processes return from it
  *   rets block D       rec_block(D): at the bottom it reads a line from stdin, then returns
  *   rets waitblock D   reads a line from stdin first, then as block; then rec(D) once more
+ *   rets coro N        N rounds of two coroutines (swapcontext) on stacks of their own: A
+ *                      calls co_work(3), which at its bottom switches to B; B calls
+ *                      co_work(3) to its end and switches back; A's frames return
  *   rets signals N     rec(5) N times while a 1 ms interval timer's handler calls rec(3);
  *                      prints the main loop's sum and whether every handler's result was right
  */
@@ -19,6 +22,7 @@
 #include <signal.h>
 #include <string.h>
 #include <sys/time.h>
+#include <ucontext.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -58,6 +62,38 @@ __attribute__((noinline)) long rec_block(long n)
 		return fgets(line, sizeof line, stdin) ? 1 : 0;
 	}
 	return n + rec_block(n - 1);
+}
+
+static ucontext_t main_ctx, ctx_a, ctx_b;
+static char co_stacks[2][65536] __attribute__((aligned(16))); /* A's below B's */
+static long co_a, co_b;
+
+__attribute__((noinline)) long co_work(long n, long who)
+{
+	SINK_ADD(n);
+	if (n == 0) {
+		if (who == 0)
+			swapcontext(&ctx_a, &ctx_b);
+		return 1;
+	}
+	return co_work(n - 1, who) + 1;
+}
+
+static void run_a(void) { co_a += co_work(3, 0); }
+
+static void run_b(void)
+{
+	co_b += co_work(3, 1);
+	swapcontext(&ctx_b, &ctx_a);
+}
+
+static void make(ucontext_t *ctx, char *stack, void (*fn)(void))
+{
+	getcontext(ctx);
+	ctx->uc_stack.ss_sp = stack;
+	ctx->uc_stack.ss_size = sizeof co_stacks[0];
+	ctx->uc_link = &main_ctx;
+	makecontext(ctx, fn, 0);
 }
 
 static volatile long handler_calls, handler_bad;
@@ -141,6 +177,13 @@ int main(int argc, char **argv)
 		printf("threads total=%ld\n", total);
 	} else if (!strcmp(mode, "block")) {
 		printf("block=%ld\n", rec_block(n));
+	} else if (!strcmp(mode, "coro")) {
+		for (long i = 0; i < n; i++) {
+			make(&ctx_a, co_stacks[0], run_a);
+			make(&ctx_b, co_stacks[1], run_b);
+			swapcontext(&main_ctx, &ctx_a);
+		}
+		printf("coro a=%ld b=%ld\n", co_a, co_b);
 	} else if (!strcmp(mode, "signals")) {
 		struct sigaction sa = {.sa_handler = on_alarm, .sa_flags = SA_RESTART};
 		sigaction(SIGALRM, &sa, NULL);

@@ -56,13 +56,20 @@ PAGE: Final = 4096
 T_OWNER: Final = 0  # the thread pointer, 0 while free
 T_DEPTH: Final = 8
 T_BUSY: Final = 16
+T_LOST_NEXT: Final = 24  # how many entries were ever released (the ring's next place)
 T_ENTRIES: Final = 64
 # An entry: where the call returns to, its return slot, its entry time.
 E_RET: Final = 0
 E_STACK: Final = 8
 E_TSC: Final = 16
 ENTRY: Final = 32
-SLOT_STRIDE: Final = (T_ENTRIES + CAPACITY * ENTRY + PAGE - 1) & ~(PAGE - 1)
+# Then the released entries' (return slot, return address), the last LOST_MAX, so that a
+# frame released wrongly (a stack switched under it: coroutines, a signal stack above the
+# thread's) still finds its way home, as the trap tier's ``Thread.lost`` does.
+T_LOST: Final = T_ENTRIES + CAPACITY * ENTRY
+LOST_MAX: Final = 64
+LOST: Final = 16
+SLOT_STRIDE: Final = (T_LOST + LOST_MAX * LOST + PAGE - 1) & ~(PAGE - 1)
 SHADOW_SIZE: Final = NTHREADS * SLOT_STRIDE
 _HASH: Final = 0x61C88647  # Fibonacci hashing, an imm32
 
@@ -183,6 +190,23 @@ def _emit_top(block: Block) -> None:
     block.add(Instruction.create_reg_mem(Code.LEA_R64_M, R10, at(RAX, T_ENTRIES - ENTRY)))
 
 
+def _emit_release(block: Block, site: ReturnSite) -> None:
+    """The newest entry (r10, at depth rsi) is released: remembered in the lost ring, the
+    depth one less, counted. Clobbers rcx, rdx, r11."""
+    block.add(mov_load(RCX, RDI, T_LOST_NEXT))
+    block.add(Instruction.create_reg_mem(Code.LEA_R64_M, RDX, at(RCX, 1)))
+    block.add(mov_store(RDI, T_LOST_NEXT, RDX))
+    block.add(Instruction.create_reg_u32(Code.AND_RM32_IMM32, Register.ECX, LOST_MAX - 1))
+    block.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, RCX, 4))  # * LOST
+    block.add(Instruction.create_reg_reg(Code.ADD_R64_RM64, RCX, RDI))
+    block.add(mov_load(RDX, R10, E_STACK))
+    block.add(mov_store(RCX, T_LOST, RDX))
+    block.add(mov_load(RDX, R10, E_RET))
+    block.add(mov_store(RCX, T_LOST + 8, RDX))
+    block.add(Instruction.create_reg(Code.DEC_RM64, RSI))
+    _counter(block, site, C_ABANDONED, R11)
+
+
 def _emit_newest_vs_slot(block: Block, empty: str) -> None:
     """The newest entry (r10, see ``_emit_top``) or a jump to ``empty`` if depth rsi is 0;
     then its return slot compared with r8 (the flags say which is above)."""
@@ -234,8 +258,7 @@ class RetEntryAction:
             block.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, R9, RAX))
             block.branch(Code.JE_REL32_64, "push")  # chained to the trap tier's
         block.label("drop")
-        block.add(Instruction.create_reg(Code.DEC_RM64, RSI))
-        _counter(block, site, C_ABANDONED, R11)
+        _emit_release(block, site)
         block.branch(Code.JMP_REL32_64, "release")
         # Step 4: a new entry if the cap allows: its fields, the depth, then the hook.
         block.label("push")
@@ -295,7 +318,7 @@ def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     for reg in _SAVED:
         b.add(Instruction.create_reg(Code.PUSH_R64, reg))
     # Step 2: the thread's stack; r8 = the return slot R, rsi = the depth.
-    _emit_find(b, site, claim=False, missing="lost")
+    _emit_find(b, site, claim=False, missing="nowhere")
     b.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDI, T_BUSY), 1))
     b.add(Instruction.create_reg_mem(Code.LEA_R64_M, R8, at(Register.RSP, 8 * nsaved)))
     b.add(mov_load(RSI, RDI, T_DEPTH))
@@ -304,8 +327,7 @@ def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     _emit_newest_vs_slot(b, "lost")
     b.branch(Code.JE_REL32_64, "match")
     b.branch(Code.JA_REL32_64, "lost")
-    b.add(Instruction.create_reg(Code.DEC_RM64, RSI))
-    _counter(b, site, C_ABANDONED, R11)
+    _emit_release(b, site)
     b.branch(Code.JMP_REL32_64, "pop")
     b.label("match")
     b.add(Instruction.create_reg(Code.DEC_RM64, RSI))
@@ -321,18 +343,46 @@ def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     b.add(Instruction.create_reg_reg(Code.BSR_R64_RM64, RCX, RAX))
     hist = MemoryOperand(R11, RCX, 8, C_HIST + 8, 1)  # slot bsr + 1: bcc's bit length
     b.add(Instruction.create_mem(Code.INC_RM64, hist), lock=True)
+    b.label("home")
     b.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDI, T_BUSY), 0))
     # Step 5: the registers back, and home.
     for reg in reversed(_SAVED):
         b.add(Instruction.create_reg(Code.POP_R64, reg))
     b.add(Instruction.create(Code.RETNQ))
-    # No entry for this return: where it should go is unknown. Stop rather than guess.
-    b.label("lost")
-    b.add(Instruction.create(Code.INT3))
+    _emit_lost(b)
     code = b.encode(site.trampoline)
     if len(code) > TRAMPOLINE_MAX:
         raise InternalError(f"a trampoline of {len(code)} bytes")
     return code
+
+
+def _emit_lost(b: Block) -> None:
+    """No live entry at R: a frame released wrongly (its stack was switched under it) finds
+    its return address in the lost ring (taken out, not counted); none there, or no slot
+    for the thread at all: where it should go is unknown. Stop rather than guess."""
+    b.label("lost")
+    b.add(mov_store(RDI, T_DEPTH, RSI))
+    b.add(mov_load(RCX, RDI, T_LOST_NEXT))
+    b.add(Instruction.create_reg_u32(Code.MOV_R32_IMM32, Register.R9D, LOST_MAX))
+    b.label("search")  # newest first: an older release of the same slot is a dead frame's
+    b.add(Instruction.create_reg(Code.DEC_RM64, RCX))
+    b.add(Instruction.create_reg_reg(Code.MOV_R64_RM64, RDX, RCX))
+    b.add(Instruction.create_reg_u32(Code.AND_RM32_IMM32, Register.EDX, LOST_MAX - 1))
+    b.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, RDX, 4))  # * LOST
+    b.add(Instruction.create_reg_reg(Code.ADD_R64_RM64, RDX, RDI))
+    b.add(mov_load(RAX, RDX, T_LOST))
+    b.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, RAX, R8))
+    b.branch(Code.JE_REL32_64, "recovered")
+    b.add(Instruction.create_reg(Code.DEC_RM32, Register.R9D))
+    b.branch(Code.JNE_REL32_64, "search")
+    b.branch(Code.JMP_REL32_64, "nowhere")
+    b.label("recovered")
+    b.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDX, T_LOST), 0))
+    b.add(mov_load(RAX, RDX, T_LOST + 8))
+    b.add(mov_store(R8, 0, RAX))
+    b.branch(Code.JMP_REL32_64, "home")
+    b.label("nowhere")
+    b.add(Instruction.create(Code.INT3))
 
 
 @dataclass(frozen=True, slots=True)

@@ -125,14 +125,21 @@ class ReturnStacks:
                 slot = _find_slot(t.tracee, self.shadow, fs_base)
                 if slot is None:
                     continue
-                depth = _Q.unpack(t.tracee.read(slot + rs.T_DEPTH, 8))[0]
+                depth = min(_Q.unpack(t.tracee.read(slot + rs.T_DEPTH, 8))[0], rs.CAPACITY)
                 raw = t.tracee.read(slot + rs.T_ENTRIES, depth * rs.ENTRY) if depth else b""
+                lost = t.tracee.read(slot + rs.T_LOST, rs.LOST_MAX * rs.LOST)
             except (TargetError, ProcessLookupError):
                 continue
             # Newest first: in a tail-call chain the newer entry's "return address" is the
-            # older one's trampoline, then the older one puts the real address.
-            for i in reversed(range(min(depth, rs.CAPACITY))):
-                ret, stack = _Q2.unpack_from(raw, i * rs.ENTRY)
+            # older one's trampoline, then the older one puts the real address. Then the
+            # released frames that may still be live (the lost ring, rs.T_LOST).
+            pairs = [_Q2.unpack_from(raw, i * rs.ENTRY) for i in reversed(range(depth))]
+            pairs += [
+                (ret, stack)
+                for stack, ret in (_Q2.unpack_from(lost, i * rs.LOST) for i in range(rs.LOST_MAX))
+                if stack
+            ]
+            for ret, stack in pairs:
                 try:
                     now = t.tracee.read_word(stack)
                 except TargetError:
