@@ -40,14 +40,24 @@ def optimized(proc: Any, rp: Kretprobe) -> bool:
     return "[OPTIMIZED]" in str(entry)
 
 
+def probed_run(
+    spawn: Any, tmp_path: Path, argv: list[Any], *symbols: str, **kw: Any
+) -> list[Kretprobe]:
+    """``argv`` run to its end under an optimized return probe on each of ``symbols`` (each
+    checked ``[OPTIMIZED]``); its output must be an unprobed run's."""
+    proc, out = start(spawn, tmp_path, argv)
+    rps = [Kretprobe(symbol=symbol, optimize=True, **kw) for symbol in symbols]
+    proc.register_kretprobes(rps)
+    for rp in rps:
+        assert optimized(proc, rp)
+    run_to_exit(proc, timeout=300)
+    assert out.read_bytes() == support.reference_output(argv)
+    return rps
+
+
 def test_deep_recursion_counts_every_return_in_the_program(spawn, rets, tmp_path):
     depth = 10_000  # the kernel's uretprobes drop returns nested deeper than 64
-    proc, out = start(spawn, tmp_path, [rets, "rec", depth])
-    rp = Kretprobe(symbol="rec", optimize=True)
-    proc.register_kretprobe(rp)
-    assert optimized(proc, rp)
-    run_to_exit(proc)
-    assert out.read_bytes() == f"rec={depth * (depth + 1) // 2}\n".encode()
+    (rp,) = probed_run(spawn, tmp_path, [rets, "rec", depth], "rec")
     assert rp.nhit == depth + 1 and rp.nmissed == 0 and rp.nabandoned == 0
     assert rp.kp.nhit == depth + 1  # every entry, by the detour: no trap
     assert sum(rp.hist_slots) == depth + 1
@@ -55,13 +65,7 @@ def test_deep_recursion_counts_every_return_in_the_program(spawn, rets, tmp_path
 
 def test_threads_recursing_10000_deep_count_every_return(spawn, rets, tmp_path):
     threads, calls, depth = 8, 2, 10_000
-    argv = [rets, "threads", threads, calls, depth]
-    proc, out = start(spawn, tmp_path, argv)
-    rp = Kretprobe(symbol="rec", optimize=True)
-    proc.register_kretprobe(rp)
-    assert optimized(proc, rp)
-    run_to_exit(proc, timeout=300)
-    assert out.read_bytes() == support.reference_output(argv)
+    (rp,) = probed_run(spawn, tmp_path, [rets, "threads", threads, calls, depth], "rec")
     total = threads * calls * (depth + 1)
     assert rp.nhit == total and rp.nmissed == 0 and rp.nabandoned == 0
     assert rp.kp.nhit == total
@@ -69,12 +73,7 @@ def test_threads_recursing_10000_deep_count_every_return(spawn, rets, tmp_path):
 
 def test_maxactive_caps_each_threads_nesting(spawn, rets, tmp_path):
     depth = 30
-    proc, out = start(spawn, tmp_path, [rets, "rec", depth])
-    rp = Kretprobe(symbol="rec", optimize=True, maxactive=10)
-    proc.register_kretprobe(rp)
-    assert optimized(proc, rp)
-    run_to_exit(proc)
-    assert out.read_bytes() == f"rec={depth * (depth + 1) // 2}\n".encode()
+    (rp,) = probed_run(spawn, tmp_path, [rets, "rec", depth], "rec", maxactive=10)
     assert rp.nhit == 10 and rp.nmissed == depth + 1 - 10
 
 
@@ -92,13 +91,7 @@ def test_tail_call_chains_both_trampolines_to_the_real_caller(spawn, rets, tmp_p
 
 def test_longjmp_releases_vanished_frames_and_never_mispairs(spawn, rets, tmp_path):
     rounds = 5
-    proc, out = start(spawn, tmp_path, [rets, "longjmp", rounds])
-    deep = Kretprobe(symbol="deep", optimize=True)
-    leaf = Kretprobe(symbol="leaf", optimize=True)
-    proc.register_kretprobes([deep, leaf])
-    assert optimized(proc, deep) and optimized(proc, leaf)
-    run_to_exit(proc)
-    assert out.read_bytes() == support.reference_output([rets, "longjmp", rounds])
+    deep, leaf = probed_run(spawn, tmp_path, [rets, "longjmp", rounds], "deep", "leaf")
     # deep(6)..deep(0) never return: 7 frames a round, released by the next entry (the
     # last round's by leaf's), each counted once by the probe whose entry found it.
     assert deep.nhit == 0 and leaf.nhit == 1
@@ -121,15 +114,8 @@ def test_forked_child_returns_through_its_own_copy_of_the_shadow_stack(spawn, re
 def test_cxx_exceptions_through_optimized_return_probes(spawn, build, tmp_path):
     prog = build("rets_cxx")
     n = 8
-    proc, out = start(spawn, tmp_path, [prog, n])
-    probes = {
-        name: Kretprobe(symbol=name, optimize=True) for name in ("catcher", "thrower", "leaf")
-    }
-    proc.register_kretprobes(list(probes.values()))
-    for rp in probes.values():
-        assert optimized(proc, rp)
-    run_to_exit(proc)
-    assert out.read_bytes() == support.reference_output([prog, n])
+    names = ("catcher", "thrower", "leaf")
+    probes = dict(zip(names, probed_run(spawn, tmp_path, [prog, n], *names), strict=True))
     # The unwinder's guard puts the real return address back in every hooked frame of the
     # throwing thread: thrower's 6 frames a round are released, never reported; catcher
     # returns unhooked (its entry is released by the next round's). Every leaf() call
@@ -278,13 +264,7 @@ def test_threads_coming_and_going_are_each_counted(spawn, build, tmp_path):
     glibc gives a joined thread's stack and thread pointer to the next one, which finds its
     slot again), every call of ``hot`` returned through the trampoline."""
     rounds, threads, calls = 100, 8, 50
-    argv = [build("churn"), rounds, threads, calls]
-    proc, out = start(spawn, tmp_path, argv)
-    rp = Kretprobe(symbol="hot", optimize=True)
-    proc.register_kretprobe(rp)
-    assert optimized(proc, rp)
-    run_to_exit(proc)
-    assert out.read_bytes() == support.reference_output(argv)
+    (rp,) = probed_run(spawn, tmp_path, [build("churn"), rounds, threads, calls], "hot")
     n = rounds * threads * calls
     assert rp.kp.nhit == n and rp.nhit == n and rp.nmissed == 0 and rp.nabandoned == 0
 
@@ -294,13 +274,7 @@ def test_signal_handlers_calling_the_probed_function_are_never_mispaired(spawn, 
     interrupts an entry or a return in the middle of its shadow stack is not hooked (a miss),
     every other call is; the program's results stay right."""
     n = 2_000_000
-    argv = [rets, "signals", n]
-    proc, out = start(spawn, tmp_path, argv)
-    rp = Kretprobe(symbol="rec", optimize=True)
-    proc.register_kretprobe(rp)
-    assert optimized(proc, rp)
-    run_to_exit(proc)
-    assert out.read_bytes() == support.reference_output(argv)
+    (rp,) = probed_run(spawn, tmp_path, [rets, "signals", n], "rec")
     assert rp.nabandoned == 0
     assert rp.nhit + rp.nmissed == rp.kp.nhit  # each entry hooked and returned, or missed
     assert rp.kp.nhit >= 6 * n
@@ -355,13 +329,7 @@ def test_vfork_children_return_through_the_parents_shadow_stack(spawn, build, tm
     """procs vfork 15: two vfork children call work() in the parent's memory, on its
     thread pointer and below its stack pointer: their frames come and go on the parent's
     shadow stack, above its entries."""
-    argv = [build("procs"), "vfork", 15]
-    proc, out = start(spawn, tmp_path, argv)
-    rp = Kretprobe(symbol="work", optimize=True)
-    proc.register_kretprobe(rp)
-    assert optimized(proc, rp)
-    run_to_exit(proc)
-    assert out.read_bytes() == support.reference_output(argv)
+    (rp,) = probed_run(spawn, tmp_path, [build("procs"), "vfork", 15], "work")
     assert rp.nmissed == 0 and rp.nabandoned == 0 and rp.nhit == rp.kp.nhit >= 30
 
 
@@ -402,13 +370,9 @@ def test_coroutines_switching_stacks_under_hooked_frames_return_home(spawn, rets
     when B's co_work enters above them; A's returns find their addresses in the thread's
     lost ring (the trap tier's ``Thread.lost``), uncounted, and the program runs on."""
     rounds = 50
-    argv = [rets, "coro", rounds]
-    proc, out = start(spawn, tmp_path, argv)
-    rp = Kretprobe(symbol="co_work", optimize=True)
-    proc.register_kretprobe(rp)
-    assert optimized(proc, rp)
-    run_to_exit(proc)
-    assert out.read_bytes() == support.reference_output(argv)
-    assert out.read_bytes() == f"coro a={4 * rounds} b={4 * rounds}\n".encode()
+    (rp,) = probed_run(spawn, tmp_path, [rets, "coro", rounds], "co_work")
+    assert support.reference_output([rets, "coro", rounds]) == (
+        f"coro a={4 * rounds} b={4 * rounds}\n".encode()
+    )
     assert rp.kp.nhit == 8 * rounds
     assert rp.nhit == 4 * rounds and rp.nabandoned == 4 * rounds  # B's counted, A's released
