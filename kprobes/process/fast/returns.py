@@ -121,14 +121,15 @@ class ReturnStacks:
         done = 0
         for t in threads:
             try:
-                fs_base = t.load_regs().fs_base
+                # A thread in a handler has its view loaded, maybe changed: not reloaded.
+                fs_base = (t.regs if t.busy or t.regs.dirty else t.load_regs()).fs_base
                 slot = _find_slot(t.tracee, self.shadow, fs_base)
                 if slot is None:
                     continue
                 depth = min(_Q.unpack(t.tracee.read(slot + rs.T_DEPTH, 8))[0], rs.CAPACITY)
                 raw = t.tracee.read(slot + rs.T_ENTRIES, depth * rs.ENTRY) if depth else b""
                 lost = t.tracee.read(slot + rs.T_LOST, rs.LOST_MAX * rs.LOST)
-            except (TargetError, ProcessLookupError):
+            except (TargetError, OSError):
                 continue
             # Newest first: in a tail-call chain the newer entry's "return address" is the
             # older one's trampoline, then the older one puts the real address. Then the
