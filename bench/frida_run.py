@@ -4,8 +4,10 @@ Spawns TARGET (its stdout, with its own ``ns_per_call=`` line, is ours), hooks F
 instruction with Frida's Interceptor, counting each call in the program, and prints
 ``hits=<n>`` after the program has run. MODE is ``js`` (an ``onEnter`` written in JavaScript,
 what most Frida users write) or ``cmodule`` (a C ``onEnter`` compiled in the program by
-Frida's TinyCC, its fastest handler). The count is read in a hook on ``exit``: the host
-answers before the program may go on, so the figure never races the program's end.
+Frida's TinyCC, its fastest handler); ``js-leave`` and ``cmodule-leave`` count in
+``onLeave`` instead (a return probe: Frida hooks the return through its own shadow
+stack). The count is read in a hook on ``exit``: the host answers before the program may
+go on, so the figure never races the program's end.
 """
 
 from __future__ import annotations
@@ -46,7 +48,13 @@ Interceptor.attach(Module.getGlobalExportByName('exit'), {
 
 def main() -> int:
     mode, target, func, calls = sys.argv[1:5]
-    source = f"const FUNC = {func!r};" + _COMMON + (_JS if mode == "js" else _CMODULE)
+    body = _JS if mode.startswith("js") else _CMODULE
+    if mode.endswith("-leave"):
+        body = body.replace("onEnter() { hits++; }", "onLeave() { hits++; }")
+        body = body.replace(
+            "void onEnter(GumInvocationContext", "void onLeave(GumInvocationContext"
+        )
+    source = f"const FUNC = {func!r};" + _COMMON + body
     device = frida.get_local_device()
     pid = device.spawn([target, func, calls])
     session = device.attach(pid)

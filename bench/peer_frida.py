@@ -59,6 +59,26 @@ class FridaPeer(Peer):
                 quick_calls=2_000,
                 variant="cmodule",
             ),
+            # Return probes (issue 20): Frida's onLeave, its own shadow stack, beside the
+            # kernel's uretprobe and ours.
+            Row(
+                peer=self.name,
+                key="frida-js-leave",
+                label="Frida 17, JavaScript onLeave (in-process hook)",
+                func="work_push",
+                calls=200_000,
+                quick_calls=2_000,
+                variant="js-leave",
+            ),
+            Row(
+                peer=self.name,
+                key="frida-cmodule-leave",
+                label="Frida 17, CModule onLeave (in-process hook)",
+                func="work_push",
+                calls=500_000,
+                quick_calls=2_000,
+                variant="cmodule-leave",
+            ),
         ]
 
     def unavailable(self) -> str | None:

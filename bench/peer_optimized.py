@@ -16,6 +16,12 @@ What runs per hit, and what is checked after each run:
   thread's ``i`` increasing and in range, and summing to 0 + ... + N-1 when none was dropped.
 - **trace CLI**: ``kprobes trace -c PROGRAM 'p work_push i=%di'``, the events written to
   /dev/null; the summary's events + dropped = its hits = N.
+- **return** (issue 20): ``Kretprobe(optimize=True)``, entry and return in the program (the
+  shadow stack, the trampoline, the call timed into the log2 histogram); ``nhit`` (returns)
+  = the entry's hits = N, none missed. Beside it: the kernel's uretprobe (``uprobes-r-push``)
+  and our trap tier's (``kprobes-r-push``).
+- **latency CLI**: ``kprobes latency -c PROGRAM work_push``, the histogram timed in the
+  program; its count = N.
 - **detour floor**: ``detour_floor count``, ``record`` or ``record-cold``, the hand-written
   detours; the counter, or the records walked in the ring (each committed) and their
   arguments' sum.
@@ -30,7 +36,7 @@ the program faulted in when the probe went in (process/fast/memory.py, ``fault_i
 as the floor's ``record`` rows, not its ``record-cold`` ones. The harness runs this
 module as a separate process (so that it can be pinned)::
 
-    python -m bench.peer_optimized count|record|cli FUNC PROGRAM [ARGS...]
+    python -m bench.peer_optimized count|record|ret|cli|latency FUNC PROGRAM [ARGS...]
 
 which prints the program's output, then ``hits=`` and the other fields the runner checks; any
 failure is one ``error:`` line on stderr and exit status 3.
@@ -96,6 +102,31 @@ OURS: tuple[tuple[str, str, str, int, int, int], ...] = (
         4,
         500_000,
         2_000,
+    ),
+    (
+        "optimized-ret",
+        "kprobes, optimized kretprobe (shadow stack + trampoline, timed into a histogram)",
+        "ret",
+        1,
+        10_000_000,
+        20_000,
+    ),
+    (
+        "optimized-ret-4t",
+        "kprobes, optimized kretprobe, 4 threads (CPU time)",
+        "ret",
+        4,
+        10_000_000,
+        20_000,
+    ),
+    ("optimized-latency", "kprobes latency work_push (CLI)", "latency", 1, 10_000_000, 20_000),
+    (
+        "optimized-latency-4t",
+        "kprobes latency work_push (CLI), 4 threads (CPU time)",
+        "latency",
+        4,
+        10_000_000,
+        20_000,
     ),
 )
 FLOORS: tuple[tuple[str, str, str, int, int, int], ...] = (
@@ -187,7 +218,7 @@ class OptimizedRunner:
         outcome = hits_from_fields(stdout)
         info = outcome.info
         nhit = _int(info, "nhit")
-        if self.mode == "count":
+        if self.mode in ("count", "ret", "latency"):
             if nhit != outcome.hits:
                 raise RunError(f"hits={outcome.hits} but nhit={nhit}")
             return outcome
@@ -269,11 +300,17 @@ def run_api(mode: str, func: str, argv: list[str]) -> list[str]:
 
     with tempfile.TemporaryFile() as out:
         with kprobes.spawn(argv, stdout=out) as proc:
-            if mode == "count":
+            rp: kprobes.Kretprobe | None = None
+            if mode == "ret":
+                rp = kprobes.Kretprobe(symbol=func, optimize=True)
+                kp = rp.kp
+                proc.register_kretprobe(rp)
+            elif mode == "count":
                 kp = kprobes.Kprobe(symbol=func, optimize=True)
+                proc.register_kprobe(kp)
             else:
                 kp = kprobes.Kprobe(symbol=func, optimize=True, async_handler=on_hit, args=ARGS)
-            proc.register_kprobe(kp)
+                proc.register_kprobe(kp)
             (entry,) = proc.list()
             if not entry.is_optimized:
                 raise RuntimeError(f"not optimized: {entry.why_not_optimized}")
@@ -285,6 +322,10 @@ def run_api(mode: str, func: str, argv: list[str]) -> list[str]:
         sys.stdout.flush()
         shutil.copyfileobj(out, sys.stdout.buffer)
     sys.stdout.buffer.flush()
+    if rp is not None:
+        if rp.nmissed or rp.nabandoned:
+            raise RuntimeError(f"{rp.nmissed} missed, {rp.nabandoned} abandoned")
+        return [f"hits={rp.nhit}", f"nhit={kp.nhit}"]
     if mode == "count":
         return [f"hits={kp.nhit}", f"nhit={kp.nhit}"]
     return [
@@ -297,13 +338,17 @@ def run_api(mode: str, func: str, argv: list[str]) -> list[str]:
     ]
 
 
-def run_cli(func: str, argv: list[str]) -> list[str]:
-    """``kprobes trace -c 'ARGV' 'p FUNC i=%di'`` as the ``kprobes`` script runs it, its
-    events written to /dev/null. The program's output goes to our file descriptor 1 (only
-    Python's ``sys.stdout`` is replaced), its summary is read from what it wrote to stderr."""
+def run_cli(func: str, argv: list[str], *, latency: bool = False) -> list[str]:
+    """``kprobes trace -c 'ARGV' 'p FUNC i=%di'`` (or ``kprobes latency -c 'ARGV' FUNC``) as
+    the ``kprobes`` script runs it, its output written to /dev/null. The program's output
+    goes to our file descriptor 1 (only Python's ``sys.stdout`` is replaced), its summary is
+    read from what it wrote to stderr."""
     from kprobes.cli.main import main as kprobes_main
 
-    command = ["trace", "-c", shlex.join(argv), f"p {func} {ARGS}"]
+    if latency:
+        command = ["latency", "-c", shlex.join(argv), func]
+    else:
+        command = ["trace", "-c", shlex.join(argv), f"p {func} {ARGS}"]
     err = io.StringIO()
     with (
         open(os.devnull, "w") as null,
@@ -328,7 +373,10 @@ def run_cli(func: str, argv: list[str]) -> list[str]:
 def main(args: list[str]) -> int:
     mode, func, argv = args[0], args[1], args[2:]
     try:
-        lines = run_cli(func, argv) if mode == "cli" else run_api(mode, func, argv)
+        if mode in ("cli", "latency"):
+            lines = run_cli(func, argv, latency=mode == "latency")
+        else:
+            lines = run_api(mode, func, argv)
     except Exception as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 3

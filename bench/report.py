@@ -391,9 +391,13 @@ def render(results: list[RowResult], runs: int, versions: list[str]) -> str:
             "of 4 threads against a peer's row of 4 threads only):"
         )
         parts.append(ratio)
-    from bench.report_optimized import optimized_section  # it builds on this module
+    from bench.report_optimized import (  # it builds on this module
+        optimized_section,
+        returns_section,
+    )
 
     parts.extend(optimized_section(results))
+    parts.extend(returns_section(results))
     notation = notation_table(results)
     if notation is not None:
         parts.append(

@@ -6,6 +6,10 @@ argument at most 0.25 times. Each of our optimized rows is set beside the uprobe
 hand-written detour (``detour_floor.c``) of the same run, with as many threads, in both
 placements, and the goal is judged on each: met only where the ratio (and the bound in ns)
 holds. A row that is missing, failed or miscounted judges nothing.
+
+Issue 20 sets the return probes' against the kernel's uretprobe on the same site: entry and
+return together at most 0.25 times its cost per call, aiming at 50 ns; Frida's ``onLeave``
+(its fastest, a CModule) is set beside them (``returns_section``).
 """
 
 from __future__ import annotations
@@ -113,6 +117,56 @@ def optimized_table(results: list[RowResult]) -> str | None:
         "verdict",
     ]
     return _table(header, lines)
+
+
+RETURN = "entry + return ≤ 0.25x uretprobe (aim ≤ 50 ns)"
+# (ours, the kernel's uretprobe on the same site): the kernel's has no 4-thread row.
+RETURN_ROWS: tuple[tuple[str, str], ...] = (
+    ("optimized-ret", "uprobes-r-push"),
+    ("optimized-ret-4t", "uprobes-r-push"),
+    ("optimized-latency", "uprobes-r-push"),
+    ("optimized-latency-4t", "uprobes-r-push"),
+)
+
+
+def returns_section(results: list[RowResult]) -> list[str]:
+    """Issue 20's table: our optimized return rows beside the kernel's uretprobe and
+    Frida's CModule ``onLeave``, the goal judged (on the ratio alone)."""
+    by_key = {r.row.key: r for r in results}
+    frida = _overheads(by_key.get("frida-cmodule-leave"))
+    lines = []
+    for key, uretprobe_key in RETURN_ROWS:
+        ours = by_key.get(key)
+        if ours is None:
+            continue
+        mine, uretprobe = _overheads(ours), _overheads(by_key.get(uretprobe_key))
+        goal = Goal(key, "", None, uretprobe_key, 0.25, None, RETURN)
+        lines.append(
+            [
+                ours.row.label,
+                " / ".join("—" if v is None else format_ns(v) for v in mine),
+                _ratios(mine, uretprobe),
+                _ratios(mine, frida),
+                RETURN,
+                " / ".join(verdict(goal, m, u) for m, u in zip(mine, uretprobe, strict=True)),
+            ]
+        )
+    if not lines:
+        return []
+    header = [
+        "optimized return probe (pinned / unpinned)",
+        "overhead",
+        "÷ kernel uretprobe (1 thread)",
+        "÷ Frida CModule onLeave",
+        "issue 20's goal",
+        "verdict",
+    ]
+    intro = (
+        "Optimized return probes (issue 20): entry and return per call, pinned / unpinned "
+        "medians, against the kernel's uretprobe on the same site (single-threaded: the "
+        "kernel's row has no 4-thread variant) and Frida's CModule onLeave."
+    )
+    return [intro, _table(header, lines)]
 
 
 def optimized_section(results: list[RowResult]) -> list[str]:

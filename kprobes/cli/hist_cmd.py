@@ -14,12 +14,24 @@ import sys
 from datetime import datetime
 from typing import Any
 
-from kprobes.cli.session import Session, add_common_arguments, add_interval_argument, parse_spec
+from kprobes.cli.session import (
+    Session,
+    add_common_arguments,
+    add_interval_argument,
+    parse_spec,
+    take_program_hist,
+)
 from kprobes.errors import SpecError
 from kprobes.model import Event
 from kprobes.output.argtypes import format_value
 from kprobes.output.counts import FrequencyTable, format_interval_header
 from kprobes.output.hist import Log2Histogram
+from kprobes.spec import ProbeSpec
+from kprobes.spec.types import ReturnValue
+
+# The types of $retval whose value is the register's low bits as they are, as the program
+# aggregates them (a signed 32-bit value would be negative in an event).
+_RETVAL_BITS = {"u64": 64, "x64": 64, "s64": 64, "u32": 32, "x32": 32}
 
 
 def add_parser(sub: Any, help: str) -> None:
@@ -46,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     if args.log2 and (ftype.is_string or ftype.is_array):
         raise SpecError(f"--key {args.key}: -H needs a number, not {ftype.name}", column=0)
     type_text = ftype.name if ftype.count is None else f"{ftype.name}[{ftype.count}]"
+    args.retval_bits = _retval_bits(args, spec)
     session = Session(args, [spec])
     session.verb = "counted"
     table = FrequencyTable()
@@ -63,8 +76,13 @@ def run(args: argparse.Namespace) -> int:
         else:
             table.add(format_value(type_text, value))
 
+    aggregated: dict[int, tuple[tuple[int, ...], int]] = {}  # the program's, shown
+
     def show(when: datetime | None) -> None:
         """The table (under the interval's time, with -i), reset."""
+        slots, _ = take_program_hist(session.placed, aggregated)  # the optimized tier's
+        hist.add_slots(slots)
+        session.events += sum(slots)  # each return aggregated is an event counted
         out = sys.stdout
         if when is not None:
             out.write(format_interval_header(when, brackets=True))
@@ -86,3 +104,18 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"{faults} values could not be fetched (fault)\n")
     sys.stderr.write(session.summary())
     return session.exit_status()
+
+
+def _retval_bits(args: argparse.Namespace, spec: ProbeSpec) -> int:
+    """A log2 histogram of a return spec's one fetch-arg, ``$retval`` of a type above, with
+    each return not an event of its own (no filter, no -n): aggregated in the program where
+    the function's entry takes a jump (fast/returns.py); its bits, or 0."""
+    if not (args.log2 and spec.is_return and len(spec.args) == 1):
+        return 0
+    (arg,) = spec.args
+    if not isinstance(arg.fetch, ReturnValue) or args.filter or args.max_events is not None:
+        return 0
+    kind = arg.effective_type
+    if kind.bitfield is not None or kind.count is not None:
+        return 0
+    return _RETVAL_BITS.get(kind.name, 0)

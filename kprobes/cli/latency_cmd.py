@@ -5,6 +5,16 @@ calls included), so recursion and threads do not mix durations up. With a kernel
 kernel records each entry as a second event, paired with the returns per thread
 (``TraceTarget.place_spec(entry_times=True)``).
 
+With the ptrace backend, where the function's entry takes a jump (the optimized tier), no
+call traps: the program keeps each call's entry time on a shadow stack, times the return in
+its trampoline and adds it to a log2 histogram in memory shared with the tool, which reads it
+when it reports (process/fast/returns.py). What such an interval still holds of ours: the
+entry detour after its ``rdtsc`` (the hook, a few stores) and the trampoline up to its own
+``rdtsc`` (the registers saved, the shadow stack searched): some tens of ns a call, measured
+in docs/performance.md. A function whose entry keeps its int3 (``--no-optimize``, or a site
+the jump cannot take: stderr says why) is timed at its traps, and then each interval holds
+two ptrace stops of ours.
+
 ``-i SECONDS`` prints the histogram and its average line every interval and starts afresh,
 as funclatency ``-i`` does, each interval under its ``HH:MM:SS`` (funclatency's ``-T``
 line, always printed here, as ``count -i`` does); the last, partial, at the end. A call
@@ -18,7 +28,13 @@ import sys
 from datetime import datetime
 from typing import Any
 
-from kprobes.cli.session import Session, add_common_arguments, add_interval_argument, parse_spec
+from kprobes.cli.session import (
+    Session,
+    add_common_arguments,
+    add_interval_argument,
+    parse_spec,
+    take_program_hist,
+)
 from kprobes.errors import SpecError
 from kprobes.model import Event
 from kprobes.output.counts import format_interval_header
@@ -29,7 +45,16 @@ UNITS = {"nsecs": 1e9, "usecs": 1e6, "msecs": 1e3}
 
 
 def add_parser(sub: Any, help: str) -> None:
-    p = sub.add_parser("latency", help=help)
+    p = sub.add_parser(
+        "latency",
+        help=help,
+        description=f"{help}. With the ptrace backend, where the function's entry takes a jump, "
+        "the program times each call itself (no trap); what an interval still holds of ours "
+        "is the entry detour after its clock read and the trampoline before its own, some "
+        "tens of ns a call. A function whose entry keeps its breakpoint (--no-optimize, or a "
+        "site the jump cannot take: stderr says why) is timed at its traps, two ptrace stops "
+        "of ours inside each interval.",
+    )
     p.add_argument("function", metavar="FUNC", help="the function: func, lib:func, /path:func")
     add_common_arguments(p)
     unit = p.add_mutually_exclusive_group()
@@ -40,7 +65,8 @@ def add_parser(sub: Any, help: str) -> None:
         type=int,
         default=0,
         help="calls followed at once (default: as many as needed with the ptrace backend, "
-        "the kernel's default with --kernel)",
+        "the kernel's default with --kernel); timed in the program, calls nested in one "
+        "thread (default 16384)",
     )
     add_interval_argument(p, "the histogram")
     p.set_defaults(func=run)
@@ -58,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
         )
     maxactive = str(args.maxactive) if args.maxactive > 0 else ""
     spec = parse_spec(f"r{maxactive} {args.function}")
+    # The program times the calls itself, in this unit (ns per unit), unless each call must
+    # be an event of its own: a filter to apply, a number of events to stop at.
+    in_place = args.filter is None and args.max_events is None
+    args.durations_unit = int(1e9 / scale) if in_place else 0
     session = Session(args, [spec])
     session.verb = "counted"
     session.entry_times = True  # the kernel's return events need their entry recorded too
@@ -70,8 +100,19 @@ def run(args: argparse.Namespace) -> int:
             hist.add(delta)
             stats.add(delta)
 
+    timed: dict[int, tuple[tuple[int, ...], int]] = {}  # what the program had timed, shown
+
+    def take_timed() -> None:
+        """The calls the program timed itself since the last report (optimized tier)."""
+        slots, total = take_program_hist(session.placed, timed)
+        hist.add_slots(slots)
+        stats.count += sum(slots)
+        stats.total += total
+        session.events += sum(slots)  # each call timed is an event counted, as at a trap
+
     def show(when: datetime | None) -> None:
         """The histogram and its average (under the interval's time, with -i), reset."""
+        take_timed()
         out = sys.stdout
         if when is not None:
             out.write("\n" + format_interval_header(when))

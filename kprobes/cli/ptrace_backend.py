@@ -89,6 +89,11 @@ class GrowingPool(InstancePool):
         return free.pop()
 
 
+_RETURN_EVENTS_AT_TRAPS = (
+    "a return's event is made at a trap (in the program: only latency, and hist -H of $retval)"
+)
+
+
 class PtraceBackend(Backend):
     """Our own kprobes, through ptrace, on the processes ``-p`` names or the command ``-c``
     starts. The first process drives the others: each other ``-p`` process is a member of
@@ -114,6 +119,8 @@ class PtraceBackend(Backend):
         self.optimize = not getattr(args, "no_optimize", False) and self.stack_depth is None
         self.count_only = getattr(args, "count_only", False)
         self.block = getattr(args, "block", False)  # trace --block (recording.py)
+        self.durations_unit: int = getattr(args, "durations_unit", 0)
+        self.retval_bits: int = getattr(args, "retval_bits", 0)
         self.attached: list[SpecTracer] = []  # the -p processes (or the -c command), in order
         try:
             for proc in procs:
@@ -141,6 +148,8 @@ class PtraceBackend(Backend):
             optimize=self.optimize,
             count_only=self.count_only,
             stack_depth=self.stack_depth,
+            durations_unit=self.durations_unit,
+            retval_bits=self.retval_bits,
             batch=self.batch,
         )
 
@@ -365,7 +374,8 @@ class PtraceBackend(Backend):
         nothing left to read or count: its probes go at ``close()``, in one stop."""
         for proc in self._procs():
             proc.take_pending_error()  # the run is over: what was to end it is not wanted
-            if proc.is_alive and (proc.records.is_recording or self.count_only):
+            counts = self.count_only or self.durations_unit or self.retval_bits
+            if proc.is_alive and (proc.records.is_recording or counts):
                 with contextlib.suppress(ProbeError, OSError):
                     proc.enabled = False
 
@@ -382,7 +392,8 @@ class PtraceBackend(Backend):
             proc.records.discard_records()
 
     def placement_notes(self) -> list[tuple[str, str]]:
-        """Entry probes that asked for a jump and keep their breakpoint: (name, why)."""
+        """Probes that asked for a jump and keep their breakpoint, and return probes that
+        make events (the program writes no record of a return yet): (name, why)."""
         if not self.optimize:
             return []
         notes: dict[str, str] = {}  # one a probe, whichever process it keeps it in
@@ -392,6 +403,11 @@ class PtraceBackend(Backend):
             listed = {entry.addr: entry for entry in tracer.proc.list()}
             for p in tracer.placed:
                 probe = p.probe
+                if isinstance(probe, Kretprobe) and not probe.optimize and probe.addr:
+                    notes.setdefault(p.name, _RETURN_EVENTS_AT_TRAPS)
+                    continue
+                if isinstance(probe, Kretprobe):
+                    probe = probe.kp  # its entry takes the jump, or keeps the int3
                 if isinstance(probe, Kprobe) and probe.optimize and probe.addr in listed:
                     entry = listed[probe.addr]
                     if not entry.is_optimized:

@@ -37,6 +37,7 @@ from kprobes.cli.sigint import RunInterrupted, SafeInterrupt
 from kprobes.cli.spellings import read_spelling
 from kprobes.cli.targets import add_target_arguments, say_pending
 from kprobes.cli.wallclock import realtime_offset_ns
+from kprobes.core.retprobes import Kretprobe
 from kprobes.errors import SpecError, TargetError
 from kprobes.model import Event
 from kprobes.output.status import format_status, format_summary
@@ -189,6 +190,24 @@ def compile_event_filter(
     for spec in specs:
         fields.update(spec.filter_fields)
     return compile_filter(parse_filter(text, fields))
+
+
+def take_program_hist(
+    placed: Sequence[Placed], seen: dict[int, tuple[tuple[int, ...], int]]
+) -> tuple[list[int], int]:
+    """What the optimized return probes among ``placed`` aggregated in the program since
+    the last call (``seen`` keeps where each was): its log2 slots' counts and its sum."""
+    slots, total = [0] * 65, 0
+    for p in placed:
+        rp = getattr(p, "probe", None)
+        if not isinstance(rp, Kretprobe) or not rp.hist_slots:
+            continue
+        before, before_total = seen.get(id(rp), ((0,) * len(rp.hist_slots), 0))
+        for i, (now, was) in enumerate(zip(rp.hist_slots, before, strict=True)):
+            slots[i] += now - was
+        total += rp.hist_total - before_total
+        seen[id(rp)] = (rp.hist_slots, rp.hist_total)
+    return slots, total
 
 
 class Session:

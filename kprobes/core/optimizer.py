@@ -64,10 +64,28 @@ def why_no_jump(site: ProbeSite, is_enabled: bool) -> str | None:
     for p in site.probes:
         if not p.optimize:
             return "another probe here did not ask for a jump"
-        if p.owner is not None or p.pre_handler or p.post_handler or p.fault_handler:
+        why_owner = _why_owner_traps(p.owner)
+        if why_owner is not None:
+            return why_owner
+        if p.owner is None and (p.pre_handler or p.post_handler or p.fault_handler):
             return "a probe here has a handler that may change the program, which runs at a trap"
+    if len(site.probes) > 1 and any(p.owner is not None for p in site.probes):
+        return "a return probe's entry shares its site with another probe"
     if not site.is_armed:
         return "disabled"
     if not is_enabled:
         return "optimization is off (proc.optimization)"
     return None
+
+
+def _why_owner_traps(owner: Any) -> str | None:
+    """Why the probe type an entry probe belongs to keeps it on traps (None: it does not, or
+    the probe is a plain kprobe). A return probe whose handlers need no trap runs its entry's
+    pre handler (the trap tier's hook) only while its site is on traps."""
+    if owner is None:
+        return None
+    why_on_traps = getattr(owner, "why_on_traps", None)
+    if why_on_traps is None:
+        return "a probe here has a handler that may change the program, which runs at a trap"
+    why: str | None = why_on_traps()
+    return why

@@ -112,6 +112,13 @@ class Kretprobe(EntryProbed):
     ``handler(ri, regs)`` runs when the function returns (``regs.return_value`` is its
     result); ``entry_handler(ri, regs)`` runs at its entry and returning true cancels the
     return hook for that call. ``ri.data`` is a ``bytearray(data_size)`` shared by the two.
+
+    ``optimize=True`` with neither handler asks for the optimized tier: where the entry
+    site takes a jump, neither the entry nor the return traps; the program counts the
+    returns (``nhit``), the misses and the abandoned frames, and times each call into
+    ``hist_slots`` (bcc's log2 slots, in ``duration_unit`` ns) and ``hist_total``,
+    read when the user can see them, as an optimized kprobe's ``nhit`` is. ``maxactive``
+    then caps each thread's nesting. A probe with a handler stays on traps.
     """
 
     kind = "r"
@@ -126,8 +133,10 @@ class Kretprobe(EntryProbed):
         maxactive: int = 0,
         data_size: int = 0,
         disabled: bool = False,
+        optimize: bool = False,
     ) -> None:
         super().__init__(symbol, offset, addr, disabled)
+        self.kp.optimize = optimize
         self.handler = handler
         self.entry_handler = entry_handler
         self.maxactive = maxactive
@@ -136,6 +145,39 @@ class Kretprobe(EntryProbed):
         self.nabandoned = 0  # instances dropped because their frame vanished (longjmp, throw)
         self.nhit = 0  # returns reported
         self.pool: InstancePool | None = None  # set while registered
+        # What the program aggregates at each return (optimized): each call's duration in
+        # units of ``duration_unit`` ns (1: ns; 1000: us), or, with ``value_bits`` 32 or 64,
+        # the return value's low bits; bcc's log2 slots of it and its sum.
+        self.duration_unit = 1
+        self.value_bits = 0
+        self.hist_slots: tuple[int, ...] = ()
+        self.hist_total = 0
+        # The command line's: the handlers run only where the site keeps its trap; on the
+        # optimized tier the program times the calls instead.
+        self.handlers_on_traps_only = False
+
+    @property
+    def optimize(self) -> bool:
+        """Asked for the fast tier: entry and return without a trap where the site allows."""
+        return self.kp.optimize
+
+    def why_on_traps(self) -> str | None:
+        """Why this return probe runs on the trap tier whatever its site; None if it may run
+        in the program (no handler that must run synchronously)."""
+        if not self.kp.optimize:
+            return ""
+        if self.handlers_on_traps_only:
+            return None
+        if self.handler is not None:
+            return "its handler runs synchronously at the return, at a trap"
+        if self.entry_handler is not None or self.data_size:
+            return "its entry_handler runs synchronously at the entry, at a trap"
+        return None
+
+    def note_hist(self, slots: tuple[int, ...], total: int) -> None:
+        """What the program has aggregated so far (cumulative: the optimized tier's)."""
+        self.hist_slots = slots
+        self.hist_total = total
 
     def __repr__(self) -> str:
         state = "registered" if self.is_registered else "unregistered"

@@ -24,6 +24,7 @@ the printed convention, so programs need not parse the text.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 LOG2_SLOTS = 65  # bcc's log2_index_max: slot 64 holds values up to 2**64 - 1
@@ -68,6 +69,12 @@ class Log2Histogram:
 
     def merge(self, other: Log2Histogram) -> None:
         for i, n in enumerate(other._slots):
+            self._slots[i] += n
+
+    def add_slots(self, counts: Sequence[int]) -> None:
+        """Counts by slot, as a BPF map (or the program, for an optimized return probe)
+        holds them: ``counts[i]`` values in slot ``i``."""
+        for i, n in enumerate(counts[:LOG2_SLOTS]):
             self._slots[i] += n
 
     def clear(self) -> None:

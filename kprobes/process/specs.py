@@ -91,6 +91,8 @@ class SpecTracer:
         count_only: bool = False,
         stack_depth: int | None = None,
         batch: BatchOutputs | None = None,
+        durations_unit: int = 0,
+        retval_bits: int = 0,
     ) -> None:
         self.proc = proc
         self.sink = sink
@@ -99,6 +101,11 @@ class SpecTracer:
         self.stack_depth = stack_depth  # each event's user stack, this many frames at most
         self.optimize = optimize and stack_depth is None  # entry specs as record probes
         self.count_only = count_only and stack_depth is None  # only count hits: no events
+        # ``latency``: return specs timed in the program where their entry takes a jump
+        # (fast/returns.py), in units of this many ns; their events only from traps.
+        self.durations_unit = durations_unit if self.optimize else 0
+        # ``hist -H`` of ``$retval``: its low 32 or 64 bits aggregated in the program.
+        self.retval_bits = retval_bits if self.optimize else 0
         self.placed: list[PlacedSpec] = []
         self.lines: list[tuple[Kprobe | Kretprobe, str, LineHandler | None]] = []  # add()'s
         self.comm = CommCache(proc.pid)
@@ -254,8 +261,20 @@ class SpecTracer:
             handler=on_return,
             entry_handler=entry_handler,
             maxactive=spec.maxactive,
+            optimize=self._aggregates_in_place(fetcher) and handler is None,
         )
+        if rp.optimize:
+            rp.handlers_on_traps_only = True
+            rp.duration_unit = self.durations_unit or 1
+            rp.value_bits = self.retval_bits
         return PlacedSpec(spec, rp, entry_time=entry_time)
+
+    def _aggregates_in_place(self, fetcher: ArgFetcher) -> bool:
+        """A return spec the program aggregates itself: ``latency``'s (no fetch-arg), or
+        ``hist -H``'s (its one fetch-arg, ``$retval``: the command checked it)."""
+        if self.retval_bits:
+            return len(fetcher.args) == 1
+        return bool(self.durations_unit) and not fetcher.args
 
     def place(self, specs: Sequence[ProbeSpec]) -> list[PlacedSpec]:
         """Register every spec, all or nothing, in one stop of the program: its entry and

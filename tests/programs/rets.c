@@ -8,12 +8,21 @@
  *   rets threads T N D T threads, each calls rec(D) N times
  *   rets fork          forker() forks inside; both processes return from it
  *   rets block D       rec_block(D): at the bottom it reads a line from stdin, then returns
+ *   rets waitblock D   reads a line from stdin first, then as block; then rec(D) once more
+ *   rets coro N        N rounds of two coroutines (swapcontext) on stacks of their own: A
+ *                      calls co_work(3), which at its bottom switches to B; B calls
+ *                      co_work(3) to its end and switches back; A's frames return
+ *   rets signals N     rec(5) N times while a 1 ms interval timer's handler calls rec(3);
+ *                      prints the main loop's sum and whether every handler's result was right
  */
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <signal.h>
 #include <string.h>
+#include <sys/time.h>
+#include <ucontext.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -55,6 +64,48 @@ __attribute__((noinline)) long rec_block(long n)
 	return n + rec_block(n - 1);
 }
 
+static ucontext_t main_ctx, ctx_a, ctx_b;
+static char co_stacks[2][65536] __attribute__((aligned(16))); /* A's below B's */
+static long co_a, co_b;
+
+__attribute__((noinline)) long co_work(long n, long who)
+{
+	SINK_ADD(n);
+	if (n == 0) {
+		if (who == 0)
+			swapcontext(&ctx_a, &ctx_b);
+		return 1;
+	}
+	return co_work(n - 1, who) + 1;
+}
+
+static void run_a(void) { co_a += co_work(3, 0); }
+
+static void run_b(void)
+{
+	co_b += co_work(3, 1);
+	swapcontext(&ctx_b, &ctx_a);
+}
+
+static void make(ucontext_t *ctx, char *stack, void (*fn)(void))
+{
+	getcontext(ctx);
+	ctx->uc_stack.ss_sp = stack;
+	ctx->uc_stack.ss_size = sizeof co_stacks[0];
+	ctx->uc_link = &main_ctx;
+	makecontext(ctx, fn, 0);
+}
+
+static volatile long handler_calls, handler_bad;
+
+static void on_alarm(int sig)
+{
+	(void)sig;
+	handler_calls++;
+	if (rec(3) != 6)
+		handler_bad++;
+}
+
 static jmp_buf env;
 
 __attribute__((noinline)) long deep(long n)
@@ -75,8 +126,9 @@ static void *worker(void *arg)
 	return NULL;
 }
 
-__attribute__((noinline)) long forker(void)
+__attribute__((noinline)) long forker(long x)
 {
+	SINK_ADD(x); /* code before the call: room for a jump at the entry */
 	pid_t pid = fork();
 	if (pid == 0)
 		return 100;
@@ -125,8 +177,32 @@ int main(int argc, char **argv)
 		printf("threads total=%ld\n", total);
 	} else if (!strcmp(mode, "block")) {
 		printf("block=%ld\n", rec_block(n));
+	} else if (!strcmp(mode, "coro")) {
+		for (long i = 0; i < n; i++) {
+			make(&ctx_a, co_stacks[0], run_a);
+			make(&ctx_b, co_stacks[1], run_b);
+			swapcontext(&main_ctx, &ctx_a);
+		}
+		printf("coro a=%ld b=%ld\n", co_a, co_b);
+	} else if (!strcmp(mode, "signals")) {
+		struct sigaction sa = {.sa_handler = on_alarm, .sa_flags = SA_RESTART};
+		sigaction(SIGALRM, &sa, NULL);
+		struct itimerval it = {{0, 1000}, {0, 1000}};
+		setitimer(ITIMER_REAL, &it, NULL);
+		long sum = 0;
+		for (long i = 0; i < n; i++)
+			sum += rec(5);
+		struct itimerval off = {{0, 0}, {0, 0}};
+		setitimer(ITIMER_REAL, &off, NULL);
+		printf("signals sum=%ld handlers %s\n", sum, handler_bad ? "wrong" : "right");
+	} else if (!strcmp(mode, "waitblock")) {
+		char line[64];
+		if (!fgets(line, sizeof line, stdin))
+			return 1;
+		printf("block=%ld\n", rec_block(n));
+		printf("rec=%ld\n", rec(n));
 	} else if (!strcmp(mode, "fork")) {
-		long r = forker();
+		long r = forker(1);
 		if (r == 100) {
 			printf("child back\n");
 			fflush(stdout);

@@ -3,6 +3,7 @@
 //   rets_cxx N    N rounds of: outer(i) -> catcher(i) -> thrower(5) throws from its innermost
 //                 frame, through Guard destructors that call leaf(); catcher catches, then
 //                 outer returns normally. Prints a checksum that must not change under probes.
+//   rets_cxx N wait   the same once a line was read from stdin
 #include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
@@ -38,6 +39,11 @@ extern "C" __attribute__((noinline)) long outer(long i) { return catcher(i) + 1;
 int main(int argc, char **argv)
 {
 	long n = argc > 1 ? atol(argv[1]) : 10;
+	if (argc > 2) {
+		char line[64];
+		if (!std::fgets(line, sizeof line, stdin))
+			return 1;
+	}
 	long sum = 0;
 	for (long i = 0; i < n; i++)
 		sum += outer(i);

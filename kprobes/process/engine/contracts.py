@@ -22,6 +22,7 @@ what it must not touch).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
@@ -102,4 +103,9 @@ class FastTier(Protocol):
 
     def forget(self) -> None:
         """The address space was replaced (exec): nothing of the tier is in it any more."""
+        ...
+
+    def unhook_returns(self, threads: Iterable[Thread]) -> None:
+        """Real return addresses back in every frame of ``threads`` the tier's return
+        trampolines hooked (the threads are held)."""
         ...

@@ -19,7 +19,7 @@ for the new one their trampoline and records again.
 from __future__ import annotations
 
 import errno
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -27,12 +27,13 @@ from kprobes.arch.x86_64.rescue import RECORD_SIZE
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import InstancePool, Kretprobe, KretprobeInstance, default_maxactive
 from kprobes.errors import ProbeRejected
-from kprobes.process.engine.trampoline import UNWIND_DONE, UNWIND_ENTRIES
+from kprobes.process.engine.trampoline import UNHOOK_ENTRIES, UNWIND_DONE, UNWIND_ENTRIES
 
 if TYPE_CHECKING:
     from kprobes.core.manager import ProbeManager
     from kprobes.process.engine.attachment import Attachment
     from kprobes.process.engine.contracts import Injector
+    from kprobes.symbols.maps import Module
 
 
 class ReturnProbes:
@@ -52,6 +53,8 @@ class ReturnProbes:
         self._batch = batch  # Process.batch: the world held, the sweep at its end
         self._records: dict[int, list[int]] = {}  # id(kretprobe) → its blocks of records
         self._guarded: set[int] = set()  # addresses of the unwinder's entry points probed
+        self._unhooks: set[int] = set()  # ... and those given an in-program unhook too
+        self._in_program = False  # an optimized return probe was registered (fast/returns.py)
 
     def register(self, rps: Sequence[Kretprobe]) -> None:
         """Register return probes; a failure rolls back the ones already registered."""
@@ -62,6 +65,7 @@ class ReturnProbes:
                 raise ProbeRejected(f"{rp!r} is already registered", errno=errno.EINVAL)
         if not rps:
             return  # no trampoline, no unwinder guard: nothing returns here
+        self._in_program = self._in_program or any(rp.optimize for rp in rps)
         with self._batch():
             self.ensure_trampoline()
             done: list[Kretprobe] = []
@@ -125,31 +129,51 @@ class ReturnProbes:
         tramp = self._tracer.trampoline
         resolver = self._program.symbols()
         resolver.refresh()
-        for module in resolver.modules():
-            for name in UNWIND_ENTRIES + UNWIND_DONE:
-                sym = module.image.lookup(name)
-                if sym is None or not sym.kind.is_function:
-                    continue
-                addr = module.bias + sym.value
-                if addr in self._guarded:
-                    continue
-                on = tramp.on_unwound if name in UNWIND_DONE else tramp.on_unwind
-                kp = Kprobe(addr=addr, pre_handler=_guard_handler(on))
-                kp.owner = tramp.guard
-                try:
-                    self._manager.register(kp)
-                except ProbeRejected:
-                    continue  # an instruction we cannot run out of line: no guard there
-                self._guarded.add(addr)
-                tramp.guard_probes.append(kp)
+        for name, addr in _functions(resolver.modules(), UNWIND_ENTRIES + UNWIND_DONE):
+            if addr in self._guarded:
+                continue
+            on = tramp.on_unwound if name in UNWIND_DONE else tramp.on_unwind
+            kp = Kprobe(addr=addr, pre_handler=_guard_handler(on))
+            kp.owner = tramp.guard
+            try:
+                self._manager.register(kp)
+            except ProbeRejected:
+                continue  # an instruction we cannot run out of line: no guard there
+            self._guarded.add(addr)
+            tramp.guard_probes.append(kp)
+        if self._in_program:
+            self._unhook_in_program(resolver.modules())
+
+    def _unhook_in_program(self, modules: Iterable[Module]) -> None:
+        """Hidden probes that ask for a jump where a C++ exception starts (``__cxa_throw``,
+        ``__cxa_rethrow``): their detour puts the real return addresses back in the frames
+        of the throwing thread that the optimized tier hooked, in the program itself, so
+        that an exception thrown after the tool's death still unwinds (fast/returns.py).
+        Not on the unwinder's own entry points: their indirect jumps (``uw_install_context``)
+        keep every jump out of them. On traps, while the tool lives, their handler does
+        the same through the tool."""
+        tramp = self._tracer.trampoline
+        for _, addr in _functions(modules, UNHOOK_ENTRIES):
+            if addr in self._unhooks:
+                continue
+            kp = Kprobe(addr=addr, pre_handler=_guard_handler(tramp.on_unwind_fast), optimize=True)
+            kp.owner = tramp.unhook_guard
+            try:
+                self._manager.register(kp)
+            except ProbeRejected:
+                continue
+            self._unhooks.add(addr)
+            tramp.guard_probes.append(kp)
 
     def forget_guard(self, addr: int) -> None:
         """The guard at ``addr`` went with its library (dlclose): placed again if it comes."""
         self._guarded.discard(addr)
+        self._unhooks.discard(addr)
 
     def forget_image(self) -> None:
         """exec: the new image has no trampoline, no records, no guards."""
         self._guarded.clear()
+        self._unhooks.clear()
 
     def reequip(self) -> None:
         """The return probes waiting to be placed in a new image get a trampoline and
@@ -165,6 +189,15 @@ class ReturnProbes:
         for rp in retprobes.values():
             if rp.pool is not None:
                 self.give_records(rp, list(rp.pool.free))
+
+
+def _functions(modules: Iterable[Module], names: Sequence[str]) -> Iterator[tuple[str, int]]:
+    """(name, runtime address) of each function of ``names`` each module defines."""
+    for module in modules:
+        for name in names:
+            sym = module.image.lookup(name)
+            if sym is not None and sym.kind.is_function:
+                yield name, module.bias + sym.value
 
 
 def _guard_handler(on: Callable[[Any], None]) -> Callable[[Kprobe, Any], None]:

@@ -57,6 +57,8 @@ UNWIND_ENTRIES = (
     "_Unwind_Backtrace",
 )
 UNWIND_DONE = ("__cxa_begin_catch",)
+# Where a C++ exception starts: the optimized tier's frames are unhooked there, in the program.
+UNHOOK_ENTRIES = ("__cxa_throw", "__cxa_rethrow")
 
 
 class UnwindGuard:
@@ -66,6 +68,17 @@ class UnwindGuard:
         return "<UnwindGuard>"
 
 
+class UnwindUnhook(UnwindGuard):
+    """Marks the probes on the unwinder that the optimized tier turns into an in-program
+    unhook of the frames it hooked (fast/returns.py): they need no trap."""
+
+    def why_on_traps(self) -> str | None:
+        return None
+
+    def __repr__(self) -> str:
+        return "<UnwindUnhook>"
+
+
 class Trampoline:
     """The return trampoline of one traced program and every thread's live instances."""
 
@@ -73,6 +86,7 @@ class Trampoline:
         self.tracer = tracer
         self.addr = 0  # the int3; 0 until the first kretprobe is registered
         self.guard = UnwindGuard()
+        self.unhook_guard = UnwindUnhook()
         self.guard_probes: list[Kprobe] = []
         self.retprobes: list[Kretprobe] = []
 
@@ -209,6 +223,13 @@ class Trampoline:
             if _Q.unpack(mem.read(ri.stack, 8))[0] == self.addr:
                 mem.write(ri.stack, _Q.pack(ri.ret_addr))
         t.unhooked = bool(t.rets)
+        if self.tracer.fast is not None:  # and the frames the optimized tier hooked, for good
+            self.tracer.fast.unhook_returns([t])
+
+    def on_unwind_fast(self, regs: Any) -> None:
+        """The in-program unhook's site is on traps: the tool does its work."""
+        if self.tracer.fast is not None:
+            self.tracer.fast.unhook_returns([self.tracer.threads[regs.tid]])
 
     def on_unwound(self, regs: Any) -> None:
         """A catch block begins: frames above it survive and are hooked again."""

@@ -84,12 +84,13 @@ class DetourMemory:
         pages.append(DetourPage(start, size))
         return start
 
-    def area(self, near: int) -> int:
-        """A shared area with a free counter within reach of ``near`` (its index), made by
-        the program when there is none."""
+    def area(self, near: int, need: int = 1) -> int:
+        """A shared area with ``need`` free counters within reach of ``near`` (its index),
+        made by the program when there is none."""
         areas = self._state.areas
         for i, area in enumerate(areas):
-            if abs(area.addr - near) <= REACH and area.next_counter < area.layout.ncounters:
+            free = area.layout.ncounters - area.next_counter
+            if abs(area.addr - near) <= REACH and free >= need:
                 return i
         areas.append(self.make_area(near))
         return len(areas) - 1

@@ -47,6 +47,9 @@ from kprobes.core.optimizer import OptState, SiteOpt, why_no_jump
 from kprobes.errors import NotRelocatable, TargetError
 from kprobes.process.engine.breakpoints import JUMP_LEN
 from kprobes.process.engine.threads import ThreadState
+from kprobes.process.engine.trampoline import UnwindUnhook
+from kprobes.process.fast import returns
+from kprobes.process.fast.returns import FastReturns, return_probe_of
 from kprobes.process.inject import calls
 from kprobes.symbols.maps import read_maps
 from kprobes.symbols.parts import function_parts
@@ -124,6 +127,7 @@ class Optimizer:
         self._state = state
         self._table = table
         self._batch = batch  # Process.batch: the world held, the sweep at its end
+        self._returns = FastReturns(program, injector, memory, state.returns)
 
     def forget_site(self, addr: int) -> None:
         self._state.forget_site(addr)
@@ -145,10 +149,15 @@ class Optimizer:
         """Add the hits counted in the program to the probes' ``nhit`` (the records of
         record probes are read apart: recording.py)."""
         table = self._table
-        for addr, delta in self._state.counts():
+        state = self._state
+        for addr, delta in state.counts():
             site = table.get(addr)
             for probe in site.active if site is not None else ():  # as a trap counts
                 probe.nhit += delta
+        for addr in list(state.returns.seen):
+            site, so = table.get(addr), state.sites.get(addr)
+            if site is not None and so is not None and so.counter >= 0:
+                self._returns.collect(site, state.areas[so.area], so)
 
     # -- the sweep, at the end of every stop of the world --------------------------------
 
@@ -217,13 +226,20 @@ class Optimizer:
             return
         # Step 4: the counter, the action, then the detour, written before the jump to it.
         try:
+            is_return = return_probe_of(site) is not None
             if so.counter < 0:
-                so.area = self._memory.area(addr)
+                need = returns.NCOUNTERS if is_return else 1
+                so.area = self._memory.area(addr, need)
                 area = self._state.areas[so.area]
-                so.counter, area.next_counter = area.next_counter, area.next_counter + 1
+                so.counter, area.next_counter = area.next_counter, area.next_counter + need
                 so.seen = sa.read_counter(area.view, so.counter)
             area = self._state.areas[so.area]
-            action = self._recording.action(site, area, so)
+            if is_return:
+                action = self._returns.action(site, area, so)
+            elif any(isinstance(p.owner, UnwindUnhook) for p in site.probes):
+                action = self._returns.unhook_action(site, area, so)
+            else:
+                action = self._recording.action(site, area, so)
             if isinstance(action, str):
                 so.to(OptState.REFUSED, action)
                 return
@@ -322,6 +338,11 @@ class Optimizer:
         self._tracer.rescue.note_jump(self._tracer.own_memories(), site.addr, original, b"")
         so.detour = 0
         so.to(OptState.TRAP)
+        # A return probe's live frames get their real return addresses back (a thread that
+        # was inside the entry detour hooks its frame still: the trampoline stays valid).
+        tramp = self._state.returns.current.get(site.addr, 0)
+        if tramp:
+            self._state.returns.unhook(self._tracer.threads.values(), only=tramp)
 
     def unoptimize_around(self, addr: int) -> None:
         """A probe is being armed at ``addr``: an optimized region that covers it goes back to

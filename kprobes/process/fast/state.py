@@ -9,15 +9,19 @@ exec forgets it. It is also what the engine knows of the tier (``contracts.FastT
 from __future__ import annotations
 
 import mmap
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.core.optimizer import SiteOpt
 from kprobes.process.fast.lease import Lease
 from kprobes.process.fast.reader import RingReader
+from kprobes.process.fast.returns import ReturnStacks
 from kprobes.process.fast.shield import Shield
+
+if TYPE_CHECKING:
+    from kprobes.process.engine.threads import Thread
 
 RING_BYTES: Final = 32 << 20  # per area; faulted in once a record goes there (memory.py)
 
@@ -59,6 +63,7 @@ class JumpState:
     pages: list[DetourPage] = field(default_factory=list)
     reader: RingReader | None = None  # the records of record probes (reader.py)
     shield: Shield = field(default_factory=Shield)  # pages kept from the kernel's uprobes
+    returns: ReturnStacks = field(default_factory=ReturnStacks)  # return probes (returns.py)
 
     def forget(self) -> None:
         """The address space was replaced (exec): nothing of ours is in it any more."""
@@ -67,6 +72,7 @@ class JumpState:
             self.reader.drain()
             self.reader.forget()
         self.shield.forget()
+        self.returns.forget()
         self.sites.clear()
         self.areas.clear()
         self.pages.clear()
@@ -88,6 +94,11 @@ class JumpState:
                 if value != so.seen:
                     delta, so.seen = value - so.seen, value
                     yield addr, delta
+
+    def unhook_returns(self, threads: Iterable[Thread]) -> None:
+        """Real return addresses back in the frames of ``threads`` our trampolines hooked
+        (returns.py): the threads are held, and about to be unwound or let go."""
+        self.returns.unhook(threads)
 
     def forget_site(self, addr: int) -> None:
         """The site at ``addr`` left the probe table: its counter goes with it."""

@@ -59,6 +59,9 @@ def detach_all(tracer: Tracer, jumps: JumpState) -> list[str]:
         tracer.trampoline.unhook(list(tracer.threads.values()))
         # Step 2c: no thread left inside a detour, where possible (unmapping.py).
         leave_detours(tracer, jumps)
+        # Step 2d: then the frames the optimized return probes hooked (no thread is left
+        # between an entry's push and its hook: the detours were left first).
+        jumps.unhook_returns(list(tracer.threads.values()))
         # Step 3
         for slot, prepared in tracer.slot_history.items():
             if prepared.kind in (PlanKind.STEP, PlanKind.SINGLESTEP):

@@ -1,0 +1,435 @@
+"""Return probes in the program: the shadow stacks, the entry action that hooks, the trampoline.
+
+An optimized return probe hooks a call without a trap. Its entry detour runs ``RetEntryAction``:
+it finds the thread's shadow stack, keeps the real return address at ``[rsp]``, the stack
+pointer and ``rdtsc`` there, and writes the probe's return trampoline over ``[rsp]``. When the
+function returns it lands in the trampoline (``build_trampoline``), which pops the newest entry
+of its slot, adds the call's duration to the probe's log2 histogram and counters, and returns to
+the real caller with a plain ``ret``. This is the kernel's uretprobe (``prepare_uretprobe`` and
+``handle_trampoline`` in kernel/events/uprobes.c) with the two traps taken out.
+
+**Shadow stacks** live in one private anonymous mapping per process (``ShadowLayout``), not in
+the shared area: a ``fork`` child then gets its own copy of every live entry, copy-on-write,
+exactly as the kernel duplicates ``return_instances`` at fork, and keeps returning through
+its inherited frames after we let it go. Rejected: the shared memfd (a child returning through
+its copy of the stack would pop its parent's entries). The tool reads them only to put real
+return addresses back (detach, an exception), through ``/proc/PID/mem``.
+
+A thread's stack is found by its thread pointer (``rdfsbase``, else ``fs:0``), hashed into a
+table of ``NTHREADS`` slots claimed with ``lock cmpxchg``; a thread that finds the table full is
+not hooked (a miss). A thread that ends leaves its slot to the next thread with the same
+thread pointer (glibc reuses a dead thread's stack and TCB together).
+
+**Never mis-paired.** As the kernel does (``cleanup_return_instances``), stacks grow down: at
+an entry whose return slot is ``S``, entries with a slot below ``S`` (or at ``S`` unless a
+tail call chained this call to them, ``[S]`` being one of our trampolines) belong to frames
+that vanished (``longjmp``) and are released; at a return through slot ``R``, entries below
+``R`` are released and the newest entry at ``R`` is the call returning. None at ``R`` cannot
+happen; the trampoline then stops on ``int3`` rather than guess (the kernel sends SIGILL).
+
+**Signals.** A thread's ``busy`` word is set while an entry or a trampoline changes its stack;
+an entry that finds it set (a signal handler interrupted the other) is not hooked and counts a
+miss, so a handler never sees a half-pushed entry. Only the thread writes its own stack, so no
+lock is needed there; the per-probe counters in the shared area are ``lock``ed.
+
+Registers: the entry detour saves what it clobbers (detour.py). The trampoline keeps every
+register (gcc's ``-fipa-ra`` lets a caller keep values in caller-saved registers across a call
+to a function it knows); the arithmetic flags are not kept: no caller reads flags a call
+returns with (the ABI leaves them undefined after a call).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from iced_x86 import Code, Instruction, MemoryOperand, Register, Register_
+
+from kprobes.arch.x86_64.detour import Block, Frame, at, mov_load, mov_store
+from kprobes.arch.x86_64.record import ThreadId
+from kprobes.errors import InternalError
+
+NTHREADS: Final = 256  # thread slots per process (a power of two)
+CAPACITY: Final = 16384  # entries per thread: the deepest nesting followed
+PAGE: Final = 4096
+# A thread slot: its header, then its entries.
+T_OWNER: Final = 0  # the thread pointer, 0 while free
+T_DEPTH: Final = 8
+T_BUSY: Final = 16
+T_LOST_NEXT: Final = 24  # how many entries were ever released (the ring's next place)
+T_ENTRIES: Final = 64
+# An entry: where the call returns to, its return slot, its entry time.
+E_RET: Final = 0
+E_STACK: Final = 8
+E_TSC: Final = 16
+ENTRY: Final = 32
+# Then the released entries' (return slot, return address), the last LOST_MAX, so that a
+# frame released wrongly (a stack switched under it: coroutines, a signal stack above the
+# thread's) still finds its way home, as the trap tier's ``Thread.lost`` does.
+T_LOST: Final = T_ENTRIES + CAPACITY * ENTRY
+LOST_MAX: Final = 64
+LOST: Final = 16
+SLOT_STRIDE: Final = (T_LOST + LOST_MAX * LOST + PAGE - 1) & ~(PAGE - 1)
+SHADOW_SIZE: Final = NTHREADS * SLOT_STRIDE
+_HASH: Final = 0x61C88647  # Fibonacci hashing, an imm32
+
+# A probe's counters in the shared area, 8 bytes each from its first counter: the entries
+# (hits), the calls returned, entries not hooked (cap, no slot, busy), frames released,
+# the sum of what it aggregates (durations, or return values), then their log2 histogram
+# (bcc's 65 slots: slot k > 0 holds [2**(k-1), 2**k), 0 and 1 go to slot 1).
+C_HITS: Final = 0
+C_RETURNS: Final = 8
+C_MISSED: Final = 16
+C_ABANDONED: Final = 24
+C_SUM_NS: Final = 32
+C_HIST: Final = 64
+HIST_SLOTS: Final = 65
+COUNTERS_SIZE: Final = C_HIST + 8 * HIST_SLOTS  # 584 bytes
+
+TRAMPOLINE_MAX: Final = 512  # bytes of one trampoline, with room to spare
+
+RAX, RCX, RDX, RSI, RDI, R8, R9, R10, R11 = (
+    Register.RAX, Register.RCX, Register.RDX, Register.RSI, Register.RDI,
+    Register.R8, Register.R9, Register.R10, Register.R11,
+)  # fmt: skip
+_SAVED: Final = (RAX, RCX, RDX, RSI, RDI, R8, R9, R10, R11)
+
+
+def thread_slot(shadow: int, fs_base: int, index: int) -> int:
+    """The address of thread slot ``index`` (the tool's walk of the table)."""
+    return shadow + (index % NTHREADS) * SLOT_STRIDE
+
+
+def first_index(fs_base: int) -> int:
+    """The slot the table's search for ``fs_base`` starts at (as the code computes it)."""
+    return (((fs_base >> 12) * _HASH) & 0xFFFF_FFFF_FFFF_FFFF) >> 16 & (NTHREADS - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class ReturnSite:
+    """What the code of one optimized return probe needs: where the shadow stacks are, its
+    trampoline, the range every trampoline lies in (for tail-call chains), the trap tier's
+    trampoline (0 if none), its counters, its cap, how to read the thread pointer, and what
+    its trampoline aggregates: the call's duration (``value_bits`` 0), or the low 32 or 64
+    bits of the return value."""
+
+    shadow: int
+    trampoline: int
+    tramp_start: int
+    tramp_size: int
+    trap_trampoline: int
+    counters: int
+    cap: int = CAPACITY
+    thread_id: ThreadId = ThreadId.FSBASE
+    value_bits: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.cap <= CAPACITY:
+            raise InternalError(f"a return probe's cap {self.cap} is not 1..{CAPACITY}")
+        if self.value_bits not in (0, 32, 64):
+            raise InternalError(f"a return value of {self.value_bits} bits")
+
+
+def _imm64(block: Block, reg: Register_, value: int) -> None:
+    block.add(Instruction.create_reg_u64(Code.MOV_R64_IMM64, reg, value))
+
+
+def _counter(block: Block, site: ReturnSite, field: int, scratch: Register_) -> None:
+    """``lock inc`` of one of the probe's counters (absolute: no reach to check)."""
+    _imm64(block, scratch, site.counters + field)
+    block.add(Instruction.create_mem(Code.INC_RM64, at(scratch, 0)), lock=True)
+
+
+def _emit_find(block: Block, site: ReturnSite, *, claim: bool, missing: str) -> None:
+    """rdi = this thread's slot (rcx = its thread pointer); jumps to ``missing`` when it has
+    none (and ``claim`` is off, or the table is full). Clobbers rax, rdx, rsi."""
+    if site.thread_id is ThreadId.FSBASE:
+        block.add(Instruction.create_reg(Code.RDFSBASE_R64, RCX))
+    else:
+        fs0 = MemoryOperand(displ=0, displ_size=8, seg=Register.FS)
+        block.add(Instruction.create_reg_mem(Code.MOV_R64_RM64, RCX, fs0))
+    block.add(Instruction.create_reg_reg(Code.MOV_R64_RM64, RSI, RCX))
+    block.add(Instruction.create_reg_i32(Code.SHR_RM64_IMM8, RSI, 12))
+    block.add(Instruction.create_reg_reg_i32(Code.IMUL_R64_RM64_IMM32, RSI, RSI, _HASH))
+    block.add(Instruction.create_reg_i32(Code.SHR_RM64_IMM8, RSI, 16))
+    block.add(Instruction.create_reg_u32(Code.AND_RM32_IMM32, Register.ESI, NTHREADS - 1))
+    block.add(Instruction.create_reg_u32(Code.MOV_R32_IMM32, Register.EDX, NTHREADS))
+    block.label("look")
+    block.add(Instruction.create_reg_reg_i32(Code.IMUL_R64_RM64_IMM32, RDI, RSI, SLOT_STRIDE))
+    _imm64(block, RAX, site.shadow)
+    block.add(Instruction.create_reg_reg(Code.ADD_R64_RM64, RDI, RAX))
+    block.add(mov_load(RAX, RDI, T_OWNER))
+    block.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, RAX, RCX))
+    block.branch(Code.JE_REL32_64, "found")
+    block.add(Instruction.create_reg_reg(Code.TEST_RM64_R64, RAX, RAX))
+    block.branch(Code.JNE_REL32_64, "next")
+    if not claim:
+        block.branch(Code.JMP_REL32_64, missing)
+    else:
+        # rax is 0: a free slot, ours unless another thread claims it first.
+        block.add(
+            Instruction.create_mem_reg(Code.CMPXCHG_RM64_R64, at(RDI, T_OWNER), RCX), lock=True
+        )
+        block.branch(Code.JE_REL32_64, "found")
+        block.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, RAX, RCX))
+        block.branch(Code.JE_REL32_64, "found")
+    block.label("next")
+    block.add(Instruction.create_reg(Code.INC_RM32, Register.ESI))
+    block.add(Instruction.create_reg_u32(Code.AND_RM32_IMM32, Register.ESI, NTHREADS - 1))
+    block.add(Instruction.create_reg(Code.DEC_RM32, Register.EDX))
+    block.branch(Code.JNE_REL32_64, "look")
+    block.branch(Code.JMP_REL32_64, missing)
+    block.label("found")
+
+
+def _emit_top(block: Block) -> None:
+    """r10 = the entry below depth rsi (the newest live one); clobbers rax."""
+    block.add(Instruction.create_reg_reg(Code.MOV_R64_RM64, RAX, RSI))
+    block.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, RAX, 5))  # * ENTRY
+    block.add(Instruction.create_reg_reg(Code.ADD_R64_RM64, RAX, RDI))
+    block.add(Instruction.create_reg_mem(Code.LEA_R64_M, R10, at(RAX, T_ENTRIES - ENTRY)))
+
+
+def _emit_release(block: Block, site: ReturnSite) -> None:
+    """The newest entry (r10, at depth rsi) is released: remembered in the lost ring, the
+    depth one less, counted. Clobbers rcx, rdx, r11."""
+    block.add(mov_load(RCX, RDI, T_LOST_NEXT))
+    block.add(Instruction.create_reg_mem(Code.LEA_R64_M, RDX, at(RCX, 1)))
+    block.add(mov_store(RDI, T_LOST_NEXT, RDX))
+    block.add(Instruction.create_reg_u32(Code.AND_RM32_IMM32, Register.ECX, LOST_MAX - 1))
+    block.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, RCX, 4))  # * LOST
+    block.add(Instruction.create_reg_reg(Code.ADD_R64_RM64, RCX, RDI))
+    block.add(mov_load(RDX, R10, E_STACK))
+    block.add(mov_store(RCX, T_LOST, RDX))
+    block.add(mov_load(RDX, R10, E_RET))
+    block.add(mov_store(RCX, T_LOST + 8, RDX))
+    block.add(Instruction.create_reg(Code.DEC_RM64, RSI))
+    _counter(block, site, C_ABANDONED, R11)
+
+
+def _emit_newest_vs_slot(block: Block, empty: str) -> None:
+    """The newest entry (r10, see ``_emit_top``) or a jump to ``empty`` if depth rsi is 0;
+    then its return slot compared with r8 (the flags say which is above)."""
+    block.add(Instruction.create_reg_reg(Code.TEST_RM64_R64, RSI, RSI))
+    block.branch(Code.JE_REL32_64, empty)
+    _emit_top(block)
+    block.add(mov_load(RAX, R10, E_STACK))
+    block.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, RAX, R8))
+
+
+@dataclass(frozen=True, slots=True)
+class RetEntryAction:
+    """The entry detour's action of an optimized return probe (see the module docstring)."""
+
+    site: ReturnSite
+
+    @property
+    def clobbers(self) -> tuple[str, ...]:
+        return ("rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11")
+
+    @property
+    def reads_flags(self) -> bool:
+        return False
+
+    def emit(self, block: Block, frame: Frame, probe_addr: int) -> None:
+        site = self.site
+        _counter(block, site, C_HITS, R11)
+        # Step 1: the thread's shadow stack, unless a signal handler interrupted its use.
+        _emit_find(block, site, claim=True, missing="missed")
+        block.add(Instruction.create_mem_i32(Code.CMP_RM64_IMM8, at(RDI, T_BUSY), 0))
+        block.branch(Code.JNE_REL32_64, "missed")
+        block.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDI, T_BUSY), 1))
+        # Step 2: r8 = the return slot S, r9 = the return address, rsi = the depth.
+        block.add(Instruction.create_reg_mem(Code.LEA_R64_M, R8, at(Register.RSP, frame.probe_rsp)))
+        block.add(mov_load(R9, R8, 0))
+        block.add(mov_load(RSI, RDI, T_DEPTH))
+        # Step 3: release the entries of frames that vanished (below S, or at S unchained).
+        block.label("release")
+        _emit_newest_vs_slot(block, "push")
+        block.branch(Code.JA_REL32_64, "push")
+        block.branch(Code.JB_REL32_64, "drop")
+        _imm64(block, RAX, site.tramp_start)
+        block.add(Instruction.create_reg_reg(Code.MOV_R64_RM64, R11, R9))
+        block.add(Instruction.create_reg_reg(Code.SUB_R64_RM64, R11, RAX))
+        block.add(Instruction.create_reg_i32(Code.CMP_RM64_IMM32, R11, site.tramp_size))
+        block.branch(Code.JB_REL32_64, "push")  # chained to one of our trampolines
+        if site.trap_trampoline:
+            _imm64(block, RAX, site.trap_trampoline)
+            block.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, R9, RAX))
+            block.branch(Code.JE_REL32_64, "push")  # chained to the trap tier's
+        block.label("drop")
+        _emit_release(block, site)
+        block.branch(Code.JMP_REL32_64, "release")
+        # Step 4: a new entry if the cap allows: its fields, the depth, then the hook.
+        block.label("push")
+        block.add(Instruction.create_reg_i32(Code.CMP_RM64_IMM32, RSI, site.cap))
+        block.branch(Code.JAE_REL32_64, "full")
+        block.add(Instruction.create_reg(Code.INC_RM64, RSI))
+        _emit_top(block)
+        block.add(mov_store(R10, E_RET, R9))
+        block.add(mov_store(R10, E_STACK, R8))
+        block.add(Instruction.create(Code.RDTSC))
+        block.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, RDX, 32))
+        block.add(Instruction.create_reg_reg(Code.OR_R64_RM64, RAX, RDX))
+        block.add(mov_store(R10, E_TSC, RAX))
+        block.add(mov_store(RDI, T_DEPTH, RSI))
+        _imm64(block, RAX, site.trampoline)
+        block.add(mov_store(R8, 0, RAX))
+        block.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDI, T_BUSY), 0))
+        block.branch(Code.JMP_REL32_64, "done")
+        # Step 5: not hooked: the depth the releases left, and a miss.
+        block.label("full")
+        block.add(mov_store(RDI, T_DEPTH, RSI))
+        block.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDI, T_BUSY), 0))
+        block.label("missed")
+        _counter(block, site, C_MISSED, R11)
+        block.label("done")
+
+
+def _emit_measure(b: Block, site: ReturnSite, mult: int, saved_rax: int) -> None:
+    """rax = the return value the function left in rax (saved at ``[rsp + saved_rax]``), or
+    the call's duration (a negative one, TSCs of two CPUs, is 0), ``ticks * mult >> 32``."""
+    if site.value_bits:
+        b.add(mov_load(RAX, Register.RSP, saved_rax))
+        if site.value_bits == 32:
+            b.add(Instruction.create_reg_reg(Code.MOV_R32_RM32, Register.EAX, Register.EAX))
+        return
+    b.add(Instruction.create(Code.RDTSC))
+    b.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, RDX, 32))
+    b.add(Instruction.create_reg_reg(Code.OR_R64_RM64, RAX, RDX))
+    b.add(Instruction.create_reg_mem(Code.SUB_R64_RM64, RAX, at(R10, E_TSC)))
+    b.branch(Code.JNS_REL32_64, "positive")
+    b.add(Instruction.create_reg_reg(Code.XOR_R32_RM32, Register.EAX, Register.EAX))
+    b.label("positive")
+    _imm64(b, RCX, mult)
+    b.add(Instruction.create_reg(Code.MUL_RM64, RCX))
+    b.add(Instruction.create_reg_reg_i32(Code.SHRD_RM64_R64_IMM8, RAX, RDX, 32))
+
+
+def build_trampoline(site: ReturnSite, mult: int) -> bytes:
+    """The return trampoline of one probe, at ``site.trampoline``. ``mult`` turns TSC ticks
+    into ns: ``ns = ticks * mult >> 32``."""
+    if not 0 < mult < 1 << 63:
+        raise InternalError(f"tsc multiplier {mult}")
+    b = Block()
+    nsaved = len(_SAVED)
+    # Step 1: a word for the real return address (the slot the ret just freed), the registers.
+    b.add(Instruction.create_reg_mem(Code.LEA_R64_M, Register.RSP, at(Register.RSP, -8)))
+    for reg in _SAVED:
+        b.add(Instruction.create_reg(Code.PUSH_R64, reg))
+    # Step 2: the thread's stack; r8 = the return slot R, rsi = the depth.
+    _emit_find(b, site, claim=False, missing="nowhere")
+    b.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDI, T_BUSY), 1))
+    b.add(Instruction.create_reg_mem(Code.LEA_R64_M, R8, at(Register.RSP, 8 * nsaved)))
+    b.add(mov_load(RSI, RDI, T_DEPTH))
+    # Step 3: entries below R vanished; the newest at R is this call.
+    b.label("pop")
+    _emit_newest_vs_slot(b, "lost")
+    b.branch(Code.JE_REL32_64, "match")
+    b.branch(Code.JA_REL32_64, "lost")
+    _emit_release(b, site)
+    b.branch(Code.JMP_REL32_64, "pop")
+    b.label("match")
+    b.add(Instruction.create_reg(Code.DEC_RM64, RSI))
+    b.add(mov_store(RDI, T_DEPTH, RSI))
+    b.add(mov_load(RAX, R10, E_RET))
+    b.add(mov_store(R8, 0, RAX))  # where the final ret finds it
+    # Step 4: what the probe aggregates, in rax.
+    _emit_measure(b, site, mult, 8 * (nsaved - 1))
+    _imm64(b, R11, site.counters)
+    b.add(Instruction.create_mem_reg(Code.ADD_RM64_R64, at(R11, C_SUM_NS), RAX), lock=True)
+    b.add(Instruction.create_mem(Code.INC_RM64, at(R11, C_RETURNS)), lock=True)
+    b.add(Instruction.create_reg_i32(Code.OR_RM64_IMM8, RAX, 1))
+    b.add(Instruction.create_reg_reg(Code.BSR_R64_RM64, RCX, RAX))
+    hist = MemoryOperand(R11, RCX, 8, C_HIST + 8, 1)  # slot bsr + 1: bcc's bit length
+    b.add(Instruction.create_mem(Code.INC_RM64, hist), lock=True)
+    b.label("home")
+    b.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDI, T_BUSY), 0))
+    # Step 5: the registers back, and home.
+    for reg in reversed(_SAVED):
+        b.add(Instruction.create_reg(Code.POP_R64, reg))
+    b.add(Instruction.create(Code.RETNQ))
+    _emit_lost(b)
+    code = b.encode(site.trampoline)
+    if len(code) > TRAMPOLINE_MAX:
+        raise InternalError(f"a trampoline of {len(code)} bytes")
+    return code
+
+
+def _emit_lost(b: Block) -> None:
+    """No live entry at R: a frame released wrongly (its stack was switched under it) finds
+    its return address in the lost ring (taken out, not counted); none there, or no slot
+    for the thread at all: where it should go is unknown. Stop rather than guess."""
+    b.label("lost")
+    b.add(mov_store(RDI, T_DEPTH, RSI))
+    b.add(mov_load(RCX, RDI, T_LOST_NEXT))
+    b.add(Instruction.create_reg_u32(Code.MOV_R32_IMM32, Register.R9D, LOST_MAX))
+    b.label("search")  # newest first: an older release of the same slot is a dead frame's
+    b.add(Instruction.create_reg(Code.DEC_RM64, RCX))
+    b.add(Instruction.create_reg_reg(Code.MOV_R64_RM64, RDX, RCX))
+    b.add(Instruction.create_reg_u32(Code.AND_RM32_IMM32, Register.EDX, LOST_MAX - 1))
+    b.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, RDX, 4))  # * LOST
+    b.add(Instruction.create_reg_reg(Code.ADD_R64_RM64, RDX, RDI))
+    b.add(mov_load(RAX, RDX, T_LOST))
+    b.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, RAX, R8))
+    b.branch(Code.JE_REL32_64, "recovered")
+    b.add(Instruction.create_reg(Code.DEC_RM32, Register.R9D))
+    b.branch(Code.JNE_REL32_64, "search")
+    b.branch(Code.JMP_REL32_64, "nowhere")
+    b.label("recovered")
+    b.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDX, T_LOST), 0))
+    b.add(mov_load(RAX, RDX, T_LOST + 8))
+    b.add(mov_store(R8, 0, RAX))
+    b.branch(Code.JMP_REL32_64, "home")
+    b.label("nowhere")
+    b.add(Instruction.create(Code.INT3))
+
+
+@dataclass(frozen=True, slots=True)
+class UnhookAction:
+    """The action on an entry point of the C++ unwinder: the real return address back in
+    every frame of this thread still hooked to one of our trampolines, newest first (in a
+    tail-call chain the newer entry's address is the older one's trampoline). Only frames
+    above the stack pointer are live (and surely mapped); the entries stay, released later
+    as vanished. With ``counter``, the hits are counted there."""
+
+    shadow: int
+    tramp_start: int
+    tramp_size: int
+    counter: int
+    thread_id: ThreadId = ThreadId.FSBASE
+
+    @property
+    def clobbers(self) -> tuple[str, ...]:
+        return ("rax", "rcx", "rdx", "rsi", "rdi", "r8", "r10", "r11")
+
+    @property
+    def reads_flags(self) -> bool:
+        return False
+
+    def emit(self, block: Block, frame: Frame, probe_addr: int) -> None:
+        site = ReturnSite(
+            self.shadow, 0, self.tramp_start, self.tramp_size, 0, 0, 1, self.thread_id
+        )
+        _imm64(block, R11, self.counter)
+        block.add(Instruction.create_mem(Code.INC_RM64, at(R11, 0)), lock=True)
+        _emit_find(block, site, claim=False, missing="done")
+        block.add(Instruction.create_reg_mem(Code.LEA_R64_M, R8, at(Register.RSP, frame.probe_rsp)))
+        block.add(mov_load(RSI, RDI, T_DEPTH))
+        block.label("loop")
+        block.add(Instruction.create_reg_reg(Code.TEST_RM64_R64, RSI, RSI))
+        block.branch(Code.JE_REL32_64, "done")
+        _emit_top(block)
+        block.add(Instruction.create_reg(Code.DEC_RM64, RSI))
+        block.add(mov_load(RAX, R10, E_STACK))
+        block.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, RAX, R8))
+        block.branch(Code.JB_REL32_64, "loop")  # below the stack pointer: a vanished frame
+        block.add(mov_load(RDX, RAX, 0))
+        _imm64(block, RCX, self.tramp_start)
+        block.add(Instruction.create_reg_reg(Code.SUB_R64_RM64, RDX, RCX))
+        block.add(Instruction.create_reg_i32(Code.CMP_RM64_IMM32, RDX, self.tramp_size))
+        block.branch(Code.JAE_REL32_64, "loop")  # not hooked (any more)
+        block.add(mov_load(RDX, R10, E_RET))
+        block.add(mov_store(RAX, 0, RDX))
+        block.branch(Code.JMP_REL32_64, "loop")
+        block.label("done")

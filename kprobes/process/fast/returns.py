@@ -1,0 +1,279 @@
+"""Optimized return probes on a process: their shadow stacks, trampolines and counters.
+
+A ``Kretprobe(optimize=True)`` whose handlers need no trap (core/retprobes.py,
+``Kretprobe.why_on_traps``) is placed as every return probe is, with the trap tier's entry
+probe; the optimizer then gives its entry site a ``RetEntryAction`` (arch/x86_64/retstack.py)
+in place of a count, and the probe a trampoline of its own in the program. Entries and returns
+then take no trap: the program times each call and adds it to the probe's log2 histogram in
+the shared area, which the tool reads when it reports (``collect``).
+
+What must stay valid after the tool's death stays mapped: the shadow stacks (one private
+anonymous mapping, made by the program), the trampolines (one executable page of ours, never
+reused) and the counters (the shared area). A clean end puts the real return address back in
+every live frame first (``unhook``, with every thread held), so that nothing returns into a
+page it then unmaps. So does the unwinder's guard (engine/trampoline.py) for the thread that
+throws: the C++ unwinder finds no unwind entry for a trampoline, and needs the real addresses.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final
+
+from kprobes.arch.x86_64 import retstack as rs
+from kprobes.arch.x86_64.detour import Action
+from kprobes.arch.x86_64.record import ThreadId
+from kprobes.core.retprobes import Kretprobe
+from kprobes.errors import InternalError, TargetError
+from kprobes.linux.syscalls import NR_MMAP
+from kprobes.linux.tsc import read_tsc
+from kprobes.process.engine.xol import MARK_SIZE
+from kprobes.process.inject import calls
+from kprobes.symbols.maps import read_maps
+
+if TYPE_CHECKING:
+    from kprobes.core.optimizer import SiteOpt
+    from kprobes.core.table import ProbeSite
+    from kprobes.process.engine.attachment import Attachment
+    from kprobes.process.engine.threads import Thread
+    from kprobes.process.engine.tracee import Tracee
+    from kprobes.process.fast.memory import DetourMemory
+    from kprobes.process.fast.state import SharedArea
+    from kprobes.process.inject.program import ProgramCalls
+
+# Counters a return site takes in its area (64 bytes apart): the block ``rs.COUNTERS_SIZE``.
+NCOUNTERS: Final = -(-rs.COUNTERS_SIZE // 64)
+TRAMP_PAGE: Final = 0x10000
+_MAP_PRIVATE_ANON_NORESERVE: Final = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000
+_Q2 = struct.Struct("<QQ")
+_Q = struct.Struct("<Q")
+
+
+def return_probe_of(site: ProbeSite) -> Kretprobe | None:
+    """The return probe whose entry ``site`` is, if the site's probe is one."""
+    for p in site.probes:
+        if isinstance(p.owner, Kretprobe):
+            return p.owner
+    return None
+
+
+def tsc_mult() -> int:
+    """``ns = ticks * mult >> 32`` on this machine, measured over 20 ms (the TSC is invariant
+    here: tsc.py)."""
+    global _MULT
+    if _MULT is None:
+        ns0, t0 = time.monotonic_ns(), read_tsc()
+        time.sleep(0.02)
+        ns1, t1 = time.monotonic_ns(), read_tsc()
+        _MULT = max(1, ((ns1 - ns0) << 32) // max(1, t1 - t0))
+    return _MULT
+
+
+_MULT: int | None = None
+
+
+@dataclass(slots=True)
+class _Seen:
+    """A probe's counters as last added to it."""
+
+    returns: int = 0
+    missed: int = 0
+    abandoned: int = 0
+
+
+@dataclass(slots=True)
+class ReturnStacks:
+    """The fast tier's return probes in one address space (``JumpState.returns``)."""
+
+    shadow: int = 0  # the shadow stacks' mapping
+    tramp_start: int = 0  # the trampolines' page
+    tramp_used: int = 0
+    # Trampolines by what their code holds: (site address, its counters, unit, value bits);
+    # the one each site's current detour writes (for ``unhook``).
+    trampolines: dict[tuple[int, int, int, int], int] = field(default_factory=dict)
+    current: dict[int, int] = field(default_factory=dict)
+    seen: dict[int, _Seen] = field(default_factory=dict)  # site address → its counters read
+
+    def forget(self) -> None:
+        """The address space was replaced (exec): none of it is there any more (in place:
+        the optimizer's ``FastReturns`` holds this object)."""
+        self.shadow = self.tramp_start = self.tramp_used = 0
+        self.trampolines.clear()
+        self.current.clear()
+        self.seen.clear()
+
+    def tramp_range(self) -> tuple[int, int]:
+        return self.tramp_start, self.tramp_start + TRAMP_PAGE
+
+    def unhook(self, threads: Iterable[Thread], only: int = 0) -> int:
+        """Put the real return address back in every frame of ``threads`` hooked to one of
+        our trampolines (``only``: that trampoline alone); how many. The threads are held.
+        Entries stay: the frames return straight home and the entries are released later as
+        vanished (a thread inside a trampoline still pops its own)."""
+        if not self.shadow:
+            return 0
+        start, end = self.tramp_range()
+        done = 0
+        for t in threads:
+            try:
+                # A thread in a handler has its view loaded, maybe changed: not reloaded.
+                fs_base = (t.regs if t.busy or t.regs.dirty else t.load_regs()).fs_base
+                slot = _find_slot(t.tracee, self.shadow, fs_base)
+                if slot is None:
+                    continue
+                depth = min(_Q.unpack(t.tracee.read(slot + rs.T_DEPTH, 8))[0], rs.CAPACITY)
+                raw = t.tracee.read(slot + rs.T_ENTRIES, depth * rs.ENTRY) if depth else b""
+                lost = t.tracee.read(slot + rs.T_LOST, rs.LOST_MAX * rs.LOST)
+            except (TargetError, OSError):
+                continue
+            # Newest first: in a tail-call chain the newer entry's "return address" is the
+            # older one's trampoline, then the older one puts the real address. Then the
+            # released frames that may still be live (the lost ring, rs.T_LOST).
+            pairs = [_Q2.unpack_from(raw, i * rs.ENTRY) for i in reversed(range(depth))]
+            pairs += [
+                (ret, stack)
+                for stack, ret in (_Q2.unpack_from(lost, i * rs.LOST) for i in range(rs.LOST_MAX))
+                if stack
+            ]
+            for ret, stack in pairs:
+                try:
+                    now = t.tracee.read_word(stack)
+                except TargetError:
+                    continue
+                if start <= now < end and (not only or now == only):
+                    t.tracee.write_word(stack, ret)
+                    done += 1
+        return done
+
+
+def _find_slot(mem: Tracee, shadow: int, fs_base: int) -> int | None:
+    """The thread slot of ``fs_base``, searched as the program's code searches."""
+    index = rs.first_index(fs_base)
+    for i in range(rs.NTHREADS):
+        slot = rs.thread_slot(shadow, fs_base, index + i)
+        owner = _Q.unpack(mem.read(slot + rs.T_OWNER, 8))[0]
+        if owner == fs_base:
+            return slot
+        if owner == 0:
+            return None
+    return None
+
+
+class FastReturns:
+    """The optimizer's part for return probes: actions, trampolines, counts."""
+
+    def __init__(
+        self,
+        program: Attachment,
+        injector: ProgramCalls,
+        memory: DetourMemory,
+        stacks: ReturnStacks,
+        thread_id: ThreadId = ThreadId.FSBASE,
+    ) -> None:
+        self._program = program
+        self._tracer = program.tracer
+        self._injector = injector
+        self._memory = memory
+        self._stacks = stacks
+        self._thread_id = thread_id
+
+    def action(self, site: ProbeSite, area: SharedArea, so: SiteOpt) -> Action | str:
+        """The entry action of a return site (its trampoline made once), or why none."""
+        rp = return_probe_of(site)
+        if rp is None:
+            raise InternalError(f"{site.addr:#x} is no return probe's entry")
+        why = rp.why_on_traps()
+        if why is not None:
+            return why
+        stacks = self._stacks
+        self._ensure_memory(site.addr)
+        cap = rs.CAPACITY if rp.maxactive <= 0 else min(rp.maxactive, rs.CAPACITY)
+        counters = area.counter_addr(so.counter)
+        # A probe registered again at the site has new counters: a new trampoline (the old
+        # one stays, for the frames still hooked to it).
+        key = (site.addr, counters, rp.duration_unit, rp.value_bits)
+        tramp = stacks.trampolines.get(key, 0)
+        ret_site = rs.ReturnSite(
+            shadow=stacks.shadow,
+            trampoline=tramp or stacks.tramp_start + stacks.tramp_used,
+            tramp_start=stacks.tramp_start,
+            tramp_size=TRAMP_PAGE,
+            trap_trampoline=self._tracer.trampoline.addr,
+            counters=counters,
+            cap=cap,
+            thread_id=self._thread_id,
+            value_bits=rp.value_bits,
+        )
+        if not tramp:
+            if stacks.tramp_used + rs.TRAMPOLINE_MAX > TRAMP_PAGE - MARK_SIZE:
+                return "no room left for another return trampoline (256 per process)"
+            code = rs.build_trampoline(ret_site, max(1, tsc_mult() // max(1, rp.duration_unit)))
+            for space in self._tracer.own_memories():
+                space.write(ret_site.trampoline, code)
+            stacks.trampolines[key] = ret_site.trampoline
+            stacks.tramp_used += rs.TRAMPOLINE_MAX
+            stacks.seen[site.addr] = _Seen(*self._read(area, so)[1:4])
+        stacks.current[site.addr] = ret_site.trampoline
+        return rs.RetEntryAction(ret_site)
+
+    def unhook_action(self, site: ProbeSite, area: SharedArea, so: SiteOpt) -> Action:
+        """The action of the in-program unhook on an entry point of the unwinder
+        (engine/trampoline.py ``UnwindUnhook``)."""
+        self._ensure_memory(site.addr)
+        stacks = self._stacks
+        return rs.UnhookAction(
+            stacks.shadow,
+            stacks.tramp_start,
+            TRAMP_PAGE,
+            area.counter_addr(so.counter),
+            self._thread_id,
+        )
+
+    def _ensure_memory(self, near: int) -> None:
+        """The shadow stacks' mapping and the trampolines' page, made once per image."""
+        stacks = self._stacks
+        if not stacks.tramp_start:
+            stacks.tramp_start = self._memory.alloc_detour(near, TRAMP_PAGE - MARK_SIZE)
+            stacks.tramp_used = 0
+        if stacks.shadow:
+            return
+        with self._injector.injection_thread() as thread:
+            insn = self._injector.find_syscall(read_maps(self._program.pid))
+            prot = mmap.PROT_READ | mmap.PROT_WRITE
+            args = (0, rs.SHADOW_SIZE, prot, _MAP_PRIVATE_ANON_NORESERVE, (1 << 64) - 1, 0)
+            result = calls.run_syscall(thread, insn, NR_MMAP, *args, rescue=self._tracer.rescue)
+        if result < 0:
+            raise TargetError(f"mmap of the shadow stacks failed: {os.strerror(-result)}")
+        stacks.shadow = result
+
+    @staticmethod
+    def _read(area: SharedArea, so: SiteOpt) -> tuple[int, ...]:
+        """(hits, returns, missed, abandoned, sum of ns, then the 64 histogram slots)."""
+        base = area.layout.counter_offset(so.counter)
+        view = area.view
+        try:
+            head = struct.unpack_from("<5Q", view, base)
+            hist = struct.unpack_from(f"<{rs.HIST_SLOTS}Q", view, base + rs.C_HIST)
+        finally:
+            view.release()
+        return head + hist
+
+    def collect(self, site: ProbeSite, area: SharedArea, so: SiteOpt) -> None:
+        """Add what the program counted for this return site since the last call to its
+        probe: returns (``nhit``), misses, abandoned frames, the durations."""
+        rp = return_probe_of(site)
+        seen = self._stacks.seen.get(site.addr)
+        if rp is None or seen is None:
+            return
+        values = self._read(area, so)
+        _, returns, missed, abandoned, total = values[:5]
+        rp.nhit += returns - seen.returns
+        rp.nmissed += missed - seen.missed
+        rp.nabandoned += abandoned - seen.abandoned
+        seen.returns, seen.missed, seen.abandoned = returns, missed, abandoned
+        rp.note_hist(values[5:], total)

@@ -1,0 +1,110 @@
+"""The code of optimized return probes (arch/x86_64/retstack.py), bytes in, listing out.
+
+The live behaviour (pairing, release, recovery, unhooking) is tested on real programs in
+tests/test_fast_returns.py; here, what the code must hold whatever runs it: the trampoline
+keeps every register, reaches everything by absolute address (it may be placed anywhere),
+reads what its site asks for; the entry caps the depth; the layouts fit.
+"""
+
+from __future__ import annotations
+
+import pytest
+from iced_x86 import Code, Decoder, Formatter, FormatterSyntax, Instruction, OpKind, Register
+
+from kprobes.arch.x86_64 import retstack as rs
+from kprobes.arch.x86_64.detour import build_detour
+from kprobes.arch.x86_64.jumpopt import find_region
+from kprobes.errors import InternalError
+from kprobes.process.fast.returns import NCOUNTERS
+
+SHADOW, TRAMP, COUNTERS = 0x7F00_0000_0000, 0x5000_0000, 0x6000_0000
+SITE = rs.ReturnSite(SHADOW, TRAMP, TRAMP, 0x10000, 0, COUNTERS)
+_FMT = Formatter(FormatterSyntax.INTEL)
+
+
+def listing(code: bytes, at: int) -> list[Instruction]:
+    return list(Decoder(64, code, ip=at))
+
+
+def text(instrs: list[Instruction]) -> list[str]:
+    return [_FMT.format(i) for i in instrs]
+
+
+def test_trampoline_keeps_every_register_it_uses() -> None:
+    instrs = listing(rs.build_trampoline(SITE, 1 << 31), TRAMP)
+    pushes = [i.op0_register for i in instrs if i.code == Code.PUSH_R64]
+    ret = next(n for n, i in enumerate(instrs) if i.code == Code.RETNQ)
+    pops = [i.op0_register for i in instrs[:ret] if i.code == Code.POP_R64]
+    assert pushes == list(reversed(pops))
+    written = {i.op0_register for i in instrs if i.op_count and i.op0_kind == OpKind.REGISTER}
+    gprs = {Register.RAX, Register.RCX, Register.RDX, Register.RSI, Register.RDI}
+    gprs |= {Register.R8, Register.R9, Register.R10, Register.R11}
+    assert written - {Register.RSP, Register.EAX, Register.ECX, Register.EDX, Register.ESI,
+                      Register.R9D} <= set(pushes) == gprs  # fmt: skip
+    # lea rsp,[rsp-8] first: the word the final ret takes the real return address from.
+    assert text(instrs[:1]) == ["lea rsp,[rsp-8]"]
+
+
+@pytest.mark.parametrize("bits", [0, 32, 64])
+def test_trampoline_reaches_everything_by_absolute_address(bits: int) -> None:
+    site = rs.ReturnSite(SHADOW, TRAMP, TRAMP, 0x10000, 0, COUNTERS, value_bits=bits)
+    code = rs.build_trampoline(site, 1 << 31)
+    assert len(code) <= rs.TRAMPOLINE_MAX
+    instrs = listing(code, TRAMP)
+    assert not [i for i in instrs if i.is_ip_rel_memory_operand]
+    imm64 = {i.immediate64 for i in instrs if i.code == Code.MOV_R64_IMM64}
+    assert {SHADOW, COUNTERS} <= imm64
+    assert COUNTERS + rs.C_ABANDONED in imm64
+
+
+def test_trampoline_aggregates_what_its_site_asks_for() -> None:
+    def body(bits: int) -> list[str]:
+        site = rs.ReturnSite(SHADOW, TRAMP, TRAMP, 0x10000, 0, COUNTERS, value_bits=bits)
+        return text(listing(rs.build_trampoline(site, 1 << 31), TRAMP))
+
+    saved_rax = f"mov rax,[rsp+{8 * 8:X}h]"
+    assert "rdtsc" in body(0) and "mul rcx" in body(0) and saved_rax not in body(0)
+    assert saved_rax in body(64) and "rdtsc" not in body(64) and "mov eax,eax" not in body(64)
+    assert saved_rax in body(32) and "mov eax,eax" in body(32)
+
+
+def test_the_code_hashes_the_thread_pointer_as_the_tool_does() -> None:
+    instrs = text(listing(rs.build_trampoline(SITE, 1 << 31), TRAMP))
+    start = instrs.index("rdfsbase rcx")
+    assert instrs[start + 1 : start + 6] == [
+        "mov rsi,rcx",
+        "shr rsi,0Ch",
+        "imul rsi,61C88647h",
+        "shr rsi,10h",
+        "and esi,0FFh",  # NTHREADS - 1
+    ]
+    for fs_base in (0x7F12_3456_7740, 0x7FFF_F7D8_A740, 0x1000):
+        want = ((((fs_base >> 12) * 0x61C88647) & (2**64 - 1)) >> 16) & (rs.NTHREADS - 1)
+        assert rs.first_index(fs_base) == want
+
+
+def test_the_entry_caps_each_threads_depth() -> None:
+    code = bytes.fromhex("554889e54883ec10c9c3")  # push rbp; mov rbp,rsp; sub rsp,16
+    region = find_region(code, 0x40_1000, 0x40_1000, len(code))
+    assert not isinstance(region, str)
+    site = rs.ReturnSite(SHADOW, TRAMP, TRAMP, 0x10000, 0, COUNTERS, cap=7)
+    detour = build_detour(0x40_0000, region, rs.RetEntryAction(site))  # type: ignore[arg-type]
+    instrs = text(listing(detour.code, 0x40_0000))
+    assert "cmp rsi,7" in instrs
+    assert f"mov rax,{TRAMP:X}h" in instrs  # the hook: this probe's trampoline
+
+
+def test_bad_sites_are_refused() -> None:
+    with pytest.raises(InternalError):
+        rs.ReturnSite(SHADOW, TRAMP, TRAMP, 0x10000, 0, COUNTERS, cap=rs.CAPACITY + 1)
+    with pytest.raises(InternalError):
+        rs.ReturnSite(SHADOW, TRAMP, TRAMP, 0x10000, 0, COUNTERS, value_bits=16)
+    with pytest.raises(InternalError):
+        rs.build_trampoline(SITE, 0)
+
+
+def test_layouts_fit() -> None:
+    assert rs.T_LOST + rs.LOST_MAX * rs.LOST <= rs.SLOT_STRIDE
+    assert rs.SLOT_STRIDE % rs.PAGE == 0
+    assert rs.COUNTERS_SIZE <= NCOUNTERS * 64
+    assert rs.C_HIST + 8 * rs.HIST_SLOTS == rs.COUNTERS_SIZE
