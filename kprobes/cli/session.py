@@ -28,7 +28,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 from kprobes.cli.backends import Backend, Placed, Sink, add_backend_arguments
 from kprobes.cli.notes import summarise
@@ -55,6 +55,22 @@ READ_AFTER_END = 0.3
 
 class EnoughEvents(Exception):
     """Raised from a handler when ``-n`` events have been seen: ends the run after the hit."""
+
+
+class OutputClosed(EnoughEvents):
+    """The reader of the command's output went away (``| head`` has its lines): the run ends
+    as after ``-n``, and what is left is written nowhere."""
+
+
+def output_closed(stream: IO[str]) -> OutputClosed:
+    """``stream``'s reader is gone: its file becomes /dev/null (later writes and the last
+    flush go nowhere, quietly), and the exception that ends the run."""
+    fd = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(fd, stream.fileno())
+    finally:
+        os.close(fd)
+    return OutputClosed()
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -177,6 +193,14 @@ def event_fields_source(pid: int, names: Sequence[str]) -> str:
     parts += ['"comm": o_comm(tid)', '"cpu": cpu']
     parts += [f"{name!r}: v{i}" for i, name in enumerate(names)]
     return "{" + ", ".join(parts) + "}"
+
+
+_CLOSED = "its output closed"  # ended_by when the output's reader went away
+
+
+def _enough(exc: EnoughEvents, max_events: int | None) -> str:
+    """What ended a run that had enough events: ``-n``, or its output's reader."""
+    return _CLOSED if isinstance(exc, OutputClosed) else f"-n {max_events}"
 
 
 def compile_event_filter(
@@ -347,9 +371,9 @@ class Session:
             interrupt.is_placing = False
             asked = interrupt.asked_at if interrupt.interrupted else self._loop(backend)
             interrupt.is_over = True  # each way out of the loop says so first (sigint.py)
-        except EnoughEvents:
+        except EnoughEvents as exc:
             interrupt.is_over = True
-            self.ended_by = f"-n {self._max}"
+            self.ended_by = _enough(exc, self._max)
             asked = time.monotonic()
         except (KeyboardInterrupt, RunInterrupted):
             interrupt.is_over = True
@@ -363,7 +387,7 @@ class Session:
         """The way out of a run (see the module's docstring): the probes disabled, what is
         left read until ``READ_AFTER_END`` after ``asked`` (none after ``-n``), the rest
         counted unread. With ``asked`` None (the program ended) everything left is read."""
-        if self.ended_by.startswith("-n"):
+        if self.ended_by.startswith(("-n", _CLOSED)):
             backend.discard_backlog()  # and what comes until the probes are removed
             return
         backend.stop()
@@ -372,8 +396,8 @@ class Session:
         until = float("inf") if asked is None else asked + READ_AFTER_END
         try:
             backend.read_rest(until)  # a signal now brings ``until`` nearer (on_late_signal)
-        except EnoughEvents:
-            self.ended_by = self.ended_by or f"-n {self._max}"
+        except EnoughEvents as exc:
+            self.ended_by = self.ended_by or _enough(exc, self._max)
             backend.discard_backlog()
         signal = self._interrupt.signal
         if signal is not None and not self.ended_by:

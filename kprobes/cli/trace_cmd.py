@@ -32,7 +32,12 @@ from collections.abc import Callable, Sequence
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from kprobes.cli.formats import Printer, parse_traced
-from kprobes.cli.session import Session, add_common_arguments, event_fields_source
+from kprobes.cli.session import (
+    Session,
+    add_common_arguments,
+    event_fields_source,
+    output_closed,
+)
 from kprobes.cli.stack_options import add_stack_arguments, prepare_stacks
 from kprobes.errors import SpecError, TargetError
 from kprobes.model import Event
@@ -130,7 +135,7 @@ class TraceRows:
             line = text_line(layout.event, *args)
         if line is None:
             return None
-        session, write = self.session, self.out.write
+        session, out, write = self.session, self.out, self.out.write
         names, keep = dict(line.names), ""
         if session.event_filter is not None:  # --filter, on the same fields as the sink's
             names["o_filter"], names["o_comm"] = session.event_filter, layout.comm
@@ -139,7 +144,10 @@ class TraceRows:
         def write_lines(text: str, printed: int, left_out: int) -> None:
             session.events += printed
             session.filtered += left_out
-            write(text)
+            try:
+                write(text)
+            except BrokenPipeError:  # | head: it has what it wanted
+                raise output_closed(out) from None
 
         from kprobes.process.fast.batch import LineFormat  # the ptrace backend's, when it runs
 
@@ -197,6 +205,12 @@ class TraceOutput:
         self.rows = TraceRows(counts, out, json=args.json) if plain else None
 
     def handle(self, ev: Event) -> None:
+        try:
+            self._write(ev)
+        except BrokenPipeError:  # | head: it has what it wanted
+            raise output_closed(self.out) from None
+
+    def _write(self, ev: Event) -> None:
         out, wall = self.out, self.wall()
         printer = self.own.get(ev.event)
         if printer is None:
@@ -216,7 +230,10 @@ class TraceOutput:
         return None if spec.effective_event in self.own else self.rows
 
     def close(self) -> None:
-        self.out.flush()
+        try:
+            self.out.flush()
+        except BrokenPipeError:
+            output_closed(self.out)
         if self.perfetto is not None and self.perfetto_file is not None:
             self.perfetto.close()
             self.perfetto_file.close()
