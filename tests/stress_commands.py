@@ -85,7 +85,9 @@ CHECKER_RUNS = [
     ("trace", (), ("libc:malloc size=%di", "work w=%di i=%si")),
     ("trace", (), ("p work", "r work")),
     ("latency", (), ("work",)),
+    ("latency", (), ("nest",)),  # nested returns, through the shadow stacks when optimized
     ("hist", ("--key", "size"), ("libc:malloc size=%di:u64",)),
+    ("hist", ("-H", "--key", "x"), ("r nest x=$retval:u64",)),  # aggregated in the program
 ]
 PYTHON_RUNS = [
     ("count", (), ("libc:malloc", "libc:free", "libc:realloc")),

@@ -7,7 +7,9 @@
  *   THREADS  workers (1..32): the main thread is worker 0, THREADS-1 pthreads the others.
  *
  * Each iteration i of a worker: work(w, i) (a leaf whose result is known), rec(DEPTH) (a
- * recursion of DEPTH+1 frames whose result is known), a malloc of 16..1040 bytes filled with
+ * recursion of DEPTH+1 frames whose result is known), nest(DEPTH) (the same through a function
+ * whose entry takes a jump: a frame pointer first, so that its return probes nest on the
+ * optimized tier), a malloc of 16..1040 bytes filled with
  * a pattern, checked and freed, and the loop counter compared with a second copy kept in
  * memory. A wrong result, a corrupted buffer or a counter that disagrees prints "checker:
  * thread W: ..." on stderr and exits 1 at once: a register, a return address or a stack slot
@@ -41,6 +43,21 @@ __attribute__((noinline)) unsigned long rec(int depth, unsigned long x)
 	if (depth == 0)
 		return x + 1;
 	return rec(depth - 1, x * 3 + (unsigned long)depth) + 1;
+}
+
+__attribute__((noinline, optimize("no-omit-frame-pointer", "no-shrink-wrap")))
+unsigned long nest(int depth, unsigned long x)
+{
+	if (depth == 0)
+		return x ^ 0x5a;
+	return nest(depth - 1, x + (unsigned long)depth) * 2;
+}
+
+static unsigned long nest_model(int depth, unsigned long x)
+{
+	for (int d = depth; d > 0; d--)
+		x += (unsigned long)d;
+	return (x ^ 0x5a) << depth;
 }
 
 static unsigned long rec_model(int depth, unsigned long x)
@@ -83,6 +100,10 @@ static void *worker(void *arg)
 		want = rec_model(DEPTH, seed);
 		if (got != want)
 			bad(w, "rec", i, got, want);
+		got = nest(DEPTH, seed);
+		want = nest_model(DEPTH, seed);
+		if (got != want)
+			bad(w, "nest", i, got, want);
 		size_t size = 16 + (i * 7 + w) % 1025;
 		unsigned char *buf = malloc(size);
 		if (buf == NULL)
