@@ -251,7 +251,10 @@ def _modules_after(argv: list[str]) -> tuple[set[str], subprocess.CompletedProce
     return set(listed[-1].split()[1:]), r
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["count", "--help"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["--version"], *([c, "--help"] for c in ("count", "record", "script", "report"))],
+)
 def test_help_imports_no_engine(argv: list[str]) -> None:
     """``kprobes --help``, ``--version`` and a command's ``--help`` import none of the
     machinery (start-up is measured by ``python -m bench.tool_start``)."""

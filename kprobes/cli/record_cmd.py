@@ -34,7 +34,6 @@ from kprobes.cli.stack_options import prepare_stacks
 from kprobes.cli.trace_cmd import add_trace_arguments, check_block, parse_specs
 from kprobes.errors import TargetError
 from kprobes.model import Event
-from kprobes.output.recfile import END, META, RecordWriter
 
 DEFAULT_FILE = "kprobes.data"
 RING_SIZE = 128 << 20  # bytes: 2,097,152 one-slot records
@@ -79,9 +78,14 @@ class _Recorder:
     """The session's events and records into one file, and what it counts of them."""
 
     def __init__(self, session: Session, out: IO[bytes], args: argparse.Namespace) -> None:
+        # The file's writer needs the engine's ring decoders: imported when a recording
+        # starts, not for ``record --help``.
+        from kprobes.output import recfile
+
+        self.recfile = recfile
         self.session = session
         self.args = args
-        self.writer = RecordWriter(out)
+        self.writer = recfile.RecordWriter(out)
         self.events = 0  # the trap tier's and the kernel's events, written as events
         self.header = ""
 
@@ -102,7 +106,7 @@ class _Recorder:
         event: those go through the handlers)."""
         args = self.args
         self.writer.json(
-            META,
+            self.recfile.META,
             {
                 "kprobes": __version__,
                 "argv": sys.argv,
@@ -143,7 +147,7 @@ class _Recorder:
         s = self.session
         s.refresh()
         self.writer.json(
-            END,
+            self.recfile.END,
             {
                 "events": s.events,
                 "records": self.writer.records,

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kprobes.cli.latency_cmd import UNITS
-from kprobes.cli.replay import Replay, open_file, reading
 from kprobes.cli.script_cmd import FilteredEvents, add_file_argument, say_damage, say_end
 from kprobes.cli.session import event_fields_source
 from kprobes.errors import RecordFileError
@@ -29,8 +28,10 @@ from kprobes.model import Event
 from kprobes.output.argtypes import format_value
 from kprobes.output.counts import FrequencyTable, format_counts
 from kprobes.output.hist import LatencyStats, Log2Histogram, format_average
-from kprobes.process.fast.batch import LineFormat, RowLayout
 from kprobes.spec import ProbeSpec
+
+if TYPE_CHECKING:
+    from kprobes.process.fast.batch import LineFormat, RowLayout
 
 
 def add_parser(sub: Any, help: str) -> None:
@@ -94,6 +95,8 @@ class _Summary:
         """The decoder's line: nothing printed, each event's value taken (``_take``); the
         events of no interest (a probe without the argument, an entry for ``--latency``)
         left out uncounted."""
+        from kprobes.process.fast.batch import LineFormat  # the reader's, when it reads
+
         key = self.args.hist
         if self.args.latency or (key is not None and key not in layout.names):
             return LineFormat("''", "pass", "pass", {}, lambda *_: None, keep="False")
@@ -132,6 +135,9 @@ class _Summary:
 
 
 def run(args: argparse.Namespace) -> int:
+    # The file's reader is the engine's own ring reader: imported to read, not for --help.
+    from kprobes.cli.replay import Replay, open_file, reading
+
     with reading(args.file) as f:
         meta, chunks = open_file(f)
         counts = FilteredEvents(meta)

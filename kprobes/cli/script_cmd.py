@@ -17,14 +17,16 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kprobes.cli.record_cmd import DEFAULT_FILE
-from kprobes.cli.replay import Replay, open_file, reading
 from kprobes.cli.session import compile_event_filter, event_fields
 from kprobes.cli.trace_cmd import TraceOutput, add_output_arguments, parse_specs
 from kprobes.errors import RecordFileError
 from kprobes.model import Event
+
+if TYPE_CHECKING:
+    from kprobes.cli.replay import Replay
 
 
 def add_parser(sub: Any, help: str) -> None:
@@ -98,6 +100,9 @@ def say_damage(path: str, exc: RecordFileError, counts: FilteredEvents, verb: st
 
 
 def run(args: argparse.Namespace) -> int:
+    # The file's reader is the engine's own ring reader: imported to read, not for --help.
+    from kprobes.cli.replay import Replay, open_file, reading
+
     with reading(args.file) as f:
         meta, chunks = open_file(f)
         traced = parse_specs(meta["specs"], as_json=args.json)
