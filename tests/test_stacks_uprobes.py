@@ -75,6 +75,25 @@ def test_a_stack_is_cut_at_the_depth_and_the_kernel_s_limit_said() -> None:
     assert userstacks.attach([_event(1, 0), full], _named, 127)[0].stack.stop == "depth limit"
 
 
+def test_a_read_between_an_event_and_its_stack_keeps_them_together() -> None:
+    """The kernel commits an event, then its stack: a read may fall between them. The
+    event waits for the next read (once), where its marker is; a final read holds none."""
+    pairing = userstacks.Pairing(_named, 127)
+    first = [_event(1, 0)._replace(timestamp=1.0), _event(2, 1)._replace(timestamp=2.0)]
+    first.append(_marker(2, 1, 0x30)._replace(timestamp=2.0))
+    out = pairing(first)
+    assert out == [] and pairing.is_holding  # cpu 0's last record is an event: held from it
+    second = [_marker(1, 0, 0x10)._replace(timestamp=1.5), _event(1, 0)._replace(timestamp=3.0)]
+    out = pairing(second)
+    assert [(e.tid, e.stack) for e in out] == [(1, _named([0x10], 1)), (2, _named([0x30], 2))]
+    assert pairing.is_holding  # the new last event of cpu 0
+    out = pairing([])  # held once: goes, with or without its stack
+    assert [(e.tid, e.timestamp, e.stack) for e in out] == [(1, 3.0, None)]
+    assert not pairing.is_holding
+    assert [e.tid for e in pairing([_event(4, 0)], final=True)] == [4]
+    assert not pairing.is_holding
+
+
 # -- live, on the kernel's uprobes -----------------------------------------------------------
 
 

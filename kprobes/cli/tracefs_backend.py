@@ -291,6 +291,7 @@ class TraceFsBackend(Backend):
         try:
             while time.monotonic() < until and self.target.poll():
                 pass
+            self.target.poll(final=True)  # what waited for its user stack (userstacks.py)
         finally:
             self.discard_backlog()
 

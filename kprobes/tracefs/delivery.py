@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from kprobes.tracefs.ringbuffer import CpuBuffers, PageLayout
     from kprobes.tracefs.session import Session
     from kprobes.tracefs.tasks import Tasks
+    from kprobes.tracefs.userstacks import Pairing
 
 _POLL_SLICE = 0.25  # longest sleep in run(): a missed wake-up costs at most this
 # The signals whose Python handlers may raise (the command line's SIGINT, SIGTERM, SIGHUP and
@@ -82,7 +83,7 @@ class Delivery:
     _exited: bool
     pages_per_read: int
     # Gives the kernel's user stacks to their events (userstacks.py); None: none recorded.
-    attach_stacks: Callable[[builtins.list[Event]], builtins.list[Event]] | None
+    attach_stacks: Pairing | None
 
     if TYPE_CHECKING:
 
@@ -159,27 +160,32 @@ class Delivery:
         (cpu, page), undecoded; consumes them."""
         return self._buffers.read_pages(self.pages_per_read)
 
-    def decode_pages(self, pages: Sequence[tuple[int, bytes]]) -> builtins.list[Event]:
-        """The events of ``pages`` from ``read_pages()``, oldest first.
+    def decode_pages(
+        self, pages: Sequence[tuple[int, bytes]], *, final: bool = True
+    ) -> builtins.list[Event]:
+        """The events of ``pages`` from ``read_pages()``, oldest first. With user stacks and
+        not ``final``, the events that may still get their stack in the next read wait for
+        it (userstacks.py: ``Pairing``).
 
         ``read_events()`` is ``decode_pages(read_pages())``; the benchmark times the halves
         apart, and pages kept aside can be decoded later (by this target: it knows the
         events' formats).
         """
-        if not pages:
+        stacks = self.attach_stacks
+        if not pages and (stacks is None or not stacks.is_holding):
             return []
         events, lost = decode_pages(pages, self._layout, self._builders, self._watchers)
         self.lost += lost
-        if self.attach_stacks is not None:  # before any event is dropped or held back
-            events = self.attach_stacks(events)
+        if stacks is not None:  # before any event is dropped or held back
+            events = stacks(events, final=final)
         if self.tasks.unsettled:
             events = self.tasks.settle(events, self._accepts)
         if self._clocks:
             events = self._clocks.pair(events)
         return events
 
-    def _read(self) -> builtins.list[Event]:
-        return self.decode_pages(self.read_pages())
+    def _read(self, *, final: bool = False) -> builtins.list[Event]:
+        return self.decode_pages(self.read_pages(), final=final)
 
     def _dispatch(self, event: Event, reg: Registration) -> None:
         probe = reg.probe
@@ -211,12 +217,14 @@ class Delivery:
             if self._pending is None:
                 self._pending = failure
 
-    def poll(self) -> int:
-        """Deliver every event recorded so far to the handlers; return how many."""
+    def poll(self, *, final: bool = False) -> int:
+        """Deliver every event recorded so far to the handlers; return how many. Only a
+        ``final`` poll (the end of a run) delivers an event whose user stack may still be
+        on its way (userstacks.py)."""
         regs = {reg.event: reg for reg in self._by_id.values()}  # as of the decoding
         undelivered = self._undelivered
         with _signals_held():  # the pages read are consumed: their events must be kept
-            undelivered.extend(self._read())
+            undelivered.extend(self._read(final=final))
         delivered = 0
         while undelivered:
             event = undelivered.popleft()
@@ -276,9 +284,10 @@ class Delivery:
             while True:
                 self.poll()
                 if self._stopping:
+                    self.poll(final=True)
                     return True
                 if self._is_finished():
-                    self.poll()
+                    self.poll(final=True)
                     return True
                 wait = _POLL_SLICE
                 if deadline is not None:

@@ -55,7 +55,6 @@ import struct
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from functools import partial
 
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe
@@ -175,9 +174,7 @@ class Uprobes(TraceTarget):
                 self._watch_execs()
             if stack_depth is not None:  # each event's user stack, by frame pointers
                 userstacks.enable(self.fs, self.session, self._builders)
-                self.attach_stacks = partial(
-                    userstacks.attach, name=self._name_stack, depth=stack_depth
-                )
+                self.attach_stacks = userstacks.Pairing(self._name_stack, stack_depth)
         except BaseException:
             if self._held is not None:
                 self._held.abandon()
@@ -425,8 +422,10 @@ class Uprobes(TraceTarget):
             with contextlib.suppress(OSError, ProbeError):
                 self._resolvers[self.pid] = SymbolResolver(self.pid)  # its exe, the loader
 
-    def decode_pages(self, pages: Sequence[tuple[int, bytes]]) -> list[Event]:
-        events = super().decode_pages(pages)
+    def decode_pages(
+        self, pages: Sequence[tuple[int, bytes]], *, final: bool = True
+    ) -> list[Event]:
+        events = super().decode_pages(pages, final=final)
         if self._is_cut_pending and events:
             # The command's child before its exec: every event of it until the exec record
             # is seen, then those older than the exec (the batch is in time order).
