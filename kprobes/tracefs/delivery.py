@@ -153,7 +153,7 @@ class Delivery:
 
     def read_events(self) -> builtins.list[Event]:
         """Every event recorded so far, decoded, oldest first; consumes them (no handlers)."""
-        return self._read()
+        return self.decode_pages(self.read_pages())
 
     def read_pages(self) -> builtins.list[tuple[int, bytes]]:
         """The ring-buffer pages recorded so far (at most ``pages_per_read`` per CPU), as
@@ -183,9 +183,6 @@ class Delivery:
         if self._clocks:
             events = self._clocks.pair(events)
         return events
-
-    def _read(self, *, final: bool = False) -> builtins.list[Event]:
-        return self.decode_pages(self.read_pages(), final=final)
 
     def _dispatch(self, event: Event, reg: Registration) -> None:
         probe = reg.probe
@@ -217,14 +214,16 @@ class Delivery:
             if self._pending is None:
                 self._pending = failure
 
-    def poll(self, *, final: bool = False) -> int:
+    def poll(self, *, final: bool = False, read: bool = True) -> int:
         """Deliver every event recorded so far to the handlers; return how many. Only a
         ``final`` poll (the end of a run) delivers an event whose user stack may still be
-        on its way (userstacks.py)."""
+        on its way (userstacks.py); with ``read`` False it reads no more pages (only what
+        was held back is delivered: ``stop()``)."""
         regs = {reg.event: reg for reg in self._by_id.values()}  # as of the decoding
         undelivered = self._undelivered
         with _signals_held():  # the pages read are consumed: their events must be kept
-            undelivered.extend(self._read(final=final))
+            pages = self.read_pages() if read else []
+            undelivered.extend(self.decode_pages(pages, final=final))
         delivered = 0
         while undelivered:
             event = undelivered.popleft()
@@ -283,8 +282,8 @@ class Delivery:
         try:
             while True:
                 self.poll()
-                if self._stopping:
-                    self.poll(final=True)
+                if self._stopping:  # after this batch: what it held back, and no more
+                    self.poll(final=True, read=False)
                     return True
                 if self._is_finished():
                     self.poll(final=True)
