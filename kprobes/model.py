@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
+
+from kprobes.values import dataclass
 
 if TYPE_CHECKING:
     from kprobes.arch.x86_64.regs import Regs

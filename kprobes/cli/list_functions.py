@@ -33,7 +33,6 @@ import os
 import sys
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from kprobes.cli.notes import summarise
 from kprobes.cli.session import exec_file
@@ -44,6 +43,7 @@ from kprobes.process.probeable import FileJudge, Verdict
 from kprobes.symbols.elf import ElfImage
 from kprobes.symbols.resolve import SymbolResolver
 from kprobes.tracefs.programfiles import ProgramFiles, find_command
+from kprobes.values import dataclass
 
 _NAME_WIDTH = 40  # -v pads names to the longest, up to this
 _GLOB_CHARS = set("*?[")

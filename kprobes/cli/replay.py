@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import IO, Any
 
 from kprobes.arch.x86_64 import ring_block
@@ -52,6 +51,7 @@ from kprobes.process.fast.tee import ModuleInfo, SiteInfo
 from kprobes.process.fetch.evaluate import ArgFetcher, Memory
 from kprobes.spec import ProbeSpec
 from kprobes.symbols.elf import ElfImage, build_id
+from kprobes.values import dataclass
 
 Sink = Callable[[Event], None]
 Batches = Callable[[ProbeSpec], BatchOutput | None]

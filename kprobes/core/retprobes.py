@@ -16,10 +16,10 @@ arguments; it is registered through an entry kprobe (type ``j``) like the kernel
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from kprobes.core.probes import Kprobe, Location, ProbeFlags
+from kprobes.values import dataclass
 
 # handler(ri, regs) and entry_handler(ri, regs); a true entry_handler result cancels the hook.
 RetHandler = Callable[["KretprobeInstance", Any], "bool | int | None"]

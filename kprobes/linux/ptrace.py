@@ -28,9 +28,10 @@ import ctypes
 import os
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Final, NoReturn
+
+from kprobes.values import dataclass
 
 _libc = ctypes.PyDLL(None, use_errno=True)
 # ptrace(2) is variadic in glibc, so no argtypes: every argument is passed as an int that fits

@@ -21,9 +21,9 @@ import functools
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from kprobes.model import ArgValue
+from kprobes.values import dataclass
 
 FAULT = "(fault)"  # the kernel's FAULT_STRING
 

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import field
 from xml.sax.saxutils import escape, quoteattr
+
+from kprobes.values import dataclass
 
 WIDTH = 1200
 FRAME_HEIGHT = 16

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+from kprobes.values import dataclass
 
 LOG2_SLOTS = 65  # bcc's log2_index_max: slot 64 holds values up to 2**64 - 1
 STARS_MAX = 40  # bcc's stars_max

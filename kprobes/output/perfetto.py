@@ -47,13 +47,13 @@ import enum
 import json
 import re
 from collections.abc import Collection
-from dataclasses import dataclass
 from types import TracebackType
 from typing import TextIO
 
 from kprobes.errors import InternalError
 from kprobes.model import Event
 from kprobes.output.argtypes import JsonValue, json_value
+from kprobes.values import dataclass
 
 _ENTRY_LOCATION = re.compile(
     r"^(?P<sym>.+)\+(?P<off>0x[0-9a-fA-F]+|[0-9]+)(?:/(?:0x[0-9a-fA-F]+|[0-9]+))?$"

@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 from kprobes.errors import SpecError
 from kprobes.model import Event
 from kprobes.output.argtypes import FAULT, format_value
+from kprobes.values import dataclass
 
 # The fields of every event a format may name, as bcc's and bpftrace's (``time``: seconds).
 COMMON_FIELDS: dict[str, Callable[[Event], object]] = {

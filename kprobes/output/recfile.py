@@ -26,7 +26,6 @@ import json
 import struct
 import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import IO, Any, Final
 
 from kprobes.arch.x86_64 import ring_block
@@ -36,6 +35,7 @@ from kprobes.model import ArgValue, Event, EventArg, StackFrame, UserStack
 from kprobes.process.fast.tee import ModuleInfo, ProbeInfo, SiteInfo
 from kprobes.spec import parse
 from kprobes.spec.render import render
+from kprobes.values import dataclass
 
 MAGIC: Final = b"KPRBDATA"
 VERSION: Final = 1

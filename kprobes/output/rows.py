@@ -23,11 +23,11 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Final
 
 from kprobes.output.argtypes import Kind, json_formatter, parse_type, text_formatter
 from kprobes.output.text import UNKNOWN_COMM
+from kprobes.values import dataclass
 
 Rows = list[tuple[Any, ...]]
 RowsFormatter = Callable[[Rows, int, str], str]  # (rows, ip, location) → the lines

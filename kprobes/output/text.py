@@ -36,11 +36,11 @@ JSON lines output, which escapes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime
 
 from kprobes.model import Event
 from kprobes.output.argtypes import format_value
+from kprobes.values import dataclass
 
 UNKNOWN_COMM = "<...>"  # what trace_find_cmdline() gives when the comm was not saved
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from enum import Enum
 from typing import Final
 
@@ -38,6 +37,7 @@ from kprobes.arch.x86_64.plan import plan_instruction
 from kprobes.errors import ProbeRejected, TargetError
 from kprobes.symbols.elf import ElfImage, Symbol, SymbolKind
 from kprobes.symbols.parts import function_parts
+from kprobes.values import dataclass
 
 _PF_X: Final = 1
 _HEAD: Final = 16  # the bytes registration decodes at a probe point (arming.prepare)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import errno
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import TYPE_CHECKING, Any
 
 from kprobes.core.probes import Kprobe
@@ -28,6 +28,7 @@ from kprobes.process.fast.reader import FastProbe
 from kprobes.process.fetch.evaluate import ArgFetcher, CommCache, CpuReader, Memory, Symbolizer
 from kprobes.process.fetch.fast import data_resolver, file_resolver
 from kprobes.spec import AddressLocation, FileOffsetLocation, ProbeSpec, SymbolLocation, parse
+from kprobes.values import dataclass
 
 if TYPE_CHECKING:
     from kprobes.process.target import Process

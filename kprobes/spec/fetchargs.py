@@ -19,7 +19,6 @@ recursive, and the kernel's error columns need the position of each part.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
 from kprobes.errors import SpecError
 from kprobes.spec.lexical import (
@@ -49,6 +48,7 @@ from kprobes.spec.types import (
     StackEntry,
     TypeSpec,
 )
+from kprobes.values import dataclass
 
 MAX_ARG_NAME_LEN = 32
 MAX_ARGSTR_LEN = 63

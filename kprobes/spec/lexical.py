@@ -16,9 +16,8 @@ Rejected alternative: Python's ``int(s, 0)``. It takes ``0o17``, ``0b1``, ``1_00
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from kprobes.errors import SpecError
+from kprobes.values import dataclass
 
 WHITESPACE = " \t\n\v\f\r"
 """``isspace()`` in the kernel's ctype: the only separators of a probe line."""

@@ -17,9 +17,9 @@ value is *valid* when ``parse`` could have produced it.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
 from kprobes.spec.lexical import sanitize_event_name
+from kprobes.values import dataclass
 
 
 class Command(enum.Enum):

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping
-from dataclasses import dataclass
 from enum import Enum
+
+from kprobes.values import dataclass
 
 
 class Rule(Enum):

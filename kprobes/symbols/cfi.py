@@ -14,11 +14,11 @@ import bisect
 import os
 import struct
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from kprobes.symbols.ehframe import FdeHeader, RawEhFrame
 from kprobes.symbols.elf import read_sections
+from kprobes.values import dataclass
 
 if TYPE_CHECKING:
     from elftools.dwarf.callframe import CallFrameInfo

@@ -33,7 +33,7 @@ import struct
 import threading
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Final
 
 from elftools.common.exceptions import DWARFError, ELFError
@@ -59,6 +59,7 @@ from kprobes.symbols.dwarf_types import (
     origins,
 )
 from kprobes.symbols.elf import ElfImage, SymbolKind
+from kprobes.values import dataclass
 
 # Where distributions install separate debug files (gdb's "debug-file-directory").
 DEBUG_ROOTS: tuple[str, ...] = ("/usr/lib/debug",)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from enum import Enum
 from typing import Final
 
 from elftools.dwarf.die import DIE
 
 from kprobes.symbols.leb128 import uleb128
+from kprobes.values import dataclass
 
 
 class ParamKind(Enum):

@@ -16,10 +16,10 @@ the instructions all the same).
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from typing import Final
 
 from kprobes.symbols.leb128 import sleb128, uleb128
+from kprobes.values import dataclass
 
 DW_EH_PE_OMIT: Final = 0xFF
 _PCREL: Final = 0x10

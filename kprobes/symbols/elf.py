@@ -24,11 +24,11 @@ import stat
 import struct
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from enum import Enum
 from typing import Any, BinaryIO, Final
 
 from kprobes.errors import TargetError
+from kprobes.values import dataclass
 
 # Elf64_Ehdr after e_ident: e_type e_machine e_version e_entry e_phoff e_shoff e_flags
 # e_ehsize e_phentsize e_phnum e_shentsize e_shnum e_shstrndx.

@@ -19,10 +19,10 @@ from __future__ import annotations
 import bisect
 import errno as _errno
 import fnmatch
-from dataclasses import dataclass
 from typing import Final
 
 from kprobes.errors import SymbolNotFound, TargetError
+from kprobes.values import dataclass
 
 KALLSYMS: Final = "/proc/kallsyms"
 _TEXT_TYPES: Final = (b"t", b"T", b"w", b"W")

@@ -17,11 +17,12 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Final
 
 from kprobes.errors import TargetError
 from kprobes.symbols.elf import ElfImage
+from kprobes.values import dataclass
 
 _DELETED: Final = " (deleted)"
 _PAGE_MASK: Final = ~0xFFF

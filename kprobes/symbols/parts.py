@@ -10,12 +10,12 @@ question; this is its one answer, in link-time addresses, read from the file alo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Final
 
 from kprobes.symbols.cfi import find_lsda
 from kprobes.symbols.elf import ElfImage, Symbol
 from kprobes.symbols.lsda import LsdaError, landing_pads
+from kprobes.values import dataclass
 
 _COLD_PARTS: Final = 8  # foo.cold.0 .. foo.cold.7: older gcc's names of a function's parts
 

@@ -18,12 +18,12 @@ import errno
 import fnmatch
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from kprobes.errors import NotMapped, ProbeRejected, SpecError, SymbolNotFound, TargetError
 from kprobes.symbols.aliases import function_key, group_aliases
 from kprobes.symbols.elf import ElfImage, Symbol, SymbolKind, did_you_mean
 from kprobes.symbols.maps import Mapping, Module, iter_modules, read_maps
+from kprobes.values import dataclass
 
 
 @dataclass(frozen=True, slots=True)

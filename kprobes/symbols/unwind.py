@@ -29,7 +29,6 @@ written in C, and it would know nothing of our trampoline).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from enum import Enum
 from typing import Final
 
@@ -37,6 +36,7 @@ from kprobes.errors import TargetError
 from kprobes.symbols.cfa import Fde, RegRule, Row, Rule
 from kprobes.symbols.cfi import find_fde
 from kprobes.symbols.leb128 import sleb128, uleb128
+from kprobes.values import dataclass
 
 # DWARF register numbers of x86-64 (System V psABI, figure 3.36); 16 is the return address.
 DWARF_REGISTERS: Final = (

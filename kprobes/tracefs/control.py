@@ -27,11 +27,11 @@ import errno as _errno
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Final
 
 from kprobes.errors import TargetError, TraceFsError
 from kprobes.spec.fetchargs import valid_types
+from kprobes.values import dataclass
 
 TRACEFS_MOUNTS: Final = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
 DEBUGFS_MOUNT: Final = "/sys/kernel/debug"

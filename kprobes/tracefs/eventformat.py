@@ -30,10 +30,10 @@ from __future__ import annotations
 import re
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Final
 
 from kprobes.model import ArgValue
+from kprobes.values import dataclass
 
 _FIELD = re.compile(
     r"field:(?P<decl>[^;]+);\s*offset:(?P<offset>\d+);\s*size:(?P<size>\d+);"

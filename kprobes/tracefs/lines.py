@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Final
 
 from kprobes.errors import ProbeRejected
@@ -33,6 +32,7 @@ from kprobes.spec import (
     SymbolLocation,
     render,
 )
+from kprobes.values import dataclass
 
 EVENT_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*$")
 MAX_EVENT_NAME: Final = 64  # the kernel's MAX_EVENT_NAME_LEN

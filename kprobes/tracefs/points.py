@@ -7,12 +7,11 @@ event line written to the compiled record builder.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe
 from kprobes.spec import Location
 from kprobes.tracefs.records import Builder
+from kprobes.values import dataclass
 
 AnyProbe = Kprobe | Kretprobe
 

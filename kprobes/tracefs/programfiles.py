@@ -30,7 +30,6 @@ import re
 import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Final
 
 from elftools.common.exceptions import ELFError
@@ -39,6 +38,7 @@ from elftools.elf.segments import InterpSegment
 
 from kprobes.errors import SymbolNotFound, TargetError
 from kprobes.symbols.elf import ElfImage
+from kprobes.values import dataclass
 
 MAX_SCRIPTS: Final = 4  # BINPRM_MAX_RECURSION: #! lines the kernel follows
 _LIST_TIMEOUT: Final = 10.0

@@ -50,7 +50,6 @@ from __future__ import annotations
 import gc
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from operator import attrgetter
 from typing import Final, Literal
 
@@ -64,6 +63,7 @@ from kprobes.tracefs.ringbuffer import (
     TIME_EXTEND,
     PageLayout,
 )
+from kprobes.values import dataclass
 
 # A record's builder: (page, start of the record's data, timestamp ns, cpu) → its Event, or
 # None when the event's thread is not one the target keeps.

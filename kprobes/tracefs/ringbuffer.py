@@ -31,8 +31,9 @@ import os
 import re
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Final
+
+from kprobes.values import dataclass
 
 PADDING: Final = 29
 TIME_EXTEND: Final = 30
@@ -80,6 +81,9 @@ class PageLayout:
             raise ValueError(f"header_page lacks the field {exc.args[0]!r}") from None
 
 
+DEFAULT_LAYOUT: Final = PageLayout()  # the header every kernel since 2.6.31 has
+
+
 @dataclass(frozen=True, slots=True)
 class Record:
     """One data record of a page: its time and where its bytes are."""
@@ -95,7 +99,7 @@ class PageScan:
     lost: int  # events lost before this page (-1: some, count unknown)
 
 
-def scan_page(page: bytes, layout: PageLayout = PageLayout()) -> PageScan:
+def scan_page(page: bytes, layout: PageLayout = DEFAULT_LAYOUT) -> PageScan:
     """Every data record of one page as (timestamp ns, data start, data end)."""
     u32 = _U32.unpack_from
     ts = _U64.unpack_from(page, layout.timestamp_offset)[0]
@@ -140,7 +144,7 @@ def scan_page(page: bytes, layout: PageLayout = PageLayout()) -> PageScan:
     return PageScan(records, lost)
 
 
-def iter_records(page: bytes, layout: PageLayout = PageLayout()) -> Iterator[Record]:
+def iter_records(page: bytes, layout: PageLayout = DEFAULT_LAYOUT) -> Iterator[Record]:
     for ts, start, end in scan_page(page, layout).records:
         yield Record(ts, start, end)
 

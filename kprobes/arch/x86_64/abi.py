@@ -30,9 +30,10 @@ Rules implemented, and what is left out:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from enum import Enum
 from typing import Final
+
+from kprobes.values import dataclass
 
 INT_REGS: Final = ("rdi", "rsi", "rdx", "rcx", "r8", "r9")
 SSE_REGS: Final = tuple(f"xmm{i}" for i in range(8))

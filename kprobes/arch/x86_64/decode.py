@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import errno
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Final
 
 from iced_x86 import Code, Decoder, DecoderError, Formatter, FormatterSyntax, Instruction
 
 from kprobes.errors import InternalError, NotABoundary
+from kprobes.values import dataclass
 
 # The architectural limit: a longer byte sequence raises #UD (SDM vol. 2, 2.3.11).
 MAX_INSN_LEN: Final = 15

@@ -33,7 +33,6 @@ given a rip-relative target out of reach it silently falls back to an eip-relati
 from __future__ import annotations
 
 import errno
-from dataclasses import dataclass
 from enum import Enum
 from typing import Final, Protocol
 
@@ -52,6 +51,7 @@ from kprobes.arch.x86_64.abi import RED_ZONE
 from kprobes.arch.x86_64.encode import jmp_rel32
 from kprobes.arch.x86_64.jumpopt import Region, relocate_region
 from kprobes.errors import InternalError, NotRelocatable
+from kprobes.values import dataclass
 
 DETOUR_MAX: Final = 4096  # the largest detour (a record with 16 fetch-args and registers)
 

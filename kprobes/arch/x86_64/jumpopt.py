@@ -34,7 +34,6 @@ the test costs nothing more. Jumping *to* ``A`` itself is fine: ``A`` holds the 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Final
 
 from iced_x86 import Code, Decoder, DecoderError, FlowControl, Instruction, Mnemonic, OpKind
@@ -43,6 +42,7 @@ from kprobes.arch.x86_64.decode import MAX_INSN_LEN, format_instruction
 from kprobes.arch.x86_64.encode import JMP_REL32_LEN, relocate_rip_relative
 from kprobes.arch.x86_64.plan import plan_instruction
 from kprobes.errors import InternalError, NotRelocatable
+from kprobes.values import dataclass
 
 _NEAR_BRANCH_KINDS: Final = frozenset(
     {OpKind.NEAR_BRANCH16, OpKind.NEAR_BRANCH32, OpKind.NEAR_BRANCH64}

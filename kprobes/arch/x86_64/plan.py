@@ -26,7 +26,6 @@ than from opcode tables so that prefixes, REX and VEX forms are understood once,
 from __future__ import annotations
 
 import errno
-from dataclasses import dataclass
 from enum import Enum
 from typing import Final
 
@@ -46,6 +45,7 @@ from iced_x86 import (
 from kprobes.arch.x86_64.decode import decode_raw, format_instruction
 from kprobes.arch.x86_64.encode import INT3, jmp_rel32, relocate_rip_relative
 from kprobes.errors import InternalError, NotRelocatable
+from kprobes.values import dataclass
 
 
 class PlanKind(Enum):

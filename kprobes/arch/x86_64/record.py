@@ -21,7 +21,7 @@ number in TSC_AUX), else from ``rdtscp``, which also waits for older instruction
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 from enum import Enum
 from typing import Final
 
@@ -39,6 +39,7 @@ from kprobes.arch.x86_64.detour import (
     rip_operand,
 )
 from kprobes.errors import InternalError
+from kprobes.values import dataclass
 
 _GPRS: Final[dict[str, Register_]] = {
     "rax": Register.RAX, "rcx": Register.RCX, "rdx": Register.RDX, "rbx": Register.RBX,

@@ -40,7 +40,6 @@ returns with (the ABI leaves them undefined after a call).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Final
 
 from iced_x86 import Code, Instruction, MemoryOperand, Register, Register_
@@ -48,6 +47,7 @@ from iced_x86 import Code, Instruction, MemoryOperand, Register, Register_
 from kprobes.arch.x86_64.detour import Block, Frame, at, mov_load, mov_store
 from kprobes.arch.x86_64.record import ThreadId
 from kprobes.errors import InternalError
+from kprobes.values import dataclass
 
 NTHREADS: Final = 256  # thread slots per process (a power of two)
 CAPACITY: Final = 16384  # entries per thread: the deepest nesting followed

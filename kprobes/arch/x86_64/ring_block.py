@@ -20,11 +20,11 @@ import array
 import functools
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Final
 
 from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.errors import InternalError
+from kprobes.values import dataclass
 
 # A record's kind, from its meta word: the probe, the slots and the registers bit (the CPU
 # bits cleared).

@@ -60,10 +60,10 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Final
 
 from kprobes.errors import InternalError
+from kprobes.values import dataclass
 
 MAGIC: Final = int.from_bytes(b"KPRBAREA", "little")
 VERSION: Final = 2

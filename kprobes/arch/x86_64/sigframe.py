@@ -37,7 +37,6 @@ have no code in the program yet: that is what the ``mmap`` is for).
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from typing import Final
 
 from iced_x86 import Code, Code_, Mnemonic, OpKind, Register
@@ -46,6 +45,7 @@ from kprobes.arch.x86_64.abi import RED_ZONE
 from kprobes.arch.x86_64.decode import MAX_INSN_LEN, decode_raw
 from kprobes.arch.x86_64.regs import REG_INDEX, REGS_SIZE
 from kprobes.errors import NotABoundary
+from kprobes.values import dataclass
 
 # struct rt_sigframe: char *pretcode; struct ucontext uc; struct siginfo info;
 FRAME_SIZE: Final = 8 + 304 + 128

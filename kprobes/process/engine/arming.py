@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kprobes.arch.x86_64.decode import check_boundary, iter_insns
@@ -44,6 +43,7 @@ from kprobes.process.engine.contracts import Injector
 from kprobes.process.engine.prepared import Prepared
 from kprobes.symbols.elf import SymbolKind
 from kprobes.symbols.maps import read_maps
+from kprobes.values import dataclass
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 import signal
-from dataclasses import dataclass
 
 from kprobes.linux import ptrace
+from kprobes.values import dataclass
 
 SIGTRAP_STOP = (signal.SIGTRAP << 8) | 0x7F  # WIFSTOPPED with SIGTRAP and no event: a trap
 

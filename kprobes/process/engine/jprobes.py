@@ -25,7 +25,6 @@ import inspect
 import math
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kprobes.arch.x86_64.abi import (
@@ -42,6 +41,7 @@ from kprobes.core.retprobes import Jprobe
 from kprobes.errors import InternalError, ProbeRejected
 from kprobes.linux import ptrace
 from kprobes.symbols.dwarf import Param, ParamKind, get_signature
+from kprobes.values import dataclass
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 
 from kprobes.arch.x86_64.emulate import Emulator
 from kprobes.arch.x86_64.plan import Plan, PlanKind
 from kprobes.linux import ptrace
+from kprobes.values import dataclass
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import mmap as _mmap
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from kprobes.arch.x86_64.plan import SLOT_SIZE
 from kprobes.errors import NotRelocatable
 from kprobes.symbols.maps import Mapping
+from kprobes.values import dataclass
 
 AREA_SIZE = 0x10000
 REACH = (1 << 31) - AREA_SIZE - 0x1000  # keep every slot of a page within rel32 of `near`

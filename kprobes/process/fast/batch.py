@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 from kprobes.arch.x86_64 import shared_area as sa
@@ -53,6 +52,7 @@ from kprobes.process.fetch.evaluate import MASK64, cut_to_type, type_text
 from kprobes.process.fetch.fast import STRING_LIMIT, Resolver
 from kprobes.process.fetch.tree import Kind, address, kind_of, value
 from kprobes.spec import FetchArg, ImmediateString, ProbeSpec, TypeSpec
+from kprobes.values import dataclass
 
 # (a block's run of records, a segment of the clock: its start tick, its ns, ticks per ns,
 # the next one's start, the site's address and its location) → the events' text, and how

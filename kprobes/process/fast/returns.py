@@ -22,7 +22,7 @@ import os
 import struct
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import TYPE_CHECKING, Final
 
 from kprobes.arch.x86_64 import retstack as rs
@@ -35,6 +35,7 @@ from kprobes.linux.tsc import read_tsc
 from kprobes.process.engine.xol import MARK_SIZE
 from kprobes.process.inject import calls
 from kprobes.symbols.maps import read_maps
+from kprobes.values import dataclass
 
 if TYPE_CHECKING:
     from kprobes.core.optimizer import SiteOpt

@@ -23,7 +23,6 @@ written would be taken half-made).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kprobes.arch.x86_64 import ring_block
@@ -36,6 +35,7 @@ from kprobes.process.fetch.evaluate import ArgFetcher
 from kprobes.spec import ProbeSpec
 from kprobes.symbols.elf import build_id
 from kprobes.symbols.maps import Module
+from kprobes.values import dataclass
 
 
 @dataclass(frozen=True, slots=True)

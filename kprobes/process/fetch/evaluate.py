@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
 
@@ -32,6 +31,7 @@ from kprobes.errors import SpecError, SymbolNotFound, TargetError
 from kprobes.model import ArgValue, EventArg
 from kprobes.process.fetch.tree import Kind, address, kind_of, reads_function_args, value
 from kprobes.spec import FetchArg, ImmediateString, ProbeArg, ProbeSpec, TypeSpec
+from kprobes.values import dataclass
 
 STRING_MAX = 4096  # the kernel's MAX_STRING_SIZE is PATH_MAX
 MASK64 = (1 << 64) - 1

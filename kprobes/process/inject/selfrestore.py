@@ -50,7 +50,6 @@ import errno
 import os
 import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Final
 
 from kprobes.arch.x86_64 import sigframe
@@ -60,6 +59,7 @@ from kprobes.process.engine.events import SYSCALL_TRAP
 from kprobes.process.engine.threads import Thread, ThreadState, siginfo_code
 from kprobes.process.inject import calls
 from kprobes.symbols.maps import Mapping, read_maps
+from kprobes.values import dataclass
 
 AT_BASE: Final = 7  # auxv: the program interpreter's load address
 _CHUNK: Final = 0x10000

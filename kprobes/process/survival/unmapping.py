@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from kprobes.arch.x86_64 import rescue as rescue_layout
@@ -45,6 +44,7 @@ from kprobes.process.engine.xol import MARK_SIZE
 from kprobes.process.fast.memory import AREA_NAME, PAGES_SIZE
 from kprobes.process.inject import calls, selfrestore
 from kprobes.symbols.maps import Mapping, read_maps
+from kprobes.values import dataclass
 
 if TYPE_CHECKING:
     from kprobes.process.engine.threads import Thread

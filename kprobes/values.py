@@ -1,0 +1,284 @@
+"""``dataclass``: the standard library's, made without compiling five of its six methods.
+
+The package's values are frozen, slotted dataclasses (STYLE.md), about 150 of them, and the
+tool imports most of them before it does anything. CPython 3.11 and 3.12's ``dataclasses``
+writes each generated method as text and compiles it with its own ``exec`` (``__init__``,
+``__repr__``, ``__eq__``, ``__hash__``, and a frozen class's ``__setattr__`` and
+``__delattr__``): about 1 ms a class on this project's machines, ~100 ms of every start of
+the tool (docs/performance.md). Here:
+
+- the standard decorator still makes the class a dataclass (its fields, ``fields()``,
+  ``replace()``, ``__match_args__``, the slotted class), asked for no method;
+- ``__init__`` is compiled from the same text as the standard library's (it runs for every
+  value made, so it stays straight-line code); ``__repr__``, ``__eq__``, ``__hash__``,
+  ``__setattr__`` and ``__delattr__`` are closures over the class's field names, which
+  compile nothing: ``operator.attrgetter`` reads the fields compared, as the generated
+  tuples did;
+- what this does not make the same way (``init=False`` and keyword-only fields,
+  ``InitVar``, ``order``, ``unsafe_hash``, a frozen class with its own ``__setattr__``, a
+  dataclass base, a field named ``self``) goes to the standard decorator whole, and so does
+  every class on Python 3.13 and later, which compiles a class's methods at once.
+
+Type checkers see ``dataclasses.dataclass`` itself (the name is re-exported under
+``TYPE_CHECKING``), so the classes are checked as the standard library's. tests/test_values.py
+builds the same classes with both decorators and compares what they do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect  # imported by dataclasses itself
+import reprlib
+import sys
+from collections.abc import Callable
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dataclasses import dataclass as dataclass
+else:
+
+    def dataclass(
+        cls: type | None = None,
+        /,
+        *,
+        frozen: bool = False,
+        slots: bool = False,
+        eq: bool = True,
+        **options: Any,
+    ) -> Any:
+        """``dataclasses.dataclass``, its methods made as the module docstring says."""
+
+        def wrap(cls: type) -> type:
+            if options or not made_here(cls, frozen):
+                return dataclasses.dataclass(cls, frozen=frozen, slots=slots, eq=eq, **options)
+            return make(cls, frozen=frozen, slots=slots, eq=eq)
+
+        return wrap if cls is None else wrap(cls)
+
+
+FieldTuple = tuple[dataclasses.Field[Any], ...]
+
+
+def made_here(cls: type, frozen: bool) -> bool:
+    """Whether this module makes ``cls``'s methods (the module docstring's exceptions)."""
+    if sys.version_info[:2] not in ((3, 11), (3, 12)):
+        return False
+    if frozen and ("__setattr__" in cls.__dict__ or "__delattr__" in cls.__dict__):
+        return False
+    if any(dataclasses.is_dataclass(base) for base in cls.__mro__[1:]):
+        return False
+    for name, value in cls.__dict__.items():
+        if isinstance(value, dataclasses.Field) and (not value.init or value.kw_only is True):
+            return False
+        if name == "__annotations__":
+            if "self" in value:
+                return False
+            for kind in value.values():
+                text = kind if isinstance(kind, str) else repr(kind)
+                if "InitVar" in text or "KW_ONLY" in text:
+                    return False
+    return True
+
+
+def make(cls: type, *, frozen: bool, slots: bool, eq: bool) -> type:
+    """The dataclass: the standard decorator's fields and class, this module's methods."""
+    documented = bool(cls.__doc__)
+    if not documented:
+        cls.__doc__ = "-"  # the standard decorator would spend an inspect.signature on it
+    made: type[Any] = dataclasses.dataclass(cls, init=False, repr=False, eq=False, slots=slots)
+    fields = dataclasses.fields(made)
+    hashing = hash_action(made, frozen=frozen, eq=eq)
+    methods: dict[str, Callable[..., Any]] = {
+        "__init__": init_method(made, fields, frozen),
+        "__repr__": repr_method(fields),
+    }
+    if eq:
+        methods["__eq__"] = eq_method(fields)
+    if hashing == "add":
+        methods["__hash__"] = hash_method(fields)
+    if frozen:
+        methods.update(frozen_methods(made, fields))
+    for name, method in methods.items():
+        method.__qualname__ = f"{made.__qualname__}.{name}"
+        if name in ("__setattr__", "__delattr__") or name not in made.__dict__:
+            setattr(made, name, method)
+    if hashing == "none":
+        made.__hash__ = None  # type: ignore[assignment]  # unhashable, as the standard's
+    if frozen and slots:
+        add_frozen_state(made, fields)
+    record_params(made, frozen=frozen, eq=eq)
+    if not documented:
+        made.__doc__ = made.__name__ + signature_text(fields)
+    return made
+
+
+def init_method(cls: type, fields: FieldTuple, frozen: bool) -> Callable[..., Any]:
+    """``__init__`` from the standard library's text: every field by position, defaults
+    and factories as its, ``__post_init__`` called last, compiled in the class's module
+    (a default or a type named in it resolves there, as the standard's)."""
+    names: dict[str, Any] = {
+        "_HAS_DEFAULT_FACTORY": _HAS_DEFAULT_FACTORY,
+        "__dataclass_builtins_object__": object,
+    }
+    params, body = ["self"], []
+    seen_default = False
+    for f in fields:
+        names[f"_type_{f.name}"] = f.type
+        default, value = f"_dflt_{f.name}", f.name
+        param = f"{f.name}:_type_{f.name}"
+        if f.default_factory is not dataclasses.MISSING:
+            names[default] = f.default_factory
+            param += "=_HAS_DEFAULT_FACTORY"
+            value = f"{default}() if {f.name} is _HAS_DEFAULT_FACTORY else {f.name}"
+        elif f.default is not dataclasses.MISSING:
+            names[default] = f.default
+            param += f"={default}"
+        elif seen_default:
+            raise TypeError(f"non-default argument {f.name!r} follows default argument")
+        seen_default = seen_default or "=" in param
+        params.append(param)
+        if frozen:
+            body.append(f"__dataclass_builtins_object__.__setattr__(self,{f.name!r},{value})")
+        else:
+            body.append(f"self.{f.name}={value}")
+    if hasattr(cls, "__post_init__"):
+        body.append("self.__post_init__()")
+    lines = "\n".join(f"  {line}" for line in body or ["pass"])
+    source = (
+        f"def __create_fn__({', '.join(names)}):\n"
+        f" def __init__({', '.join(params)})->None:\n{lines}\n"
+        " return __init__\n"
+    )
+    module = sys.modules.get(cls.__module__)
+    scope: dict[str, Any] = {}
+    code = compile(source, "<dataclass>", "exec", dont_inherit=True)  # not our __future__
+    exec(code, vars(module) if module else {}, scope)
+    init: Callable[..., Any] = scope["__create_fn__"](**names)
+    return init
+
+
+def repr_method(fields: FieldTuple) -> Callable[..., str]:
+    """``Name(a=1, b='x')``: the fields shown, by ``repr``; ``...`` for a value met again
+    inside itself."""
+    shown = tuple(f.name for f in fields if f.repr)
+
+    @reprlib.recursive_repr()
+    def __repr__(self: Any) -> str:
+        inner = ", ".join(f"{name}={getattr(self, name)!r}" for name in shown)
+        return f"{self.__class__.__qualname__}({inner})"
+
+    return __repr__
+
+
+def compared(fields: FieldTuple, *, hashed: bool = False) -> Callable[[Any], tuple[Any, ...]]:
+    """The tuple of the fields that ``__eq__`` compares (or ``__hash__`` hashes)."""
+    names = tuple(
+        f.name for f in fields if (f.hash if hashed and f.hash is not None else f.compare)
+    )
+    if not names:
+        return lambda value: ()
+    if len(names) == 1:
+        one = attrgetter(names[0])
+        return lambda value: (one(value),)
+    many: Callable[[Any], tuple[Any, ...]] = attrgetter(*names)
+    return many
+
+
+def eq_method(fields: FieldTuple) -> Callable[[Any, Any], Any]:
+    key = compared(fields)
+
+    def __eq__(self: Any, other: Any) -> Any:
+        if other.__class__ is self.__class__:
+            return key(self) == key(other)
+        return NotImplemented
+
+    return __eq__
+
+
+def hash_method(fields: FieldTuple) -> Callable[[Any], int]:
+    key = compared(fields, hashed=True)
+
+    def __hash__(self: Any) -> int:
+        return hash(key(self))
+
+    return __hash__
+
+
+def hash_action(cls: type, *, frozen: bool, eq: bool) -> str:
+    """The standard library's rule without ``unsafe_hash``: a class that defines its own
+    ``__hash__`` keeps it; otherwise an ``eq`` class gets one when frozen and is unhashable
+    when not; a class without ``eq`` keeps what it inherits."""
+    own = cls.__dict__.get("__hash__", dataclasses.MISSING)
+    explicit = not (own is dataclasses.MISSING or (own is None and "__eq__" in cls.__dict__))
+    if explicit or not eq:
+        return "keep"
+    return "add" if frozen else "none"
+
+
+def frozen_methods(cls: type[Any], fields: FieldTuple) -> dict[str, Callable[..., None]]:
+    """A frozen class's ``__setattr__`` and ``__delattr__``: its fields refuse both."""
+    names = frozenset(f.name for f in fields)
+    error = dataclasses.FrozenInstanceError
+
+    def __setattr__(self: Any, name: str, value: Any) -> None:
+        if type(self) is cls or name in names:
+            raise error(f"cannot assign to field {name!r}")
+        super(cls, self).__setattr__(name, value)
+
+    def __delattr__(self: Any, name: str) -> None:
+        if type(self) is cls or name in names:
+            raise error(f"cannot delete field {name!r}")
+        super(cls, self).__delattr__(name)
+
+    return {"__setattr__": __setattr__, "__delattr__": __delattr__}
+
+
+def add_frozen_state(cls: type, fields: FieldTuple) -> None:
+    """A frozen, slotted class's pickling methods, as the standard library adds them (its
+    ``__setattr__`` refuses the default ``__setstate__``)."""
+    names = tuple(f.name for f in fields)
+
+    def __getstate__(self: Any) -> list[Any]:
+        return [getattr(self, name) for name in names]
+
+    def __setstate__(self: Any, state: list[Any]) -> None:
+        for name, value in zip(names, state, strict=False):
+            object.__setattr__(self, name, value)
+
+    for method in (__getstate__, __setstate__):
+        if method.__name__ not in cls.__dict__:
+            method.__qualname__ = f"{cls.__qualname__}.{method.__name__}"
+            setattr(cls, method.__name__, method)
+
+
+def record_params(cls: type[Any], *, frozen: bool, eq: bool) -> None:
+    """``__dataclass_params__`` says what the class is (the standard decorator recorded the
+    methods it was asked not to write)."""
+    params = cls.__dataclass_params__
+    params.init = params.repr = True
+    params.eq = eq
+    params.frozen = frozen
+
+
+def signature_text(fields: FieldTuple) -> str:
+    """An undocumented dataclass's docstring, as the standard library writes it."""
+
+    def shown(f: dataclasses.Field[Any]) -> str:
+        kind = inspect.formatannotation(f.type)
+        default = "" if f.default is dataclasses.MISSING else f" = {f.default!r}"
+        if f.default_factory is not dataclasses.MISSING:
+            default = " = <factory>"
+        return f"{f.name}: {kind}{default}"
+
+    return "(" + ", ".join(shown(f) for f in fields) + ")"
+
+
+class _Factory:
+    """The default of a parameter whose field has a factory (shown as the standard's)."""
+
+    def __repr__(self) -> str:
+        return "<factory>"
+
+
+_HAS_DEFAULT_FACTORY = _Factory()

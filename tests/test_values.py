@@ -1,0 +1,261 @@
+"""kprobes.values.dataclass against the standard library's: the same classes, made by both,
+behave the same (construction, defaults and factories, __post_init__, repr, equality,
+hashing, frozen fields, replace, fields, match_args, slots, pickling, signature)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+from collections.abc import Callable
+from dataclasses import field
+from typing import Any, ClassVar
+
+import pytest
+
+from kprobes import values
+
+Decorator = Callable[..., Any]
+
+
+def classes(dataclass: Decorator) -> dict[str, type]:
+    """One family of classes, made by ``dataclass`` (the standard's or ours)."""
+
+    @dataclass(frozen=True, slots=True)
+    class Point:
+        """A point."""
+
+        x: int
+        y: int = 0
+        label: str = "p"
+        unit: ClassVar[str] = "px"
+
+    @dataclass(frozen=True, slots=True)
+    class Tagged:
+        """Factories, a field left out of repr and comparison, a check after __init__."""
+
+        name: str
+        tags: list[str] = field(default_factory=list)
+        seen: dict[str, int] = field(default_factory=dict)
+        cache: int = field(default=0, compare=False, repr=False)
+
+        def __post_init__(self) -> None:
+            if not self.name:
+                raise ValueError("a name")
+            object.__setattr__(self, "name", self.name.strip())
+
+    @dataclass(frozen=True, slots=True)
+    class Own:
+        value: int
+
+        def __repr__(self) -> str:
+            return f"<own {self.value}>"
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, Own) and other.value % 10 == self.value % 10
+
+        def __hash__(self) -> int:
+            return self.value % 10
+
+    @dataclass(frozen=True, slots=True)
+    class Empty:
+        pass
+
+    @dataclass(slots=True)
+    class Mutable:
+        count: int = 0
+        items: list[int] = field(default_factory=list)
+
+    @dataclass(slots=True, eq=False)
+    class Identity:
+        n: int
+
+    @dataclass(frozen=True, slots=True)
+    class Nested:
+        """Holds another value."""
+
+        inner: Point
+        more: tuple[Point, ...] = ()
+
+    return {c.__name__: c for c in (Point, Tagged, Own, Empty, Mutable, Identity, Nested)}
+
+
+STANDARD = classes(dataclasses.dataclass)
+OURS = classes(values.dataclass)
+
+
+def made_by_ours(cls: type) -> bool:
+    """Whether ``cls``'s methods came from kprobes.values (the standard library's are
+    compiled in the class's own module)."""
+    return any(getattr(m, "__module__", None) == "kprobes.values" for m in vars(cls).values())
+
+
+def both(name: str) -> tuple[type, type]:
+    return STANDARD[name], OURS[name]
+
+
+def outcome(fn: Callable[[], Any]) -> tuple[str, Any]:
+    """What calling ``fn`` gives: its value, or its exception's type and text."""
+    try:
+        return ("value", fn())
+    except Exception as exc:
+        return ("raised", (type(exc).__name__, str(exc)))
+
+
+def test_ours_are_made_here_and_are_dataclasses() -> None:
+    for name, cls in OURS.items():
+        assert dataclasses.is_dataclass(cls), name
+        assert made_by_ours(cls), name
+        assert not made_by_ours(STANDARD[name]), name
+        assert cls.__init__.__qualname__.endswith(f"{name}.__init__")
+    assert values.made_here(type("Plain", (), {"__annotations__": {}}), True)
+
+
+@pytest.mark.parametrize("name", sorted(STANDARD))
+def test_the_same_shape(name: str) -> None:
+    standard, ours = both(name)
+    assert [(f.name, f.type, f.default, f.compare, f.repr) for f in dataclasses.fields(ours)] == [
+        (f.name, f.type, f.default, f.compare, f.repr) for f in dataclasses.fields(standard)
+    ]
+    assert ours.__match_args__ == standard.__match_args__  # type: ignore[attr-defined]
+    assert ours.__slots__ == standard.__slots__  # type: ignore[attr-defined]
+    assert str(inspect.signature(ours)) == str(inspect.signature(standard))
+    assert (ours.__hash__ is None) == (standard.__hash__ is None)
+    for param in ("init", "repr", "eq", "order", "unsafe_hash", "frozen"):
+        assert getattr(ours.__dataclass_params__, param) == getattr(  # type: ignore[attr-defined]
+            standard.__dataclass_params__,  # type: ignore[attr-defined]
+            param,
+        ), param
+    if not standard.__doc__ or standard.__doc__.startswith(name + "("):
+        assert ours.__doc__ == standard.__doc__
+
+
+CASES: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
+    ("Point", (1,), {}),
+    ("Point", (1, 2), {"label": "q"}),
+    ("Point", (), {"x": 3, "y": 4}),
+    ("Point", (1, 2, "a", 4), {}),
+    ("Point", (), {}),
+    ("Point", (1,), {"z": 2}),
+    ("Tagged", (" spaced ",), {}),
+    ("Tagged", ("n", ["a"], {"k": 1}, 5), {}),
+    ("Tagged", ("",), {}),
+    ("Own", (13,), {}),
+    ("Empty", (), {}),
+    ("Mutable", (), {}),
+    ("Mutable", (5, [1, 2]), {}),
+    ("Identity", (7,), {}),
+]
+
+
+@pytest.mark.parametrize(("name", "args", "kwargs"), CASES)
+def test_the_same_values(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    standard, ours = both(name)
+    made_s = outcome(lambda: standard(*args, **kwargs))
+    made_o = outcome(lambda: ours(*args, **kwargs))
+    if made_s[0] == "raised":
+        assert made_o == made_s
+        return
+    s, o = made_s[1], made_o[1]
+    assert repr(o) == repr(s)
+    s2, o2 = standard(*args, **kwargs), ours(*args, **kwargs)
+    assert (o == o2) == (s == s2)
+    assert (o != o2) == (s != s2)
+    assert (o == s) is False  # another class
+    assert outcome(lambda: hash(o) == hash(o2)) == outcome(lambda: hash(s) == hash(s2))
+    for attr in [f.name for f in dataclasses.fields(standard)]:
+        assert outcome(lambda a=attr: setattr(o, a, 1)) == outcome(lambda a=attr: setattr(s, a, 1))
+        assert outcome(lambda a=attr: delattr(o2, a)) == outcome(lambda a=attr: delattr(s2, a))
+    # Not a field: both refuse (3.11's frozen, slotted class by a TypeError of its
+    # __setattr__'s super(), a class it made before the slots; ours as a frozen field).
+    assert outcome(lambda: setattr(o, "other", 1))[0] == "raised"
+    assert outcome(lambda: setattr(s, "other", 1))[0] == "raised"
+    assert not hasattr(o, "__dict__")
+    if dataclasses.fields(standard) and standard.__dataclass_params__.eq:  # type: ignore[attr-defined]
+        first = dataclasses.fields(standard)[0].name
+        changes = {first: getattr(s, first)}
+        assert dataclasses.replace(o, **changes) == o
+    assert dataclasses.astuple(o) == dataclasses.astuple(s)
+    assert repr(copy.deepcopy(o)) == repr(o)
+    assert repr(copy.copy(o)) == repr(o)
+
+
+def test_a_value_inside_itself_is_shown_once() -> None:
+    for made in (STANDARD, OURS):
+        box = made["Mutable"]()
+        box.items.append(box)
+        assert repr(box) == "classes.<locals>.Mutable(count=0, items=[...])"
+
+
+def test_a_nested_value_compares_by_value() -> None:
+    for made in (STANDARD, OURS):
+        point, nested = made["Point"], made["Nested"]
+        one = nested(point(1), (point(2), point(3)))
+        assert one == nested(point(1), (point(2), point(3)))
+        assert hash(one) == hash(nested(point(1), (point(2), point(3))))
+        assert one != nested(point(1), (point(2),))
+        assert {one: 1}[nested(point(1), (point(2), point(3)))] == 1
+
+
+def test_what_is_not_made_here_goes_to_the_standard_decorator() -> None:
+    @values.dataclass(frozen=True, slots=True)
+    class Late:
+        a: int
+        b: int = field(default=2, init=False)
+
+    @values.dataclass(frozen=True, order=True)
+    class Ordered:
+        a: int
+
+    @values.dataclass(frozen=True)
+    class Base:
+        a: int
+
+    @values.dataclass(frozen=True)
+    class Derived(Base):
+        b: int = 0
+
+    for cls in (Late, Ordered, Derived):
+        assert not made_by_ours(cls), cls
+    assert Late(1).b == 2
+    assert Ordered(1) < Ordered(2)
+    assert Derived(1, 2) == Derived(1, 2)
+
+
+def test_the_standard_error_for_a_default_before_a_field_without() -> None:
+    def make(dataclass: Decorator) -> tuple[str, Any]:
+        def build() -> type:
+            class Bad:
+                __annotations__ = {"a": "int", "b": "int"}
+                a = 1
+
+            return dataclass(frozen=True, slots=True)(Bad)  # type: ignore[no-any-return]
+
+        return outcome(build)
+
+    assert make(values.dataclass) == make(dataclasses.dataclass)
+    assert make(values.dataclass)[0] == "raised"
+
+
+def test_every_value_of_the_package_is_a_dataclass_made_here() -> None:
+    """The package's classes: made here unless the module docstring says why not."""
+    import importlib
+    import pkgutil
+
+    import kprobes
+
+    made, standard = 0, []
+    for info in pkgutil.walk_packages(kprobes.__path__, "kprobes."):
+        module = importlib.import_module(info.name)
+        for obj in vars(module).values():
+            if (
+                isinstance(obj, type)
+                and obj.__module__ == module.__name__
+                and dataclasses.is_dataclass(obj)
+            ):
+                if made_by_ours(obj):
+                    made += 1
+                else:
+                    standard.append(obj.__qualname__)
+    assert made >= 140
+    assert standard == []
