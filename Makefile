@@ -10,10 +10,12 @@ STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
 setup: $(STAMP)
 
+# The editable install's compat mode: a .pth line puts the checkout on sys.path, where the
+# default mode's import hook costs every start of python ~17 ms (docs/decisions.md, "Start-up").
 $(STAMP): pyproject.toml scripts/ensure-system-deps
 	sh scripts/ensure-system-deps
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev,bench]'
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev,bench]' --config-settings editable_mode=compat
 	rm -f $(VENV)/.installed-*
 	touch $@
 

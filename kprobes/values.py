@@ -27,9 +27,11 @@ builds the same classes with both decorators and compares what they do.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect  # imported by dataclasses itself
 import reprlib
 import sys
+import types
 from collections.abc import Callable
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
@@ -114,48 +116,87 @@ def make(cls: type, *, frozen: bool, slots: bool, eq: bool) -> type:
 
 
 def init_method(cls: type, fields: FieldTuple, frozen: bool) -> Callable[..., Any]:
-    """``__init__`` from the standard library's text: every field by position, defaults
-    and factories as its, ``__post_init__`` called last, compiled in the class's module
-    (a default or a type named in it resolves there, as the standard's)."""
-    names: dict[str, Any] = {
-        "_HAS_DEFAULT_FACTORY": _HAS_DEFAULT_FACTORY,
-        "__dataclass_builtins_object__": object,
-    }
-    params, body = ["self"], []
-    seen_default = False
-    for f in fields:
-        names[f"_type_{f.name}"] = f.type
-        default, value = f"_dflt_{f.name}", f.name
-        param = f"{f.name}:_type_{f.name}"
-        if f.default_factory is not dataclasses.MISSING:
-            names[default] = f.default_factory
-            param += "=_HAS_DEFAULT_FACTORY"
-            value = f"{default}() if {f.name} is _HAS_DEFAULT_FACTORY else {f.name}"
-        elif f.default is not dataclasses.MISSING:
-            names[default] = f.default
-            param += f"={default}"
-        elif seen_default:
-            raise TypeError(f"non-default argument {f.name!r} follows default argument")
-        seen_default = seen_default or "=" in param
-        params.append(param)
-        if frozen:
-            body.append(f"__dataclass_builtins_object__.__setattr__(self,{f.name!r},{value})")
+    """``__init__``, the standard library's: every field by position, defaults and
+    factories as its, ``__post_init__`` called last, in the globals of the class's module.
+
+    Classes of one shape (frozen or not, each field plain, defaulted or with a factory,
+    ``__post_init__`` or not) share one compiled template whose field names are
+    placeholders; each class's ``__init__`` is the template's code with its own names put
+    in (``CodeType.replace``), its defaults and factories bound by the template's
+    closure."""
+    kinds = "".join(
+        "f"
+        if f.default_factory is not dataclasses.MISSING
+        else "d"
+        if f.default is not dataclasses.MISSING
+        else "p"
+        for f in fields
+    )
+    if "dp" in kinds or "fp" in kinds:
+        at = kinds.index("p", min(i for i in (kinds.find("d"), kinds.find("f")) if i >= 0))
+        raise TypeError(f"non-default argument {fields[at].name!r} follows default argument")
+    bind = init_template(frozen, hasattr(cls, "__post_init__"), kinds)
+    defaults = [
+        f.default_factory if f.default_factory is not dataclasses.MISSING else f.default
+        for f in fields
+    ]
+    template = bind(object, _HAS_DEFAULT_FACTORY, *defaults)
+    rename = {placeholder(i): f.name for i, f in enumerate(fields)}
+    code = template.__code__
+    code = code.replace(
+        co_varnames=tuple(rename.get(name, name) for name in code.co_varnames),
+        co_names=tuple(rename.get(name, name) for name in code.co_names),
+        co_consts=tuple(rename.get(c, c) if isinstance(c, str) else c for c in code.co_consts),
+    )
+    module = sys.modules.get(cls.__module__)
+    init = types.FunctionType(
+        code,
+        vars(module) if module else {},
+        "__init__",
+        template.__defaults__,
+        template.__closure__,
+    )
+    init.__annotations__ = {f.name: f.type for f in fields} | {"return": None}
+    return init
+
+
+def placeholder(index: int) -> str:
+    """The name of field ``index`` in a template (none is a prefix of another)."""
+    return f"_kp_field{index}_"
+
+
+@functools.cache
+def init_template(frozen: bool, post_init: bool, kinds: str) -> Callable[..., Any]:
+    """The compiled template of one shape: called with ``object``, the factory marker and
+    each field's default or factory, it gives the ``__init__`` of placeholder names."""
+    params, body, defaults = ["self"], [], []
+    for i, kind in enumerate(kinds):
+        name, default = placeholder(i), f"_kp_default{i}"
+        defaults.append(default)
+        value = name
+        if kind == "f":
+            params.append(f"{name}=_HAS_DEFAULT_FACTORY")
+            value = f"{default}() if {name} is _HAS_DEFAULT_FACTORY else {name}"
+        elif kind == "d":
+            params.append(f"{name}={default}")
         else:
-            body.append(f"self.{f.name}={value}")
-    if hasattr(cls, "__post_init__"):
+            params.append(name)
+        if frozen:
+            body.append(f"__dataclass_builtins_object__.__setattr__(self,{name!r},{value})")
+        else:
+            body.append(f"self.{name}={value}")
+    if post_init:
         body.append("self.__post_init__()")
     lines = "\n".join(f"  {line}" for line in body or ["pass"])
     source = (
-        f"def __create_fn__({', '.join(names)}):\n"
-        f" def __init__({', '.join(params)})->None:\n{lines}\n"
-        " return __init__\n"
+        "def __create_fn__(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY"
+        + "".join(f", {d}" for d in defaults)
+        + f"):\n def __init__({', '.join(params)}):\n{lines}\n return __init__\n"
     )
-    module = sys.modules.get(cls.__module__)
     scope: dict[str, Any] = {}
-    code = compile(source, "<dataclass>", "exec", dont_inherit=True)  # not our __future__
-    exec(code, vars(module) if module else {}, scope)
-    init: Callable[..., Any] = scope["__create_fn__"](**names)
-    return init
+    exec(compile(source, "<dataclass>", "exec", dont_inherit=True), {}, scope)
+    bind: Callable[..., Any] = scope["__create_fn__"]
+    return bind
 
 
 def repr_method(fields: FieldTuple) -> Callable[..., str]:

@@ -12,7 +12,6 @@ SIGINT ends every command as Ctrl-C does, even one started with SIGINT ignored (
 from __future__ import annotations
 
 import argparse
-import platform
 import shlex
 import sys
 import traceback
@@ -20,6 +19,7 @@ from collections.abc import Sequence
 from importlib import import_module
 
 from kprobes import __version__
+from kprobes.cli import startup
 from kprobes.cli.sigint import sigint_ends_command
 from kprobes.errors import InternalError, ProbeError, SpecError, TraceFsError
 
@@ -108,6 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def bug_report(exc: InternalError, argv: Sequence[str]) -> str:
     """What the user reads when kprobes reached a state it should never reach."""
+    import platform  # a bug's report alone needs it
+
     where = ""
     frames = traceback.extract_tb(exc.__traceback__)
     if frames:
@@ -125,5 +127,11 @@ def bug_report(exc: InternalError, argv: Sequence[str]) -> str:
     )
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """The console script: the tool in a process of its own."""
+    startup.own_process()
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

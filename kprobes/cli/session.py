@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO, TYPE_CHECKING
 
+from kprobes.cli import startup
 from kprobes.cli.backends import Backend, Placed, Sink, add_backend_arguments
 from kprobes.cli.notes import summarise
 from kprobes.cli.ownfile import in_file
@@ -560,7 +561,9 @@ def open_backend(
         # backend's commands need none of tracefs, and the kernel's none of the engine.
         from kprobes.cli.ptrace_backend import PtraceBackend
 
+        startup.settled()
         return PtraceBackend(args, sink, batch)
     from kprobes.cli.tracefs_backend import TraceFsBackend
 
+    startup.settled()
     return TraceFsBackend(args, sink, specs, entry_times=entry_times, patterns=patterns)
