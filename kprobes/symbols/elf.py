@@ -16,15 +16,18 @@ never asked about.
 
 from __future__ import annotations
 
+import array
 import bisect
 import difflib
 import errno as _errno
 import os
 import stat
 import struct
+import sys
 import threading
 from collections.abc import Iterator
 from enum import Enum
+from operator import itemgetter
 from typing import Any, BinaryIO, Final
 
 from kprobes.errors import TargetError
@@ -138,39 +141,53 @@ class _Tables:
     at_start: tuple[Symbol, ...]  # the preferred function at each start address
 
 
-def _decode(raw: _RawTable) -> Iterator[_Ranked]:
-    """Yield every defined symbol of one table with its rank, skipping the null entry 0."""
+def _decode(raw: _RawTable) -> list[_Ranked]:
+    """Every defined symbol of one table with its rank, skipping the null entry 0.
+
+    The loop runs once per symbol of the file (libc's .dynsym: 3,000; a program's .symtab
+    can hold a million): what does not depend on the entry is looked up before it."""
     strings = raw.strings
-    versions = raw.versions
+    n_strings = len(strings)
+    versions = array.array("H", raw.versions[: len(raw.versions) // 2 * 2])
+    if sys.byteorder != "little":
+        versions.byteswap()
+    n_versions = len(versions)
     table_rank = _TABLE_NAMES.index(raw.name)
+    kind_of, binding_rank, table = _KIND_OF_TYPE.get, _BINDING_RANK.get, raw.name
+    other, func, ifunc = SymbolKind.OTHER, SymbolKind.FUNC, SymbolKind.IFUNC
+    skipped_types = (_STT_SECTION, _STT_FILE)
+    find = strings.find
     usable = len(raw.symbols) - len(raw.symbols) % _SYM_SIZE
-    for index, entry in enumerate(struct.iter_unpack(_SYM_FORMAT, raw.symbols[:usable])):
-        st_name, st_info, _other, st_shndx, st_value, st_size = entry
-        if index == 0 or st_shndx == _SHN_UNDEF or st_name >= len(strings):
+    out: list[_Ranked] = []
+    index = -1
+    for st_name, st_info, _other, st_shndx, st_value, st_size in struct.iter_unpack(
+        _SYM_FORMAT, raw.symbols[:usable]
+    ):
+        index += 1
+        if index == 0 or st_shndx == _SHN_UNDEF or st_name >= n_strings:
             continue
-        if st_info & 0xF in (_STT_SECTION, _STT_FILE):
+        if st_info & 0xF in skipped_types:
             continue
-        end = strings.find(b"\0", st_name)
-        full = strings[st_name : end if end >= 0 else len(strings)].decode("utf-8", "replace")
+        end = find(b"\0", st_name)
+        full = strings[st_name : end if end >= 0 else n_strings].decode("utf-8", "replace")
         if not full:
             continue
         name, at, version = full.partition("@")
         if at:  # .symtab spells versions into the name: "memcpy@GLIBC_2.2.5" is not the default
             is_hidden = not version.startswith("@")
-        elif 2 * index + 2 <= len(versions):
-            is_hidden = bool(
-                int.from_bytes(versions[2 * index : 2 * index + 2], "little") & _VERSYM_HIDDEN
-            )
+        elif index < n_versions:
+            is_hidden = bool(versions[index] & _VERSYM_HIDDEN)
         else:
             is_hidden = False
-        kind = _KIND_OF_TYPE.get(st_info & 0xF, SymbolKind.OTHER)
+        kind = kind_of(st_info & 0xF, other)
         rank = (
-            0 if kind.is_function else 1,
+            0 if kind is func or kind is ifunc else 1,
             int(is_hidden),
-            _BINDING_RANK.get(st_info >> 4, 3),
+            binding_rank(st_info >> 4, 3),
             table_rank,
         )
-        yield rank, Symbol(name, st_value, st_size, kind, raw.name)
+        out.append((rank, Symbol(name, st_value, st_size, kind, table)))
+    return out
 
 
 def _display_rank(symbol: Symbol) -> tuple[int, int, int, str]:
@@ -186,14 +203,16 @@ def _display_rank(symbol: Symbol) -> tuple[int, int, int, str]:
 
 def _build(raw_tables: tuple[_RawTable, ...]) -> _Tables:
     ranked: list[_Ranked] = [item for raw in raw_tables for item in _decode(raw)]
-    ranked.sort(key=lambda item: item[0])  # stable: equal ranks keep table order
+    ranked.sort(key=itemgetter(0))  # stable: equal ranks keep table order
     by_name: dict[str, list[Symbol]] = {}
     functions: dict[tuple[str, int], Symbol] = {}
     for _rank, symbol in ranked:
-        same_name = by_name.setdefault(symbol.name, [])
-        if all(other.value != symbol.value for other in same_name):  # .symtab repeats .dynsym
+        same_name = by_name.get(symbol.name)
+        if same_name is None:
+            by_name[symbol.name] = [symbol]
+        elif all(other.value != symbol.value for other in same_name):  # .symtab repeats .dynsym
             same_name.append(symbol)
-        if symbol.kind.is_function and symbol.value != 0:
+        if _rank[0] == 0 and symbol.value != 0:  # a function
             functions.setdefault((symbol.name, symbol.value), symbol)
     # Step 1: one symbol per start address, the one a reader would want to see.
     best_at: dict[int, Symbol] = {}

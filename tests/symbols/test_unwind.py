@@ -530,4 +530,6 @@ def test_unwind_imports_nothing_above_the_symbols_layer() -> None:
     source = Path(kprobes.__file__).parent / "symbols" / "unwind.py"
     imports = re.findall(r"^(?:from|import) (kprobes\.\S+)", source.read_text(), re.M)
     assert imports
-    assert all(name.startswith(("kprobes.errors", "kprobes.symbols")) for name in imports)
+    assert all(
+        name.startswith(("kprobes.errors", "kprobes.symbols", "kprobes.values")) for name in imports
+    )
