@@ -1,0 +1,210 @@
+"""The fast tier's stack walker (kprobes/arch/x86_64/stackwalk.py): the directory and output
+as values, and the code run for real in tests/programs/walk_harness.c, without ptrace.
+
+The harness (built at -O2 without frame pointers) takes stacks at ``leaf`` by known paths,
+through an alloca frame (CFA on rbp), a shared library, libc's qsort, a thread, and a deep
+recursion under a depth limit; the tool side compiles the compact tables of every file the
+harness maps (symbols/frametable.py), packs them as the walker reads them, and sends the
+walk's code. Each walk must give exactly the return addresses that glibc's backtrace()
+(libgcc's own DWARF unwinder) finds from the same place, and end at the outermost frame;
+stacks that cannot be walked (a stack pointer on a PROT_NONE page, a pc in no mapping) must
+end cleanly with their reason, the fault absorbed by the fetch fixup convention.
+"""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from iced_x86 import Decoder, Mnemonic
+from support import symbol
+
+from kprobes.arch.x86_64 import stackwalk as sw
+from kprobes.arch.x86_64.abi import FETCH_FAULT_MAGIC
+from kprobes.arch.x86_64.stackwalk import (
+    MappedTable,
+    WalkResult,
+    WalkStop,
+    build_walk_function,
+    pack_directory,
+    read_walk,
+)
+from kprobes.errors import InternalError
+from kprobes.symbols.frametable import ROW, Kind, table_of
+from kprobes.symbols.maps import iter_modules
+
+SHORT = 8  # the short walk's depth limit
+
+# ---- values ----------------------------------------------------------------------------------
+
+
+def test_the_row_layout_is_the_compiler_s() -> None:
+    assert ROW.size == sw.ROW_SIZE
+    row = ROW.pack(0x12345678, -16, 6, Kind.OUTERMOST)
+    assert struct.unpack_from("<i", row, 0)[0] == 0x12345678
+    assert struct.unpack_from("<h", row, sw.ROW_RBP)[0] == -16
+    assert row[sw.ROW_BASE] == 6 and row[sw.ROW_KIND] == Kind.OUTERMOST
+    assert (Kind.CFA, Kind.OUTERMOST, Kind.UNSUPPORTED) == (
+        sw.KIND_CFA,
+        sw.KIND_OUTERMOST,
+        sw.KIND_UNSUPPORTED,
+    )
+
+
+def table_bytes(rows: int) -> bytes:
+    return struct.pack(f"<{rows}I", *range(rows)) + bytes(sw.ROW_SIZE * rows)
+
+
+def test_the_directory_is_sorted_and_its_tables_aligned() -> None:
+    one = MappedTable(0x7000, 0x8000, 0x6000, table_bytes(3), 3)
+    two = MappedTable(0x1000, 0x2000, 0, table_bytes(1), 1)
+    blob = pack_directory([one, two])
+    assert struct.unpack_from("<Q", blob, 0) == (2,)
+    first = sw.ENTRY.unpack_from(blob, sw.DIR_HEADER)
+    second = sw.ENTRY.unpack_from(blob, sw.DIR_HEADER + sw.ENTRY.size)
+    assert first[:3] == (0x1000, 0x2000, 0) and first[4] == 1
+    assert second[:3] == (0x7000, 0x8000, 0x6000) and second[4] == 3
+    assert first[3] % 8 == 0 and second[3] % 8 == 0 and first[3] >= 8 + 2 * sw.ENTRY.size
+    assert blob[first[3] : first[3] + 12] == table_bytes(1)
+    assert blob[second[3] : second[3] + 36] == table_bytes(3)
+    with pytest.raises(InternalError):
+        MappedTable(0, 1, 0, b"\0" * 11, 1)
+
+
+def test_the_output_read_back() -> None:
+    out = struct.pack("<4Q", 3 | WalkStop.MAX_FRAMES << 32, 0x10, 0x20, 0x30)
+    assert read_walk(out) == WalkResult((0x10, 0x20, 0x30), WalkStop.MAX_FRAMES)
+    assert read_walk(struct.pack("<Q", WalkStop.UNREADABLE << 32)) == WalkResult(
+        (), WalkStop.UNREADABLE
+    )
+
+
+def test_the_code_uses_the_fault_convention_and_no_call() -> None:
+    code = build_walk_function(0x10000, 0x7F00_0000_0000, 16)
+    insns = list(Decoder(64, code, ip=0x10000))
+    assert not any(i.mnemonic in (Mnemonic.CALL, Mnemonic.SYSCALL, Mnemonic.INT3) for i in insns)
+    magic = [i for i in insns if i.mnemonic == Mnemonic.MOV and i.immediate64 == FETCH_FAULT_MAGIC]
+    assert len(magic) == 1
+    assert insns[-1].mnemonic == Mnemonic.RET
+    with pytest.raises(InternalError):
+        build_walk_function(0x10000, 0, 0)
+
+
+# ---- the code, run -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    walk: WalkResult
+    backtrace: tuple[int, ...]
+
+
+def run_harness(exe: Path) -> tuple[dict[str, list[Taken]], int, dict[str, int]]:
+    """Each stack the harness took, by name; the faults it absorbed; where its modules are."""
+    proc = subprocess.Popen(
+        [str(exe), f"{FETCH_FAULT_MAGIC:x}"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        words = proc.stdout.readline().split()
+        assert words[0::2] == ["code", "dir"], words
+        code_at, dir_at = (int(w, 16) for w in words[1::2])
+        # Step 1: the tables of every file mapped executable, and the directory.
+        mapped, bases = [], {}
+        for module in iter_modules(proc.pid):
+            table = table_of(f"/proc/{proc.pid}/root{module.path}")
+            bases[module.name] = module.bias
+            for m in module.mappings:
+                if "x" in m.perms:
+                    mapped.append(MappedTable(m.start, m.end, module.bias, table.to_bytes(),
+                                              len(table)))  # fmt: skip
+        # Step 2: the code (the full walk, then the short one), then the directory.
+        full = build_walk_function(code_at, dir_at, 127)
+        short_at = (len(full) + 15) & ~15
+        short = build_walk_function(code_at + short_at, dir_at, SHORT)
+        code = full + b"\xcc" * (short_at - len(full)) + short
+        proc.stdin.write(f"{code.hex()} {short_at:x}\n{pack_directory(mapped).hex()}\n")
+        proc.stdin.close()
+        out = proc.stdout.read()
+        assert proc.wait(timeout=60) == 0, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    taken: dict[str, list[Taken]] = {}
+    faults = -1
+    for line in out.splitlines():
+        name, *rest = line.split()
+        if name == "faults":
+            faults = int(rest[0])
+            continue
+        assert rest[0] == "walk"
+        split = rest.index("bt")
+        status = int(rest[1], 16)
+        returns = tuple(int(w, 16) for w in rest[2:split])
+        walk = read_walk(struct.pack(f"<{1 + len(returns)}Q", status, *returns))
+        bt = tuple(int(w, 16) for w in rest[split + 1 :])
+        taken.setdefault(name, []).append(Taken(walk, bt))
+    return taken, faults, bases
+
+
+@pytest.fixture(scope="module")
+def harness(
+    build: Callable[[str], Path],
+) -> tuple[Path, dict[str, list[Taken]], int, dict[str, int]]:
+    exe = build("walk_harness")
+    return (exe, *run_harness(exe))
+
+
+def inside(path: Path, function: str, addr: int, bias: int) -> bool:
+    sym = symbol(path, function)
+    return sym.value < addr - bias <= sym.value + sym.size
+
+
+@pytest.mark.parametrize("name", ["a", "b", "lib", "qsort", "thread"])
+def test_walks_give_the_return_addresses_libgcc_finds(harness, name: str) -> None:
+    exe, taken, _faults, bases = harness
+    assert len(taken[name]) == 1
+    t = taken[name][0]
+    assert t.walk.stop is WalkStop.OUTERMOST, t
+    assert t.walk.returns == t.backtrace[1:], t
+    bias = bases[exe.name]
+    first = t.walk.returns[0]
+    if name == "b":  # alloca keeps b's CFA on rbp where it calls leaf
+        row = table_of(str(exe)).row_at(first - 1 - bias)
+        assert row.kind is Kind.CFA and row.base == 6, row
+    if name in ("a", "b"):
+        assert inside(exe, name, first, bias)
+        assert inside(exe, "main", t.walk.returns[1], bias)
+    elif name == "lib":
+        lib = exe.parent / "libstk.so"
+        assert inside(lib, "stk_through", first, bases["libstk.so"])
+    elif name == "qsort":
+        assert inside(exe, "cmp", first, bias)
+        assert bases["libc.so.6"] < t.walk.returns[1]
+    else:
+        assert inside(exe, "a", first, bias) and inside(exe, "thread_main", t.walk.returns[1], bias)
+    if name != "thread":
+        assert inside(exe, "_start", t.walk.returns[-1], bias)
+
+
+def test_the_depth_limit(harness) -> None:
+    _exe, taken, _faults, _bases = harness
+    t = taken["deep"][0]
+    assert t.walk.stop is WalkStop.MAX_FRAMES
+    assert t.walk.returns == t.backtrace[1 : 1 + SHORT]
+
+
+def test_stacks_that_cannot_be_walked_end_cleanly(harness) -> None:
+    _exe, taken, faults, _bases = harness
+    assert taken["unreadable"][0].walk == WalkResult((), WalkStop.UNREADABLE)
+    assert taken["nowhere"][0].walk == WalkResult((), WalkStop.NO_UNWIND_INFO)
+    assert taken["fpchain"][0].walk == WalkResult((0x2000,), WalkStop.OUTERMOST)
+    assert faults == 1  # the unreadable one's, absorbed
