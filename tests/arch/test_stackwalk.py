@@ -103,10 +103,15 @@ class Taken:
     backtrace: tuple[int, ...]
 
 
-def run_harness(exe: Path) -> tuple[dict[str, list[Taken]], int, dict[str, int]]:
-    """Each stack the harness took, by name; the faults it absorbed; where its modules are."""
+def run_harness(
+    exe: Path, *extra: str, lines: list[str] | None = None
+) -> tuple[dict[str, list[Taken]], int, dict[str, int]]:
+    """Each stack the harness took, by name; the faults it absorbed; where its modules are.
+    ``lines``, if given, receives the harness's output lines instead (its bench mode)."""
     proc = subprocess.Popen(
-        [str(exe), f"{FETCH_FAULT_MAGIC:x}"],
+        ["taskset", "-c", "0", str(exe), f"{FETCH_FAULT_MAGIC:x}", *extra]
+        if extra
+        else [str(exe), f"{FETCH_FAULT_MAGIC:x}"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -140,6 +145,9 @@ def run_harness(exe: Path) -> tuple[dict[str, list[Taken]], int, dict[str, int]]
             proc.wait()
     taken: dict[str, list[Taken]] = {}
     faults = -1
+    if lines is not None:
+        lines += out.splitlines()
+        return taken, faults, bases
     for line in out.splitlines():
         name, *rest = line.split()
         if name == "faults":

@@ -2,7 +2,7 @@
  * ptrace (tests/arch/test_stackwalk.py). Built at -O2 without frame pointers, so that only
  * the unwind tables can walk its frames.
  *
- *   walk_harness MAGIC_HEX
+ *   walk_harness MAGIC_HEX [bench=N]
  *
  * It maps a page for the code and a region for the frame tables, prints
  * "code ADDR dir ADDR", then reads two lines of hex: the code (the walk as a C function,
@@ -27,6 +27,9 @@
  * pointer on a PROT_NONE page: the fault convention, r11 = MAGIC, resumes at r10), "nowhere"
  * (a pc in no mapping and no frame pointer), "fpchain" (a pc in no mapping, a frame-pointer
  * chain in a buffer). The last line is "faults N" (the faults the convention absorbed).
+ *
+ * With bench=N (tests/arch/bench_stackwalk.py) it only times N walks at leaf under deep(D)
+ * for a few depths D, printing "bench RETURNS NS_PER_WALK" for each.
  */
 #define _GNU_SOURCE
 #include <alloca.h>
@@ -38,6 +41,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <ucontext.h>
 
 #define KEEP __attribute__((noinline, noclone))
@@ -55,6 +59,7 @@ static unsigned long magic;
 static volatile long faults;
 static const char *current = "";
 static int use_short;
+static long bench_walks;
 static pthread_mutex_t print_lock = PTHREAD_MUTEX_INITIALIZER;
 volatile long sink;
 
@@ -86,6 +91,21 @@ KEEP int leaf(int x)
 	void *bt[MAX_OUT];
 
 	HERE(regs);
+	if (bench_walks) {
+		struct timespec t0, t1;
+		double best = 1e30;
+
+		for (int round = 0; round < 5; round++) {
+			clock_gettime(CLOCK_MONOTONIC, &t0);
+			for (long k = 0; k < bench_walks; k++)
+				walk_full(regs, out);
+			clock_gettime(CLOCK_MONOTONIC, &t1);
+			double ns = (t1.tv_sec - t0.tv_sec) * 1e9 + (t1.tv_nsec - t0.tv_nsec);
+			best = ns < best ? ns : best;
+		}
+		printf("bench %lu %.1f\n", (unsigned long)(out[0] & 0xffffffff), best / bench_walks);
+		return x;
+	}
 	(use_short ? walk_short : walk_full)(regs, out);
 	int n = backtrace(bt, MAX_OUT);
 	report(current, out, bt, n);
@@ -209,9 +229,11 @@ int main(int argc, char **argv)
 	int numbers[] = {5, 3, 9, 1, 7};
 	pthread_t t;
 
-	if (argc != 2)
+	if (argc < 2)
 		return 2;
 	magic = strtoul(argv[1], NULL, 16);
+	if (argc > 2 && strncmp(argv[2], "bench=", 6) == 0)
+		bench_walks = strtol(argv[2] + 6, NULL, 10);
 	code_page = mmap(NULL, CODE_SIZE, PROT_READ | PROT_WRITE | PROT_EXEC,
 			 MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
 	dir = mmap(NULL, DIR_SIZE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
@@ -230,6 +252,13 @@ int main(int argc, char **argv)
 	sigaction(SIGSEGV, &sa, NULL);
 	sigaction(SIGBUS, &sa, NULL);
 
+	if (bench_walks) {
+		int depths[] = {0, 10, 30, 100};
+
+		for (unsigned k = 0; k < sizeof depths / sizeof depths[0]; k++)
+			deep(depths[k]);
+		return 0;
+	}
 	current = "a";
 	a(1);
 	current = "b";
