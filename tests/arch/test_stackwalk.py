@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from iced_x86 import Decoder, Mnemonic
+from iced_x86 import Decoder, InstructionInfoFactory, Mnemonic, OpAccess, Register, RegisterExt
 from support import symbol
 
 from kprobes.arch.x86_64 import stackwalk as sw
@@ -92,6 +92,22 @@ def test_the_code_uses_the_fault_convention_and_no_call() -> None:
     assert insns[-1].mnemonic == Mnemonic.RET
     with pytest.raises(InternalError):
         build_walk_function(0x10000, 0, 0)
+
+
+def test_the_walk_writes_only_its_clobbers() -> None:
+    """The record action keeps its record in rbx and its ticket in rsi across the walk."""
+    block = sw.Block()
+    sw.emit_stack_walk(block, 0x7F00_0000_0000, 127)
+    code = block.encode(0x10000)
+    allowed = {getattr(Register, r.upper()) for r in sw.CLOBBERS}
+    written = set()
+    info = InstructionInfoFactory()
+    for insn in Decoder(64, code, ip=0x10000):
+        for used in info.info(insn).used_registers():
+            if used.access in (OpAccess.WRITE, OpAccess.READ_WRITE, OpAccess.COND_WRITE):
+                written.add(RegisterExt.full_register(used.register))
+    assert written <= allowed, written - allowed
+    assert {Register.RBX, Register.RSI, Register.RSP}.isdisjoint(written)
 
 
 # ---- the code, run -------------------------------------------------------------------------

@@ -127,17 +127,18 @@ def read_walk(data: bytes | memoryview) -> WalkResult:
     return WalkResult(returns, WalkStop((status >> STOP_SHIFT) & 0xFF))
 
 
-# The walker's registers: the frame's pc, sp and rbp; the lookup address; the output.
-PC, SP, BP, LOOKUP, OUT, COUNT = (Register.RAX, Register.RDX, Register.RSI, Register.R8,
+# The walker's registers: the frame's pc, sp and rbp; the lookup address; the output. rbx
+# and rsi are left alone: the record action keeps its record and its ticket there.
+PC, SP, BP, LOOKUP, OUT, COUNT = (Register.RAX, Register.RDX, Register.RBP, Register.R8,
                                   Register.RDI, Register.RCX)  # fmt: skip
-_ENTRY_P, _LO, _T1, _T2, _ROWS = Register.R9, Register.RBX, Register.R12, Register.R13, Register.R14
-CLOBBERS: Final = ("rax", "rcx", "rdx", "rbx", "rsi", "rdi", "r8", "r9", "r10", "r11", "r12",
-                   "r13", "r14")  # fmt: skip
+_ENTRY_P, _LO, _T1, _T2, _ROWS = Register.R9, Register.R15, Register.R12, Register.R13, Register.R14
+CLOBBERS: Final = ("rax", "rcx", "rdx", "rbp", "rdi", "r8", "r9", "r10", "r11", "r12",
+                   "r13", "r14", "r15")  # fmt: skip
 
 
 def emit_stack_walk(block: Block, directory: int, max_returns: int) -> None:
     """Append the walk to ``block``. In: rax = the pc of the innermost frame (exact: the
-    probed instruction), rdx = its rsp, rsi = its rbp, rdi = the output. Writes at most
+    probed instruction), rdx = its rsp, rbp = its rbp, rdi = the output. Writes at most
     ``max_returns`` return addresses. Clobbers ``CLOBBERS`` and the arithmetic flags."""
     if not 0 < max_returns < 1 << 16:
         raise InternalError(f"a walk of {max_returns} frames")
@@ -205,7 +206,7 @@ def _emit_find_row(block: Block, directory: int) -> None:
     block.branch(Code.JE_REL32_64, "sw_uncovered")
     add(Instruction.create_reg_mem(Code.CMP_R32_RM32, Register.R8D, at(_ENTRY_P, 0)))
     block.branch(Code.JB_REL32_64, "sw_uncovered")
-    add(Instruction.create_reg_reg(Code.XOR_R32_RM32, Register.EBX, Register.EBX))
+    add(Instruction.create_reg_reg(Code.XOR_R32_RM32, Register.R15D, Register.R15D))
     block.label("sw_bisect")
     add(Instruction.create_reg_reg(Code.MOV_R64_RM64, _T1, _T2))
     add(Instruction.create_reg_reg(Code.SUB_R64_RM64, _T1, _LO))
@@ -254,7 +255,7 @@ def _emit_frame_pointer(block: Block) -> None:
     [rbp+8], SP = rbp+16, BP = [rbp] (the order matters: BP last)."""
     add = block.add
     block.label("sw_uncovered")
-    add(Instruction.create_reg_i32(Code.TEST_RM8_IMM8, Register.SIL, 7))
+    add(Instruction.create_reg_i32(Code.TEST_RM8_IMM8, Register.BPL, 7))
     block.branch(Code.JNE_REL32_64, "sw_no_info")
     add(Instruction.create_reg_reg(Code.MOV_R64_RM64, _T1, BP))
     add(Instruction.create_reg_reg(Code.SUB_R64_RM64, _T1, SP))
@@ -301,7 +302,7 @@ def build_walk_function(addr: int, directory: int, max_returns: int) -> bytes:
     """The walk as a C function at ``addr`` (for tests and benchmarks of the code alone):
     ``void walk(const uint64_t regs[3] /* pc, sp, rbp */, uint64_t *out)``."""
     block = Block()
-    saved = (Register.RBX, Register.R12, Register.R13, Register.R14)
+    saved = (Register.RBP, Register.R12, Register.R13, Register.R14, Register.R15)
     for reg in saved:
         block.add(Instruction.create_reg(Code.PUSH_R64, reg))
     block.add(Instruction.create_reg_reg(Code.MOV_R64_RM64, Register.R9, Register.RDI))
