@@ -13,6 +13,7 @@ end cleanly with their reason, the fault absorbed by the fetch fixup convention.
 
 from __future__ import annotations
 
+import os
 import struct
 import subprocess
 from collections.abc import Callable
@@ -22,11 +23,24 @@ from pathlib import Path
 import pytest
 from iced_x86 import Decoder, InstructionInfoFactory, Mnemonic, OpAccess, Register, RegisterExt
 from support import symbol
+from test_detour_live import (
+    BEST_CPU_ID,
+    THREAD_IDS,
+    build_harness,
+    create_area,
+    drain,
+    finish,
+    install,
+    launch,
+)
 
+from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64 import stackwalk as sw
 from kprobes.arch.x86_64.abi import FETCH_FAULT_MAGIC
+from kprobes.arch.x86_64.record import RecordAction
 from kprobes.arch.x86_64.stackwalk import (
     MappedTable,
+    StackWalk,
     WalkResult,
     WalkStop,
     build_walk_function,
@@ -114,6 +128,29 @@ def test_the_walk_writes_only_its_clobbers() -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class Directory:
+    """The packed tables of every file a process maps executable, and where its modules are."""
+
+    blob: bytes
+    bases: dict[str, int]  # by file name: the load bias
+    ranges: dict[str, tuple[int, int]]  # by file name: lowest and highest address
+
+
+def directory_of(pid: int) -> Directory:
+    mapped, bases, ranges = [], {}, {}
+    for module in iter_modules(pid):
+        table = table_of(f"/proc/{pid}/root{module.path}")
+        bases[module.name] = module.bias
+        ranges[module.name] = (module.start, module.end)
+        for m in module.mappings:
+            if "x" in m.perms:
+                mapped.append(
+                    MappedTable(m.start, m.end, module.bias, table.to_bytes(), len(table))
+                )
+    return Directory(pack_directory(mapped), bases, ranges)
+
+
+@dataclass(frozen=True, slots=True)
 class Taken:
     walk: WalkResult
     backtrace: tuple[int, ...]
@@ -138,20 +175,13 @@ def run_harness(
         assert words[0::2] == ["code", "dir"], words
         code_at, dir_at = (int(w, 16) for w in words[1::2])
         # Step 1: the tables of every file mapped executable, and the directory.
-        mapped, bases = [], {}
-        for module in iter_modules(proc.pid):
-            table = table_of(f"/proc/{proc.pid}/root{module.path}")
-            bases[module.name] = module.bias
-            for m in module.mappings:
-                if "x" in m.perms:
-                    mapped.append(MappedTable(m.start, m.end, module.bias, table.to_bytes(),
-                                              len(table)))  # fmt: skip
+        found = directory_of(proc.pid)
         # Step 2: the code (the full walk, then the short one), then the directory.
         full = build_walk_function(code_at, dir_at, 127)
         short_at = (len(full) + 15) & ~15
         short = build_walk_function(code_at + short_at, dir_at, SHORT)
         code = full + b"\xcc" * (short_at - len(full)) + short
-        proc.stdin.write(f"{code.hex()} {short_at:x}\n{pack_directory(mapped).hex()}\n")
+        proc.stdin.write(f"{code.hex()} {short_at:x}\n{found.blob.hex()}\n")
         proc.stdin.close()
         out = proc.stdout.read()
         assert proc.wait(timeout=60) == 0, out
@@ -163,7 +193,7 @@ def run_harness(
     faults = -1
     if lines is not None:
         lines += out.splitlines()
-        return taken, faults, bases
+        return taken, faults, found.bases
     for line in out.splitlines():
         name, *rest = line.split()
         if name == "faults":
@@ -176,7 +206,7 @@ def run_harness(
         walk = read_walk(struct.pack(f"<{1 + len(returns)}Q", status, *returns))
         bt = tuple(int(w, 16) for w in rest[split + 1 :])
         taken.setdefault(name, []).append(Taken(walk, bt))
-    return taken, faults, bases
+    return taken, faults, found.bases
 
 
 @pytest.fixture(scope="module")
@@ -232,3 +262,52 @@ def test_stacks_that_cannot_be_walked_end_cleanly(harness) -> None:
     assert taken["nowhere"][0].walk == WalkResult((), WalkStop.NO_UNWIND_INFO)
     assert taken["fpchain"][0].walk == WalkResult((0x2000,), WalkStop.OUTERMOST)
     assert faults == 1  # the unreadable one's, absorbed
+
+
+# ---- in a record, in a detour ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_regs", [False, True], ids=["lean", "with-regs"])
+def test_a_record_carries_the_stack_of_each_hit(with_regs: bool, tmp_path: Path) -> None:
+    """tests/programs/detour_harness.c's threads call ``work`` from ``run``: each record of
+    the probe at its entry holds the same return addresses, from ``run`` through libc's
+    ``start_thread`` to ``clone3``, the outermost frame. The directory lives in the area's
+    counters (the harness maps the area whole), written before the detour goes in; the
+    registers of the record are still the call's."""
+    h = build_harness(tmp_path)
+    threads, calls, depth = 3, 2000, 32
+    layout = sa.AreaLayout(ncounters=16384, capacity=1 << 16)  # 1 MiB of counters
+    area = create_area(layout)
+    try:
+        run = launch(h, "work", area, threads, calls)
+        directory = run.area + layout.counter_offset(0)
+        found = directory_of(run.proc.pid)
+        blob = found.blob
+        assert len(blob) <= 16384 * sa.COUNTER_STRIDE
+        area.mm[sa.PAGE : sa.PAGE + len(blob)] = blob
+        action = RecordAction(
+            7,
+            layout.ring_at(run.area),
+            THREAD_IDS[-1],
+            with_regs=with_regs,
+            cpu_id=BEST_CPU_ID,
+            stack=StackWalk(directory, depth),
+        )
+        install(run, action)
+        records, dropped = drain(run, area)
+        done = finish(run)
+    finally:
+        os.close(area.fd)
+    assert dropped == 0 and len(records) == threads * calls
+    assert done.fixups == 0
+    walks = {read_walk(r.data[action.stack_offset - action.data_offset :]) for r in records}
+    assert len(walks) == 1, walks  # every call from the same place
+    (walk,) = walks
+    assert walk.stop is WalkStop.OUTERMOST, walk
+    assert inside(h.exe, "run", walk.returns[0], found.bases[h.exe.name])
+    assert 2 <= len(walk.returns) <= 4, walk  # start_thread, clone3 (and maybe one between)
+    low, high = found.ranges["libc.so.6"]
+    assert all(low <= ra < high for ra in walk.returns[1:]), walk
+    if with_regs:
+        assert all(r.reg("rip") == run.probe and r.reg("rsp") % 16 == 8 for r in records)
+        assert {r.reg("rdx") for r in records} == {3 * i for i in range(calls)}

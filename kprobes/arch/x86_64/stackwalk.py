@@ -29,9 +29,10 @@ The directory (absolute address ``directory``)::
           u8 kind (frametable.Kind: 0 CFA, 1 outermost, 2 marker, 3 not covered)
 
 The output (``out``): a status word (the return addresses written, bits 0-31; the
-``WalkStop``, bits 32-39), then the return addresses. Not yet used by any action: the
-record action, the shared area's room for the tables and their upkeep as files are mapped
-are the next steps (docs/decisions.md).
+``WalkStop``, bits 32-39), then the return addresses. The record action runs the walk when
+it is given a ``StackWalk`` (record.py); nothing in the tool gives one yet: the shared
+area's room for the tables and their upkeep as files are mapped are the next steps
+(docs/decisions.md).
 
 Rejected: copying the stack for the tool to unwind later (perf's ``--call-graph dwarf``:
 8 KiB a hit, which is why users avoid it); walking the frame-pointer chain alone (wrong on
@@ -109,6 +110,23 @@ def pack_directory(mappings: Sequence[MappedTable]) -> bytes:
     for at_offset, table in tables:
         out += bytes(at_offset - len(out)) + table
     return bytes(out)
+
+
+@dataclass(frozen=True, slots=True)
+class StackWalk:
+    """A walk for a record: the tables' directory (an absolute address) and how many return
+    addresses at most; ``size`` bytes of the record hold its output."""
+
+    directory: int
+    max_returns: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_returns < 1 << 16:
+            raise InternalError(f"a walk of {self.max_returns} frames")
+
+    @property
+    def size(self) -> int:
+        return STATUS + 8 * self.max_returns
 
 
 @dataclass(frozen=True, slots=True)
