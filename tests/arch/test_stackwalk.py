@@ -89,6 +89,20 @@ def test_the_directory_is_sorted_and_its_tables_aligned() -> None:
         MappedTable(0, 1, 0, b"\0" * 11, 1)
 
 
+def test_the_block_index_names_the_row_at_each_block_s_start() -> None:
+    starts = [0x100, 0x180, 0x300, 0x301, 0x5FF]
+    table = struct.pack("<5I", *starts) + bytes(sw.ROW_SIZE * 5)
+    index, first = sw.block_index(table, 5)
+    assert first == 0x100
+    # Blocks at 0x100, 0x200, 0x300, 0x400, 0x500, and the end past the last row's.
+    assert struct.unpack(f"<{len(index) // 4}I", index) == (0, 1, 2, 3, 3, 4)
+    assert sw.block_index(b"", 0) == (b"", 0)
+    blob = pack_directory([MappedTable(0x1000, 0x2000, 0, table, 5)])
+    entry = sw.ENTRY.unpack_from(blob, sw.DIR_HEADER)
+    assert entry[5:8] == (entry[3] + len(table), 5, 0x100)
+    assert blob[entry[5] : entry[5] + len(index)] == index
+
+
 def test_the_output_read_back() -> None:
     out = struct.pack("<4Q", 3 | WalkStop.MAX_FRAMES << 32, 0x10, 0x20, 0x30)
     assert read_walk(out) == WalkResult((0x10, 0x20, 0x30), WalkStop.MAX_FRAMES)
@@ -260,6 +274,7 @@ def test_stacks_that_cannot_be_walked_end_cleanly(harness) -> None:
     _exe, taken, faults, _bases = harness
     assert taken["unreadable"][0].walk == WalkResult((), WalkStop.UNREADABLE)
     assert taken["nowhere"][0].walk == WalkResult((), WalkStop.NO_UNWIND_INFO)
+    assert taken["pastend"][0].walk == WalkResult((), WalkStop.NO_UNWIND_INFO)
     assert taken["fpchain"][0].walk == WalkResult((0x2000,), WalkStop.OUTERMOST)
     assert faults == 1  # the unreadable one's, absorbed
 

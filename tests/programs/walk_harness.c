@@ -25,8 +25,9 @@
  *
  * and stacks that cannot be walked, whose walks must end cleanly: "unreadable" (the stack
  * pointer on a PROT_NONE page: the fault convention, r11 = MAGIC, resumes at r10), "nowhere"
- * (a pc in no mapping and no frame pointer), "fpchain" (a pc in no mapping, a frame-pointer
- * chain in a buffer). The last line is "faults N" (the faults the convention absorbed).
+ * (a pc in no mapping and no frame pointer), "pastend" (a pc in the program's text past its
+ * last unwind row, no frame pointer), "fpchain" (a pc in no mapping, a frame-pointer chain in
+ * a buffer). The last line is "faults N" (the faults the convention absorbed).
  *
  * With bench=N (tests/arch/bench_stackwalk.py) it only times N walks at leaf under deep(D)
  * for a few depths D, printing "bench RETURNS NS_PER_WALK" for each.
@@ -52,6 +53,7 @@
 typedef void (*walk_fn)(const uint64_t regs[3], uint64_t *out);
 
 int stk_through(int (*f)(int), int x);
+void _fini(void);
 
 static walk_fn walk_full, walk_short;
 static unsigned char *code_page;
@@ -209,6 +211,12 @@ static void cannot_walk(void)
 	regs[2] = 3;
 	walk_full(regs, out);
 	report("nowhere", out, bt, 0);
+
+	regs[0] = (uint64_t)(uintptr_t)_fini | 0xfff; /* mapped, past every row's block */
+	regs[1] = (uint64_t)(uintptr_t)chain;
+	regs[2] = 3;
+	walk_full(regs, out);
+	report("pastend", out, bt, 0);
 
 	chain[0] = (uint64_t)(uintptr_t)&chain[4]; /* saved rbp */
 	chain[1] = 0x2000;                          /* return address: no mapping either */

@@ -21,12 +21,19 @@ was just read: it does not happen on a real stack).
 The directory (absolute address ``directory``)::
 
     0     u64 count
-    8     entries, 32 bytes each: start, end (the executable mapping, run-time addresses),
-          bias (run-time minus link-time), then u32 offset of the table from the
-          directory, u32 rows
+    8     entries, 48 bytes each: start, end (the executable mapping, run-time addresses),
+          bias (run-time minus link-time), then u32s: the table's offset from the
+          directory, its rows, its index's offset, the index's blocks, the first row's start
     table u32 starts[rows] (link-time, sorted), then rows[rows] of 8 bytes:
           i32 CFA offset, i16 rbp's offset from the CFA (0: kept), u8 base (6 rbp, 7 rsp),
           u8 kind (frametable.Kind: 0 CFA, 1 outermost, 2 marker, 3 not covered)
+    index u32[blocks + 1]: for each 256 bytes of code from the first row's start, the row
+          holding its first byte; the last is the last row
+
+The index narrows the bisection to the rows of one block: libc's 28,274 rows take 15 steps
+without it, each a branch the processor cannot predict and a load that may miss the cache
+(~30 ns a frame), and 2-3 with it. It is what SFrame's and the kernel's ORC lookup tables
+do for the same reason.
 
 The output (``out``): a status word (the return addresses written, bits 0-31; the
 ``WalkStop``, bits 32-39), then the return addresses. The record action runs the walk when
@@ -41,6 +48,7 @@ the -O2 code distributions ship).
 
 from __future__ import annotations
 
+import bisect
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,7 +62,9 @@ from kprobes.arch.x86_64.detour import Block, at, mov_load, mov_store
 from kprobes.errors import InternalError
 
 DIR_HEADER: Final = 8
-ENTRY: Final = struct.Struct("<QQQII")  # start, end, bias, table offset, rows
+# start, end, bias; table offset, rows; index offset, blocks, first row's start; padding
+ENTRY: Final = struct.Struct("<QQQIIIIII")
+BLOCK_SHIFT: Final = 8  # the index has an entry per 256 bytes of code
 ROW_SIZE: Final = 8
 ROW_BASE: Final = 6  # offsets inside a row
 ROW_KIND: Final = 7
@@ -96,20 +106,35 @@ class MappedTable:
 
 
 def pack_directory(mappings: Sequence[MappedTable]) -> bytes:
-    """The directory and its tables, as the walker reads them (any order given; sorted)."""
+    """The directory, the tables and their indexes, as the walker reads them (any order
+    given; sorted)."""
     ordered = sorted(mappings, key=lambda m: m.start)
     offset = DIR_HEADER + ENTRY.size * len(ordered)
     head = [struct.pack("<Q", len(ordered))]
-    tables = []
+    parts = []
     for m in ordered:
         offset = (offset + 7) & ~7
-        head.append(ENTRY.pack(m.start, m.end, m.bias, offset, m.rows))
-        tables.append((offset, m.table))
-        offset += len(m.table)
+        index, first = block_index(m.table, m.rows)
+        index_at = offset + len(m.table)
+        blocks = max(len(index) // 4 - 1, 0)
+        head.append(ENTRY.pack(m.start, m.end, m.bias, offset, m.rows, index_at, blocks, first, 0))
+        parts.append((offset, m.table + index))
+        offset += len(m.table) + len(index)
     out = bytearray(b"".join(head))
-    for at_offset, table in tables:
-        out += bytes(at_offset - len(out)) + table
+    for at_offset, part in parts:
+        out += bytes(at_offset - len(out)) + part
     return bytes(out)
+
+
+def block_index(table: bytes, rows: int) -> tuple[bytes, int]:
+    """The index of a table (u32s) and the first row's start; empty for an empty table."""
+    if not rows:
+        return b"", 0
+    starts = struct.unpack_from(f"<{rows}I", table)
+    first = starts[0]
+    blocks = ((starts[-1] - first) >> BLOCK_SHIFT) + 1
+    index = [bisect.bisect_right(starts, first + (b << BLOCK_SHIFT)) - 1 for b in range(blocks + 1)]
+    return struct.pack(f"<{len(index)}I", *index), first
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,23 +233,35 @@ def _emit_find_row(block: Block, directory: int) -> None:
     add(Instruction.create_reg_i32(Code.ADD_RM64_IMM8, _ENTRY_P, ENTRY.size))
     add(Instruction.create_reg(Code.DEC_RM64, _T1))
     block.branch(Code.JMP_REL32_64, "sw_mapping")
-    # Step 3: its table; the link-time address (32 bits); the last row starting at or
-    # below it, by bisection: starts[lo] <= rel < starts[hi].
+    # Step 3: its table; the link-time address (32 bits); the rows of its block in the
+    # index: starts[lo] <= rel < starts[hi] (hi = rows past the last block).
     block.label("sw_mapped")
     add(Instruction.create_reg_mem(Code.SUB_R64_RM64, LOOKUP, at(_ENTRY_P, 16)))
     add(Instruction.create_reg_reg(Code.MOV_R64_RM64, _T1, LOOKUP))
     add(Instruction.create_reg_i32(Code.SHR_RM64_IMM8, _T1, 32))
     block.branch(Code.JNE_REL32_64, "sw_uncovered")
     add(Instruction.create_reg_mem(Code.MOV_R32_RM32, Register.R13D, at(_ENTRY_P, 28)))
-    add(Instruction.create_reg_mem(Code.MOV_R32_RM32, Register.R9D, at(_ENTRY_P, 24)))
-    add(Instruction.create_reg_u64(Code.MOV_R64_IMM64, _T1, directory))
-    add(Instruction.create_reg_reg(Code.ADD_R64_RM64, _ENTRY_P, _T1))  # the starts
-    add(Instruction.create_reg_mem(Code.LEA_R64_M, _ROWS, _at_index(_ENTRY_P, _T2, 0, 4)))
     add(Instruction.create_reg_reg(Code.TEST_RM64_R64, _T2, _T2))
     block.branch(Code.JE_REL32_64, "sw_uncovered")
-    add(Instruction.create_reg_mem(Code.CMP_R32_RM32, Register.R8D, at(_ENTRY_P, 0)))
-    block.branch(Code.JB_REL32_64, "sw_uncovered")
-    add(Instruction.create_reg_reg(Code.XOR_R32_RM32, Register.R15D, Register.R15D))
+    add(Instruction.create_reg_mem(Code.MOV_R32_RM32, Register.R12D, at(_ENTRY_P, 24)))
+    add(Instruction.create_reg_u64(Code.MOV_R64_IMM64, _LO, directory))
+    add(Instruction.create_reg_reg(Code.ADD_R64_RM64, _T1, _LO))  # the starts
+    add(Instruction.create_reg_mem(Code.LEA_R64_M, _ROWS, _at_index(_T1, _T2, 0, 4)))
+    add(Instruction.create_reg_reg(Code.MOV_R32_RM32, Register.EAX, Register.R8D))
+    add(Instruction.create_reg_mem(Code.SUB_R32_RM32, Register.EAX, at(_ENTRY_P, 40)))
+    block.branch(Code.JB_REL32_64, "sw_uncovered")  # below the first row
+    add(Instruction.create_reg_i32(Code.SHR_RM32_IMM8, Register.EAX, BLOCK_SHIFT))
+    add(Instruction.create_reg_mem(Code.LEA_R64_M, _LO, at(_T2, -1)))
+    add(Instruction.create_reg_mem(Code.CMP_R32_RM32, Register.EAX, at(_ENTRY_P, 36)))
+    block.branch(Code.JAE_REL32_64, "sw_range")  # past the last block: the last row
+    add(Instruction.create_reg_mem(Code.MOV_R32_RM32, Register.R13D, at(_ENTRY_P, 32)))
+    add(Instruction.create_reg_u64(Code.MOV_R64_IMM64, _LO, directory))
+    add(Instruction.create_reg_reg(Code.ADD_R64_RM64, _T2, _LO))  # the index
+    add(Instruction.create_reg_mem(Code.MOV_R32_RM32, Register.R15D, _at_index(_T2, PC, 0, 4)))
+    add(Instruction.create_reg_mem(Code.MOV_R32_RM32, Register.R13D, _at_index(_T2, PC, 4, 4)))
+    add(Instruction.create_reg(Code.INC_RM64, _T2))
+    block.label("sw_range")
+    add(Instruction.create_reg_reg(Code.MOV_R64_RM64, _ENTRY_P, _T1))
     block.label("sw_bisect")
     add(Instruction.create_reg_reg(Code.MOV_R64_RM64, _T1, _T2))
     add(Instruction.create_reg_reg(Code.SUB_R64_RM64, _T1, _LO))
