@@ -155,7 +155,16 @@ class RawEhFrame:
         if not augmentation.startswith(b"z"):
             if augmentation:
                 return None
-            return Cie(0, DW_EH_PE_OMIT, False, code_align, data_align, ra_column, False, pos, end)
+            return Cie(
+                0,
+                DW_EH_PE_OMIT,
+                has_data=False,
+                code_align=code_align,
+                data_align=data_align,
+                ra_column=ra_column,
+                initial=pos,
+                initial_end=end,
+            )
         data_length, pos = uleb128(data, pos)
         initial = pos + data_length
         fde_encoding, lsda_encoding = 0, DW_EH_PE_OMIT
@@ -171,11 +180,17 @@ class RawEhFrame:
                     return None
             elif letter not in "SB":
                 return None
-        is_signal = b"S" in augmentation
         return Cie(
-            fde_encoding, lsda_encoding, True, code_align, data_align, ra_column, is_signal,
-            initial, end,
-        )  # fmt: skip
+            fde_encoding,
+            lsda_encoding,
+            has_data=True,
+            code_align=code_align,
+            data_align=data_align,
+            ra_column=ra_column,
+            is_signal_frame=b"S" in augmentation,
+            initial=initial,
+            initial_end=end,
+        )
 
     def iter_fdes(self) -> Iterator[RawFde]:
         """Every FDE of the section in the order they are written, damaged ones and those in

@@ -114,8 +114,13 @@ def _step(
             base = cursor.rsp if row.base == RSP else cursor.rbp
             if base is None:
                 return _Step(None, None, StopReason.UNKNOWN_REGISTER)
-            return _step_row(cursor, (base + row.cfa_offset) & _MASK64, row.rbp_offset,
-                             read_word, translate_return)  # fmt: skip
+            return _step_row(
+                cursor,
+                (base + row.cfa_offset) & _MASK64,
+                row.rbp_offset,
+                read_word,
+                translate_return,
+            )
         if kind is Kind.OUTERMOST:
             return _Step(None, None, StopReason.OUTERMOST)
         if kind is Kind.UNSUPPORTED:

@@ -143,8 +143,9 @@ class RecordAction:
             load_reg(block, "rip", Register.RAX)
             load_reg(block, "rsp", Register.RDX)
             load_reg(block, "rbp", Register.RBP)
-            block.add(Instruction.create_reg_mem(Code.LEA_R64_M, Register.RDI,
-                                                 at(rbx, self.stack_offset)))  # fmt: skip
+            block.add(
+                Instruction.create_reg_mem(Code.LEA_R64_M, Register.RDI, at(rbx, self.stack_offset))
+            )
             emit_stack_walk(block, self.stack.directory, self.stack.max_returns)
         # Step 6: the commit word, last.
         block.add(Instruction.create_reg_u64(Code.MOV_R64_IMM64, rcx, area.COMMIT_TAG + 1))
