@@ -7,8 +7,9 @@ return address at CFA-8 (or undefined: the outermost frame), rbp saved at CFA+n 
 alone; anything else (an expression, a signal frame, another register) must be a marker
 row, never a wrong one. Both tables are functions of the address that change only at their
 rows' starts, so comparing them at every start of either (and at every FDE's end) compares
-them everywhere. The files: libc, libpython3.11 if present, and small programs built at -O2
-with and without frame pointers (tests/programs/frames.c and stacks.c, and libstk.so).
+them everywhere. The files: libc, the dynamic loader, libgcc_s, libpython3.11 if present,
+and small programs built at -O2 with and without frame pointers (tests/programs/frames.c and
+stacks.c, and libstk.so).
 """
 
 from __future__ import annotations
@@ -104,6 +105,17 @@ def test_libc_agrees_with_the_full_decoder() -> None:
     # _start's and clone's undefined return address the outermost frames.
     assert all(kinds[k] for k in Kind), kinds
     assert kinds[Kind.UNSUPPORTED] < kinds[Kind.CFA] // 100, kinds
+
+
+@pytest.mark.parametrize(
+    "path", ["/lib64/ld-linux-x86-64.so.2", "/lib/x86_64-linux-gnu/libgcc_s.so.1"]
+)
+def test_hand_written_unwind_info_agrees(path: str) -> None:
+    """The dynamic loader's and libgcc's assembly carry CFI written by hand (the loader's
+    trampolines, libgcc's stack probes): markers where the rows cannot follow, never a wrong
+    row."""
+    _, kinds = compare(Path(path))
+    assert kinds[Kind.UNSUPPORTED] > 0, kinds
 
 
 @pytest.mark.skipif(not LIBPYTHON.exists(), reason="libpython3.11 is not installed")
