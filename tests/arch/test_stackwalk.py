@@ -6,8 +6,9 @@ through an alloca frame (CFA on rbp), a shared library, libc's qsort, a thread, 
 recursion under a depth limit; the tool side compiles the compact tables of every file the
 harness maps (symbols/frametable.py), packs them as the walker reads them, and sends the
 walk's code. Each walk must give exactly the return addresses that glibc's backtrace()
-(libgcc's own DWARF unwinder) finds from the same place, and end at the outermost frame;
-stacks that cannot be walked (a stack pointer on a PROT_NONE page, a pc in no mapping) must
+(libgcc's own DWARF unwinder) finds from the same place, and end at the outermost frame; and
+the frames and the end that symbols/tablewalk.py gives over the same rows and the same stack
+memory (the harness dumps it), the Python reference of this code. Stacks that cannot be walked (a stack pointer on a PROT_NONE page, a pc in no mapping) must
 end cleanly with their reason, the fault absorbed by the fetch fixup convention.
 """
 
@@ -17,7 +18,7 @@ import os
 import struct
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -47,9 +48,11 @@ from kprobes.arch.x86_64.stackwalk import (
     pack_directory,
     read_walk,
 )
-from kprobes.errors import InternalError
+from kprobes.errors import InternalError, TargetError
+from kprobes.symbols import tablewalk
 from kprobes.symbols.frametable import ROW, Kind, table_of
 from kprobes.symbols.maps import iter_modules
+from kprobes.symbols.unwind import Frame
 
 SHORT = 8  # the short walk's depth limit
 
@@ -148,12 +151,21 @@ class Directory:
     blob: bytes
     bases: dict[str, int]  # by file name: the load bias
     ranges: dict[str, tuple[int, int]]  # by file name: lowest and highest address
+    code: list[tuple[int, int, str, int]]  # executable mappings: start, end, file, bias
+
+    def module_at(self, addr: int) -> tuple[str, int] | None:
+        """tablewalk's ``module_at`` over these mappings."""
+        for start, end, path, bias in self.code:
+            if start <= addr < end:
+                return path, bias
+        return None
 
 
 def directory_of(pid: int) -> Directory:
-    mapped, bases, ranges = [], {}, {}
+    mapped, bases, ranges, code = [], {}, {}, []
     for module in iter_modules(pid):
-        table = table_of(f"/proc/{pid}/root{module.path}")
+        path = f"/proc/{pid}/root{module.path}"
+        table = table_of(path)
         bases[module.name] = module.bias
         ranges[module.name] = (module.start, module.end)
         for m in module.mappings:
@@ -161,13 +173,31 @@ def directory_of(pid: int) -> Directory:
                 mapped.append(
                     MappedTable(m.start, m.end, module.bias, table.to_bytes(), len(table))
                 )
-    return Directory(pack_directory(mapped), bases, ranges)
+                # The file's own path: /proc/PID/root goes with the process, and the Python
+                # walk runs after the harness has ended.
+                code.append((m.start, m.end, module.path, module.bias))
+    return Directory(pack_directory(mapped), bases, ranges, code)
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """Registers a walk started from, and the thread's stack from its sp up."""
+
+    regs: dict[str, int]
+    stack: bytes
+
+    def read_word(self, addr: int) -> int:
+        offset = addr - self.regs["rsp"]
+        if not 0 <= offset <= len(self.stack) - 8:
+            raise TargetError(f"{addr:#x} is not in the stack dumped")
+        return int.from_bytes(self.stack[offset : offset + 8], "little")
 
 
 @dataclass(frozen=True, slots=True)
 class Taken:
     walk: WalkResult
     backtrace: tuple[int, ...]
+    python: list[Frame] = field(default_factory=list)  # tablewalk's, from the same memory
 
 
 def run_harness(
@@ -208,8 +238,14 @@ def run_harness(
     if lines is not None:
         lines += out.splitlines()
         return taken, faults, found.bases
+    memory: dict[str, list[Memory]] = {}
     for line in out.splitlines():
         name, *rest = line.split()
+        if name == "mem":
+            pc, sp, bp = (int(w, 16) for w in rest[1:4])
+            regs = {"rip": pc, "rsp": sp, "rbp": bp}
+            memory.setdefault(rest[0], []).append(Memory(regs, bytes.fromhex(rest[4])))
+            continue
         if name == "faults":
             faults = int(rest[0])
             continue
@@ -220,6 +256,12 @@ def run_harness(
         walk = read_walk(struct.pack(f"<{1 + len(returns)}Q", status, *returns))
         bt = tuple(int(w, 16) for w in rest[split + 1 :])
         taken.setdefault(name, []).append(Taken(walk, bt))
+    # The Python walk over the same rows and the same memory, for each stack of leaf.
+    for name, dumps in memory.items():
+        limit = SHORT if name == "deep" else 127
+        for t, m in zip(taken[name], dumps, strict=True):
+            frames = tablewalk.walk(m.regs, m.read_word, found.module_at, max_frames=limit + 1)
+            t.python.extend(frames)
     return taken, faults, found.bases
 
 
@@ -243,6 +285,7 @@ def test_walks_give_the_return_addresses_libgcc_finds(harness, name: str) -> Non
     t = taken[name][0]
     assert t.walk.stop is WalkStop.OUTERMOST, t
     assert t.walk.returns == t.backtrace[1:], t
+    assert_same_as_python(t)
     bias = bases[exe.name]
     first = t.walk.returns[0]
     if name == "b":  # alloca keeps b's CFA on rbp where it calls leaf
@@ -268,6 +311,15 @@ def test_the_depth_limit(harness) -> None:
     t = taken["deep"][0]
     assert t.walk.stop is WalkStop.MAX_FRAMES
     assert t.walk.returns == t.backtrace[1 : 1 + SHORT]
+    assert_same_as_python(t)
+
+
+def assert_same_as_python(t: Taken) -> None:
+    """The machine code's walk is symbols/tablewalk.py's over the same rows and memory."""
+    assert t.python, "no dump of this stack"
+    assert tuple(f.addr for f in t.python[1:]) == t.walk.returns
+    last = t.python[-1].stop
+    assert last is not None and last.name == t.walk.stop.name, (last, t.walk.stop)
 
 
 def test_stacks_that_cannot_be_walked_end_cleanly(harness) -> None:

@@ -14,7 +14,8 @@
  *
  * where the walk's status word and return addresses are the generated code's, and the PCs
  * glibc's backtrace() (libgcc's DWARF unwinder, the reference) found from the same place:
- * its first is leaf's own. The paths:
+ * its first is leaf's own; then a line "mem NAME PC SP RBP HEX" with the registers the walk
+ * started from and the stack from SP up (the Python walk's memory). The paths:
  *
  *   a       main -> a -> leaf
  *   b       main -> b -> leaf           (b calls alloca: its CFA is on rbp)
@@ -74,6 +75,25 @@ volatile long sink;
 		     : "r"(r)                                                          \
 		     : "rax", "memory")
 
+/* "mem NAME PC SP RBP HEX": the registers a walk started from and the thread's stack from
+ * SP to its top, for the Python walk over the same rows (symbols/tablewalk.py). */
+static void dump(const char *name, const uint64_t *regs)
+{
+	pthread_attr_t attr;
+	void *base;
+	size_t size;
+
+	if (pthread_getattr_np(pthread_self(), &attr) || pthread_attr_getstack(&attr, &base, &size))
+		exit(4);
+	pthread_attr_destroy(&attr);
+	printf("mem %s %lx %lx %lx ", name, (unsigned long)regs[0], (unsigned long)regs[1],
+	       (unsigned long)regs[2]);
+	for (unsigned char *p = (unsigned char *)(uintptr_t)regs[1]; p < (unsigned char *)base + size;
+	     p++)
+		printf("%02x", *p);
+	printf("\n");
+}
+
 static void report(const char *name, const uint64_t *out, void **bt, int n)
 {
 	pthread_mutex_lock(&print_lock);
@@ -111,6 +131,9 @@ KEEP int leaf(int x)
 	(use_short ? walk_short : walk_full)(regs, out);
 	int n = backtrace(bt, MAX_OUT);
 	report(current, out, bt, n);
+	pthread_mutex_lock(&print_lock);
+	dump(current, regs);
+	pthread_mutex_unlock(&print_lock);
 	sink += x;
 	return x * 3 + (int)(sink & 0);
 }
