@@ -6,10 +6,12 @@ through an alloca frame (CFA on rbp), a shared library, libc's qsort, a thread, 
 recursion under a depth limit; the tool side compiles the compact tables of every file the
 harness maps (symbols/frametable.py), packs them as the walker reads them, and sends the
 walk's code. Each walk must give exactly the return addresses that glibc's backtrace()
-(libgcc's own DWARF unwinder) finds from the same place, and end at the outermost frame; and
-the frames and the end that symbols/tablewalk.py gives over the same rows and the same stack
-memory (the harness dumps it), the Python reference of this code. Stacks that cannot be walked (a stack pointer on a PROT_NONE page, a pc in no mapping) must
-end cleanly with their reason, the fault absorbed by the fetch fixup convention.
+(libgcc's own DWARF unwinder) finds from the same place, end at the outermost frame, and
+agree with symbols/tablewalk.py (the Python reference of this code) run over the same rows
+and the same stack memory, which the harness dumps. Stacks that cannot be walked (a stack
+pointer on a PROT_NONE page, a pc in no mapping) must end cleanly with their reason, the
+fault absorbed by the fetch fixup convention. Last, the walk inside a record action, in
+tests/programs/detour_harness.c's detour.
 """
 
 from __future__ import annotations
