@@ -41,12 +41,12 @@ import os
 import struct
 import threading
 from array import array
-from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final
 
 from kprobes.symbols.ehframe import Cie, RawEhFrame, RawFde
 from kprobes.symbols.elf import read_sections
+from kprobes.values import dataclass
 
 RBP: Final = 6  # DWARF register numbers (System V psABI, figure 3.36)
 RSP: Final = 7

@@ -24,7 +24,6 @@ will mirror it).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Final
 
 from kprobes.errors import TargetError
@@ -38,6 +37,7 @@ from kprobes.symbols.unwind import (
     TranslateReturn,
     frame_pointer_caller,
 )
+from kprobes.values import dataclass
 
 _MASK64: Final = (1 << 64) - 1
 TableOf = Callable[[str], FrameTable]

@@ -51,7 +51,6 @@ from __future__ import annotations
 import bisect
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final
 
@@ -60,6 +59,7 @@ from iced_x86 import Code, Instruction, MemoryOperand, Register, Register_
 from kprobes.arch.x86_64.abi import FETCH_FAULT_MAGIC
 from kprobes.arch.x86_64.detour import Block, at, mov_load, mov_store
 from kprobes.errors import InternalError
+from kprobes.values import dataclass
 
 DIR_HEADER: Final = 8
 # start, end, bias; table offset, rows; index offset, blocks, first row's start; padding
