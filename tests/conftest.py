@@ -110,6 +110,16 @@ BUILDS: dict[str, Build] = {
         libs=(f"-L{BIN}", "-lstk", "-Wl,-rpath,$ORIGIN"),
         needs=("libstk.so",),
     ),
+    # Unwind rows of several shapes for the compact frame tables (symbols/test_frametable.py).
+    "frames": Build("frames.c", flags=("-O2", "-fomit-frame-pointer", "-Wall")),
+    "frames-fp": Build("frames.c", flags=("-O2", "-fno-omit-frame-pointer", "-Wall")),
+    # The fast tier's stack walker run alone (tests/arch/test_stackwalk.py).
+    "walk_harness": Build(
+        "walk_harness.c",
+        flags=("-O2", "-fomit-frame-pointer", "-Wall", "-pthread"),
+        libs=(f"-L{BIN}", "-lstk", "-Wl,-rpath,$ORIGIN"),
+        needs=("libstk.so",),
+    ),
     # The same without unwind tables for its own functions: walks end there, and say so.
     "stacks-nocfi": Build(
         "stacks.c",

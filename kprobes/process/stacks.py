@@ -69,12 +69,16 @@ class Backtraces:
             out.append((frame.addr, text))
         return out
 
-    def user_stack(self, regs: Any, max_frames: int = 127, *, ip: int | None = None) -> UserStack:
+    def user_stack(
+        self, regs: Any, max_frames: int = 127, *, ip: int | None = None, compact: bool = False
+    ) -> UserStack:
         """The call stack of the thread whose registers are ``regs`` as a value: each frame
         named ``func+0xOFF/0xSIZE``, ``module`` set for a library's (not the program's own
         file), and why the walk stopped short, if it did. ``ip`` replaces ``regs``' own
         instruction pointer: a return handler gives the real return address, so that the
-        stack is the caller's, from where the call returns to. Call it from a handler."""
+        stack is the caller's, from where the call returns to. ``compact`` walks with the
+        compact frame tables (symbols/tablewalk.py), as the fast tier's walker in the
+        program is to: a marker where those tables cannot go on. Call it from a handler."""
         values = regs.as_dict()
         if ip is not None:
             values["rip"] = ip
@@ -84,7 +88,7 @@ class Backtraces:
             main = None
         frames = []
         stop = ""
-        for frame, module, found in self._walk(values, regs.tid, max_frames):
+        for frame, module, found in self._walk(values, regs.tid, max_frames, compact=compact):
             lib = "" if module is None or module.path == main else module.name
             if found is None:
                 frames.append(StackFrame(frame.addr, module=lib))
@@ -95,10 +99,11 @@ class Backtraces:
         return UserStack(tuple(frames), stop)
 
     def _walk(
-        self, regs: dict[str, int], tid: int, max_frames: int
+        self, regs: dict[str, int], tid: int, max_frames: int, *, compact: bool = False
     ) -> Iterator[tuple[Frame, Module | None, tuple[str, int, int] | None]]:
         """Each frame of the walk, its module and (function, offset, size) when known."""
         # Imported on the first backtrace: most sessions never take one (a start-up cost).
+        from kprobes.symbols.tablewalk import walk
         from kprobes.symbols.unwind import FoundBy, unwind
 
         program = self._program
@@ -138,7 +143,8 @@ class Backtraces:
             real = tramp.home_of(thread, slot + 8)
             return value if real is None else real
 
-        for frame in unwind(regs, read_word, module_at, real_return, max_frames):
+        walker = walk if compact else unwind
+        for frame in walker(regs, read_word, module_at, real_return, max_frames):
             # A return address may be the first byte after the function that made the call
             # (a call to a function that never returns): name the call's function.
             exact = frame.how in (FoundBy.FIRST, FoundBy.SIGNAL)

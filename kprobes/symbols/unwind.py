@@ -434,13 +434,30 @@ def _apply(
 def _step_frame_pointer(
     cursor: _Cursor, read_word: ReadWord, translate_return: TranslateReturn | None
 ) -> _Step | None:
-    """Unwind through the ``push rbp; mov rbp, rsp`` frame; None if rbp is not such a frame.
+    """Unwind through the ``push rbp; mov rbp, rsp`` frame; None if rbp is not such a frame."""
+    rbp = cursor.regs.get(_RBP)
+    sp = cursor.regs.get(_RSP)
+    found = frame_pointer_caller(rbp, sp, read_word, translate_return)
+    if found is None:
+        return None
+    cfa, ra, saved_rbp = found
+    if ra == 0:
+        return _Step(cfa, None, StopReason.OUTERMOST)
+    # Where this frame saved the other callee-saved registers is unknown: they are lost.
+    caller = {_RBP: saved_rbp, _RSP: cfa, _RIP: ra}
+    return _Step(cfa, _Cursor(ra, caller, FoundBy.FP))
+
+
+def frame_pointer_caller(
+    rbp: int | None, sp: int | None, read_word: ReadWord, translate_return: TranslateReturn | None
+) -> tuple[int, int, int] | None:
+    """(CFA, return address, caller's rbp) of a frame that keeps ``rbp`` as its frame
+    pointer; None if ``rbp`` is not one (the fallback of both walkers where no unwind table
+    covers an address).
 
     The frame pointer is trusted only if it is aligned and lies a little above the stack
     pointer; the saved ``rbp`` is at ``[rbp]`` and the return address at ``[rbp + 8]``.
     """
-    rbp = cursor.regs.get(_RBP)
-    sp = cursor.regs.get(_RSP)
     if rbp is None or sp is None or rbp % 8 or not sp <= rbp < sp + _MAX_FP_FRAME:
         return None
     saved_rbp = read_word(rbp)
@@ -448,9 +465,4 @@ def _step_frame_pointer(
     ra = read_word(slot)
     if translate_return is not None:
         ra = translate_return(slot, ra)
-    cfa = rbp + 16
-    if ra == 0:
-        return _Step(cfa, None, StopReason.OUTERMOST)
-    # Where this frame saved the other callee-saved registers is unknown: they are lost.
-    caller = {_RBP: saved_rbp, _RSP: cfa, _RIP: ra}
-    return _Step(cfa, _Cursor(ra, caller, FoundBy.FP))
+    return rbp + 16, ra, saved_rbp

@@ -1,12 +1,15 @@
 """Cost per call of the count and record detours, by hand (not a test):
 
-    cd tests/arch && ../../.venv/bin/python bench_detour.py [CALLS]
+    cd tests/arch && PYTHONPATH=.. ../../.venv/bin/python bench_detour.py [CALLS]
 
 Runs tests/programs/detour_harness.c pinned (``taskset -c 0``) in its bench mode: CALLS calls
 of a probed function, best of 5 rounds without and with the patch; prints ns per call and the
 difference. The ring is large enough for a round (the harness empties it between rounds;
 records with the registers take 3 slots), except in the "ring full" line, which measures the
-drop path; a line that dropped where it should not says so.
+drop path; a line that dropped where it should not says so. The "stack" lines walk the user
+stack in the record (stackwalk.py: from ``work`` through ``run`` and libc's ``start_thread``
+to ``clone3``, 3 return addresses), the tables of the harness's files in the area's
+counters.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from pathlib import Path
 
 from elf_bytes import functions
 from test_detour_live import SOURCE, create_area
+from test_stackwalk import directory_of
 
 from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64.capture import Bytes, CapturePlan, Const, Reg, Value
 from kprobes.arch.x86_64.detour import Action, CountAction, FlagsSave, build_detour
 from kprobes.arch.x86_64.jumpopt import Region, find_region
 from kprobes.arch.x86_64.record import RecordAction, ThreadId
+from kprobes.arch.x86_64.stackwalk import StackWalk
 
 # (the area's address, its layout, the harness's other addresses) -> the action
 MakeAction = Callable[[int, sa.AreaLayout, dict[str, int]], Action]
@@ -49,6 +54,12 @@ def record_fetching(base: int, layout: sa.AreaLayout, addrs: dict[str, int]) -> 
     return RecordAction(1, layout.ring_at(base), with_regs=False, plan=plan)
 
 
+def record_stack(base: int, layout: sa.AreaLayout, addrs: dict[str, int]) -> Action:
+    """A lean record with the user stack (its directory at ``addrs["directory"]``)."""
+    walk = StackWalk(addrs["directory"], 16)
+    return RecordAction(1, layout.ring_at(base), with_regs=False, stack=walk)
+
+
 Case = tuple[str, MakeAction, int, FlagsSave]
 LAHF, PUSHF = FlagsSave.LAHF, FlagsSave.PUSHF
 CASES: list[Case] = [
@@ -61,12 +72,15 @@ CASES: list[Case] = [
     ("record, no registers", record(ThreadId.FSBASE, with_regs=False), BIG, LAHF),
     ("record, no registers, %di @bias", record_fetching, BIG, LAHF),
     ("record, ring full (drop)", record(ThreadId.FSBASE), FULL, LAHF),
+    ("record, stack (3 return addresses)", record_stack, BIG, LAHF),
 ]
+DIRECTORY_COUNTERS = 16384  # 1 MiB: the tables of the harness, libc and ld.so
 
 
 def measure(exe: Path, func: str, calls: int, case: Case) -> str:
     name, make, capacity, flags = case
-    layout = sa.AreaLayout(ncounters=1, capacity=capacity)
+    stack = make is record_stack
+    layout = sa.AreaLayout(ncounters=DIRECTORY_COUNTERS if stack else 1, capacity=capacity)
     area = create_area(layout)
     cmd = ["taskset", "-c", "0", str(exe), func, area.path, "1", str(calls), "bench"]
     cmd.append(f"mirror={sa.MIRROR}")
@@ -77,6 +91,10 @@ def measure(exe: Path, func: str, calls: int, case: Case) -> str:
     words = proc.stdout.readline().split()
     addrs = {k: int(v, 16) for k, v in zip(words[0::2], words[1::2], strict=True)}
     fn, page, base = addrs["func"], addrs["page"], addrs["area"]
+    if stack:
+        blob = directory_of(proc.pid).blob
+        area.mm[layout.counter_offset(0) : layout.counter_offset(0) + len(blob)] = blob
+        addrs["directory"] = base + layout.counter_offset(0)
     f = functions(exe)[func]
     region = find_region(f.code, fn, fn, f.size)
     assert isinstance(region, Region), region
@@ -101,6 +119,8 @@ def main() -> None:
         print(f"{'':8} {'detour':32} {'plain':>6} {'probed':>6} {'cost':>6}")
         for func in ("work", "work_fp"):
             for case in CASES:
+                if case[1] is record_stack and func != "work":
+                    continue  # work_fp, in asm, has no unwind table: its walks end at once
                 print(measure(exe, func, calls, case), flush=True)
 
 

@@ -38,6 +38,8 @@ from kprobes.arch.x86_64.detour import (
     mov_store,
     rip_operand,
 )
+from kprobes.arch.x86_64.stackwalk import CLOBBERS as WALK_CLOBBERS
+from kprobes.arch.x86_64.stackwalk import StackWalk, emit_stack_walk
 from kprobes.errors import InternalError
 from kprobes.values import dataclass
 
@@ -67,7 +69,8 @@ class CpuId(Enum):
 @dataclass(frozen=True, slots=True)
 class RecordAction:
     """Write a record of the hit (probe id, thread, CPU, TSC, the registers if
-    ``with_regs``, the captures of ``plan``) into the shared ring."""
+    ``with_regs``, the captures of ``plan``, the user stack's return addresses if ``stack``)
+    into the shared ring."""
 
     probe_id: int
     ring: area.RingAddrs
@@ -77,6 +80,7 @@ class RecordAction:
     cpu_id: CpuId = CpuId.RDPID
     counter: int | None = None  # also count every hit there, recorded or dropped
     may_wait: bool = False  # a full ring is retried while the reader's lease holds
+    stack: StackWalk | None = None  # walk the stack (stackwalk.py) after the captures
 
     def __post_init__(self) -> None:
         if not 0 <= self.probe_id < 1 << 31:
@@ -88,8 +92,13 @@ class RecordAction:
         return area.REC_HEADER + (area.REGS_BLOCK if self.with_regs else 0)
 
     @property
-    def size(self) -> int:
+    def stack_offset(self) -> int:
+        """Where the walk's output starts in the record (after the captures)."""
         return self.data_offset + self.plan.size
+
+    @property
+    def size(self) -> int:
+        return self.stack_offset + (0 if self.stack is None else self.stack.size)
 
     @property
     def slots(self) -> int:
@@ -102,6 +111,8 @@ class RecordAction:
         regs = ["rax", "rcx", "rdx", "rbx", "rsi"]
         if self.plan.captures:
             regs += ["rdi", "r10", "r11"]
+        if self.stack is not None:  # the walk leaves rbx (the record) and rsi (the ticket)
+            regs += [r for r in WALK_CLOBBERS if r not in regs]
         return tuple(regs)
 
     @property
@@ -127,6 +138,15 @@ class RecordAction:
                     block.add(mov_store(rbx, area.rec_reg(name), _GPRS[name]))
         # Step 5: the fetch-args' captures.
         emit_captures(block, self.plan, rbx, self.data_offset, load_reg)
+        # Step 5b: the stack's return addresses, walked from the probe's pc, rsp and rbp.
+        if self.stack is not None:
+            load_reg(block, "rip", Register.RAX)
+            load_reg(block, "rsp", Register.RDX)
+            load_reg(block, "rbp", Register.RBP)
+            block.add(
+                Instruction.create_reg_mem(Code.LEA_R64_M, Register.RDI, at(rbx, self.stack_offset))
+            )
+            emit_stack_walk(block, self.stack.directory, self.stack.max_returns)
         # Step 6: the commit word, last.
         block.add(Instruction.create_reg_u64(Code.MOV_R64_IMM64, rcx, area.COMMIT_TAG + 1))
         block.add(Instruction.create_reg_reg(Code.ADD_R64_RM64, rcx, rsi))
