@@ -65,6 +65,7 @@ BUILDS: dict[str, Build] = {
     ),
     "signals": Build("signals.c"),
     "owntraps": Build("owntraps.c"),
+    "selfsignal": Build("selfsignal.c"),
     "procs": Build("procs.c"),
     "ifunc": Build("ifunc.c", libs=("-ldl",)),
     "rets": Build("rets.c", flags=("-O1", *DEBUG, "-pthread")),

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-import traceback
 from collections.abc import Sequence
 from importlib import import_module
 
@@ -108,7 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def bug_report(exc: InternalError, argv: Sequence[str]) -> str:
     """What the user reads when kprobes reached a state it should never reach."""
-    import platform  # a bug's report alone needs it
+    import platform  # a bug's report alone needs these
+    import traceback
 
     where = ""
     frames = traceback.extract_tb(exc.__traceback__)

@@ -15,6 +15,8 @@ Step 3: turn the int3 that ends each stepping slot into a ``jmp`` back to the or
 Step 4: put each thread's rip back on original code: a thread stopped on one of our int3s
         re-executes the (restored) instruction; one inside a slot continues where the copy was;
         one stopped by a fault of a fetch of ours goes on past it, without the signal.
+Step 4a: when every thread has a stop of its own pending, one has it handled first: the
+        last one, lent for Step 6, must have none.
 Step 5: release each thread, delivering a signal it was stopped for (or that we held).
 Step 6: through the last thread, give the pages our jumps were on their protection back
         (``shield.py``), and unmap every page of ours no thread was let go in
@@ -77,6 +79,7 @@ def detach_all(tracer: Tracer, jumps: JumpState) -> list[str]:
         # own SIGTRAP action back in place of the rescue (rescue.py) once every other thread
         # is gone, and nothing of ours is left to trap on.
         last: Thread | None = None
+        _free_one(tracer)  # Step 4a
         unmapping = Unmapping(tracer, jumps)
         inside = False  # a thread was let go in detour code that may still fault on a fetch
         while tracer.threads:
@@ -107,6 +110,60 @@ def detach_all(tracer: Tracer, jumps: JumpState) -> list[str]:
         for tracee in list(tracer.tracees.values()):
             tracer.drop_tracee(tracee)
     return why_kept
+
+
+def _free_one(tracer: Tracer) -> None:
+    """Step 4a: the last thread (Step 6 lends it for the injections) must have no stop of its
+    own pending. When every thread has one (a single thread that signals itself is nearly
+    always caught so), one is sent home first, given the signal it stopped for, and held
+    again at once (``_restop``): it stops at its handler's entry, with nothing pending.
+    Without it no thread was lent, and every page of ours stayed in the program, said
+    nowhere. Rejected: keeping its signal to deliver at its release (the last thread leaves
+    from the stop of the last injection, where a signal given to PTRACE_DETACH is dropped)."""
+    threads = [t for t in tracer.threads.values() if t.state is _STOPPED]
+    if any(t.pending is None for t in threads):
+        return
+    for t in threads:
+        status = t.pending
+        if status is None or not _is_signal_stop(status):
+            continue
+        sig = _send_home(tracer, t)
+        if sig is not None and _restop(tracer, t, sig):
+            return
+
+
+def _is_signal_stop(status: int) -> bool:
+    """A signal-delivery-stop (a trap's included), not an event's or a syscall's."""
+    return os.WIFSTOPPED(status) and status >> 16 == 0 and not os.WSTOPSIG(status) & 0x80
+
+
+_RESTOPS = 16  # signals delivered, at most, before a thread is held with none pending
+
+
+def _restop(tracer: Tracer, t: Thread, sig: int) -> bool:
+    """Resume ``t`` with ``sig`` and hold it again at once (PTRACE_INTERRUPT): True once it
+    is in the interrupt's stop. A signal that stops it first is delivered in turn; anything
+    else is left pending, as it came, for its release (Step 5)."""
+    for _ in range(_RESTOPS):
+        try:
+            ptrace.cont(t.tid, sig)
+            ptrace.interrupt(t.tid)
+            status = ptrace.waitpid(t.tid, 0)[1]
+        except (ProcessLookupError, ChildProcessError):
+            tracer.drop_thread(t)
+            return False
+        if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+            tracer.drop_thread(t)
+            return False
+        event = status >> 16
+        if event == ptrace.PTRACE_EVENT_STOP and os.WSTOPSIG(status) == signal.SIGTRAP:
+            t.event_stopped = True
+            return True
+        if not _is_signal_stop(status):
+            break
+        sig = os.WSTOPSIG(status)
+    t.pending, t.pending_from = status, _STOPPED
+    return False
 
 
 def _deactivate_rescue(tracer: Tracer, thread: Thread, *, keep_fetch_faults: bool) -> None:
