@@ -1,4 +1,4 @@
-"""``dataclass``: the standard library's, made without compiling five of its six methods.
+"""``dataclass``: the standard library's, its methods made without an ``exec`` each.
 
 The package's values are frozen, slotted dataclasses (STYLE.md), about 150 of them, and the
 tool imports most of them before it does anything. CPython 3.11 and 3.12's ``dataclasses``
@@ -9,8 +9,9 @@ the tool (docs/performance.md). Here:
 
 - the standard decorator still makes the class a dataclass (its fields, ``fields()``,
   ``replace()``, ``__match_args__``, the slotted class), asked for no method;
-- ``__init__`` is compiled from the same text as the standard library's (it runs for every
-  value made, so it stays straight-line code); ``__repr__``, ``__eq__``, ``__hash__``,
+- ``__init__`` is the standard library's text, compiled once per shape of class and given
+  each class's field names (``init_method``: it runs for every value made, so it stays
+  straight-line code); ``__repr__``, ``__eq__``, ``__hash__``,
   ``__setattr__`` and ``__delattr__`` are closures over the class's field names, which
   compile nothing: ``operator.attrgetter`` reads the fields compared, as the generated
   tuples did;
