@@ -87,9 +87,12 @@ def test_the_directory_is_sorted_and_its_tables_aligned() -> None:
     second = sw.ENTRY.unpack_from(blob, sw.DIR_HEADER + sw.ENTRY.size)
     assert first[:3] == (0x1000, 0x2000, 0) and first[4] == 1
     assert second[:3] == (0x7000, 0x8000, 0x6000) and second[4] == 3
-    assert first[3] % 8 == 0 and second[3] % 8 == 0 and first[3] >= 8 + 2 * sw.ENTRY.size
-    assert blob[first[3] : first[3] + 12] == table_bytes(1)
-    assert blob[second[3] : second[3] + 36] == table_bytes(3)
+    # Offsets are the entry's own (an indirect walk reads the directory's address once).
+    at_first, at_second = sw.DIR_HEADER, sw.DIR_HEADER + sw.ENTRY.size
+    table_one, table_two = at_first + first[3], at_second + second[3]
+    assert table_one % 8 == 0 and table_two % 8 == 0 and table_one >= 8 + 2 * sw.ENTRY.size
+    assert blob[table_one : table_one + 12] == table_bytes(1)
+    assert blob[table_two : table_two + 36] == table_bytes(3)
     with pytest.raises(InternalError):
         MappedTable(0, 1, 0, b"\0" * 11, 1)
 
@@ -105,7 +108,8 @@ def test_the_block_index_names_the_row_at_each_block_s_start() -> None:
     blob = pack_directory([MappedTable(0x1000, 0x2000, 0, table, 5)])
     entry = sw.ENTRY.unpack_from(blob, sw.DIR_HEADER)
     assert entry[5:8] == (entry[3] + len(table), 5, 0x100)
-    assert blob[entry[5] : entry[5] + len(index)] == index
+    index_at = sw.DIR_HEADER + entry[5]
+    assert blob[index_at : index_at + len(index)] == index
 
 
 def test_the_output_read_back() -> None:
@@ -127,10 +131,11 @@ def test_the_code_uses_the_fault_convention_and_no_call() -> None:
         build_walk_function(0x10000, 0, 0)
 
 
-def test_the_walk_writes_only_its_clobbers() -> None:
+@pytest.mark.parametrize("indirect", [False, True], ids=["direct", "indirect"])
+def test_the_walk_writes_only_its_clobbers(indirect: bool) -> None:
     """The record action keeps its record in rbx and its ticket in rsi across the walk."""
     block = sw.Block()
-    sw.emit_stack_walk(block, 0x7F00_0000_0000, 127)
+    sw.emit_stack_walk(block, 0x7F00_0000_0000, 127, indirect=indirect)
     code = block.encode(0x10000)
     allowed = {getattr(Register, r.upper()) for r in sw.CLOBBERS}
     written = set()
@@ -336,8 +341,14 @@ def test_stacks_that_cannot_be_walked_end_cleanly(harness) -> None:
 # ---- in a record, in a detour ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("with_regs", [False, True], ids=["lean", "with-regs"])
-def test_a_record_carries_the_stack_of_each_hit(with_regs: bool, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("with_regs", "indirect"),
+    [(False, False), (True, False), (False, True)],
+    ids=["lean", "with-regs", "indirect"],
+)
+def test_a_record_carries_the_stack_of_each_hit(
+    with_regs: bool, indirect: bool, tmp_path: Path
+) -> None:
     """tests/programs/detour_harness.c's threads call ``work`` from ``run``: each record of
     the probe at its entry holds the same return addresses, from ``run`` through libc's
     ``start_thread`` to ``clone3``, the outermost frame. The directory lives in the area's
@@ -352,15 +363,19 @@ def test_a_record_carries_the_stack_of_each_hit(with_regs: bool, tmp_path: Path)
         directory = run.area + layout.counter_offset(0)
         found = directory_of(run.proc.pid)
         blob = found.blob
-        assert len(blob) <= 16384 * sa.COUNTER_STRIDE
-        area.mm[sa.PAGE : sa.PAGE + len(blob)] = blob
+        assert len(blob) <= 16384 * sa.COUNTER_STRIDE - sa.PAGE
+        if indirect:  # the directory one page further, its address in the first word
+            area.mm[2 * sa.PAGE : 2 * sa.PAGE + len(blob)] = blob
+            area.mm[sa.PAGE : sa.PAGE + 8] = struct.pack("<Q", directory + sa.PAGE)
+        else:
+            area.mm[sa.PAGE : sa.PAGE + len(blob)] = blob
         action = RecordAction(
             7,
             layout.ring_at(run.area),
             THREAD_IDS[-1],
             with_regs=with_regs,
             cpu_id=BEST_CPU_ID,
-            stack=StackWalk(directory, depth),
+            stack=StackWalk(directory, depth, indirect),
         )
         install(run, action)
         records, dropped = drain(run, area)

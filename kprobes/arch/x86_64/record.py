@@ -146,7 +146,9 @@ class RecordAction:
             block.add(
                 Instruction.create_reg_mem(Code.LEA_R64_M, Register.RDI, at(rbx, self.stack_offset))
             )
-            emit_stack_walk(block, self.stack.directory, self.stack.max_returns)
+            emit_stack_walk(
+                block, self.stack.directory, self.stack.max_returns, indirect=self.stack.indirect
+            )
         # Step 6: the commit word, last.
         block.add(Instruction.create_reg_u64(Code.MOV_R64_IMM64, rcx, area.COMMIT_TAG + 1))
         block.add(Instruction.create_reg_reg(Code.ADD_R64_RM64, rcx, rsi))

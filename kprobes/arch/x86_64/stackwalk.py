@@ -22,8 +22,9 @@ The directory (absolute address ``directory``)::
 
     0     u64 count
     8     entries, 48 bytes each: start, end (the executable mapping, run-time addresses),
-          bias (run-time minus link-time), then u32s: the table's offset from the
-          directory, its rows, its index's offset, the index's blocks, the first row's start
+          bias (run-time minus link-time), then u32s: the table's offset from the entry,
+          its rows, its index's offset from the entry, the index's blocks, the first
+          row's start
     table u32 starts[rows] (link-time, sorted), then rows[rows] of 8 bytes:
           i32 CFA offset, i16 rbp's offset from the CFA (0: kept), u8 base (6 rbp, 7 rsp),
           u8 kind (frametable.Kind: 0 CFA, 1 outermost, 2 marker, 3 not covered)
@@ -35,11 +36,16 @@ without it, each a branch the processor cannot predict and a load that may miss 
 (~30 ns a frame), and 2-3 with it. It is what SFrame's and the kernel's ORC lookup tables
 do for the same reason.
 
+Offsets are from the entry, not from the directory, so that a frame's lookup needs the
+directory's address once: a walk given the address of a word that holds it (``indirect``,
+the tool's way: process/fast/frametables.py) loads it once a frame, and a directory
+replaced meanwhile (a new one published, the old one left in place) is read whole, old or
+new, never half of each.
+
 The output (``out``): a status word (the return addresses written, bits 0-31; the
 ``WalkStop``, bits 32-39), then the return addresses. The record action runs the walk when
-it is given a ``StackWalk`` (record.py); nothing in the tool gives one yet: the shared
-area's room for the tables and their upkeep as files are mapped are the next steps
-(docs/decisions.md).
+it is given a ``StackWalk`` (record.py); process/fast/frametables.py keeps the tables in the
+program and the directory current as files are mapped.
 
 Rejected: copying the stack for the tool to unwind later (perf's ``--call-graph dwarf``:
 8 KiB a hit, which is why users avoid it); walking the frame-pointer chain alone (wrong on
@@ -112,12 +118,14 @@ def pack_directory(mappings: Sequence[MappedTable]) -> bytes:
     offset = DIR_HEADER + ENTRY.size * len(ordered)
     head = [struct.pack("<Q", len(ordered))]
     parts = []
-    for m in ordered:
+    for i, m in enumerate(ordered):
         offset = (offset + 7) & ~7
         index, first = block_index(m.table, m.rows)
-        index_at = offset + len(m.table)
+        entry = DIR_HEADER + ENTRY.size * i  # offsets are the entry's (the module docstring)
+        index_at = offset + len(m.table) - entry
         blocks = max(len(index) // 4 - 1, 0)
-        head.append(ENTRY.pack(m.start, m.end, m.bias, offset, m.rows, index_at, blocks, first, 0))
+        fields = (offset - entry, m.rows, index_at, blocks, first, 0)
+        head.append(ENTRY.pack(m.start, m.end, m.bias, *fields))
         parts.append((offset, m.table + index))
         offset += len(m.table) + len(index)
     out = bytearray(b"".join(head))
@@ -139,11 +147,13 @@ def block_index(table: bytes, rows: int) -> tuple[bytes, int]:
 
 @dataclass(frozen=True, slots=True)
 class StackWalk:
-    """A walk for a record: the tables' directory (an absolute address) and how many return
-    addresses at most; ``size`` bytes of the record hold its output."""
+    """A walk for a record: the tables' directory (an absolute address; with ``indirect``,
+    the address of a word that holds it) and how many return addresses at most; ``size``
+    bytes of the record hold its output."""
 
     directory: int
     max_returns: int
+    indirect: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.max_returns < 1 << 16:
@@ -179,10 +189,14 @@ CLOBBERS: Final = ("rax", "rcx", "rdx", "rbp", "rdi", "r8", "r9", "r10", "r11", 
                    "r13", "r14", "r15")  # fmt: skip
 
 
-def emit_stack_walk(block: Block, directory: int, max_returns: int) -> None:
+def emit_stack_walk(
+    block: Block, directory: int, max_returns: int, *, indirect: bool = False
+) -> None:
     """Append the walk to ``block``. In: rax = the pc of the innermost frame (exact: the
     probed instruction), rdx = its rsp, rbp = its rbp, rdi = the output. Writes at most
-    ``max_returns`` return addresses. Clobbers ``CLOBBERS`` and the arithmetic flags."""
+    ``max_returns`` return addresses. ``indirect``: ``directory`` is the address of a word
+    that holds the directory's (0: none yet, every frame is uncovered). Clobbers
+    ``CLOBBERS`` and the arithmetic flags."""
     if not 0 < max_returns < 1 << 16:
         raise InternalError(f"a walk of {max_returns} frames")
     add = block.add
@@ -192,7 +206,7 @@ def emit_stack_walk(block: Block, directory: int, max_returns: int) -> None:
     add(Instruction.create_reg_reg(Code.XOR_R32_RM32, Register.ECX, Register.ECX))
     add(Instruction.create_reg_reg(Code.MOV_R64_RM64, LOOKUP, PC))
     block.label("sw_frame")
-    _emit_find_row(block, directory)
+    _emit_find_row(block, directory, indirect)
     # Step 4: the row's kind; a CFA row gives the caller.
     add(Instruction.create_reg_mem(Code.MOVZX_R32_RM8, Register.R12D, at(_ROWS, ROW_KIND)))
     add(Instruction.create_reg_i32(Code.CMP_RM32_IMM8, Register.R12D, KIND_CFA))
@@ -216,11 +230,15 @@ def emit_stack_walk(block: Block, directory: int, max_returns: int) -> None:
     _emit_stops(block)
 
 
-def _emit_find_row(block: Block, directory: int) -> None:
+def _emit_find_row(block: Block, directory: int, indirect: bool) -> None:
     """Steps 2-3: _ROWS = the row of LOOKUP, or a jump to "sw_uncovered"."""
     add = block.add
     # Step 2: the mapping holding LOOKUP (entries sorted by start; a scan).
     add(Instruction.create_reg_u64(Code.MOV_R64_IMM64, _ENTRY_P, directory))
+    if indirect:  # the directory published now (read once a frame)
+        add(mov_load(_ENTRY_P, _ENTRY_P, 0))
+        add(Instruction.create_reg_reg(Code.TEST_RM64_R64, _ENTRY_P, _ENTRY_P))
+        block.branch(Code.JE_REL32_64, "sw_uncovered")
     add(mov_load(_T1, _ENTRY_P, 0))
     add(Instruction.create_reg_i32(Code.ADD_RM64_IMM8, _ENTRY_P, DIR_HEADER))
     block.label("sw_mapping")
@@ -244,8 +262,7 @@ def _emit_find_row(block: Block, directory: int) -> None:
     add(Instruction.create_reg_reg(Code.TEST_RM64_R64, _T2, _T2))
     block.branch(Code.JE_REL32_64, "sw_uncovered")
     add(Instruction.create_reg_mem(Code.MOV_R32_RM32, Register.R12D, at(_ENTRY_P, 24)))
-    add(Instruction.create_reg_u64(Code.MOV_R64_IMM64, _LO, directory))
-    add(Instruction.create_reg_reg(Code.ADD_R64_RM64, _T1, _LO))  # the starts
+    add(Instruction.create_reg_reg(Code.ADD_R64_RM64, _T1, _ENTRY_P))  # the starts
     add(Instruction.create_reg_mem(Code.LEA_R64_M, _ROWS, _at_index(_T1, _T2, 0, 4)))
     add(Instruction.create_reg_reg(Code.MOV_R32_RM32, Register.EAX, Register.R8D))
     add(Instruction.create_reg_mem(Code.SUB_R32_RM32, Register.EAX, at(_ENTRY_P, 40)))
@@ -255,8 +272,7 @@ def _emit_find_row(block: Block, directory: int) -> None:
     add(Instruction.create_reg_mem(Code.CMP_R32_RM32, Register.EAX, at(_ENTRY_P, 36)))
     block.branch(Code.JAE_REL32_64, "sw_range")  # past the last block: the last row
     add(Instruction.create_reg_mem(Code.MOV_R32_RM32, Register.R13D, at(_ENTRY_P, 32)))
-    add(Instruction.create_reg_u64(Code.MOV_R64_IMM64, _LO, directory))
-    add(Instruction.create_reg_reg(Code.ADD_R64_RM64, _T2, _LO))  # the index
+    add(Instruction.create_reg_reg(Code.ADD_R64_RM64, _T2, _ENTRY_P))  # the index
     add(Instruction.create_reg_mem(Code.MOV_R32_RM32, Register.R15D, _at_index(_T2, PC, 0, 4)))
     add(Instruction.create_reg_mem(Code.MOV_R32_RM32, Register.R13D, _at_index(_T2, PC, 4, 4)))
     add(Instruction.create_reg(Code.INC_RM64, _T2))
