@@ -91,6 +91,7 @@ class SpecTracer:
         optimize: bool = False,
         count_only: bool = False,
         stack_depth: int | None = None,
+        fast_stacks: bool = False,
         batch: BatchOutputs | None = None,
         durations_unit: int = 0,
         retval_bits: int = 0,
@@ -98,9 +99,10 @@ class SpecTracer:
         self.proc = proc
         self.sink = sink
         self.batch = batch
-        # Stacks are unwound at the hit, in the stopped thread: on traps, with events.
+        # Stacks are unwound at the hit, in the stopped thread: on traps, with events; with
+        # ``fast_stacks``, entry specs stay record probes whose detours walk the stack.
         self.stack_depth = stack_depth  # each event's user stack, this many frames at most
-        self.optimize = optimize and stack_depth is None  # entry specs as record probes
+        self.optimize = optimize and (stack_depth is None or fast_stacks)
         self.count_only = count_only and stack_depth is None  # only count hits: no events
         # ``latency``: return specs timed in the program where their entry takes a jump
         # (fast/returns.py), in units of this many ns; their events only from traps.
@@ -181,6 +183,10 @@ class SpecTracer:
         )  # fmt: skip
         if handler is None and self.batch is not None:
             fast.batch = self.batch(spec)  # the sink's events, as rows where they can be
+        depth = self.stack_depth
+        if depth is not None:  # walked in the detour; at a trap, by the trap tier
+            user_stack = self.proc.stacks.user_stack
+            fast.stack_depth, fast.trap_stack = depth, lambda regs: user_stack(regs, depth)
         self.proc.records.prepare(kp, fast)
         return PlacedSpec(spec, kp)
 

@@ -18,14 +18,16 @@ it as ``proc.stacks``.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from kprobes.errors import ProbeError
+from kprobes.errors import ProbeError, TargetError
 from kprobes.model import StackFrame, UserStack
 
 if TYPE_CHECKING:
+    from kprobes.arch.x86_64.stackwalk import WalkResult
     from kprobes.process.engine.attachment import Attachment
     from kprobes.symbols.maps import Module
     from kprobes.symbols.unwind import Frame
@@ -48,6 +50,7 @@ class Backtraces:
 
     def __init__(self, program: Attachment) -> None:
         self._program = program
+        self._main: str | None = None  # the program's own file, as last seen
 
     def backtrace(self, regs: Any, max_frames: int = 64) -> builtins.list[tuple[int, str]]:
         """The call stack of the thread whose registers are ``regs``, innermost first.
@@ -97,6 +100,54 @@ class Backtraces:
             if frame.stop is not None:
                 stop = STOP_MARKERS.get(frame.stop.name.lower(), frame.stop.value)
         return UserStack(tuple(frames), stop)
+
+    def walked(self, ip: int, walk: WalkResult) -> UserStack:
+        """The stack of a walk made in the program (the fast tier's record: ``ip``, then
+        the return addresses the detour found), named as ``user_stack`` names its frames.
+
+        A return address in code of ours (a return probe's trampoline) ends the stack
+        there, with the marker of a frame without unwind information: the walk in the
+        program does not translate trampolines yet (the frames it found past one are not
+        to be trusted), and a wrong frame is never shown."""
+        resolver = self._program.symbols()
+        ours = self._program.tracer.fetch_faults.is_ours
+        main = self._main_path()
+        frames = [self._frame(ip, ip, main)]
+        stop = STOP_MARKERS.get(walk.stop.name.lower(), "")
+        refreshed = False
+        for addr in walk.returns:
+            if ours(addr):
+                stop = STOP_MARKERS["no_unwind_info"]
+                break
+            if not refreshed and resolver.get_module_at(addr - 1) is None:
+                refreshed = True  # perhaps mapped since the last look (if it still lives)
+                with contextlib.suppress(TargetError):
+                    resolver.refresh()
+            frames.append(self._frame(addr, addr - 1, main))
+        return UserStack(tuple(frames), stop)
+
+    def note_main(self) -> None:
+        """Learn the program's own file now, while it lives: records are read after its
+        exit too (``walked`` names the program's frames without ``[module]``)."""
+        self._main_path()
+
+    def _main_path(self) -> str | None:
+        """The program's own file; once it is gone (records read after its exit), the
+        last one known."""
+        with contextlib.suppress(ProbeError):
+            self._main = self._program.symbols().main_module().path
+        return self._main
+
+    def _frame(self, addr: int, at: int, main: str | None) -> StackFrame:
+        """The frame of ``addr``, named by the function holding ``at`` (``addr - 1`` for
+        a return address: the call's own function)."""
+        module = self._program.symbols().get_module_at(at)
+        lib = "" if module is None or module.path == main else module.name
+        found = None if module is None else module.image.function_at(at - module.bias)
+        if found is None:
+            return StackFrame(addr, module=lib)
+        symbol, offset = found
+        return StackFrame(addr, symbol.name, offset + addr - at, symbol.size, lib)
 
     def _walk(
         self, regs: dict[str, int], tid: int, max_frames: int, *, compact: bool = False

@@ -101,11 +101,11 @@ class Process:
             pending=pending,
         )
         self.stacks = Backtraces(program)  # backtraces, and stacks as values (stacks.py)
+        self._recording.follow_stacks(self.stacks, self._following.code_watchers)
         self.family = Family(self) if family is None else family
         tracer.on_gone = self._publish if family is None else self._member_gone
         tracer.on_child_exec = self._adopt
-        # After close(): what kept pages of ours in the program (a thread may return there).
-        self.kept: list[str] = []
+        self.kept: list[str] = []  # after close(): what kept pages of ours in the program
         self._lines: SpecTracer | None = None  # the probes add() placed
         self._state_file = cleanup.StateFile(
             self, lambda: self.list() if self._tracer.main is not None else []

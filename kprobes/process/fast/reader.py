@@ -49,8 +49,9 @@ from kprobes.arch.x86_64 import ring_block
 from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64.capture import Captured, CapturePlan
 from kprobes.arch.x86_64.regs import REG_INDEX, Regs
+from kprobes.arch.x86_64.stackwalk import WalkResult, read_walk
 from kprobes.linux.tsc import TscClock
-from kprobes.model import Event
+from kprobes.model import Event, UserStack
 from kprobes.process.fast.batch import BatchOutput, Decoder, plan_decoder
 from kprobes.process.fetch.evaluate import ArgFetcher, CpuReader, Memory
 from kprobes.process.fetch.fast import Resolver, data_resolver, file_resolver
@@ -86,6 +87,10 @@ class FastProbe:
     # Prints the events of the probe's records a batch at a time, where the probe is alone
     # at its site (batch.py); None: every event goes to the handler.
     batch: BatchOutput | None = None
+    # The user stack of each event, this many frames at most (None: no stack): walked in
+    # the detour on the fast tier (frametables.py), by ``trap_stack`` at a trap.
+    stack_depth: int | None = None
+    trap_stack: Callable[[Any], UserStack] | None = None
 
     def __post_init__(self) -> None:
         if not self.event:
@@ -97,6 +102,7 @@ def trap_delivery(fp: FastProbe, cpu: CpuReader) -> Callable[[Kprobe, Any], None
     from the live thread, handed over at once."""
     group, event, pid, memory, fetch = fp.group, fp.event, fp.pid, fp.memory, fp.fetcher.fetch
     comm, symbolize, with_regs = memory.comm, memory.symbolize, fp.with_regs
+    trap_stack = fp.trap_stack
 
     def deliver(kp: Kprobe, regs: Any) -> None:
         handler = kp.async_handler
@@ -109,6 +115,7 @@ def trap_delivery(fp: FastProbe, cpu: CpuReader) -> Callable[[Kprobe, Any], None
                 group, event, pid, tid, comm(tid), cpu(tid), time.monotonic(), ip,
                 symbolize(ip), fetch(regs, memory),
                 regs=regs.frozen() if with_regs else None,
+                stack=None if trap_stack is None else trap_stack(regs),
             ),
         )  # fmt: skip
 
@@ -163,6 +170,7 @@ class RecordSite:
     site: ProbeSite
     plan: CapturePlan
     with_regs: bool
+    stack_depth: int = 0  # the records hold a stack walk after the captures (0: none)
 
 
 class RingReader:
@@ -175,8 +183,10 @@ class RingReader:
         symbolize: Callable[[int], str],
         comm: Callable[[int], str],
         fast_of: Callable[[Kprobe], FastProbe | None],
+        name_stack: Callable[[int, WalkResult], UserStack] | None = None,
     ) -> None:
         self.table = table
+        self.name_stack = name_stack  # a walk's addresses named as the trap tier names them
         self.fast_of = fast_of  # a probe's FastProbe (Recording keeps them)
         self._areas = views
         self.symbolize = symbolize
@@ -224,12 +234,14 @@ class RingReader:
         would lose the one in hand, neither delivered nor counted."""
         return self._draining
 
-    def add_site(self, site: ProbeSite, plan: CapturePlan, with_regs: bool) -> int:
+    def add_site(
+        self, site: ProbeSite, plan: CapturePlan, with_regs: bool, stack_depth: int = 0
+    ) -> int:
         """A new record id for ``site`` (never reused: old records may still be in a ring)."""
         if self._clock is None:
             self._clock = TscClock()
         rid = len(self.sites) + 1
-        self.sites[rid] = RecordSite(site, plan, with_regs)
+        self.sites[rid] = RecordSite(site, plan, with_regs, stack_depth)
         return rid
 
     def note_thread(self, fs_base: int, tid: int) -> None:
@@ -376,7 +388,7 @@ class RingReader:
         one probe with a handler and that probe takes batches (made once, and again when
         the site's probes change)."""
         rs = self.sites.get(rid)
-        if rs is None:
+        if rs is None or rs.stack_depth:  # stacks: events, one by one
             return None
         active = [p for p in rs.site.active if p.async_handler is not None]
         fp = self.fast_of(active[0]) if len(active) == 1 else None
@@ -435,6 +447,10 @@ class RingReader:
         name = self.comm(tid)
         ip = rs.site.addr
         location = self.symbolize(ip)
+        stack = None
+        if rs.stack_depth and self.name_stack is not None:
+            walk = read_walk(record.data[rs.plan.size :])
+            stack = self.name_stack(ip, walk)
         fast_of = self.fast_of
         for probe in rs.site.active:
             handler = probe.async_handler
@@ -447,9 +463,17 @@ class RingReader:
             event = Event(
                 fp.group, fp.event, fp.pid, tid, name, cpu, when, ip, location, args,
                 regs=snapshot if fp.with_regs else None,
+                stack=None if fp.stack_depth is None else _cut(stack, fp.stack_depth),
             )  # fmt: skip
             self.delivered += 1
             try:
                 handler(probe, event)
             except Exception as exc:  # raised from run(), as a trap handler's would be
                 self.table.park(exc)
+
+
+def _cut(stack: UserStack | None, depth: int) -> UserStack | None:
+    """``stack`` to ``depth`` frames (a site's walk takes the most any of its probes wants)."""
+    if stack is None or len(stack.frames) <= depth:
+        return stack
+    return UserStack(stack.frames[:depth], "depth limit")

@@ -11,7 +11,7 @@ the counter that ``nhit`` reads.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64.detour import Action, CountAction
@@ -19,15 +19,28 @@ from kprobes.arch.x86_64.record import CpuId, RecordAction
 from kprobes.core.probes import check_handlers
 from kprobes.errors import InternalError, TargetError, UnsupportedOption
 from kprobes.process.engine.threads import ThreadState
+from kprobes.process.fast.frametables import FrameTables
 from kprobes.process.fast.lease import Lease
 from kprobes.process.fast.reader import FastProbe, RingReader, equip, trap_delivery
 from kprobes.process.fetch.evaluate import CommCache, CpuReader, Memory, Symbolizer
 from kprobes.process.fetch.fast import NotCapturable, plan_captures
 
+
+class StackNames(Protocol):
+    """What names the frames of stacks walked in the program (process/stacks.py's
+    ``Backtraces``): it may read the live program's symbols; records are named later."""
+
+    def walked(self, ip: int, walk: WalkResult) -> UserStack: ...
+
+    def note_main(self) -> None: ...
+
+
 if TYPE_CHECKING:
+    from kprobes.arch.x86_64.stackwalk import WalkResult
     from kprobes.core.optimizer import SiteOpt
     from kprobes.core.probes import Kprobe
     from kprobes.core.table import ProbeSite, ProbeTable
+    from kprobes.model import UserStack
     from kprobes.process.engine.attachment import Attachment
     from kprobes.process.engine.threads import Thread
     from kprobes.process.fast.state import JumpState, SharedArea
@@ -73,6 +86,9 @@ class Recording:
         # probe is held too, so that its id names it alone while it is here.
         self._fast: dict[int, tuple[Kprobe, FastProbe, Callable[[Kprobe, Any], None]]] = {}
         self._cpu: CpuReader | None = None
+        self.tables = FrameTables(program, injector, state)  # for records with a stack
+        # Names the frames of a stack walked in the program (stacks.py; target.py sets it).
+        self.stack_names: StackNames | None = None
         table.run_async = self._run_at_trap
 
     def _fetch(self, addr: int, size: int) -> bytes:
@@ -224,8 +240,20 @@ class Recording:
                 Symbolizer(lambda addr: self._program.symbols().locate_address(addr)),
                 CommCache(self.pid),
                 self.fast_of,
+                lambda ip, walk: self._name_stack(ip, walk),
             )
         return state.reader
+
+    def follow_stacks(self, names: StackNames, code_watchers: list[Callable[[], None]]) -> None:
+        """Stacks walked in the program are named by ``names``; the frame tables follow
+        the code through ``code_watchers`` (process/following/) once a walk needs them."""
+        self.stack_names = names
+        self.tables.code_watchers = code_watchers
+
+    def _name_stack(self, ip: int, walk: WalkResult) -> UserStack:
+        if self.stack_names is None:
+            raise InternalError("a stack walked in the program, and nothing to name it")
+        return self.stack_names.walked(ip, walk)
 
     def drain_rings(self) -> None:
         """Every record written so far to its handlers (before a trap's event, at the end
@@ -276,13 +304,28 @@ class Recording:
             # is no worse off than with our int3s, which need it as much.
             self._injector.activate_fetch_faults()
         with_regs = any(fp.with_regs for fp in fast)
+        # The user stack, walked in the detour, for the probe that wants the most frames
+        # (the first is the hit's ip: the others are return addresses).
+        depth = max((fp.stack_depth or 0 for fp in fast), default=0)
+        stack = None
+        if depth:
+            walk = self.tables.walk(so.area, max(depth - 1, 1))
+            if isinstance(walk, str):
+                return walk
+            if self.stack_names is not None:
+                self.stack_names.note_main()
+            # A stack the walk cannot read must give UNREADABLE, never the program's
+            # SIGSEGV, when the tool is gone too: as a fetch that reads memory.
+            self._injector.activate_fetch_faults()
+            stack = walk
         reader = self.ring_reader()
         if self._state.waits_when_full:
             self._hold_lease()
         if not reader.is_active:
             self._learn_all_threads(reader)
-        if so.record_id == 0 or so.plan != plan:
-            so.record_id, so.plan = reader.add_site(site, plan, with_regs), plan
+        known = reader.sites.get(so.record_id)
+        if so.record_id == 0 or so.plan != plan or known is None or known.stack_depth != depth:
+            so.record_id, so.plan = reader.add_site(site, plan, with_regs, depth), plan
         try:
             return RecordAction(
                 so.record_id,
@@ -292,6 +335,7 @@ class Recording:
                 cpu_id=_cpu_id(),
                 counter=counter,
                 may_wait=self._state.waits_when_full,
+                stack=stack,
             )
         except InternalError as exc:  # a record larger than the ring's mirror
             return f"its fetch-args need too large a record: {exc}"

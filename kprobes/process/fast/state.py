@@ -52,6 +52,23 @@ class DetourPage:
 
 
 @dataclass(slots=True)
+class WalkTables:
+    """The frame tables of the stack walks in the program (frametables.py): the word that
+    holds their directory's address, the directory last published, every mapping made."""
+
+    cell: int = 0  # the word's address (a counter of a shared area); 0: no walk yet
+    cell_area: int = 0  # that area (its index) and the word's offset in it
+    cell_offset: int = 0
+    published: tuple[tuple[int, int, int, str], ...] = ()  # (start, end, bias, file) each
+    regions: list[tuple[int, int]] = field(default_factory=list)  # (start, size), never reused
+
+    def forget(self) -> None:
+        self.cell = self.cell_area = self.cell_offset = 0
+        self.published = ()
+        self.regions.clear()
+
+
+@dataclass(slots=True)
 class JumpState:
     """What the optimizer keeps for one address space (forgotten at exec)."""
 
@@ -65,6 +82,7 @@ class JumpState:
     reader: RingReader | None = None  # the records of record probes (reader.py)
     shield: Shield = field(default_factory=Shield)  # pages kept from the kernel's uprobes
     returns: ReturnStacks = field(default_factory=ReturnStacks)  # return probes (returns.py)
+    tables: WalkTables = field(default_factory=WalkTables)  # stack walks (frametables.py)
 
     def forget(self) -> None:
         """The address space was replaced (exec): nothing of ours is in it any more."""
@@ -74,6 +92,7 @@ class JumpState:
             self.reader.forget()
         self.shield.forget()
         self.returns.forget()
+        self.tables.forget()
         self.sites.clear()
         self.areas.clear()
         self.pages.clear()

@@ -163,6 +163,9 @@ class Following:
     def follow_maps(self) -> None:
         """The program mapped or unmapped code: take out the sites whose code went, place
         the pending probes whose library came."""
+        reader = self._jumps.reader
+        if reader is not None and reader.is_active:
+            reader.drain()  # stacks in records are named while the code they name is known
         resolver = self._program.symbols()
         resolver.refresh()
 

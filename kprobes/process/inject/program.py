@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from kprobes.process.engine.tracee import Tracee
 
 _MAP_FIXED_NOREPLACE = 0x100000
+_PROT_RW = 0x3  # PROT_READ | PROT_WRITE
+_MAP_PRIVATE_ANONYMOUS = 0x22
 _SIGACTION_ROOM = 64  # scratch for the struct sigaction an injected rt_sigaction reads
 
 
@@ -267,6 +269,26 @@ class ProgramCalls:
             )
         if result < 0:
             raise TargetError(f"mmap of the rescue's records failed: {os.strerror(-result)}")
+        return result
+
+    def map_data(self, size: int) -> int:
+        """Private read-write memory of ``size`` bytes the program maps anywhere (the stack
+        walks' frame tables: process/fast/frametables.py); the tool writes it."""
+        with self.injection_thread() as thread:
+            result = calls.run_syscall(
+                thread,
+                0,
+                NR_MMAP,
+                0,
+                size,
+                _PROT_RW,
+                _MAP_PRIVATE_ANONYMOUS,
+                (1 << 64) - 1,
+                0,
+                rescue=self._tracer.rescue,
+            )
+        if result < 0:
+            raise TargetError(f"mmap of the frame tables failed: {os.strerror(-result)}")
         return result
 
     def _map_rescue(self, thread: Thread, size: int) -> int:

@@ -61,6 +61,7 @@ class PageKind(enum.Enum):
     SLOTS = "out-of-line slots"
     DETOURS = "detours"
     AREA = "shared area"
+    TABLES = "frame tables"
     RESCUE = "rescue"
     RECORDS = "rescue records"
     LEFT_PAGES = "pages an earlier clean end left behind"
@@ -86,6 +87,7 @@ def own_pages(tracer: Tracer, jumps: JumpState) -> list[OwnPages]:
         pages += [OwnPages(p.start, p.end, PageKind.SLOTS) for p in tracer.xol.pages]
     pages += [OwnPages(p.start, p.start + PAGES_SIZE, PageKind.DETOURS) for p in jumps.pages]
     pages += [OwnPages(a.addr, a.addr + a.layout.map_size, PageKind.AREA) for a in jumps.areas]
+    pages += [OwnPages(s, s + n, PageKind.TABLES) for s, n in jumps.tables.regions]
     rescue = tracer.rescue
     if rescue.is_installed:
         area = rescue.area
@@ -232,12 +234,13 @@ class Unmapping:
         return sp + 0x10000
 
     def _closure(self) -> set[OwnPages]:
-        """The pages kept, with what they need: detours their areas, the rescue its
-        records (and itself while it is a signal handler of the program)."""
+        """The pages kept, with what they need: detours their areas and frame tables, the
+        rescue its records (and itself while it is a signal handler of the program)."""
         kept = set(self.kept)
         kinds = {p.kind for p in kept}
         if kinds & {PageKind.DETOURS, PageKind.LEFT_PAGES}:
-            kept.update(p for p in self.pages if p.kind in (PageKind.AREA, PageKind.LEFT_AREA))
+            needed = (PageKind.AREA, PageKind.LEFT_AREA, PageKind.TABLES)
+            kept.update(p for p in self.pages if p.kind in needed)
         if self._tracer.rescue.is_active or PageKind.RESCUE in kinds:
             kept.update(p for p in self.pages if p.kind in (PageKind.RESCUE, PageKind.RECORDS))
         return kept

@@ -1,0 +1,181 @@
+"""User stacks walked in the program by record detours (issue 23, item 5), against the trap
+tier's unwinder, on the same programs and the same call paths.
+
+Through the library's ``SpecTracer(stack_depth=N, fast_stacks=True)``: an entry spec stays
+a record probe, its site jump-optimized, and its detour walks the thread's stack over the
+compact frame tables that process/fast/frametables.py keeps in the program. Each program
+is run twice, once so and once on traps (``optimize=False``, the way ``trace -U`` runs
+today), and the stacks of the hits must be the same, frame for frame (named
+``func+0xOFF/0xSIZE [module]``, addresses aside: each run has its own layout), with the
+same marker where a walk stops short. Programs at -O2 without frame pointers (stacks.c
+through libstk.so, frames.c's rbp frames and recursion), one without unwind tables for its
+own code (the marker), libraries that come and go with ``dlopen``/``dlclose`` (the
+directory followed), and zstd's ``libc:malloc`` up to zstd's main.
+
+A frame hooked by a return probe's trampoline is not translated by the walk yet: the stack
+ends there with a marker, and what it shows is a prefix of the trap tier's stack.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kprobes import Kretprobe
+from kprobes.model import Event, UserStack
+from kprobes.process.specs import SpecTracer
+from kprobes.spec import parse
+
+pytestmark = pytest.mark.ptrace
+
+Build = Callable[[str], Path]
+DEPTH = 127
+
+
+def frames_of(stack: UserStack) -> tuple[str, ...]:
+    """The frames as text, a stripped file's addresses as ``[module]`` (they move)."""
+    out = []
+    for f in stack.frames:
+        out.append(f.text if f.func else f"[{f.module or 'program'}]")
+    return (*out, stack.marker)
+
+
+def traced(
+    spawn: Callable[..., Any],
+    argv: list[Any],
+    spec: str,
+    *,
+    fast: bool,
+    before: Callable[[Any], None] | None = None,
+) -> tuple[list[Event], bool]:
+    """The events of ``spec`` over a run of ``argv`` with stacks, on the fast tier or on
+    traps; and whether the probe's site took a jump."""
+    with open(os.devnull, "wb") as devnull:
+        proc = spawn(argv, stdout=devnull)
+    if before is not None:
+        before(proc)
+    events: list[Event] = []
+    recording: list[bool] = []  # at each event: some site writes records (a jump)
+
+    def sink(event: Event) -> None:
+        events.append(event)
+        recording.append(proc.records.is_recording)
+
+    tracer = SpecTracer(proc, sink, optimize=fast, stack_depth=DEPTH, fast_stacks=fast)
+    (placed,) = tracer.place([parse(f"p {spec}")])
+    assert proc.run(timeout=120) and proc.exit_code == 0
+    proc.records.read_records()
+    tracer.close()
+    assert placed.hits == len(events)
+    return events, any(recording)
+
+
+def both(spawn: Any, argv: list[Any], spec: str, **kw: Any) -> tuple[list[Event], list[Event]]:
+    """The events of a fast run (its site optimized) and of a run on traps."""
+    fast, optimized = traced(spawn, argv, spec, fast=True, **kw)
+    assert optimized, "the site must take a jump"
+    trap, on_traps = traced(spawn, argv, spec, fast=False, **kw)
+    assert not on_traps
+    assert all(e.stack is not None for e in fast + trap)
+    return fast, trap
+
+
+def stacks(events: list[Event]) -> Counter[tuple[str, ...]]:
+    return Counter(frames_of(e.stack) for e in events if e.stack is not None)
+
+
+@pytest.mark.parametrize("name", ["stacks", "stacks-fp"])
+def test_known_paths_through_a_library(spawn: Any, build: Build, name: str) -> None:
+    fast, trap = both(spawn, [build(name)], "leaf")
+    assert len(fast) == len(trap) == 10
+    assert stacks(fast) == stacks(trap)
+    assert all(e.stack is not None and e.stack.stop == "" for e in fast)
+    paths = Counter(tuple(f.func for f in e.stack.frames[:3]) for e in fast if e.stack)
+    assert paths == {("leaf", "a", "main"): 3, ("leaf", "b", "main"): 5,
+                     ("leaf", "stk_through", "main"): 2}  # fmt: skip
+    through = [e.stack for e in fast if e.stack and e.stack.frames[1].func == "stk_through"]
+    assert all(s.frames[1].module == "libstk.so" for s in through)
+
+
+def test_rbp_frames_and_recursion(spawn: Any, build: Build) -> None:
+    for spec in ("deep", "grow"):
+        fast, trap = both(spawn, [build("frames")], spec)
+        assert stacks(fast) == stacks(trap), spec
+        assert all(e.stack is not None and e.stack.stop == "" for e in fast)
+
+
+def test_a_walk_that_cannot_go_on_ends_with_the_trap_tier_s_marker(
+    spawn: Any, build: Build
+) -> None:
+    fast, trap = both(spawn, [build("stacks-nocfi")], "leaf")
+    assert stacks(fast) == stacks(trap)
+    assert {e.stack.stop for e in fast if e.stack} == {"no unwind info"}
+
+
+def test_the_depth_limit(spawn: Any, build: Build) -> None:
+    with open(os.devnull, "wb") as devnull:
+        proc = spawn([build("frames")], stdout=devnull)
+    events: list[Event] = []
+    tracer = SpecTracer(proc, events.append, optimize=True, stack_depth=3, fast_stacks=True)
+    tracer.place([parse("p deep")])
+    assert proc.run(timeout=120) and proc.exit_code == 0
+    proc.records.read_records()
+    tracer.close()
+    assert len(events) == 15
+    for e in events:
+        assert e.stack is not None and len(e.stack.frames) == 3
+        assert e.stack.stop == "depth limit"
+
+
+def test_libraries_that_come_and_go(spawn: Any, build: Build) -> None:
+    """plughost dlopens libplug.so, calls it and dlcloses it, round after round: the
+    directory in the program follows (the pending probe goes in at each dlopen)."""
+    lib = build("libplug.so")
+    argv = [build("plughost"), str(lib), "3", "4"]
+    fast, trap = both(spawn, argv, "libplug.so:plug_work")
+    assert len(fast) == len(trap) == 3 * (1 + 4)  # the constructor's call, then the host's
+    assert stacks(fast) == stacks(trap)
+    assert all(e.stack is not None and e.stack.stop == "" for e in fast)
+    from_main = [e.stack for e in fast if e.stack and e.stack.frames[1].func == "main"]
+    assert len(from_main) == 3 * 4
+
+
+def test_a_frame_hooked_by_a_return_probe_ends_the_walk(spawn: Any, build: Build) -> None:
+    """``a``'s return address is the trampoline's while ``leaf`` runs under it: the fast
+    stack stops there with a marker, a prefix of the trap tier's; ``b``'s is whole."""
+
+    def hook(proc: Any) -> None:
+        proc.register_kretprobe(Kretprobe(symbol="a", maxactive=4, handler=lambda *_: None))
+
+    fast, trap = both(spawn, [build("stacks")], "leaf", before=hook)
+    whole = {frames_of(e.stack) for e in trap if e.stack}
+    for e in fast:
+        assert e.stack is not None
+        if e.stack.frames[1].func == "a":
+            assert e.stack.stop == "no unwind info"
+            texts = frames_of(e.stack)[:-1]
+            assert any(w[: len(texts)] == texts for w in whole)
+        else:
+            assert frames_of(e.stack) in whole
+
+
+def test_a_real_program_reaches_its_main(spawn: Any, tmp_path: Path) -> None:
+    zstd = shutil.which("zstd")
+    assert zstd is not None, "scripts/ensure-system-deps installs zstd"
+    data = tmp_path / "data"
+    data.write_bytes(b"".join(b"%d kprobes stacks\n" % i for i in range(20000)))
+    argv = [zstd, "-q", "-f", "-o", tmp_path / "data.zst", data]
+    fast, trap = both(spawn, argv, "libc:malloc")
+    assert len(fast) >= 10
+    assert stacks(fast) == stacks(trap)
+    assert all(e.stack is not None and e.stack.stop == "" for e in fast)
+    main_thread = [
+        e for e in fast if e.stack and any(f.func == "__libc_start_main" for f in e.stack.frames)
+    ]
+    assert len(main_thread) >= len(fast) // 2
