@@ -18,7 +18,9 @@ ends there with a marker, and what it shows is a prefix of the trap tier's stack
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 from collections import Counter
 from collections.abc import Callable
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import run_main as kprobes
 
 from kprobes import Kretprobe
 from kprobes.model import Event, UserStack
@@ -179,3 +182,50 @@ def test_a_real_program_reaches_its_main(spawn: Any, tmp_path: Path) -> None:
         e for e in fast if e.stack and any(f.func == "__libc_start_main" for f in e.stack.frames)
     ]
     assert len(main_thread) >= len(fast) // 2
+
+
+# -- the command line --------------------------------------------------------------------------
+
+
+def stack_blocks(out: str) -> Counter[tuple[str, ...]]:
+    """Each ``<user stack trace>`` block's frame lines (a frame without a symbol is its
+    address, which each run's layout moves: ``ADDR``)."""
+    blocks = re.split(r"\n(?=\s+\S+-\d+\s+\[)", out)
+    return Counter(
+        tuple(
+            re.sub(r"^ => 0x[0-9a-f]+", " => ADDR", line)
+            for line in b.splitlines()[1:]
+            if line.startswith(" => ")
+        )
+        for b in blocks
+        if b.splitlines() and b.splitlines()[0].endswith("<user stack trace>")
+    )
+
+
+def test_trace_u_walks_in_the_program_and_prints_what_traps_print(build: Build) -> None:
+    program = build("stacks")
+    fast_out, fast_err = kprobes("trace", "-U", "-c", program, "leaf")
+    trap_out, trap_err = kprobes("trace", "-U", "--no-optimize", "-c", program, "leaf")
+    assert "breakpoint" not in fast_err and "breakpoint" not in trap_err
+    assert sum(stack_blocks(fast_out).values()) == 10
+    assert stack_blocks(fast_out) == stack_blocks(trap_out)
+    _, err = kprobes("trace", "-U", "-c", program, "leaf", "r leaf")
+    assert "trampoline" in err  # with a return spec: on breakpoints, and said why
+
+
+def test_trace_json_stack_on_the_fast_tier(build: Build) -> None:
+    program = build("stacks")
+    fast, _ = kprobes("trace", "-U", "--json", "-c", program, "leaf")
+    trap, _ = kprobes("trace", "-U", "--json", "--no-optimize", "-c", program, "leaf")
+
+    def stacks_in(out: str) -> Counter[str]:
+        records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        return Counter(
+            json.dumps(
+                ([(f["func"], f["offset"], f["module"]) for f in r["stack"]], r.get("stack_stop"))
+            )
+            for r in records
+        )
+
+    assert sum(stacks_in(fast).values()) == 10
+    assert stacks_in(fast) == stacks_in(trap)

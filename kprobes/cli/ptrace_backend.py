@@ -114,9 +114,13 @@ class PtraceBackend(Backend):
             self.command_pid = self.proc.pid
         self.sink = sink
         self.members: list[SpecTracer] = []  # followed children that exec'd (family.py)
-        # Stacks are unwound at a breakpoint, in the stopped thread (stack_options.py).
+        # Stacks are walked in the program where a probe takes a jump, if the command
+        # allows it (``fast_stacks``), else unwound at a breakpoint (stack_options.py).
         self.stack_depth: int | None = args.stack_depth if getattr(args, "stack", False) else None
-        self.optimize = not getattr(args, "no_optimize", False) and self.stack_depth is None
+        self.fast_stacks: bool = getattr(args, "fast_stacks", False)
+        self.optimize = not getattr(args, "no_optimize", False) and (
+            self.stack_depth is None or self.fast_stacks
+        )
         self.count_only = getattr(args, "count_only", False)
         self.block = getattr(args, "block", False)  # trace --block (recording.py)
         self.durations_unit: int = getattr(args, "durations_unit", 0)
@@ -148,6 +152,7 @@ class PtraceBackend(Backend):
             optimize=self.optimize,
             count_only=self.count_only,
             stack_depth=self.stack_depth,
+            fast_stacks=self.fast_stacks,
             durations_unit=self.durations_unit,
             retval_bits=self.retval_bits,
             batch=self.batch,

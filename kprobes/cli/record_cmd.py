@@ -30,7 +30,7 @@ from typing import IO, Any
 from kprobes import __version__
 from kprobes.cli.backends import Backend
 from kprobes.cli.session import Session
-from kprobes.cli.stack_options import prepare_stacks
+from kprobes.cli.stack_options import WHY_RECORDS, prepare_stacks
 from kprobes.cli.trace_cmd import add_trace_arguments, check_block, parse_specs
 from kprobes.errors import TargetError
 from kprobes.model import Event
@@ -165,7 +165,7 @@ class _Recorder:
 def run(args: argparse.Namespace) -> int:
     specs, _ = parse_specs(args.specs, as_json=False)  # a probe's own line is script's
     check_block(args)
-    header = prepare_stacks(args) if args.stack else ""
+    header = prepare_stacks(args, on_traps=WHY_RECORDS) if args.stack else ""
     session = Session(args, specs)
     session.wall_clock = True  # kept for script -T
     session.verb = "recorded"

@@ -2,10 +2,13 @@
 backend makes of them.
 
 * our own backend (ptrace): each stack is unwound with the unwind tables (``.eh_frame``) of
-  the files, in the handler, while the thread is stopped at its breakpoint: right on code
-  built without frame pointers. A probe that would be a jump (the fast tier) stays on its
-  breakpoint for now, and stderr says so once: the in-program record holds no stack yet
-  (docs/decisions.md);
+  the files: ``trace``'s entry probes that take a jump (the fast tier) walk it in the
+  program, over compact tables compiled from them (process/fast/frametables.py), and the
+  others unwind it in the handler, while the thread is stopped at its breakpoint; right on
+  code built without frame pointers either way. With a return spec among them (the walk in
+  the program does not see through a return probe's trampoline yet), and for
+  ``stackcount`` (a record per hit may be dropped where a count must be exact), every probe
+  stays on its breakpoint, and stderr says so once (docs/decisions.md);
 * the kernel's uprobes (``--backend uprobes``): the kernel's ``userstacktrace`` trace option
   in our instance, which follows frame pointers only (a stack through code built without
   them loses frames or gets wrong ones) and keeps at most 8 frames; the output's header and
@@ -29,15 +32,19 @@ KERNEL_USER_FRAMES = 8  # what the kernel's userstacktrace records (FTRACE_STACK
 
 TIER_NOTE = (
     "kprobes: stacks keep every probe on a breakpoint: each stack is unwound while its "
-    "thread is stopped, and a jump's record holds no stack yet\n"
+    "thread is stopped ({why})\n"
 )
+WHY_RETURNS = "a jump's walk does not see through a return probe's trampoline yet"
+WHY_COUNTS = "a jump's record may be dropped, and stack counts are exact"
+WHY_RECORDS = "a record file does not keep the stacks walked in the program yet"
 UPROBES_HEADER = (
     f"# user stacks: the kernel's userstacktrace, which follows frame pointers only (code "
     f"built without them loses frames) and keeps at most {KERNEL_USER_FRAMES} frames\n"
 )
 BACKENDS_HELP = (
     "our own backend unwinds with the files' unwind tables (.eh_frame: right without frame "
-    "pointers) and keeps its probes on breakpoints; --backend uprobes uses the kernel's "
+    "pointers), in the program where a probe takes a jump (not with return specs: then, "
+    "and for stackcount, on breakpoints); --backend uprobes uses the kernel's "
     f"userstacktrace, which follows frame pointers only, at most {KERNEL_USER_FRAMES} frames, "
     "named while the process lives (a process gone before its events are read shows "
     "addresses)"
@@ -70,11 +77,14 @@ def add_stack_arguments(parser: argparse.ArgumentParser, *, optional: bool) -> N
     )
 
 
-def prepare_stacks(args: argparse.Namespace) -> str:
+def prepare_stacks(args: argparse.Namespace, *, on_traps: str = "") -> str:
     """Check that the backend can take stacks and set it up to (``args.stack_depth``,
-    read by the backends when ``args.stack`` is set); say the tier note on stderr. Returns
-    the header line the output opens with ("" for none)."""
+    read by the backends when ``args.stack`` is set; ``args.fast_stacks``: walked in the
+    program where a probe takes a jump, unless ``on_traps`` says why not, which the tier
+    note on stderr then says). Returns the header line the output opens with ("" for
+    none)."""
     args.stack = True
+    args.fast_stacks = not on_traps
     if args.backend == "kernel":
         raise TargetError(
             "user stacks are taken on the ptrace and uprobes backends, not with --kernel",
@@ -82,6 +92,6 @@ def prepare_stacks(args: argparse.Namespace) -> str:
         )
     if args.backend == "uprobes":
         return UPROBES_HEADER
-    if not getattr(args, "no_optimize", False):
-        sys.stderr.write(TIER_NOTE)
+    if on_traps and not getattr(args, "no_optimize", False):
+        sys.stderr.write(TIER_NOTE.format(why=on_traps))
     return ""

@@ -20,7 +20,12 @@ import sys
 from typing import Any
 
 from kprobes.cli.session import Session, add_common_arguments, parse_spec, positive_int
-from kprobes.cli.stack_options import BACKENDS_HELP, add_stack_arguments, prepare_stacks
+from kprobes.cli.stack_options import (
+    BACKENDS_HELP,
+    WHY_COUNTS,
+    add_stack_arguments,
+    prepare_stacks,
+)
 from kprobes.model import Event
 from kprobes.output.flamegraph import flame_graph_svg
 from kprobes.output.stacks import StackCounts, format_folded
@@ -57,7 +62,7 @@ def add_parser(sub: Any, help: str) -> None:
 def run(args: argparse.Namespace) -> int:
     texts: list[str] = args.specs
     specs = [parse_spec(text) for text in texts]
-    header = prepare_stacks(args)
+    header = prepare_stacks(args, on_traps=WHY_COUNTS)
     label = {spec.effective_event: text for text, spec in zip(texts, specs, strict=True)}
     session = Session(args, specs)
     session.verb = "counted"
