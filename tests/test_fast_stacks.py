@@ -76,15 +76,16 @@ def traced(
     proc.records.read_records()
     tracer.close()
     assert placed.hits == len(events)
-    return events, any(recording)
+    return events, bool(recording) and all(recording)
 
 
 def both(spawn: Any, argv: list[Any], spec: str, **kw: Any) -> tuple[list[Event], list[Event]]:
-    """The events of a fast run (its site optimized) and of a run on traps."""
+    """The events of a fast run (its sites optimized: every event a record's) and of a run
+    on traps."""
     fast, optimized = traced(spawn, argv, spec, fast=True, **kw)
-    assert optimized, "the site must take a jump"
+    assert optimized, "the sites must take a jump"
     trap, on_traps = traced(spawn, argv, spec, fast=False, **kw)
-    assert not on_traps
+    assert not any(e.stack is None for e in trap)
     assert all(e.stack is not None for e in fast + trap)
     return fast, trap
 
@@ -229,3 +230,14 @@ def test_trace_json_stack_on_the_fast_tier(build: Build) -> None:
 
     assert sum(stacks_in(fast).values()) == 10
     assert stacks_in(fast) == stacks_in(trap)
+
+
+def test_an_exec_gets_tables_of_its_own(spawn: Any, build: Build) -> None:
+    """passon runs ``work`` 3 times and execs itself, which runs it twice and execs true:
+    the new image's walks use tables made for it (the old image's went with it)."""
+    passon = str(build("passon"))
+    fast, trap = both(spawn, [passon, "3", passon, "2", "/bin/true"], "work")
+    assert len(fast) == len(trap) == 5
+    assert stacks(fast) == stacks(trap)
+    assert all(e.stack is not None and e.stack.stop == "" for e in fast)
+    assert all([f.func for f in e.stack.frames[:2]] == ["work", "main"] for e in fast if e.stack)
