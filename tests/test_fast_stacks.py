@@ -241,3 +241,16 @@ def test_an_exec_gets_tables_of_its_own(spawn: Any, build: Build) -> None:
     assert stacks(fast) == stacks(trap)
     assert all(e.stack is not None and e.stack.stop == "" for e in fast)
     assert all([f.func for f in e.stack.frames[:2]] == ["work", "main"] for e in fast if e.stack)
+
+
+def test_threads_each_walk_their_own_stack(spawn: Any, build: Build) -> None:
+    """busy's main thread and three pthreads call ``rec`` recursively: each record's stack
+    is its own thread's, to main or through libc's start_thread to clone3."""
+    fast, trap = both(spawn, [build("busy"), "4", "5", "3"], "rec")
+    assert len(fast) == len(trap) == 4 * 5 * 4
+    assert stacks(fast) == stacks(trap)
+    assert all(e.stack is not None and e.stack.stop == "" for e in fast)
+    by_thread = Counter(e.tid for e in fast)
+    assert len(by_thread) == 4 and set(by_thread.values()) == {5 * 4}
+    depths = Counter(sum(f.func == "rec" for f in e.stack.frames) for e in fast if e.stack)
+    assert depths == {1: 20, 2: 20, 3: 20, 4: 20}
