@@ -45,12 +45,18 @@ STOP_MARKERS = {
 }
 
 
+_NAMED = 1 << 16  # named stacks kept at most
+
+
 class Backtraces:
     """``backtrace()`` for ``Process``, and ``user_stack()`` for the command line."""
 
     def __init__(self, program: Attachment) -> None:
         self._program = program
         self._main: str | None = None  # the program's own file, as last seen
+        # Stacks walked in the program, named (most repeat): for one resolver's modules.
+        self._named: dict[tuple[int, WalkResult], UserStack] = {}
+        self._named_for = (0, -1)  # (the resolver's id, its generation)
 
     def backtrace(self, regs: Any, max_frames: int = 64) -> builtins.list[tuple[int, str]]:
         """The call stack of the thread whose registers are ``regs``, innermost first.
@@ -108,7 +114,21 @@ class Backtraces:
         A return address in code of ours (a return probe's trampoline) ends the stack
         there, with the marker of a frame without unwind information: the walk in the
         program does not translate trampolines yet (the frames it found past one are not
-        to be trusted), and a wrong frame is never shown."""
+        to be trusted), and a wrong frame is never shown. Each stack is named once for
+        the modules mapped (a busy probe's walks repeat: naming is what the reader pays)."""
+        resolver = self._program.symbols()
+        if (id(resolver), resolver.generation) != self._named_for:
+            self._named.clear()
+            self._named_for = (id(resolver), resolver.generation)
+        known = self._named.get((ip, walk))
+        if known is not None:
+            return known
+        stack = self._name_walk(ip, walk)
+        if (id(resolver), resolver.generation) == self._named_for and len(self._named) < _NAMED:
+            self._named[(ip, walk)] = stack
+        return stack
+
+    def _name_walk(self, ip: int, walk: WalkResult) -> UserStack:
         resolver = self._program.symbols()
         ours = self._program.tracer.fetch_faults.is_ours
         main = self._main_path()

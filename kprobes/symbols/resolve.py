@@ -110,6 +110,7 @@ class SymbolResolver:
         self._starts: list[int] = []  # of self._mappings
         self._main: Module | None = None
         self._maps: list[Mapping] | None = None
+        self.generation = 0  # changes whenever the modules do (what names addresses may cache)
         self.refresh()
 
     def refresh(self) -> None:
@@ -126,6 +127,7 @@ class SymbolResolver:
         )
         self._starts = [mapping.start for mapping, _module in self._mappings]
         self._main = None
+        self.generation += 1
 
     def modules(self) -> list[Module]:
         return list(self._modules)

@@ -60,6 +60,13 @@ def record_stack(base: int, layout: sa.AreaLayout, addrs: dict[str, int]) -> Act
     return RecordAction(1, layout.ring_at(base), with_regs=False, stack=walk)
 
 
+def record_stack_indirect(base: int, layout: sa.AreaLayout, addrs: dict[str, int]) -> Action:
+    """The same, the directory found through a word (``addrs["cell"]``), as the tool's
+    detours find it (process/fast/frametables.py)."""
+    walk = StackWalk(addrs["cell"], 16, indirect=True)
+    return RecordAction(1, layout.ring_at(base), with_regs=False, stack=walk)
+
+
 Case = tuple[str, MakeAction, int, FlagsSave]
 LAHF, PUSHF = FlagsSave.LAHF, FlagsSave.PUSHF
 CASES: list[Case] = [
@@ -73,13 +80,14 @@ CASES: list[Case] = [
     ("record, no registers, %di @bias", record_fetching, BIG, LAHF),
     ("record, ring full (drop)", record(ThreadId.FSBASE), FULL, LAHF),
     ("record, stack (3 return addresses)", record_stack, BIG, LAHF),
+    ("record, stack, indirect", record_stack_indirect, BIG, LAHF),
 ]
 DIRECTORY_COUNTERS = 16384  # 1 MiB: the tables of the harness, libc and ld.so
 
 
 def measure(exe: Path, func: str, calls: int, case: Case) -> str:
     name, make, capacity, flags = case
-    stack = make is record_stack
+    stack = make in (record_stack, record_stack_indirect)
     layout = sa.AreaLayout(ncounters=DIRECTORY_COUNTERS if stack else 1, capacity=capacity)
     area = create_area(layout)
     cmd = ["taskset", "-c", "0", str(exe), func, area.path, "1", str(calls), "bench"]
@@ -91,10 +99,13 @@ def measure(exe: Path, func: str, calls: int, case: Case) -> str:
     words = proc.stdout.readline().split()
     addrs = {k: int(v, 16) for k, v in zip(words[0::2], words[1::2], strict=True)}
     fn, page, base = addrs["func"], addrs["page"], addrs["area"]
-    if stack:
+    if stack:  # the directory a page after the first counter, which points to it
         blob = directory_of(proc.pid).blob
-        area.mm[layout.counter_offset(0) : layout.counter_offset(0) + len(blob)] = blob
-        addrs["directory"] = base + layout.counter_offset(0)
+        at = layout.counter_offset(0) + sa.PAGE
+        area.mm[at : at + len(blob)] = blob
+        addrs["directory"] = base + at
+        addrs["cell"] = base + layout.counter_offset(0)
+        area.mm[at - sa.PAGE : at - sa.PAGE + 8] = (base + at).to_bytes(8, "little")
     f = functions(exe)[func]
     region = find_region(f.code, fn, fn, f.size)
     assert isinstance(region, Region), region
@@ -119,7 +130,7 @@ def main() -> None:
         print(f"{'':8} {'detour':32} {'plain':>6} {'probed':>6} {'cost':>6}")
         for func in ("work", "work_fp"):
             for case in CASES:
-                if case[1] is record_stack and func != "work":
+                if case[1] in (record_stack, record_stack_indirect) and func != "work":
                     continue  # work_fp, in asm, has no unwind table: its walks end at once
                 print(measure(exe, func, calls, case), flush=True)
 
