@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -253,3 +254,36 @@ def test_threads_each_walk_their_own_stack(spawn: Any, build: Build) -> None:
     assert len(by_thread) == 4 and set(by_thread.values()) == {5 * 4}
     depths = Counter(sum(f.func == "rec" for f in e.stack.frames) for e in fast if e.stack)
     assert depths == {1: 20, 2: 20, 3: 20, 4: 20}
+
+
+def test_a_process_attached_to_while_it_runs(build: Build) -> None:
+    """Attached after its libraries are all in: the first walk's tables cover them at once."""
+    import kprobes as api
+
+    def run(fast: bool) -> list[Event]:
+        prog = subprocess.Popen([build("stacks"), "gated"], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL)  # fmt: skip
+        assert prog.stdin is not None
+        try:
+            proc = api.attach(prog.pid)
+            events: list[Event] = []
+            tracer = SpecTracer(
+                proc, events.append, optimize=fast, stack_depth=DEPTH, fast_stacks=fast
+            )
+            tracer.place([parse("p leaf")])
+            prog.stdin.write(b"go\n")
+            prog.stdin.close()
+            assert proc.run(timeout=120)
+            proc.records.read_records()
+            tracer.close()
+            proc.close()
+        finally:
+            if prog.poll() is None:
+                prog.kill()
+            prog.wait()
+        return events
+
+    fast, trap = run(True), run(False)
+    assert len(fast) == len(trap) == 10
+    assert stacks(fast) == stacks(trap)
+    assert all(e.stack is not None and e.stack.stop == "" for e in fast)
