@@ -287,3 +287,16 @@ def test_a_process_attached_to_while_it_runs(build: Build) -> None:
     assert len(fast) == len(trap) == 10
     assert stacks(fast) == stacks(trap)
     assert all(e.stack is not None and e.stack.stop == "" for e in fast)
+
+
+def test_a_site_that_keeps_its_breakpoint_unwinds_there(spawn: Any, build: Build) -> None:
+    """With optimization off, the record probes of ``fast_stacks`` run at their traps: the
+    stacks are the trap tier's own."""
+
+    def off(proc: Any) -> None:
+        proc.optimization = False
+
+    fast, on_jumps = traced(spawn, [build("stacks")], "leaf", fast=True, before=off)
+    trap, _ = traced(spawn, [build("stacks")], "leaf", fast=False)
+    assert not on_jumps
+    assert len(fast) == 10 and stacks(fast) == stacks(trap)
