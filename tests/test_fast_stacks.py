@@ -300,3 +300,34 @@ def test_a_site_that_keeps_its_breakpoint_unwinds_there(spawn: Any, build: Build
     trap, _ = traced(spawn, [build("stacks")], "leaf", fast=False)
     assert not on_jumps
     assert len(fast) == 10 and stacks(fast) == stacks(trap)
+
+
+def test_a_clean_end_gives_the_tables_back(build: Build) -> None:
+    """The tables' mappings are pages of ours: a detach unmaps them with the others."""
+    import kprobes as api
+
+    prog = subprocess.Popen([build("stacks"), "gated"], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL)  # fmt: skip
+    assert prog.stdin is not None
+    try:
+        proc = api.attach(prog.pid)
+        events: list[Event] = []
+        tracer = SpecTracer(proc, events.append, optimize=True, stack_depth=DEPTH, fast_stacks=True)
+        tracer.place([parse("p leaf")])
+        prog.stdin.write(b"go\n")
+        prog.stdin.flush()
+        while len(events) < 10:
+            proc.run(timeout=0.2)
+        regions = list(proc._jumps.tables.regions)
+        assert regions
+        tracer.close()
+        proc.close()
+        with open(f"/proc/{prog.pid}/maps") as f:
+            starts = {int(line.split("-")[0], 16) for line in f}
+        assert not starts & {start for start, _ in regions}
+        prog.stdin.close()
+        assert prog.wait(timeout=60) == 0
+    finally:
+        if prog.poll() is None:
+            prog.kill()
+        prog.wait()
