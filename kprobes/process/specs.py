@@ -255,6 +255,8 @@ class SpecTracer:
             else:
                 handler(ri, made)
 
+        aggregates = self._aggregates_in_place(fetcher)
+        records = self.optimize and not aggregates and not fetcher.has_entry_args
         rp = Kretprobe(
             symbol=where.symbol,
             offset=where.offset,
@@ -262,13 +264,34 @@ class SpecTracer:
             handler=on_return,
             entry_handler=entry_handler,
             maxactive=spec.maxactive,
-            optimize=self._aggregates_in_place(fetcher) and handler is None,
+            optimize=(aggregates or records) and handler is None,
         )
         if rp.optimize:
             rp.handlers_on_traps_only = True
             rp.duration_unit = self.durations_unit or 1
             rp.value_bits = self.retval_bits
+        if rp.optimize and records:
+            self._record_returns(rp, spec, where, fetcher)
         return PlacedSpec(spec, rp, entry_time=entry_time)
+
+    def _record_returns(
+        self, rp: Kretprobe, spec: ProbeSpec, where: _Where, fetcher: ArgFetcher
+    ) -> None:
+        """``rp``'s returns as records its trampoline writes (fast/returns.py), where its
+        entry takes a jump: the reader makes their events, the trap tier's own (its handlers
+        above make them where the entry keeps its int3)."""
+        sink = self.sink
+
+        def on_record(_rp: Kretprobe, event: Event) -> None:
+            sink(event)
+
+        rp.async_handler = on_record
+        resolvers = (self._resolve_data, self._file_address(where.path or _SELF))
+        fast = FastProbe(
+            spec, fetcher, False, self.memory, resolvers, self.proc.pid,
+            spec.effective_group, spec.effective_event,
+        )  # fmt: skip
+        self.proc.records.prepare_return(rp, fast)
 
     def _aggregates_in_place(self, fetcher: ArgFetcher) -> bool:
         """A return spec the program aggregates itself: ``latency``'s (no fetch-arg), or

@@ -318,18 +318,30 @@ class Process:
     def register_kretprobe(
         self, rp: Kretprobe, args: Sequence[str] = (), *, event: str = ""
     ) -> None:
-        """Register a return probe. Its handler runs at the return with the live registers:
-        fetch-args and an event name (the tracefs targets' events) are refused here."""
-        if args or event:
+        """Register a return probe. Its handler runs at the return with the live registers;
+        fetch-args and an event name (the tracefs targets' events) are for the events of an
+        ``async_handler`` (else ``rp.args``, and the kernel's default name): refused
+        without one."""
+        if args and rp.async_handler is not None:
+            rp.args = tuple(args)
+        elif args or (event and rp.async_handler is None):
             why = "its handler runs at the return with the live registers: read them there"
             option = f"args={' '.join(args)!r}" if args else f"event={event!r}"
             raise UnsupportedOption("Process", option, "Kretprobe", why)
-        self.register_kretprobes([rp])
+        self.register_kretprobes([rp], events={rp: event} if event else None)
 
-    def register_kretprobes(self, rps: Sequence[Kretprobe]) -> None:
-        """Register return probes; a failure rolls back the ones already registered."""
+    def register_kretprobes(
+        self, rps: Sequence[Kretprobe], *, events: Mapping[Kretprobe, str] | None = None
+    ) -> None:
+        """Register return probes; a failure rolls back the ones already registered. One
+        with an ``async_handler`` is prepared first (its ``args`` parsed)."""
         with self._program.registering():
-            self._returns.register(rps)
+            try:
+                self._recording.equip_returns(rps, events or {})
+                self._returns.register(rps)
+            except BaseException:
+                self._recording.forget([rp for rp in rps if not rp.is_registered])
+                raise
 
     def unregister_kretprobe(self, rp: Kretprobe) -> None:
         self.unregister_kretprobes([rp])
@@ -339,6 +351,7 @@ class Process:
         with self.batch():
             for rp in rps:
                 self._returns.unregister(rp)
+        self._recording.forget([rp for rp in rps if not rp.is_registered])
         self.family.unregister_copies(list(rps))
 
     def equip_kretprobe_instances(

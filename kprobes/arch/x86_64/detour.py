@@ -236,6 +236,9 @@ class Frame:
     program values), EFLAGS and ARITH."""
 
     words: tuple[str, ...]
+    # Bytes between the program's rsp and the first word: a detour skips the red zone; a
+    # return trampoline, entered by a ``ret``, has none to skip (retstack.py).
+    below: int = RED_ZONE
 
     def offset(self, word: str) -> int:
         """``[rsp + offset]`` holds ``word`` while the action runs."""
@@ -244,7 +247,7 @@ class Frame:
     @property
     def probe_rsp(self) -> int:
         """The program's rsp at the probe is ``rsp + probe_rsp`` inside the action."""
-        return 8 * len(self.words) + RED_ZONE
+        return 8 * len(self.words) + self.below
 
     @classmethod
     def of(cls, action: Action, flags: FlagsSave) -> Frame:

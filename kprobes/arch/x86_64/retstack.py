@@ -44,8 +44,9 @@ from typing import Final
 
 from iced_x86 import Code, Instruction, MemoryOperand, Register, Register_
 
-from kprobes.arch.x86_64.detour import Block, Frame, at, mov_load, mov_store
-from kprobes.arch.x86_64.record import ThreadId
+from kprobes.arch.x86_64.capture import ENTRY_TSC
+from kprobes.arch.x86_64.detour import EFLAGS, Block, Frame, at, mov_load, mov_store
+from kprobes.arch.x86_64.record import RecordAction, ThreadId
 from kprobes.errors import InternalError
 from kprobes.values import dataclass
 
@@ -87,12 +88,14 @@ HIST_SLOTS: Final = 65
 COUNTERS_SIZE: Final = C_HIST + 8 * HIST_SLOTS  # 584 bytes
 
 TRAMPOLINE_MAX: Final = 512  # bytes of one trampoline, with room to spare
+RECORD_TRAMPOLINE_MAX: Final = 8192  # one that also writes a record (its captures' code)
 
 RAX, RCX, RDX, RSI, RDI, R8, R9, R10, R11 = (
     Register.RAX, Register.RCX, Register.RDX, Register.RSI, Register.RDI,
     Register.R8, Register.R9, Register.R10, Register.R11,
 )  # fmt: skip
 _SAVED: Final = (RAX, RCX, RDX, RSI, RDI, R8, R9, R10, R11)
+_SAVED_NAMES: Final = ("rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11")
 
 
 def thread_slot(shadow: int, fs_base: int, index: int) -> int:
@@ -111,7 +114,8 @@ class ReturnSite:
     trampoline, the range every trampoline lies in (for tail-call chains), the trap tier's
     trampoline (0 if none), its counters, its cap, how to read the thread pointer, and what
     its trampoline aggregates: the call's duration (``value_bits`` 0), or the low 32 or 64
-    bits of the return value."""
+    bits of the return value; and, with ``record``, the record its trampoline writes of each
+    return (the registers at the return, "rip" the real return address, and ``ENTRY_TSC``)."""
 
     shadow: int
     trampoline: int
@@ -122,6 +126,7 @@ class ReturnSite:
     cap: int = CAPACITY
     thread_id: ThreadId = ThreadId.FSBASE
     value_bits: int = 0
+    record: RecordAction | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.cap <= CAPACITY:
@@ -306,17 +311,31 @@ def _emit_measure(b: Block, site: ReturnSite, mult: int, saved_rax: int) -> None
     b.add(Instruction.create_reg_reg_i32(Code.SHRD_RM64_R64_IMM8, RAX, RDX, 32))
 
 
+def record_frame(site: ReturnSite) -> Frame:
+    """The trampoline's words while its record is written, in push order: the real return
+    address (as "rip": the program's rip once the trampoline returns), the saved registers,
+    and, with a record, rbx (the record's pointer), the flags and the call's entry time."""
+    extra = ("rbx", EFLAGS, ENTRY_TSC) if site.record is not None else ()
+    return Frame(("rip", *_SAVED_NAMES, *extra), below=0)
+
+
 def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     """The return trampoline of one probe, at ``site.trampoline``. ``mult`` turns TSC ticks
     into ns: ``ns = ticks * mult >> 32``."""
     if not 0 < mult < 1 << 63:
         raise InternalError(f"tsc multiplier {mult}")
     b = Block()
-    nsaved = len(_SAVED)
-    # Step 1: a word for the real return address (the slot the ret just freed), the registers.
+    frame = record_frame(site)
+    nsaved = len(frame.words) - 1
+    # Step 1: a word for the real return address (the slot the ret just freed), the registers
+    # (and, to write a record, rbx, the flags and a word for the entry time).
     b.add(Instruction.create_reg_mem(Code.LEA_R64_M, Register.RSP, at(Register.RSP, -8)))
     for reg in _SAVED:
         b.add(Instruction.create_reg(Code.PUSH_R64, reg))
+    if site.record is not None:
+        b.add(Instruction.create_reg(Code.PUSH_R64, Register.RBX))
+        b.add(Instruction.create(Code.PUSHFQ))
+        b.add(Instruction.create_reg(Code.PUSH_R64, RAX))
     # Step 2: the thread's stack; r8 = the return slot R, rsi = the depth.
     _emit_find(b, site, claim=False, missing="nowhere")
     b.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDI, T_BUSY), 1))
@@ -334,24 +353,40 @@ def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     b.add(mov_store(RDI, T_DEPTH, RSI))
     b.add(mov_load(RAX, R10, E_RET))
     b.add(mov_store(R8, 0, RAX))  # where the final ret finds it
-    # Step 4: what the probe aggregates, in rax.
-    _emit_measure(b, site, mult, 8 * (nsaved - 1))
+    if site.record is not None:
+        b.add(mov_load(RAX, R10, E_TSC))
+        b.add(mov_store(Register.RSP, frame.offset(ENTRY_TSC), RAX))
     _imm64(b, R11, site.counters)
-    b.add(Instruction.create_mem_reg(Code.ADD_RM64_R64, at(R11, C_SUM_NS), RAX), lock=True)
     b.add(Instruction.create_mem(Code.INC_RM64, at(R11, C_RETURNS)), lock=True)
-    b.add(Instruction.create_reg_i32(Code.OR_RM64_IMM8, RAX, 1))
-    b.add(Instruction.create_reg_reg(Code.BSR_R64_RM64, RCX, RAX))
-    hist = MemoryOperand(R11, RCX, 8, C_HIST + 8, 1)  # slot bsr + 1: bcc's bit length
-    b.add(Instruction.create_mem(Code.INC_RM64, hist), lock=True)
+    if site.record is not None:
+        # Step 4: the record of this return (its events are the tool's to aggregate), the
+        # thread's stack left first (a signal handler may call probed functions while the
+        # record waits for room: --block).
+        b.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDI, T_BUSY), 0))
+        site.record.emit(b, frame, 0)
+        b.branch(Code.JMP_REL32_64, "restore")
+    else:
+        # Step 4: what the probe aggregates, in rax.
+        _emit_measure(b, site, mult, frame.offset("rax"))
+        b.add(Instruction.create_mem_reg(Code.ADD_RM64_R64, at(R11, C_SUM_NS), RAX), lock=True)
+        b.add(Instruction.create_reg_i32(Code.OR_RM64_IMM8, RAX, 1))
+        b.add(Instruction.create_reg_reg(Code.BSR_R64_RM64, RCX, RAX))
+        hist = MemoryOperand(R11, RCX, 8, C_HIST + 8, 1)  # slot bsr + 1: bcc's bit length
+        b.add(Instruction.create_mem(Code.INC_RM64, hist), lock=True)
     b.label("home")
     b.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDI, T_BUSY), 0))
     # Step 5: the registers back, and home.
+    b.label("restore")
+    if site.record is not None:
+        b.add(Instruction.create_reg_mem(Code.LEA_R64_M, Register.RSP, at(Register.RSP, 16)))
+        b.add(Instruction.create_reg(Code.POP_R64, Register.RBX))
     for reg in reversed(_SAVED):
         b.add(Instruction.create_reg(Code.POP_R64, reg))
     b.add(Instruction.create(Code.RETNQ))
     _emit_lost(b)
     code = b.encode(site.trampoline)
-    if len(code) > TRAMPOLINE_MAX:
+    limit = TRAMPOLINE_MAX if site.record is None else RECORD_TRAMPOLINE_MAX
+    if len(code) > limit:
         raise InternalError(f"a trampoline of {len(code)} bytes")
     return code
 

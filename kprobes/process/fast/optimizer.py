@@ -43,6 +43,7 @@ from kprobes.arch.x86_64.detour import build_detour
 from kprobes.arch.x86_64.jumpopt import Refusal, find_region
 from kprobes.arch.x86_64.plan import SLOT_SIZE
 from kprobes.arch.x86_64.record import RecordAction
+from kprobes.arch.x86_64.retstack import RetEntryAction
 from kprobes.core.optimizer import OptState, SiteOpt, why_no_jump
 from kprobes.errors import NotRelocatable, TargetError
 from kprobes.process.engine.breakpoints import JUMP_LEN
@@ -235,7 +236,12 @@ class Optimizer:
                 so.seen = sa.read_counter(area.view, so.counter)
             area = self._state.areas[so.area]
             if is_return:
-                action = self._returns.action(site, area, so)
+                record = self._recording.return_record(site, area, so)
+                action = (
+                    record
+                    if isinstance(record, str)
+                    else self._returns.action(site, area, so, record)
+                )
             elif any(isinstance(p.owner, UnwindUnhook) for p in site.probes):
                 action = self._returns.unhook_action(site, area, so)
             else:
@@ -243,7 +249,9 @@ class Optimizer:
             if isinstance(action, str):
                 so.to(OptState.REFUSED, action)
                 return
-            if isinstance(action, RecordAction):
+            if isinstance(action, RecordAction) or (
+                isinstance(action, RetEntryAction) and action.site.record is not None
+            ):
                 self._memory.fault_in_ring(so.area)
             page = self._memory.detour_page(addr)
             at = page.start + page.used

@@ -47,10 +47,11 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from kprobes.arch.x86_64 import ring_block
 from kprobes.arch.x86_64 import shared_area as sa
-from kprobes.arch.x86_64.capture import Captured, CapturePlan
+from kprobes.arch.x86_64.capture import ENTRY_TSC, Captured, CapturePlan
 from kprobes.arch.x86_64.regs import REG_INDEX, Regs
+from kprobes.core.retprobes import Kretprobe
 from kprobes.linux.tsc import TscClock
-from kprobes.model import Event
+from kprobes.model import ArgValue, Event
 from kprobes.process.fast.batch import BatchOutput, Decoder, plan_decoder
 from kprobes.process.fetch.evaluate import ArgFetcher, CpuReader, Memory
 from kprobes.process.fetch.fast import Resolver, data_resolver, file_resolver
@@ -59,6 +60,7 @@ from kprobes.values import dataclass
 
 if TYPE_CHECKING:
     from kprobes.core.probes import Kprobe
+    from kprobes.core.retprobes import KretprobeInstance, RetHandler
     from kprobes.core.table import ProbeSite, ProbeTable
     from kprobes.spec import ProbeSpec
     from kprobes.symbols.resolve import SymbolResolver
@@ -115,8 +117,43 @@ def trap_delivery(fp: FastProbe, cpu: CpuReader) -> Callable[[Kprobe, Any], None
     return deliver
 
 
+def return_trap_delivery(
+    rp: Kretprobe, fp: FastProbe, cpu: CpuReader, drain: Callable[[], None]
+) -> tuple[RetHandler, RetHandler]:
+    """The trap tier's entry handler and handler for a return probe's ``async_handler``:
+    the event a record of its return would give (``(caller <- func)``, the entry time, the
+    ``$argN`` taken at the entry), built from the live thread at the return, after the
+    records written before it (``drain``)."""
+    group, event, pid, memory, fetcher = fp.group, fp.event, fp.pid, fp.memory, fp.fetcher
+    comm, symbolize, with_regs = memory.comm, memory.symbolize, fp.with_regs
+    entered: dict[int, tuple[float, tuple[ArgValue, ...]]] = {}
+
+    def at_entry(ri: KretprobeInstance, regs: Any) -> None:
+        args = fetcher.entry(regs, memory) if fetcher.has_entry_args else ()
+        entered[id(ri)] = (time.monotonic(), args)
+
+    def at_return(ri: KretprobeInstance, regs: Any) -> None:
+        drain()
+        handler = rp.async_handler
+        start, args = entered.pop(id(ri), (0.0, ()))
+        if handler is None:
+            return
+        tid, ret, func_ip = regs.tid, ri.ret_addr, rp.addr or 0
+        handler(
+            rp,
+            Event(
+                group, event, pid, tid, comm(tid), cpu(tid), time.monotonic(), ret,
+                symbolize(ret), fetcher.fetch(regs, memory, args), is_return=True,
+                func=symbolize(func_ip).split("+")[0], func_ip=func_ip, entry_timestamp=start,
+                regs=regs.frozen() if with_regs else None,
+            ),
+        )  # fmt: skip
+
+    return at_entry, at_return
+
+
 def equip(
-    kp: Kprobe,
+    kp: Kprobe | Kretprobe,
     symbols: Callable[[], SymbolResolver],
     memory: Memory,
     *,
@@ -130,7 +167,8 @@ def equip(
     where = kp.symbol or f"{kp.addr or 0:#x}"
     if kp.symbol and kp.offset:
         where += f"+{kp.offset:#x}"
-    spec = parse(" ".join((f"p:kprobes/{event}" if event else "p", where, *kp.args)))
+    kind = "r" if isinstance(kp, Kretprobe) else "p"
+    spec = parse(" ".join((f"{kind}:kprobes/{event}" if event else kind, where, *kp.args)))
     resolve_data = data_resolver(symbols)
     loc = spec.location
     path = loc.module if isinstance(loc, SymbolLocation) and loc.module else "/proc/self"
@@ -163,6 +201,9 @@ class RecordSite:
     site: ProbeSite
     plan: CapturePlan
     with_regs: bool
+    # Written at the return, by the trampoline of the return probe whose entry the site is:
+    # its plan ends with the real return address ("rip") and the entry time (ENTRY_TSC).
+    is_return: bool = False
 
 
 class RingReader:
@@ -174,7 +215,7 @@ class RingReader:
         views: Callable[[], Iterable[memoryview]],
         symbolize: Callable[[int], str],
         comm: Callable[[int], str],
-        fast_of: Callable[[Kprobe], FastProbe | None],
+        fast_of: Callable[[Kprobe | Kretprobe], FastProbe | None],
     ) -> None:
         self.table = table
         self.fast_of = fast_of  # a probe's FastProbe (Recording keeps them)
@@ -224,12 +265,14 @@ class RingReader:
         would lose the one in hand, neither delivered nor counted."""
         return self._draining
 
-    def add_site(self, site: ProbeSite, plan: CapturePlan, with_regs: bool) -> int:
+    def add_site(
+        self, site: ProbeSite, plan: CapturePlan, with_regs: bool, *, is_return: bool = False
+    ) -> int:
         """A new record id for ``site`` (never reused: old records may still be in a ring)."""
         if self._clock is None:
             self._clock = TscClock()
         rid = len(self.sites) + 1
-        self.sites[rid] = RecordSite(site, plan, with_regs)
+        self.sites[rid] = RecordSite(site, plan, with_regs, is_return)
         return rid
 
     def note_thread(self, fs_base: int, tid: int) -> None:
@@ -376,7 +419,7 @@ class RingReader:
         one probe with a handler and that probe takes batches (made once, and again when
         the site's probes change)."""
         rs = self.sites.get(rid)
-        if rs is None:
+        if rs is None or rs.is_return:  # a return's event goes through its handler
             return None
         active = [p for p in rs.site.active if p.async_handler is not None]
         fp = self.fast_of(active[0]) if len(active) == 1 else None
@@ -424,32 +467,66 @@ class RingReader:
         if record.regs is not None:
             for name, value in zip(sa.REG_ORDER, record.regs, strict=True):
                 words[REG_INDEX[name]] = value
+        entered = captured.regs.pop(ENTRY_TSC, 0)
         for name, value in captured.regs.items():
             words[REG_INDEX[name]] = value
-        words[REG_INDEX["rip"]] = rs.site.addr
+        ip = words[REG_INDEX["rip"]] if rs.is_return else rs.site.addr
+        words[REG_INDEX["rip"]] = ip
         words[REG_INDEX["fs_base"]] = record.thread
         memory = Memory(captured.read, captured.read_string, self.symbolize, self.comm)
         cpu = -1 if record.cpu == sa.META_CPU_MASK else record.cpu
         when = self._clock.seconds(record.tsc)
         snapshot = regs.frozen() if rs.with_regs else None
         name = self.comm(tid)
-        ip = rs.site.addr
         location = self.symbolize(ip)
         fast_of = self.fast_of
-        for probe in rs.site.active:
-            handler = probe.async_handler
+        returned = _return_fields(
+            rs, self.symbolize, self._clock.seconds(entered) if entered else 0.0
+        )
+        for target in record_targets(rs):
+            handler: Callable[[Any, Event], Any] | None = target.async_handler
             if handler is None:
                 continue
-            fp = fast_of(probe)
+            fp = fast_of(target)
             if fp is None:
                 continue
             args = fp.fetcher.fetch(regs, memory)
             event = Event(
                 fp.group, fp.event, fp.pid, tid, name, cpu, when, ip, location, args,
-                regs=snapshot if fp.with_regs else None,
+                regs=snapshot if fp.with_regs else None, **returned,
             )  # fmt: skip
             self.delivered += 1
             try:
-                handler(probe, event)
+                handler(target, event)
             except Exception as exc:  # raised from run(), as a trap handler's would be
                 self.table.park(exc)
+
+
+def record_targets(rs: RecordSite) -> list[Kprobe | Kretprobe]:
+    """The probes whose ``async_handler`` takes the records of ``rs``: its probes, or, for
+    the records of returns, the return probes whose entry its probes are."""
+    out: list[Kprobe | Kretprobe] = []
+    for probe in rs.site.active:
+        owner = probe.owner if rs.is_return else None
+        target = owner if isinstance(owner, Kretprobe) else probe
+        if target.async_handler is not None:
+            out.append(target)
+    return out
+
+
+def _return_fields(
+    rs: RecordSite, symbolize: Callable[[int], str], entered: float
+) -> dict[str, Any]:
+    """The fields a return event adds (``Event(**fields)``): none for an entry's record."""
+    if not rs.is_return:
+        return _NO_FIELDS
+    func_ip = rs.site.addr
+    return {
+        "is_return": True,
+        "func": symbolize(func_ip).split("+")[0],
+        "func_ip": func_ip,
+        "entry_timestamp": entered,
+    }
+
+
+_NO_FIELDS: Final[dict[str, Any]] = {}

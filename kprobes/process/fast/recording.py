@@ -14,19 +14,28 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kprobes.arch.x86_64 import shared_area as sa
+from kprobes.arch.x86_64.capture import CapturePlan
 from kprobes.arch.x86_64.detour import Action, CountAction
 from kprobes.arch.x86_64.record import CpuId, RecordAction
 from kprobes.core.probes import check_handlers
 from kprobes.errors import InternalError, TargetError, UnsupportedOption
 from kprobes.process.engine.threads import ThreadState
 from kprobes.process.fast.lease import Lease
-from kprobes.process.fast.reader import FastProbe, RingReader, equip, trap_delivery
+from kprobes.process.fast.reader import (
+    FastProbe,
+    RingReader,
+    equip,
+    return_trap_delivery,
+    trap_delivery,
+)
+from kprobes.process.fast.returns import return_probe_of
 from kprobes.process.fetch.evaluate import CommCache, CpuReader, Memory, Symbolizer
-from kprobes.process.fetch.fast import NotCapturable, plan_captures
+from kprobes.process.fetch.fast import NotCapturable, plan_captures, plan_return_captures
 
 if TYPE_CHECKING:
     from kprobes.core.optimizer import SiteOpt
     from kprobes.core.probes import Kprobe
+    from kprobes.core.retprobes import Kretprobe
     from kprobes.core.table import ProbeSite, ProbeTable
     from kprobes.process.engine.attachment import Attachment
     from kprobes.process.engine.threads import Thread
@@ -72,6 +81,9 @@ class Recording:
         # Each probe with an async_handler: its FastProbe and what runs it at a trap. The
         # probe is held too, so that its id names it alone while it is here.
         self._fast: dict[int, tuple[Kprobe, FastProbe, Callable[[Kprobe, Any], None]]] = {}
+        # Each return probe with an async_handler: its FastProbe (its records are written
+        # at the return, by its trampoline: fast/returns.py).
+        self._returns: dict[int, tuple[Kretprobe, FastProbe]] = {}
         self._cpu: CpuReader | None = None
         table.run_async = self._run_at_trap
 
@@ -116,14 +128,59 @@ class Recording:
             self._cpu = CpuReader(self.pid)
         self._fast[id(kp)] = (kp, fp, trap_delivery(fp, self._cpu))
 
-    def fast_of(self, kp: Kprobe) -> FastProbe | None:
-        entry = self._fast.get(id(kp))
-        return None if entry is None else entry[1]
+    def prepare_return(self, rp: Kretprobe, fp: FastProbe) -> None:
+        """``rp``'s async_handler is run with ``fp``'s events of its returns, from the records
+        its trampoline writes (``return_record``); where its entry keeps the int3, its trap
+        handlers make them."""
+        if self._cpu is None:
+            self._cpu = CpuReader(self.pid)
+        self._returns[id(rp)] = (rp, fp)
 
-    def forget(self, kps: Sequence[Kprobe]) -> None:
+    def equip_returns(self, rps: Sequence[Kretprobe], events: Mapping[Kretprobe, str]) -> None:
+        """Prepare the API's return probes with an asynchronous handler (a wrong fetch-arg
+        raises SpecError here): the records of the fast tier, and at the return's trap the
+        same event, made by its handler."""
+        for rp in rps:
+            if rp.async_handler is None:
+                if rp.args or rp in events or rp.with_regs:
+                    raise UnsupportedOption(
+                        "Process",
+                        f"args={' '.join(rp.args)!r}" if rp.args else "event or with_regs",
+                        "Kretprobe",
+                        "its handler runs at the return with the live registers: read them "
+                        "there (or give an async_handler)",
+                    )
+                continue
+            if id(rp) in self._returns:
+                continue
+            if rp.handler or rp.entry_handler or rp.data_size:
+                raise UnsupportedOption(
+                    "Process",
+                    "async_handler",
+                    "Kretprobe",
+                    "an async_handler sees returns after the fact: it does not go with a "
+                    "handler, an entry_handler or data_size (register two probes)",
+                )
+            reader = self.ring_reader()
+            memory = Memory(self._fetch, self._fetch_string, reader.symbolize, reader.comm)
+            fp = equip(rp, self._program.symbols, memory, pid=self.pid, event=events.get(rp, ""))
+            self.prepare_return(rp, fp)
+            assert self._cpu is not None
+            rp.entry_handler, rp.handler = return_trap_delivery(rp, fp, self._cpu, self.drain_rings)
+            rp.handlers_on_traps_only = True
+
+    def fast_of(self, kp: Kprobe | Kretprobe) -> FastProbe | None:
+        entry = self._fast.get(id(kp))
+        if entry is not None:
+            return entry[1]
+        ret = self._returns.get(id(kp))
+        return None if ret is None else ret[1]
+
+    def forget(self, kps: Sequence[Kprobe | Kretprobe]) -> None:
         """The probes were unregistered (or never were): nothing of theirs is kept."""
         for kp in kps:
             self._fast.pop(id(kp), None)
+            self._returns.pop(id(kp), None)
 
     def close(self) -> None:
         """The process is no longer traced: the files the trap tier's events read go, and
@@ -270,19 +327,53 @@ class Recording:
             plan = plan_captures([(fp.spec, fp.resolvers) for fp in fast])
         except NotCapturable as exc:
             return str(exc)
+        return self._record_action(site, area, so, plan, any(fp.with_regs for fp in fast))
+
+    def return_record(
+        self, site: ProbeSite, area: SharedArea, so: SiteOpt
+    ) -> RecordAction | str | None:
+        """The record the trampoline of the return probe whose entry is ``site`` writes of
+        each return (None: it writes none, it aggregates; a str says why the site cannot be
+        optimized): the return's fetch-args, its caller and its entry time."""
+        rp = return_probe_of(site)
+        if rp is None or rp.async_handler is None or not rp.optimize:
+            return None
+        entry = self._returns.get(id(rp))
+        if entry is None:
+            return "its asynchronous handler was not prepared"
+        fp = entry[1]
+        try:
+            plan = plan_return_captures(fp.spec, fp.resolvers)
+        except NotCapturable as exc:
+            return str(exc)
+        return self._record_action(site, area, so, plan, fp.with_regs, returns=True)
+
+    def _record_action(
+        self,
+        site: ProbeSite,
+        area: SharedArea,
+        so: SiteOpt,
+        plan: CapturePlan,
+        with_regs: bool,
+        *,
+        returns: bool = False,
+    ) -> RecordAction | str:
+        """A record action of ``plan`` for ``site`` (at its entry, or ``returns``: at its
+        return, which its trampoline counts), its record id kept while the plan holds."""
         if plan.reads_memory:
             # A bad pointer must give (fault): the tracer fixes such faults, and the rescue
             # once the tool is gone (faults.py). Without a rescue (seccomp) the program
             # is no worse off than with our int3s, which need it as much.
             self._injector.activate_fetch_faults()
-        with_regs = any(fp.with_regs for fp in fast)
         reader = self.ring_reader()
         if self._state.waits_when_full:
             self._hold_lease()
         if not reader.is_active:
             self._learn_all_threads(reader)
-        if so.record_id == 0 or so.plan != plan:
-            so.record_id, so.plan = reader.add_site(site, plan, with_regs), plan
+        known = reader.sites.get(so.record_id)
+        if known is None or so.plan != plan or known.with_regs != with_regs:
+            so.record_id = reader.add_site(site, plan, with_regs, is_return=returns)
+            so.plan = plan
         try:
             return RecordAction(
                 so.record_id,
@@ -290,7 +381,7 @@ class Recording:
                 with_regs=with_regs,
                 plan=plan,
                 cpu_id=_cpu_id(),
-                counter=counter,
+                counter=None if returns else area.counter_addr(so.counter),
                 may_wait=self._state.waits_when_full,
             )
         except InternalError as exc:  # a record larger than the ring's mirror

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Final
 
 from kprobes.arch.x86_64 import retstack as rs
 from kprobes.arch.x86_64.detour import Action
-from kprobes.arch.x86_64.record import ThreadId
+from kprobes.arch.x86_64.record import RecordAction, ThreadId
 from kprobes.core.retprobes import Kretprobe
 from kprobes.errors import InternalError, TargetError
 from kprobes.linux.syscalls import NR_MMAP
@@ -94,9 +94,10 @@ class ReturnStacks:
     shadow: int = 0  # the shadow stacks' mapping
     tramp_start: int = 0  # the trampolines' page
     tramp_used: int = 0
-    # Trampolines by what their code holds: (site address, its counters, unit, value bits);
+    # Trampolines by what their code holds: (site address, its counters, unit, value bits,
+    # the id of the record it writes: a new one for new captures);
     # the one each site's current detour writes (for ``unhook``).
-    trampolines: dict[tuple[int, int, int, int], int] = field(default_factory=dict)
+    trampolines: dict[tuple[int, int, int, int, int], int] = field(default_factory=dict)
     current: dict[int, int] = field(default_factory=dict)
     seen: dict[int, _Seen] = field(default_factory=dict)  # site address → its counters read
 
@@ -183,8 +184,11 @@ class FastReturns:
         self._stacks = stacks
         self._thread_id = thread_id
 
-    def action(self, site: ProbeSite, area: SharedArea, so: SiteOpt) -> Action | str:
-        """The entry action of a return site (its trampoline made once), or why none."""
+    def action(
+        self, site: ProbeSite, area: SharedArea, so: SiteOpt, record: RecordAction | None = None
+    ) -> Action | str:
+        """The entry action of a return site (its trampoline made once), or why none; with
+        ``record``, its trampoline also writes that record of each return."""
         rp = return_probe_of(site)
         if rp is None:
             raise InternalError(f"{site.addr:#x} is no return probe's entry")
@@ -197,7 +201,13 @@ class FastReturns:
         counters = area.counter_addr(so.counter)
         # A probe registered again at the site has new counters: a new trampoline (the old
         # one stays, for the frames still hooked to it).
-        key = (site.addr, counters, rp.duration_unit, rp.value_bits)
+        key = (
+            site.addr,
+            counters,
+            rp.duration_unit,
+            rp.value_bits,
+            record.probe_id if record else 0,
+        )
         tramp = stacks.trampolines.get(key, 0)
         ret_site = rs.ReturnSite(
             shadow=stacks.shadow,
@@ -209,15 +219,17 @@ class FastReturns:
             cap=cap,
             thread_id=self._thread_id,
             value_bits=rp.value_bits,
+            record=record,
         )
         if not tramp:
-            if stacks.tramp_used + rs.TRAMPOLINE_MAX > TRAMP_PAGE - MARK_SIZE:
-                return "no room left for another return trampoline (256 per process)"
             code = rs.build_trampoline(ret_site, max(1, tsc_mult() // max(1, rp.duration_unit)))
+            size = max(rs.TRAMPOLINE_MAX, -(-len(code) // 64) * 64)
+            if stacks.tramp_used + size > TRAMP_PAGE - MARK_SIZE:
+                return "no room left for another return trampoline (64 KiB of them per process)"
             for space in self._tracer.own_memories():
                 space.write(ret_site.trampoline, code)
             stacks.trampolines[key] = ret_site.trampoline
-            stacks.tramp_used += rs.TRAMPOLINE_MAX
+            stacks.tramp_used += size
             stacks.seen[site.addr] = _Seen(*self._read(area, so)[1:4])
         stacks.current[site.addr] = ret_site.trampoline
         return rs.RetEntryAction(ret_site)
@@ -277,4 +289,5 @@ class FastReturns:
         rp.nmissed += missed - seen.missed
         rp.nabandoned += abandoned - seen.abandoned
         seen.returns, seen.missed, seen.abandoned = returns, missed, abandoned
-        rp.note_hist(values[5:], total)
+        if rp.async_handler is None:  # a record probe's returns are its records
+            rp.note_hist(values[5:], total)

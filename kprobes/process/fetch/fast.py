@@ -8,9 +8,11 @@ reads, and it says it by lowering the very walk of the fetch tree that the evalu
 closures are made by (tree.py): a register is a ``Value`` capture, a word of memory a
 ``Bytes`` capture, in the order the walk asks for them, which is the order the closures
 read. ``+8(+16(%si)):u32`` reads ``rsi``, then 8 bytes at ``rsi+16``, then 4 bytes at that
-word plus 8. Whatever cannot be copied at the hit (``$retval``: return probes stay on traps;
-registers the detour does not save; ``$comm`` and immediates need nothing) is refused with
-the reason, and the probe keeps its trap.
+word plus 8. Whatever cannot be copied at the hit (``$retval`` at an entry; a return
+probe's ``$argN``, which the trap tier takes at the entry; registers the detour does not
+save; ``$comm`` and immediates need nothing) is refused with the reason, and the probe keeps
+its trap. A return probe's fetch-args are captured by its return trampoline
+(``plan_return_captures``), where ``$retval`` is rax.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final
 
 from kprobes.arch.x86_64.capture import (
+    ENTRY_TSC,
     REGISTERS,
     Bytes,
     CapturePlan,
@@ -31,7 +34,7 @@ from kprobes.arch.x86_64.capture import (
     Word,
 )
 from kprobes.errors import ProbeRejected, SymbolNotFound
-from kprobes.process.fetch.tree import Kind, address, kind_of, value
+from kprobes.process.fetch.tree import Kind, address, kind_of, reads_function_args, value
 from kprobes.spec import FetchArg, ProbeSpec, TypeSpec
 from kprobes.symbols.elf import did_you_mean
 
@@ -125,22 +128,48 @@ def file_resolver(symbols: Callable[[], SymbolResolver], path: str) -> Callable[
     return address
 
 
+class _ReturnPlanner(_Planner):
+    """At the return (a return trampoline's record): ``$retval`` is rax there."""
+
+    def retval(self) -> Src:
+        return self.register("rax", "$retval")
+
+
 def plan_captures(specs: Sequence[tuple[ProbeSpec, Resolver]]) -> CapturePlan:
     """One plan that captures what every spec's fetch-args read (each spec with the
     resolvers of its ``@symbol`` and file offsets); NotCapturable if one cannot be read at
     the hit."""
     planner = _Planner()
-    for spec, (resolve_data, file_addr) in specs:
+    for spec, resolvers in specs:
         if spec.is_return:
             raise NotCapturable("a return probe's event is made at the return, on traps")
-        for arg in spec.args:
-            fetch = arg.fetch
-            match kind_of(fetch):
-                case Kind.MEMORY:
-                    base, off = address(fetch, planner, resolve_data, file_addr)
-                    planner.memory(base, off, arg.effective_type)
-                case Kind.VALUE:
-                    value(fetch, planner, resolve_data, file_addr)
-                case Kind.COMM | Kind.TEXT:
-                    pass  # nothing of the program's to copy
+        _plan_args(planner, spec, resolvers)
     return planner.plan
+
+
+def plan_return_captures(spec: ProbeSpec, resolvers: Resolver) -> CapturePlan:
+    """What a return spec's fetch-args read at the return, captured by its trampoline, then
+    the real return address ("rip") and the call's entry time (``ENTRY_TSC``), which make
+    the event's ``(caller <- func)`` and its ``entry_timestamp``. NotCapturable for a
+    fetch-arg read at the entry (``$argN``: the trap tier's entry handler keeps it)."""
+    if any(reads_function_args(arg.fetch) for arg in spec.args):
+        raise NotCapturable("its $argN are read at the entry, which is a trap")
+    planner = _ReturnPlanner()
+    _plan_args(planner, spec, resolvers)
+    planner.plan.add(Value(Reg("rip")))
+    planner.plan.add(Value(Reg(ENTRY_TSC)))
+    return planner.plan
+
+
+def _plan_args(planner: _Planner, spec: ProbeSpec, resolvers: Resolver) -> None:
+    resolve_data, file_addr = resolvers
+    for arg in spec.args:
+        fetch = arg.fetch
+        match kind_of(fetch):
+            case Kind.MEMORY:
+                base, off = address(fetch, planner, resolve_data, file_addr)
+                planner.memory(base, off, arg.effective_type)
+            case Kind.VALUE:
+                value(fetch, planner, resolve_data, file_addr)
+            case Kind.COMM | Kind.TEXT:
+                pass  # nothing of the program's to copy
