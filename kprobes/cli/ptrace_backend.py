@@ -90,7 +90,8 @@ class GrowingPool(InstancePool):
 
 
 _RETURN_EVENTS_AT_TRAPS = (
-    "a return's event is made at a trap (in the program: only latency, and hist -H of $retval)"
+    "a return's event is made at a trap: its $argN are taken at the entry (in the program: "
+    "the fetch-args read at the return)"
 )
 
 
@@ -392,8 +393,9 @@ class PtraceBackend(Backend):
             proc.records.discard_records()
 
     def placement_notes(self) -> list[tuple[str, str]]:
-        """Probes that asked for a jump and keep their breakpoint, and return probes that
-        make events (the program writes no record of a return yet): (name, why)."""
+        """Probes that asked for a jump and keep their breakpoint, and return probes whose
+        events are made at traps (their $argN: the program records only the return):
+        (name, why)."""
         if not self.optimize:
             return []
         notes: dict[str, str] = {}  # one a probe, whichever process it keeps it in

@@ -10,7 +10,8 @@ the counter that ``nhit`` reads.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from kprobes.arch.x86_64 import shared_area as sa
@@ -136,6 +137,19 @@ class Recording:
             self._cpu = CpuReader(self.pid)
         self._returns[id(rp)] = (rp, fp)
 
+    @contextmanager
+    def returns_equipped(
+        self, rps: Sequence[Kretprobe], events: Mapping[Kretprobe, str]
+    ) -> Iterator[None]:
+        """Around the registration of ``rps``: those with an asynchronous handler prepared
+        first (``equip_returns``), forgotten if they end up unregistered."""
+        try:
+            self.equip_returns(rps, events)
+            yield
+        except BaseException:
+            self.forget([rp for rp in rps if not rp.is_registered])
+            raise
+
     def equip_returns(self, rps: Sequence[Kretprobe], events: Mapping[Kretprobe, str]) -> None:
         """Prepare the API's return probes with an asynchronous handler (a wrong fetch-arg
         raises SpecError here): the records of the fast tier, and at the return's trap the
@@ -145,7 +159,11 @@ class Recording:
                 if rp.args or rp in events or rp.with_regs:
                     raise UnsupportedOption(
                         "Process",
-                        f"args={' '.join(rp.args)!r}" if rp.args else "event or with_regs",
+                        f"args={' '.join(rp.args)!r}"
+                        if rp.args
+                        else f"event={events[rp]!r}"
+                        if rp in events
+                        else "with_regs=True",
                         "Kretprobe",
                         "its handler runs at the return with the live registers: read them "
                         "there (or give an async_handler)",
