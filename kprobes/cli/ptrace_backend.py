@@ -122,6 +122,7 @@ class PtraceBackend(Backend):
         self.block = getattr(args, "block", False)  # trace --block (recording.py)
         self.durations_unit: int = getattr(args, "durations_unit", 0)
         self.retval_bits: int = getattr(args, "retval_bits", 0)
+        self.linear: tuple[int, int, int] | None = getattr(args, "linear", None)
         self.attached: list[SpecTracer] = []  # the -p processes (or the -c command), in order
         try:
             for proc in procs:
@@ -151,6 +152,7 @@ class PtraceBackend(Backend):
             stack_depth=self.stack_depth,
             durations_unit=self.durations_unit,
             retval_bits=self.retval_bits,
+            linear=self.linear,
             batch=self.batch,
         )
 

@@ -167,6 +167,9 @@ class Kretprobe(EntryProbed):
         self.value_bits = 0
         self.hist_slots: tuple[int, ...] = ()
         self.hist_total = 0
+        # Linear buckets (low, high, step: bpftrace's lhist) in place of the log2 slots:
+        # ``hist_slots`` are then theirs (below low, the buckets, high and above).
+        self.linear: tuple[int, int, int] | None = None
         # The command line's: the handlers run only where the site keeps its trap; on the
         # optimized tier the program times the calls instead.
         self.handlers_on_traps_only = False

@@ -19,9 +19,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import field
 from typing import TYPE_CHECKING, Any
 
+from kprobes.arch.x86_64.retstack import Linear
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe, KretprobeInstance
-from kprobes.errors import ProbeRejected, SpecError
+from kprobes.errors import InternalError, ProbeRejected, SpecError
 from kprobes.model import ArgValue, Event
 from kprobes.process.fast.batch import BatchOutput
 from kprobes.process.fast.reader import FastProbe
@@ -94,6 +95,7 @@ class SpecTracer:
         batch: BatchOutputs | None = None,
         durations_unit: int = 0,
         retval_bits: int = 0,
+        linear: tuple[int, int, int] | None = None,
     ) -> None:
         self.proc = proc
         self.sink = sink
@@ -107,6 +109,9 @@ class SpecTracer:
         self.durations_unit = durations_unit if self.optimize else 0
         # ``hist -H`` of ``$retval``: its low 32 or 64 bits aggregated in the program.
         self.retval_bits = retval_bits if self.optimize else 0
+        # Either aggregated into linear buckets (low, high, step) rather than log2 slots,
+        # where the program can (values unsigned: low >= 0; at most LHIST_SLOTS_MAX slots).
+        self.linear = linear
         self.placed: list[PlacedSpec] = []
         self.lines: list[tuple[Kprobe | Kretprobe, str, LineHandler | None]] = []  # add()'s
         self.comm = CommCache(proc.pid)
@@ -270,6 +275,7 @@ class SpecTracer:
             rp.handlers_on_traps_only = True
             rp.duration_unit = self.durations_unit or 1
             rp.value_bits = self.retval_bits
+            rp.linear = self.linear if aggregates else None
         if rp.optimize and records:
             self._record_returns(rp, spec, where, fetcher)
         return PlacedSpec(spec, rp, entry_time=entry_time)
@@ -295,7 +301,13 @@ class SpecTracer:
 
     def _aggregates_in_place(self, fetcher: ArgFetcher) -> bool:
         """A return spec the program aggregates itself: ``latency``'s (no fetch-arg), or
-        ``hist -H``'s (its one fetch-arg, ``$retval``: the command checked it)."""
+        ``hist -H``'s (its one fetch-arg, ``$retval``: the command checked it); into linear
+        buckets only where the program can."""
+        if self.linear is not None:
+            try:
+                Linear(*self.linear)
+            except InternalError:
+                return False  # each return an event: the command aggregates them
         if self.retval_bits:
             return len(fetcher.args) == 1
         return bool(self.durations_unit) and not fetcher.args

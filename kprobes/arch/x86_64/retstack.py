@@ -86,6 +86,40 @@ C_SUM_NS: Final = 32
 C_HIST: Final = 64
 HIST_SLOTS: Final = 65
 COUNTERS_SIZE: Final = C_HIST + 8 * HIST_SLOTS  # 584 bytes
+# Then, for a linear histogram (bpftrace's lhist: ``Linear``), its slots in place of the
+# log2 ones: below ``low``, the buckets, ``high`` and above.
+C_LHIST: Final = COUNTERS_SIZE
+LHIST_SLOTS_MAX: Final = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Linear:
+    """Linear buckets of ``step`` from ``low`` to ``high`` (output/hist.py's
+    ``LinearHistogram``, slot for slot), for values compared unsigned: ``low`` >= 0."""
+
+    low: int
+    high: int
+    step: int
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.low < self.high < 1 << 63 and self.step >= 1):
+            raise InternalError(f"linear buckets {self}")
+        if self.nslots > LHIST_SLOTS_MAX:
+            raise InternalError(f"{self.nslots} linear slots")
+
+    @property
+    def nbuckets(self) -> int:
+        return (self.high - self.low) // self.step
+
+    @property
+    def nslots(self) -> int:
+        return self.nbuckets + 2
+
+
+def counters_size(linear: Linear | None) -> int:
+    """Bytes of a return probe's counters, with its linear slots if it has them."""
+    return COUNTERS_SIZE + (8 * linear.nslots if linear is not None else 0)
+
 
 TRAMPOLINE_MAX: Final = 512  # bytes of one trampoline, with room to spare
 RECORD_TRAMPOLINE_MAX: Final = 8192  # one that also writes a record (its captures' code)
@@ -127,6 +161,7 @@ class ReturnSite:
     thread_id: ThreadId = ThreadId.FSBASE
     value_bits: int = 0
     record: RecordAction | None = None
+    linear: Linear | None = None  # linear slots (at C_LHIST) in place of the log2 ones
 
     def __post_init__(self) -> None:
         if not 0 < self.cap <= CAPACITY:
@@ -369,9 +404,13 @@ def build_trampoline(site: ReturnSite, mult: int) -> bytes:
         # Step 4: what the probe aggregates, in rax.
         _emit_measure(b, site, mult, frame.offset("rax"))
         b.add(Instruction.create_mem_reg(Code.ADD_RM64_R64, at(R11, C_SUM_NS), RAX), lock=True)
-        b.add(Instruction.create_reg_i32(Code.OR_RM64_IMM8, RAX, 1))
-        b.add(Instruction.create_reg_reg(Code.BSR_R64_RM64, RCX, RAX))
-        hist = MemoryOperand(R11, RCX, 8, C_HIST + 8, 1)  # slot bsr + 1: bcc's bit length
+        if site.linear is not None:
+            _emit_linear_slot(b, site.linear)
+            hist = MemoryOperand(R11, RCX, 8, C_LHIST, 1)
+        else:
+            b.add(Instruction.create_reg_i32(Code.OR_RM64_IMM8, RAX, 1))
+            b.add(Instruction.create_reg_reg(Code.BSR_R64_RM64, RCX, RAX))
+            hist = MemoryOperand(R11, RCX, 8, C_HIST + 8, 1)  # slot bsr + 1: bcc's bit length
         b.add(Instruction.create_mem(Code.INC_RM64, hist), lock=True)
     b.label("home")
     b.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDI, T_BUSY), 0))
@@ -389,6 +428,29 @@ def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     if len(code) > limit:
         raise InternalError(f"a trampoline of {len(code)} bytes")
     return code
+
+
+def _emit_linear_slot(b: Block, linear: Linear) -> None:
+    """rcx = the linear slot of the value in rax (unsigned): 0 below ``low``, ``nslots - 1``
+    from ``high`` on, else ``(value - low) // step + 1``. Clobbers rax and rdx."""
+    _imm64(b, RDX, linear.low)
+    b.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, RAX, RDX))
+    b.branch(Code.JB_REL32_64, "lin_below")
+    _imm64(b, RCX, linear.high)
+    b.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, RAX, RCX))
+    b.branch(Code.JAE_REL32_64, "lin_above")
+    b.add(Instruction.create_reg_reg(Code.SUB_R64_RM64, RAX, RDX))
+    b.add(Instruction.create_reg_reg(Code.XOR_R32_RM32, Register.EDX, Register.EDX))
+    _imm64(b, RCX, linear.step)
+    b.add(Instruction.create_reg(Code.DIV_RM64, RCX))
+    b.add(Instruction.create_reg_mem(Code.LEA_R64_M, RCX, at(RAX, 1)))
+    b.branch(Code.JMP_REL32_64, "lin_slot")
+    b.label("lin_below")
+    b.add(Instruction.create_reg_reg(Code.XOR_R32_RM32, Register.ECX, Register.ECX))
+    b.branch(Code.JMP_REL32_64, "lin_slot")
+    b.label("lin_above")
+    b.add(Instruction.create_reg_u32(Code.MOV_R32_IMM32, Register.ECX, linear.nslots - 1))
+    b.label("lin_slot")
 
 
 def _emit_lost(b: Block) -> None:

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Final
 
 from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64.decode import MAX_INSN_LEN
-from kprobes.arch.x86_64.detour import build_detour
+from kprobes.arch.x86_64.detour import Action, build_detour
 from kprobes.arch.x86_64.jumpopt import Refusal, find_region
 from kprobes.arch.x86_64.plan import SLOT_SIZE
 from kprobes.arch.x86_64.record import RecordAction
@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from kprobes.process.engine.tracer import Tracer
     from kprobes.process.fast.memory import DetourMemory
     from kprobes.process.fast.recording import Recording
-    from kprobes.process.fast.state import JumpState
+    from kprobes.process.fast.state import JumpState, SharedArea
     from kprobes.process.inject.program import ProgramCalls
 
 _DETOUR_ALIGN: Final = 16
@@ -227,21 +227,16 @@ class Optimizer:
             return
         # Step 4: the counter, the action, then the detour, written before the jump to it.
         try:
-            is_return = return_probe_of(site) is not None
+            rp = return_probe_of(site)
             if so.counter < 0:
-                need = returns.NCOUNTERS if is_return else 1
+                need = 1 if rp is None else returns.counters_needed(rp)
                 so.area = self._memory.area(addr, need)
                 area = self._state.areas[so.area]
                 so.counter, area.next_counter = area.next_counter, area.next_counter + need
                 so.seen = sa.read_counter(area.view, so.counter)
             area = self._state.areas[so.area]
-            if is_return:
-                record = self._recording.return_record(site, area, so)
-                action = (
-                    record
-                    if isinstance(record, str)
-                    else self._returns.action(site, area, so, record)
-                )
+            if rp is not None:
+                action = self._return_action(site, area, so)
             elif any(isinstance(p.owner, UnwindUnhook) for p in site.probes):
                 action = self._returns.unhook_action(site, area, so)
             else:
@@ -273,6 +268,12 @@ class Optimizer:
         self._tracer.breakpoints.patch_jump(spaces, addr, detour.patch, region.original[:5])
         so.detour, so.region_len = at, region.length
         so.to(OptState.OPTIMIZED)
+
+    def _return_action(self, site: ProbeSite, area: SharedArea, so: SiteOpt) -> Action | str:
+        """A return probe's entry action, its trampoline writing a record of each return if
+        the probe has an asynchronous handler (recording.py), else aggregating."""
+        record = self._recording.return_record(site, area, so)
+        return record if isinstance(record, str) else self._returns.action(site, area, so, record)
 
     def _shield_site(self, addr: int, original: bytes) -> str | None:
         """Cover the jump's pages in every address space with a copy of the code (shield.py);

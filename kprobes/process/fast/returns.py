@@ -49,6 +49,17 @@ if TYPE_CHECKING:
 
 # Counters a return site takes in its area (64 bytes apart): the block ``rs.COUNTERS_SIZE``.
 NCOUNTERS: Final = -(-rs.COUNTERS_SIZE // 64)
+
+
+def counters_needed(rp: Kretprobe) -> int:
+    """Counters (64 bytes) ``rp``'s return site takes: its block, and its linear slots."""
+    return -(-rs.counters_size(linear_of(rp)) // 64)
+
+
+def linear_of(rp: Kretprobe) -> rs.Linear | None:
+    return None if rp.linear is None else rs.Linear(*rp.linear)
+
+
 TRAMP_PAGE: Final = 0x10000
 _MAP_PRIVATE_ANON_NORESERVE: Final = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000
 _Q2 = struct.Struct("<QQ")
@@ -95,9 +106,11 @@ class ReturnStacks:
     tramp_start: int = 0  # the trampolines' page
     tramp_used: int = 0
     # Trampolines by what their code holds: (site address, its counters, unit, value bits,
-    # the id of the record it writes: a new one for new captures);
+    # the id of the record it writes, its linear buckets);
     # the one each site's current detour writes (for ``unhook``).
-    trampolines: dict[tuple[int, int, int, int, int], int] = field(default_factory=dict)
+    trampolines: dict[tuple[int, int, int, int, int, tuple[int, int, int] | None], int] = field(
+        default_factory=dict
+    )
     current: dict[int, int] = field(default_factory=dict)
     seen: dict[int, _Seen] = field(default_factory=dict)  # site address → its counters read
 
@@ -207,6 +220,7 @@ class FastReturns:
             rp.duration_unit,
             rp.value_bits,
             record.probe_id if record else 0,
+            rp.linear,
         )
         tramp = stacks.trampolines.get(key, 0)
         ret_site = rs.ReturnSite(
@@ -220,6 +234,7 @@ class FastReturns:
             thread_id=self._thread_id,
             value_bits=rp.value_bits,
             record=record,
+            linear=linear_of(rp),
         )
         if not tramp:
             code = rs.build_trampoline(ret_site, max(1, tsc_mult() // max(1, rp.duration_unit)))
@@ -230,7 +245,7 @@ class FastReturns:
                 space.write(ret_site.trampoline, code)
             stacks.trampolines[key] = ret_site.trampoline
             stacks.tramp_used += size
-            stacks.seen[site.addr] = _Seen(*self._read(area, so)[1:4])
+            stacks.seen[site.addr] = _Seen(*self._read(area, so, rp)[1:4])
         stacks.current[site.addr] = ret_site.trampoline
         return rs.RetEntryAction(ret_site)
 
@@ -265,13 +280,18 @@ class FastReturns:
         stacks.shadow = result
 
     @staticmethod
-    def _read(area: SharedArea, so: SiteOpt) -> tuple[int, ...]:
-        """(hits, returns, missed, abandoned, sum of ns, then the 64 histogram slots)."""
+    def _read(area: SharedArea, so: SiteOpt, rp: Kretprobe) -> tuple[int, ...]:
+        """(hits, returns, missed, abandoned, sum of ns, then the histogram's slots: the
+        65 log2 ones, or ``rp``'s linear ones)."""
         base = area.layout.counter_offset(so.counter)
         view = area.view
+        linear = linear_of(rp)
         try:
             head = struct.unpack_from("<5Q", view, base)
-            hist = struct.unpack_from(f"<{rs.HIST_SLOTS}Q", view, base + rs.C_HIST)
+            if linear is None:
+                hist = struct.unpack_from(f"<{rs.HIST_SLOTS}Q", view, base + rs.C_HIST)
+            else:
+                hist = struct.unpack_from(f"<{linear.nslots}Q", view, base + rs.C_LHIST)
         finally:
             view.release()
         return head + hist
@@ -283,7 +303,7 @@ class FastReturns:
         seen = self._stacks.seen.get(site.addr)
         if rp is None or seen is None:
             return
-        values = self._read(area, so)
+        values = self._read(area, so, rp)
         _, returns, missed, abandoned, total = values[:5]
         rp.nhit += returns - seen.returns
         rp.nmissed += missed - seen.missed
