@@ -74,6 +74,32 @@ def test_trace_block_keeps_every_record_of_returns(rets):
     assert f"{n} events, {n} hits, 0 missed, 0 dropped" in r.stderr
 
 
+def test_block_when_full_keeps_every_return_through_a_small_ring(spawn, rets, tmp_path):
+    """A ring of 128 records and 4 threads returning 16,160 times: each return that finds
+    the ring full waits for the reader (the wait of an entry's record, ``--block``), none
+    is dropped, and every return of each thread comes in the order it returned."""
+    argv = [rets, "threads", 4, 40, 100]
+    proc, out = start(spawn, tmp_path, argv)
+    proc.records.ring_size = 8192
+    proc.records.block_when_full = True
+    seen: list[tuple[int, int]] = []
+    rp = Kretprobe(
+        symbol="rec",
+        optimize=True,
+        async_handler=lambda _, ev: seen.append((ev.tid, ev.args[0].value)),
+        args="ret=$retval:u64",
+    )
+    proc.register_kretprobe(rp)
+    assert optimized(proc, rp)
+    run_to_exit(proc, timeout=300)
+    assert out.read_bytes() == support.reference_output(argv)
+    n = 4 * 40 * 101
+    assert len(seen) == rp.nhit == n and proc.dropped == 0
+    descent = [k * (k + 1) // 2 for k in range(101)]
+    for tid in {tid for tid, _ in seen}:
+        assert [v for t, v in seen if t == tid] == descent * 40
+
+
 def test_record_and_script_of_returns_in_the_program(rets, tmp_path):
     argv = [rets, "names", 6]
     spec = "r name_of s=+0($retval):string"
