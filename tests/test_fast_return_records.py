@@ -10,13 +10,14 @@ their calls computed, so an unchanged output says every return reached its calle
 from __future__ import annotations
 
 import re
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import support
-from test_fast_returns import optimized
+from test_fast_returns import optimized, probed_by_a_driver
 from test_retprobes import run_to_exit, start
 
 from kprobes import Kretprobe
@@ -180,3 +181,23 @@ def test_an_async_handler_does_not_go_with_synchronous_handlers(spawn, rets, tmp
         proc.register_kretprobe(Kretprobe(symbol="leaf", handler=print), ["x=$retval"])
     assert not proc.list()
     run_to_exit(proc)
+
+
+def test_tool_killed_with_recording_returns_pending_leaves_a_working_program(popen, rets):
+    """51 frames hooked to a trampoline that writes a record of each return, with a fetch
+    that faults (``+0($retval)`` of small numbers), then SIGKILL of the tool: the returns
+    still reach their callers, the faults are the rescue's, and the program's output is
+    its own."""
+    depth = 50
+    spec = "rec_block@ret=$retval bad=+0($retval):u64 s=+0(%ax):string"
+    prog, driver = probed_by_a_driver(popen, [rets, "waitblock", depth], spec)
+    assert prog.stdin is not None and prog.stdout is not None
+    prog.stdin.write(b"go\n")
+    prog.stdin.flush()
+    assert support.read_line(prog.stdout.fileno(), timeout=20) == b"bottom\n"
+    driver.send_signal(signal.SIGKILL)
+    driver.wait(timeout=10)
+    out, err = prog.communicate(b"go\n", timeout=30)
+    assert prog.returncode == 0, err.decode()[-2000:]
+    want = depth * (depth + 1) // 2
+    assert out == f"block={want + 1}\nrec={want}\n".encode()
