@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     maxactive = str(args.maxactive) if args.maxactive > 0 else ""
     spec = parse_spec(f"r{maxactive} {args.function}")
     # The program times the calls itself, in this unit (ns per unit), unless each call must
-    # be an event of its own: a filter to apply, a number of events to stop at.
+    # be an event of its own (a filter to apply, a number of events to stop at): then its
+    # trampoline writes a record of each return, with the entry's time (fast/returns.py).
     in_place = args.filter is None and args.max_events is None
     args.durations_unit = int(1e9 / scale) if in_place else 0
     session = Session(args, [spec])
