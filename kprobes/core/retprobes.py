@@ -150,7 +150,9 @@ class Kretprobe(EntryProbed):
         super().__init__(symbol, offset, addr, disabled)
         self.kp.optimize = optimize
         self.async_handler = async_handler  # the records of the returns (after the fact)
-        self.args: tuple[str, ...] = (args,) if isinstance(args, str) else tuple(args)
+        self.args: tuple[str, ...] = (
+            ((args,) if args else ()) if isinstance(args, str) else tuple(args)
+        )
         self.with_regs = with_regs  # the async_handler's Event carries the registers
         self.handler = handler
         self.entry_handler = entry_handler
