@@ -72,7 +72,7 @@ def add_parser(sub: Any, help: str) -> None:
         "the kernel's default with --kernel); timed in the program, calls nested in one "
         "thread (default 16384)",
     )
-    add_linear_argument(p, "the durations")
+    add_linear_argument(p, "the durations (ns, or the unit -u or -m chooses)")
     add_interval_argument(p, "the histogram")
     p.set_defaults(func=run)
 
