@@ -47,8 +47,9 @@ def event_lines(stdout: str, output: bytes) -> list[str]:
         ("names 9", "r name_of s=+0($retval):string n=$retval:s8 c=+1($retval):char", 9),
         ("rec 30", "r rec ret=$retval:s32 ax=%ax bx=%bx bad=+0($retval):u64", 31),
         ("threads 4 3 40", "r rec ret=$retval:u64 at=%ip:symbol", 4 * 3 * 41),
+        ("threads 2 3 30", "r rec n=$arg1 ret=$retval:s32 m=$arg1:s8 k=$arg1:symbol", 186),
     ],
-    ids=["strings", "registers", "threads"],
+    ids=["strings", "registers", "threads", "entry-arg"],
 )
 def test_trace_of_returns_in_the_program_prints_the_trap_tiers_lines(rets, command, spec, n):
     argv = [rets, *command.split()]
@@ -125,7 +126,7 @@ def returns_of(spawn: Any, rets: Path, tmp_path: Path, *, fast: bool) -> tuple[K
         symbol="rec",
         optimize=True,
         async_handler=lambda probe, ev: events.append((probe, ev)),
-        args="ret=$retval:s64",
+        args="ret=$retval:s64 n=$arg1:u32",
         with_regs=True,
         maxactive=64,  # on traps the default is the document's max(10, 2 * threads)
     )
@@ -150,6 +151,7 @@ def test_kretprobe_async_handler_gets_each_return_after_the_fact(spawn, rets, tm
     # rec(0) returns first, rec(30) last: n(n+1)/2, in the order they returned.
     assert [ev.args[0].value for ev in evs] == [k * (k + 1) // 2 for k in range(31)]
     assert [ev.args[0].name for ev in evs] == ["ret"] * 31
+    assert [ev.args[1].value for ev in evs] == list(range(31))  # $arg1, kept at the entry
     for ev in evs:
         assert ev.is_return and ev.func == "rec" and ev.func_ip == rp.addr
         assert ev.regs is not None and ev.regs.rax == ev.args[0].value and ev.regs.rip == ev.ip

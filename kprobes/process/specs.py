@@ -261,7 +261,7 @@ class SpecTracer:
                 handler(ri, made)
 
         aggregates = self._aggregates_in_place(fetcher)
-        records = self.optimize and not aggregates and not fetcher.has_entry_args
+        records = self.optimize and not aggregates
         rp = Kretprobe(
             symbol=where.symbol,
             offset=where.offset,

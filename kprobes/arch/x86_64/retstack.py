@@ -44,7 +44,7 @@ from typing import Final
 
 from iced_x86 import Code, Instruction, MemoryOperand, Register, Register_
 
-from kprobes.arch.x86_64.capture import ENTRY_TSC
+from kprobes.arch.x86_64.capture import ENTRY_ARG, ENTRY_TSC
 from kprobes.arch.x86_64.detour import EFLAGS, Block, Frame, at, mov_load, mov_store
 from kprobes.arch.x86_64.record import RecordAction, ThreadId
 from kprobes.errors import InternalError
@@ -63,6 +63,7 @@ T_ENTRIES: Final = 64
 E_RET: Final = 0
 E_STACK: Final = 8
 E_TSC: Final = 16
+E_ARG: Final = 24  # a return record's one $argN register, kept at the entry (``entry_reg``)
 ENTRY: Final = 32
 # Then the released entries' (return slot, return address), the last LOST_MAX, so that a
 # frame released wrongly (a stack switched under it: coroutines, a signal stack above the
@@ -161,6 +162,7 @@ class ReturnSite:
     thread_id: ThreadId = ThreadId.FSBASE
     value_bits: int = 0
     record: RecordAction | None = None
+    entry_reg: str = ""  # a register the entry keeps for the record (its $argN), or ""
     linear: Linear | None = None  # linear slots (at C_LHIST) in place of the log2 ones
 
     def __post_init__(self) -> None:
@@ -168,6 +170,8 @@ class ReturnSite:
             raise InternalError(f"a return probe's cap {self.cap} is not 1..{CAPACITY}")
         if self.value_bits not in (0, 32, 64):
             raise InternalError(f"a return value of {self.value_bits} bits")
+        if self.entry_reg and (self.record is None or self.entry_reg not in _SAVED_NAMES):
+            raise InternalError(f"an entry register {self.entry_reg!r} for no record")
 
 
 def _imm64(block: Block, reg: Register_, value: int) -> None:
@@ -312,6 +316,9 @@ class RetEntryAction:
         block.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, RDX, 32))
         block.add(Instruction.create_reg_reg(Code.OR_R64_RM64, RAX, RDX))
         block.add(mov_store(R10, E_TSC, RAX))
+        if site.entry_reg:  # the program's, saved in the frame (the action clobbers it)
+            block.add(mov_load(RAX, Register.RSP, frame.offset(site.entry_reg)))
+            block.add(mov_store(R10, E_ARG, RAX))
         block.add(mov_store(RDI, T_DEPTH, RSI))
         _imm64(block, RAX, site.trampoline)
         block.add(mov_store(R8, 0, RAX))
@@ -351,7 +358,8 @@ def record_frame(site: ReturnSite) -> Frame:
     address (as "rip": the program's rip once the trampoline returns), the saved registers,
     and, with a record, rbx (the record's pointer), the flags and the call's entry time."""
     extra = ("rbx", EFLAGS, ENTRY_TSC) if site.record is not None else ()
-    return Frame(("rip", *_SAVED_NAMES, *extra), below=0)
+    kept = (ENTRY_ARG,) if site.entry_reg else ()
+    return Frame(("rip", *_SAVED_NAMES, *extra, *kept), below=0)
 
 
 def build_trampoline(site: ReturnSite, mult: int) -> bytes:
@@ -370,7 +378,8 @@ def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     if site.record is not None:
         b.add(Instruction.create_reg(Code.PUSH_R64, Register.RBX))
         b.add(Instruction.create(Code.PUSHFQ))
-        b.add(Instruction.create_reg(Code.PUSH_R64, RAX))
+        for _ in range(len(frame.words) - 1 - len(_SAVED) - 2):  # the entry's words
+            b.add(Instruction.create_reg(Code.PUSH_R64, RAX))
     # Step 2: the thread's stack; r8 = the return slot R, rsi = the depth.
     _emit_find(b, site, claim=False, missing="nowhere")
     b.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDI, T_BUSY), 1))
@@ -391,6 +400,9 @@ def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     if site.record is not None:
         b.add(mov_load(RAX, R10, E_TSC))
         b.add(mov_store(Register.RSP, frame.offset(ENTRY_TSC), RAX))
+        if site.entry_reg:
+            b.add(mov_load(RAX, R10, E_ARG))
+            b.add(mov_store(Register.RSP, frame.offset(ENTRY_ARG), RAX))
     _imm64(b, R11, site.counters)
     b.add(Instruction.create_mem(Code.INC_RM64, at(R11, C_RETURNS)), lock=True)
     if site.record is not None:
@@ -417,7 +429,8 @@ def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     # Step 5: the registers back, and home.
     b.label("restore")
     if site.record is not None:
-        b.add(Instruction.create_reg_mem(Code.LEA_R64_M, Register.RSP, at(Register.RSP, 16)))
+        kept = 8 * (len(frame.words) - 1 - len(_SAVED) - 1)  # all but rbx: the flags, the entry's
+        b.add(Instruction.create_reg_mem(Code.LEA_R64_M, Register.RSP, at(Register.RSP, kept)))
         b.add(Instruction.create_reg(Code.POP_R64, Register.RBX))
     for reg in reversed(_SAVED):
         b.add(Instruction.create_reg(Code.POP_R64, reg))

@@ -273,7 +273,9 @@ class Optimizer:
         """A return probe's entry action, its trampoline writing a record of each return if
         the probe has an asynchronous handler (recording.py), else aggregating."""
         record = self._recording.return_record(site, area, so)
-        return record if isinstance(record, str) else self._returns.action(site, area, so, record)
+        if record is None or isinstance(record, str):
+            return record or self._returns.action(site, area, so)
+        return self._returns.action(site, area, so, *record)
 
     def _shield_site(self, addr: int, original: bytes) -> str | None:
         """Cover the jump's pages in every address space with a copy of the code (shield.py);

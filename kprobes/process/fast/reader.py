@@ -47,14 +47,14 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from kprobes.arch.x86_64 import ring_block
 from kprobes.arch.x86_64 import shared_area as sa
-from kprobes.arch.x86_64.capture import ENTRY_TSC, Captured, CapturePlan
+from kprobes.arch.x86_64.capture import ENTRY_ARG, ENTRY_TSC, Captured, CapturePlan
 from kprobes.arch.x86_64.regs import REG_INDEX, Regs
 from kprobes.core.retprobes import Kretprobe
 from kprobes.linux.tsc import TscClock
 from kprobes.model import ArgValue, Event
 from kprobes.process.fast.batch import BatchOutput, Decoder, plan_decoder
 from kprobes.process.fetch.evaluate import ArgFetcher, CpuReader, Memory
-from kprobes.process.fetch.fast import Resolver, data_resolver, file_resolver
+from kprobes.process.fetch.fast import Resolver, data_resolver, entry_register, file_resolver
 from kprobes.spec import SymbolLocation, parse
 from kprobes.values import dataclass
 
@@ -468,6 +468,7 @@ class RingReader:
             for name, value in zip(sa.REG_ORDER, record.regs, strict=True):
                 words[REG_INDEX[name]] = value
         entered = captured.regs.pop(ENTRY_TSC, 0)
+        kept = captured.regs.pop(ENTRY_ARG, None)
         for name, value in captured.regs.items():
             words[REG_INDEX[name]] = value
         ip = words[REG_INDEX["rip"]] if rs.is_return else rs.site.addr
@@ -490,7 +491,8 @@ class RingReader:
             fp = fast_of(target)
             if fp is None:
                 continue
-            args = fp.fetcher.fetch(regs, memory)
+            at_entry = () if kept is None else _at_entry(fp, tid, kept, memory)
+            args = fp.fetcher.fetch(regs, memory, at_entry)
             event = Event(
                 fp.group, fp.event, fp.pid, tid, name, cpu, when, ip, location, args,
                 regs=snapshot if fp.with_regs else None, **returned,
@@ -500,6 +502,13 @@ class RingReader:
                 handler(target, event)
             except Exception as exc:  # raised from run(), as a trap handler's would be
                 self.table.park(exc)
+
+
+def _at_entry(fp: FastProbe, tid: int, kept: int, memory: Memory) -> tuple[ArgValue, ...]:
+    """A return record's ``$argN``: evaluated on the register its entry kept."""
+    regs = Regs(tid)
+    regs.words[REG_INDEX[entry_register(fp.spec)]] = kept
+    return fp.fetcher.entry(regs, memory)
 
 
 def record_targets(rs: RecordSite) -> list[Kprobe | Kretprobe]:

@@ -31,7 +31,12 @@ from kprobes.process.fast.reader import (
 )
 from kprobes.process.fast.returns import return_probe_of
 from kprobes.process.fetch.evaluate import CommCache, CpuReader, Memory, Symbolizer
-from kprobes.process.fetch.fast import NotCapturable, plan_captures, plan_return_captures
+from kprobes.process.fetch.fast import (
+    NotCapturable,
+    entry_register,
+    plan_captures,
+    plan_return_captures,
+)
 
 if TYPE_CHECKING:
     from kprobes.core.optimizer import SiteOpt
@@ -349,10 +354,11 @@ class Recording:
 
     def return_record(
         self, site: ProbeSite, area: SharedArea, so: SiteOpt
-    ) -> RecordAction | str | None:
+    ) -> tuple[RecordAction, str] | str | None:
         """The record the trampoline of the return probe whose entry is ``site`` writes of
-        each return (None: it writes none, it aggregates; a str says why the site cannot be
-        optimized): the return's fetch-args, its caller and its entry time."""
+        each return, and the register its entry keeps for it ("": none), or None (it
+        writes none, it aggregates), or why the site cannot be optimized: the return's
+        fetch-args, its caller, its entry time, its ``$argN``."""
         rp = return_probe_of(site)
         if rp is None or rp.async_handler is None or not rp.optimize:
             return None
@@ -362,9 +368,11 @@ class Recording:
         fp = entry[1]
         try:
             plan = plan_return_captures(fp.spec, fp.resolvers)
+            keeps = entry_register(fp.spec)
         except NotCapturable as exc:
             return str(exc)
-        return self._record_action(site, area, so, plan, fp.with_regs, returns=True)
+        record = self._record_action(site, area, so, plan, fp.with_regs, returns=True)
+        return record if isinstance(record, str) else (record, keeps)
 
     def _record_action(
         self,

@@ -106,10 +106,10 @@ class ReturnStacks:
     tramp_start: int = 0  # the trampolines' page
     tramp_used: int = 0
     # Trampolines by what their code holds: (site address, its counters, unit, value bits,
-    # the id of the record it writes, its linear buckets);
+    # the id of the record it writes, the entry's register for it, its linear buckets);
     # the one each site's current detour writes (for ``unhook``).
-    trampolines: dict[tuple[int, int, int, int, int, tuple[int, int, int] | None], int] = field(
-        default_factory=dict
+    trampolines: dict[tuple[int, int, int, int, int, str, tuple[int, int, int] | None], int] = (
+        field(default_factory=dict)
     )
     current: dict[int, int] = field(default_factory=dict)
     seen: dict[int, _Seen] = field(default_factory=dict)  # site address → its counters read
@@ -198,10 +198,16 @@ class FastReturns:
         self._thread_id = thread_id
 
     def action(
-        self, site: ProbeSite, area: SharedArea, so: SiteOpt, record: RecordAction | None = None
+        self,
+        site: ProbeSite,
+        area: SharedArea,
+        so: SiteOpt,
+        record: RecordAction | None = None,
+        entry_reg: str = "",
     ) -> Action | str:
         """The entry action of a return site (its trampoline made once), or why none; with
-        ``record``, its trampoline also writes that record of each return."""
+        ``record``, its trampoline writes that record of each return (and the entry keeps
+        ``entry_reg`` for it)."""
         rp = return_probe_of(site)
         if rp is None:
             raise InternalError(f"{site.addr:#x} is no return probe's entry")
@@ -220,6 +226,7 @@ class FastReturns:
             rp.duration_unit,
             rp.value_bits,
             record.probe_id if record else 0,
+            entry_reg,
             rp.linear,
         )
         tramp = stacks.trampolines.get(key, 0)
@@ -234,6 +241,7 @@ class FastReturns:
             thread_id=self._thread_id,
             value_bits=rp.value_bits,
             record=record,
+            entry_reg=entry_reg,
             linear=linear_of(rp),
         )
         if not tramp:

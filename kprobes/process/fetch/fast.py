@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final
 
 from kprobes.arch.x86_64.capture import (
+    ENTRY_ARG,
     ENTRY_TSC,
     REGISTERS,
     Bytes,
@@ -34,8 +35,15 @@ from kprobes.arch.x86_64.capture import (
     Word,
 )
 from kprobes.errors import ProbeRejected, SymbolNotFound
-from kprobes.process.fetch.tree import Kind, address, kind_of, reads_function_args, value
-from kprobes.spec import FetchArg, ProbeSpec, TypeSpec
+from kprobes.process.fetch.tree import (
+    ARG_REGS,
+    Kind,
+    address,
+    kind_of,
+    reads_function_args,
+    value,
+)
+from kprobes.spec import FetchArg, FunctionArg, ProbeSpec, TypeSpec
 from kprobes.symbols.elf import did_you_mean
 
 if TYPE_CHECKING:
@@ -150,21 +158,47 @@ def plan_captures(specs: Sequence[tuple[ProbeSpec, Resolver]]) -> CapturePlan:
 def plan_return_captures(spec: ProbeSpec, resolvers: Resolver) -> CapturePlan:
     """What a return spec's fetch-args read at the return, captured by its trampoline, then
     the real return address ("rip") and the call's entry time (``ENTRY_TSC``), which make
-    the event's ``(caller <- func)`` and its ``entry_timestamp``. NotCapturable for a
-    fetch-arg read at the entry (``$argN``: the trap tier's entry handler keeps it)."""
-    if any(reads_function_args(arg.fetch) for arg in spec.args):
-        raise NotCapturable("its $argN are read at the entry, which is a trap")
+    the event's ``(caller <- func)`` and its ``entry_timestamp``, and the register its
+    ``$argN`` names, which the entry kept (``ENTRY_ARG``, see ``entry_register``)."""
+    keeps = entry_register(spec)
     planner = _ReturnPlanner()
-    _plan_args(planner, spec, resolvers)
+    _plan_args(planner, spec, resolvers, at_return=True)
     planner.plan.add(Value(Reg("rip")))
     planner.plan.add(Value(Reg(ENTRY_TSC)))
+    if keeps:
+        planner.plan.add(Value(Reg(ENTRY_ARG)))
     return planner.plan
 
 
-def _plan_args(planner: _Planner, spec: ProbeSpec, resolvers: Resolver) -> None:
+def entry_register(spec: ProbeSpec) -> str:
+    """The argument register a return spec's ``$argN`` read at the entry, which its entry
+    keeps in the shadow stack for the return's record ("" if it has none); NotCapturable
+    for more than one register's worth: memory read at the entry (``+0($arg1)``), an
+    argument on the stack, two arguments."""
+    kept = set()
+    for arg in spec.args:
+        fetch = arg.fetch
+        if not reads_function_args(fetch):
+            continue
+        reads_memory = arg.effective_type.is_string or arg.effective_type.count is not None
+        if not isinstance(fetch, FunctionArg) or fetch.index > len(ARG_REGS) or reads_memory:
+            raise NotCapturable(
+                "a fetch-arg reads $argN's memory or stack at the entry, which is a trap"
+            )
+        kept.add(ARG_REGS[fetch.index - 1])
+    if len(kept) > 1:
+        raise NotCapturable("its $argN name two registers; the entry keeps one, others trap")
+    return kept.pop() if kept else ""
+
+
+def _plan_args(
+    planner: _Planner, spec: ProbeSpec, resolvers: Resolver, *, at_return: bool = False
+) -> None:
     resolve_data, file_addr = resolvers
     for arg in spec.args:
         fetch = arg.fetch
+        if at_return and reads_function_args(fetch):
+            continue  # taken at the entry (entry_register)
         match kind_of(fetch):
             case Kind.MEMORY:
                 base, off = address(fetch, planner, resolve_data, file_addr)
