@@ -89,10 +89,7 @@ class GrowingPool(InstancePool):
         return free.pop()
 
 
-_RETURN_EVENTS_AT_TRAPS = (
-    "a return's event is made at a trap: its $argN are taken at the entry (in the program: "
-    "the fetch-args read at the return)"
-)
+_RETURN_EVENTS_AT_TRAPS = "a return's event is made at a trap (its probe did not ask for a jump)"
 
 
 class PtraceBackend(Backend):
@@ -395,9 +392,8 @@ class PtraceBackend(Backend):
             proc.records.discard_records()
 
     def placement_notes(self) -> list[tuple[str, str]]:
-        """Probes that asked for a jump and keep their breakpoint, and return probes whose
-        events are made at traps (their $argN: the program records only the return):
-        (name, why)."""
+        """Probes that asked for a jump and keep their breakpoint (a return probe: its
+        entry), and return probes whose events are made at traps: (name, why)."""
         if not self.optimize:
             return []
         notes: dict[str, str] = {}  # one a probe, whichever process it keeps it in
