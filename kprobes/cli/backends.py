@@ -108,8 +108,8 @@ def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-optimize",
         action="store_true",
         help="ptrace backend: keep every probe on a breakpoint (by default a probe whose "
-        "entry site allows it is a jump to code in the program: no trap per hit; a return "
-        "probe's event is then written at the return, but for its $argN, taken at a trap)",
+        "entry site allows it is a jump to code in the program: no trap per hit, a return "
+        "probe's event written at the return, its $argN kept by the entry)",
     )
     parser.add_argument(
         "--follow-forks",
