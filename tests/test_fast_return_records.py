@@ -65,6 +65,27 @@ def test_trace_of_returns_in_the_program_prints_the_trap_tiers_lines(rets, comma
     assert f"{n} events, {n} hits, 0 missed, 0 dropped" in fast.stderr
 
 
+def test_entry_and_return_of_one_function_share_its_jump(rets):
+    """``'p rec' 'r rec'``: one site, one detour writing the entry's record then hooking
+    the return, whose trampoline writes the return's: in the order the trap tier prints
+    them (one thread), and no breakpoint."""
+    argv = [rets, "rec", 25]
+    specs = ["p rec k=%di", "r rec ret=$retval:s32 n=$arg1"]
+    output = support.reference_output(argv)
+    fast = support.cli("trace", "-c", " ".join(map(str, argv)), *specs)
+    traps = support.cli("trace", "--no-optimize", "-c", " ".join(map(str, argv)), *specs)
+    assert fast.returncode == traps.returncode == 0, fast.stderr + traps.stderr
+    assert "uses a breakpoint" not in fast.stderr
+
+    def in_order(stdout: str) -> list[str]:
+        text = support.without_output_of(stdout, output)
+        return [_PREFIX.sub("", line) for line in text.splitlines() if _PREFIX.match(line)]
+
+    lines = in_order(fast.stdout)
+    assert lines == in_order(traps.stdout) and len(lines) == 52
+    assert "52 events, 52 hits, 0 missed, 0 dropped" in fast.stderr
+
+
 def test_trace_block_keeps_every_record_of_returns(rets):
     """``--block``: a return that finds the ring full waits for the reader (the same wait
     as an entry's record), so every return of 16,160 is printed."""

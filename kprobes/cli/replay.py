@@ -140,6 +140,11 @@ class _Process:
             fp = FastProbe(p.spec, fetcher, False, memory, resolvers, p.pid, p.group, p.event)
             if self.batches is not None:
                 fp.batch = self.batches(p.spec)
+            if p.spec.is_return:  # records of returns: to the return probe whose entry it is
+                rp = Kretprobe(addr=info.addr, async_handler=self._deliver)
+                self.fast[id(rp)] = fp
+                site.probes.append(rp.kp)
+                continue
             kp = Kprobe(addr=info.addr, async_handler=self._deliver)
             self.fast[id(kp)] = fp
             site.probes.append(kp)
@@ -147,7 +152,7 @@ class _Process:
         is_return = any(p.spec.is_return for p in info.probes)  # written by a trampoline
         self.reader.sites[info.rid] = RecordSite(site, info.plan, info.with_regs, is_return)
 
-    def _deliver(self, kp: Kprobe, ev: Event) -> None:
+    def _deliver(self, kp: Kprobe | Kretprobe, ev: Event) -> None:
         self.sink(ev)
 
     def clock(self, segments: list[list[Any]]) -> None:

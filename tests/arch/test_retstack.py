@@ -150,3 +150,28 @@ def test_the_entry_keeps_the_register_a_return_record_asks_for() -> None:
     assert f"mov [r10+{rs.E_ARG:X}h],rax" in instrs
     with pytest.raises(InternalError):
         rs.ReturnSite(SHADOW, TRAMP, TRAMP, 0x10000, 0, COUNTERS, entry_reg="rsi")  # no record
+
+
+def test_an_entry_record_and_the_hook_share_one_detour() -> None:
+    """``Actions``: the entry's record first, then the hook; their labels ("full", "done",
+    "drop" in both) kept apart, the registers either clobbers saved."""
+    from kprobes.arch.x86_64.detour import Actions
+
+    code = bytes.fromhex("554889e54883ec10c9c3")
+    region = find_region(code, 0x40_1000, 0x40_1000, len(code))
+    assert not isinstance(region, str)
+    from kprobes.arch.x86_64.capture import CapturePlan, Reg, Value
+    from kprobes.arch.x86_64.record import RecordAction
+
+    ring_record = _record_site().record
+    assert ring_record is not None
+    plan = CapturePlan()
+    plan.add(Value(Reg("rdi")))
+    record = RecordAction(4, ring_record.ring, with_regs=False, plan=plan, counter=None)
+    both = Actions((record, rs.RetEntryAction(SITE)))
+    assert set(both.clobbers) == set(record.clobbers) | set(rs.RetEntryAction(SITE).clobbers)
+    detour = build_detour(0x5000_2000, region, both)  # type: ignore[arg-type]
+    instrs = text(listing(detour.code, 0x5000_2000))
+    commit = next(i for i, t in enumerate(instrs) if t.startswith("lock cmpxchg"))
+    hook = instrs.index(f"mov rax,{TRAMP:X}h")
+    assert commit < hook

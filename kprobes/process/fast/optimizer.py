@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Final
 
 from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64.decode import MAX_INSN_LEN
-from kprobes.arch.x86_64.detour import Action, build_detour
+from kprobes.arch.x86_64.detour import Action, Actions, build_detour
 from kprobes.arch.x86_64.jumpopt import Refusal, find_region
 from kprobes.arch.x86_64.plan import SLOT_SIZE
 from kprobes.arch.x86_64.record import RecordAction
@@ -70,6 +70,17 @@ if TYPE_CHECKING:
     from kprobes.process.inject.program import ProgramCalls
 
 _DETOUR_ALIGN: Final = 16
+
+
+def _writes_records(action: Action) -> bool:
+    """The action writes records into its area's ring (an entry's, or a return's)."""
+    if isinstance(action, Actions):
+        return any(map(_writes_records, action.actions))
+    if isinstance(action, RetEntryAction):
+        return action.site.record is not None
+    return isinstance(action, RecordAction)
+
+
 # The longest region a jump displaces: whole instructions over its five bytes, the last of
 # which may begin at the fifth.
 _REGION_MAX: Final = JUMP_LEN - 1 + MAX_INSN_LEN
@@ -244,9 +255,7 @@ class Optimizer:
             if isinstance(action, str):
                 so.to(OptState.REFUSED, action)
                 return
-            if isinstance(action, RecordAction) or (
-                isinstance(action, RetEntryAction) and action.site.record is not None
-            ):
+            if _writes_records(action):
                 self._memory.fault_in_ring(so.area)
             page = self._memory.detour_page(addr)
             at = page.start + page.used
@@ -272,10 +281,13 @@ class Optimizer:
     def _return_action(self, site: ProbeSite, area: SharedArea, so: SiteOpt) -> Action | str:
         """A return probe's entry action, its trampoline writing a record of each return if
         the probe has an asynchronous handler (recording.py), else aggregating."""
+        entry = self._recording.entry_record(site, area, so, counted=False)
         record = self._recording.return_record(site, area, so)
-        if record is None or isinstance(record, str):
-            return record or self._returns.action(site, area, so)
-        return self._returns.action(site, area, so, *record)
+        if isinstance(entry, str) or isinstance(record, str):
+            return entry if isinstance(entry, str) else str(record)
+        hook = self._returns.action(site, area, so, *(record or ()))
+        # An entry probe's record shares the site: first the record, then the hook.
+        return hook if entry is None or isinstance(hook, str) else Actions((entry, hook))
 
     def _shield_site(self, addr: int, original: bytes) -> str | None:
         """Cover the jump's pages in every address space with a copy of the code (shield.py);

@@ -49,6 +49,7 @@ from kprobes.arch.x86_64 import ring_block
 from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64.capture import ENTRY_ARG, ENTRY_TSC, Captured, CapturePlan
 from kprobes.arch.x86_64.regs import REG_INDEX, Regs
+from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe
 from kprobes.linux.tsc import TscClock
 from kprobes.model import ArgValue, Event
@@ -59,7 +60,6 @@ from kprobes.spec import SymbolLocation, parse
 from kprobes.values import dataclass
 
 if TYPE_CHECKING:
-    from kprobes.core.probes import Kprobe
     from kprobes.core.retprobes import KretprobeInstance, RetHandler
     from kprobes.core.table import ProbeSite, ProbeTable
     from kprobes.spec import ProbeSpec
@@ -516,9 +516,8 @@ def record_targets(rs: RecordSite) -> list[Kprobe | Kretprobe]:
     the records of returns, the return probes whose entry its probes are."""
     out: list[Kprobe | Kretprobe] = []
     for probe in rs.site.active:
-        owner = probe.owner if rs.is_return else None
-        target = owner if isinstance(owner, Kretprobe) else probe
-        if target.async_handler is not None:
+        target = probe.owner if rs.is_return else probe
+        if isinstance(target, Kprobe | Kretprobe) and target.async_handler is not None:
             out.append(target)
     return out
 

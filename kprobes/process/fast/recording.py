@@ -339,18 +339,27 @@ class Recording:
     def action(self, site: ProbeSite, area: SharedArea, so: SiteOpt) -> Action | str:
         """The site's action: a count, or a record if a probe has an asynchronous handler
         (then also the count); a str says why the site cannot be optimized."""
-        counter = area.counter_addr(so.counter)
+        record = self.entry_record(site, area, so)
+        return CountAction(area.counter_addr(so.counter)) if record is None else record
+
+    def entry_record(
+        self, site: ProbeSite, area: SharedArea, so: SiteOpt, *, counted: bool = True
+    ) -> RecordAction | str | None:
+        """The record of a hit of the site's probes with an asynchronous handler (None:
+        none has one), also counting it unless the site counts its hits otherwise (a
+        return probe's entry: ``counted`` off); a str says why it cannot be made."""
         wanted = [p for p in site.probes if p.async_handler is not None]
         fast = [fp for fp in map(self.fast_of, wanted) if fp is not None]
         if len(fast) < len(wanted):
             return "its asynchronous handler was not prepared"
         if not fast:
-            return CountAction(counter)
+            return None
         try:
             plan = plan_captures([(fp.spec, fp.resolvers) for fp in fast])
         except NotCapturable as exc:
             return str(exc)
-        return self._record_action(site, area, so, plan, any(fp.with_regs for fp in fast))
+        with_regs = any(fp.with_regs for fp in fast)
+        return self._record_action(site, area, so, plan, with_regs, counted=counted)
 
     def return_record(
         self, site: ProbeSite, area: SharedArea, so: SiteOpt
@@ -383,9 +392,11 @@ class Recording:
         with_regs: bool,
         *,
         returns: bool = False,
+        counted: bool = True,
     ) -> RecordAction | str:
         """A record action of ``plan`` for ``site`` (at its entry, or ``returns``: at its
-        return, which its trampoline counts), its record id kept while the plan holds."""
+        return, which its trampoline counts), its record id kept while the plan holds; it
+        counts the hit too if ``counted`` (and not ``returns``)."""
         if plan.reads_memory:
             # A bad pointer must give (fault): the tracer fixes such faults, and the rescue
             # once the tool is gone (faults.py). Without a rescue (seccomp) the program
@@ -396,18 +407,22 @@ class Recording:
             self._hold_lease()
         if not reader.is_active:
             self._learn_all_threads(reader)
-        known = reader.sites.get(so.record_id)
-        if known is None or so.plan != plan or known.with_regs != with_regs:
-            so.record_id = reader.add_site(site, plan, with_regs, is_return=returns)
-            so.plan = plan
+        rid, held = (so.return_id, so.return_plan) if returns else (so.record_id, so.plan)
+        known = reader.sites.get(rid)
+        if known is None or held != plan or known.with_regs != with_regs:
+            rid = reader.add_site(site, plan, with_regs, is_return=returns)
+            if returns:
+                so.return_id, so.return_plan = rid, plan
+            else:
+                so.record_id, so.plan = rid, plan
         try:
             return RecordAction(
-                so.record_id,
+                rid,
                 area.layout.ring_at(area.addr),
                 with_regs=with_regs,
                 plan=plan,
                 cpu_id=_cpu_id(),
-                counter=None if returns else area.counter_addr(so.counter),
+                counter=area.counter_addr(so.counter) if counted and not returns else None,
                 may_wait=self._state.waits_when_full,
             )
         except InternalError as exc:  # a record larger than the ring's mirror
