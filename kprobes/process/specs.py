@@ -261,7 +261,8 @@ class SpecTracer:
                 handler(ri, made)
 
         aggregates = self._aggregates_in_place(fetcher)
-        records = self.optimize and not aggregates
+        # ``count`` makes no event of a return: its returns stay counted at traps, as before.
+        records = self.optimize and not aggregates and not self.count_only
         rp = Kretprobe(
             symbol=where.symbol,
             offset=where.offset,
