@@ -51,6 +51,7 @@ from kprobes.arch.x86_64.capture import ENTRY_ARG, ENTRY_TSC, Captured, CaptureP
 from kprobes.arch.x86_64.regs import REG_INDEX, Regs
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe
+from kprobes.errors import ProbeError
 from kprobes.linux.tsc import TscClock
 from kprobes.model import ArgValue, Event
 from kprobes.process.fast.batch import BatchOutput, Decoder, plan_decoder
@@ -437,7 +438,13 @@ class RingReader:
         self, rs: RecordSite, kp: Kprobe, fp: FastProbe, slots: int
     ) -> Batcher | None:
         assert self._clock is not None and fp.batch is not None
-        plan = plan_decoder(fp.spec, fp.resolvers, rs.plan, rs.site.addr)
+        try:
+            plan = plan_decoder(fp.spec, fp.resolvers, rs.plan, rs.site.addr)
+        except ProbeError:
+            # Its @symbol asked of a program that is gone (a short one, its records read
+            # after its exit): each event then goes through the handler, whose fetcher
+            # resolved it at placing.
+            return None
         if plan is None:
             return None
         line = fp.batch.writer(plan.layout(fp.group, fp.event, fp.pid, self.comm))
