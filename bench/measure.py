@@ -45,10 +45,15 @@ class Cell:
     samples: list[Sample] = field(default_factory=list)
     baseline_ns: float | None = None
     error: str | None = None
+    hits_per_call: int = 1  # the site's calls in one call of the target's loop (nest rows)
+
+    @property
+    def expected_hits(self) -> int:
+        return self.calls * self.hits_per_call
 
     @property
     def bad_counts(self) -> list[int]:
-        return [s.hits for s in self.samples if s.hits != self.calls]
+        return [s.hits for s in self.samples if s.hits != self.expected_hits]
 
     @property
     def with_ns(self) -> float | None:
@@ -159,7 +164,7 @@ def measure_row(
     progress: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
 ) -> RowResult:
     """Measure one row in both placements; failures end up in the cells, never raised."""
-    cells = {p: Cell(placement=p, calls=calls) for p in PLACEMENTS}
+    cells = {p: Cell(placement=p, calls=calls, hits_per_call=row.hits_per_call) for p in PLACEMENTS}
     result = RowResult(row=row, runs=runs, calls=calls, cells=cells)
     try:
         for placement, cell in cells.items():

@@ -41,6 +41,7 @@ class Row:
     variant: str = ""  # peer-specific: the floor's mode, our post handler, ...
     ours: bool = False
     threads: int = 1  # >1: the target's threads=T mode (per call of a thread's CPU time)
+    hits_per_call: int = 1  # the nest rows: each call of work_nestD is D calls of the site
 
     @property
     def site(self) -> str:

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from bench.peer import Outcome, Peer, Row, hits_from_fields
+from bench.peer_optimized import nest_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +79,13 @@ class FridaPeer(Peer):
                 calls=500_000,
                 quick_calls=2_000,
                 variant="cmodule-leave",
+            ),
+            *nest_rows(
+                self.name,
+                "frida-cmodule-leave",
+                "Frida 17, CModule onLeave",
+                "cmodule-leave",
+                (100_000, 10_000),
             ),
         ]
 

@@ -20,6 +20,9 @@ What runs per hit, and what is checked after each run:
   shadow stack, the trampoline, the call timed into the log2 histogram); ``nhit`` (returns)
   = the entry's hits = N, none missed. Beside it: the kernel's uretprobe (``uprobes-r-push``)
   and our trap tier's (``kprobes-r-push``).
+- **return record** (issue 20): ``Kretprobe(optimize=True, async_handler=h,
+  args="ret=$retval")``, the trampoline writing a record of each return; and the CLI's
+  ``kprobes trace 'r work_push ret=$retval'``: records delivered + dropped = N.
 - **latency CLI**: ``kprobes latency -c PROGRAM work_push``, the histogram timed in the
   program; its count = N.
 - **detour floor**: ``detour_floor count``, ``record`` or ``record-cold``, the hand-written
@@ -36,7 +39,9 @@ the program faulted in when the probe went in (process/fast/memory.py, ``fault_i
 as the floor's ``record`` rows, not its ``record-cold`` ones. The harness runs this
 module as a separate process (so that it can be pinned)::
 
-    python -m bench.peer_optimized count|record|ret|cli|latency FUNC PROGRAM [ARGS...]
+    python -m bench.peer_optimized MODE FUNC PROGRAM [ARGS...]
+
+(MODE: count, record, ret, ret-record, cli, cli-ret or latency)
 
 which prints the program's output, then ``hits=`` and the other fields the runner checks; any
 failure is one ``error:`` line on stderr and exit status 3.
@@ -130,6 +135,22 @@ OURS: tuple[tuple[str, str, str, int, int, int], ...] = (
         4,
         10_000_000,
         20_000,
+    ),
+    (
+        "optimized-ret-record",
+        "kprobes, optimized kretprobe, async_handler, args='ret=$retval' (a record a return)",
+        "ret-record",
+        1,
+        150_000,
+        2_000,
+    ),
+    (
+        "optimized-trace-ret",
+        "kprobes trace 'r work_push ret=$retval' > /dev/null (CLI: a record a return)",
+        "cli-ret",
+        1,
+        500_000,
+        2_000,
     ),
     ("optimized-latency", "kprobes latency work_push (CLI)", "latency", 1, 10_000_000, 20_000),
     (
@@ -245,11 +266,36 @@ class OptimizedRunner:
         return outcome
 
 
+def nest_rows(
+    peer: str, prefix: str, label: str, variant: str, calls: tuple[int, int]
+) -> list[Row]:
+    """The nest 10 / nest 100 rows of a return probe (issue 20): work_nestD recursing D deep,
+    every frame a call of the probed site, so a run's returns must be N x D (the kernel's
+    uretprobes drop those nested deeper than 64). ``calls``: N for nest 10 and nest 100."""
+    return [
+        Row(
+            peer=peer,
+            key=f"{prefix}-nest{depth}",
+            label=f"{label}, nest {depth} (work_nest{depth}: {depth} returns a call)",
+            func=f"work_nest{depth}",
+            calls=n,
+            quick_calls=max(1, 2_000 // depth),
+            variant=variant,
+            ours=peer == "optimized",
+            hits_per_call=depth,
+        )
+        for depth, n in zip((10, 100), calls, strict=True)
+    ]
+
+
 class OptimizedPeer(Peer):
     name = "optimized"
 
     def rows(self) -> list[Row]:
-        return _rows(self.name, OURS, ours=True)
+        nest = nest_rows(
+            self.name, "optimized-ret", "kprobes, optimized kretprobe", "ret", (1_000_000, 100_000)
+        )
+        return _rows(self.name, OURS, ours=True) + nest
 
     @contextmanager
     def session(self, row: Row) -> Iterator[OptimizedRunner]:
@@ -310,11 +356,17 @@ def run_api(mode: str, func: str, argv: list[str]) -> list[str]:
             bad += 1
         last[hit.tid] = i
 
+    def on_return(p: Any, ev: Any) -> None:
+        nonlocal delivered
+        delivered += 1
+
     with tempfile.TemporaryFile() as out:
         with kprobes.spawn(argv, stdout=out) as proc:
             rp: kprobes.Kretprobe | None = None
-            if mode == "ret":
-                rp = kprobes.Kretprobe(symbol=func, optimize=True)
+            if mode in ("ret", "ret-record"):
+                handler = on_return if mode == "ret-record" else None
+                args = "ret=$retval" if handler else ()
+                rp = kprobes.Kretprobe(symbol=func, optimize=True, async_handler=handler, args=args)
                 kp = rp.kp
                 proc.register_kretprobe(rp)
             elif mode == "count":
@@ -339,6 +391,13 @@ def run_api(mode: str, func: str, argv: list[str]) -> list[str]:
     if rp is not None:
         if rp.nmissed or rp.nabandoned:
             raise RuntimeError(f"{rp.nmissed} missed, {rp.nabandoned} abandoned")
+        if mode == "ret-record":
+            return [
+                f"hits={delivered + dropped}",
+                f"nhit={rp.nhit}",
+                f"delivered={delivered}",
+                f"dropped={dropped}",
+            ]
         return [f"hits={rp.nhit}", f"nhit={kp.nhit}"]
     if mode == "count":
         return [f"hits={kp.nhit}", f"nhit={kp.nhit}"]
@@ -352,7 +411,7 @@ def run_api(mode: str, func: str, argv: list[str]) -> list[str]:
     ]
 
 
-def run_cli(func: str, argv: list[str], *, latency: bool = False) -> list[str]:
+def run_cli(func: str, argv: list[str], *, latency: bool = False, ret: bool = False) -> list[str]:
     """``kprobes trace -c 'ARGV' 'p FUNC i=%di'`` (or ``kprobes latency -c 'ARGV' FUNC``) as
     the ``kprobes`` script runs it, its output written to /dev/null. The program's output
     goes to our file descriptor 1 (only Python's ``sys.stdout`` is replaced), its summary is
@@ -362,7 +421,8 @@ def run_cli(func: str, argv: list[str], *, latency: bool = False) -> list[str]:
     if latency:
         command = ["latency", "-c", shlex.join(argv), func]
     else:
-        command = ["trace", "-c", shlex.join(argv), f"p {func} {ARGS}"]
+        spec = f"r {func} ret=$retval" if ret else f"p {func} {ARGS}"
+        command = ["trace", "-c", shlex.join(argv), spec]
     err = io.StringIO()
     with (
         open(os.devnull, "w") as null,
@@ -387,8 +447,8 @@ def run_cli(func: str, argv: list[str], *, latency: bool = False) -> list[str]:
 def main(args: list[str]) -> int:
     mode, func, argv = args[0], args[1], args[2:]
     try:
-        if mode in ("cli", "latency"):
-            lines = run_cli(func, argv, latency=mode == "latency")
+        if mode in ("cli", "cli-ret", "latency"):
+            lines = run_cli(func, argv, latency=mode == "latency", ret=mode == "cli-ret")
         else:
             lines = run_api(mode, func, argv)
     except Exception as e:

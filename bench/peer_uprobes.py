@@ -34,6 +34,7 @@ from pathlib import Path
 
 from bench.elf import find_site
 from bench.peer import Outcome, Peer, Row, RunError, target_argv
+from bench.peer_optimized import nest_rows
 
 TRACEFS = Path("/sys/kernel/tracing")
 GROUP = "kpbench"
@@ -179,6 +180,9 @@ class UprobesPeer(Peer):
                 calls=2_000_000,
                 quick_calls=20_000,
                 variant="r",
+            ),
+            *nest_rows(
+                self.name, "uprobes-r", "kernel uretprobe via tracefs", "r", (50_000, 5_000)
             ),
             Row(
                 peer=self.name,

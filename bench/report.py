@@ -114,7 +114,7 @@ def cell_text(cell: Cell) -> str:
     if len(cell.samples) > 1:
         text += f" ({_num(low, scale)} to {_num(high, scale)})"
     if cell.bad_counts:
-        text += f" ✗ count {cell.bad_counts[0]}/{cell.calls}"
+        text += f" ✗ count {cell.bad_counts[0]}/{cell.expected_hits}"
     if cell.error is not None:
         text += f" ✗ then: {_clean(cell.error, 40)}"
     return text

@@ -63,6 +63,46 @@ __asm__(
     "  ret\n"
     ".size work_rip, .-work_rip\n"
 
+    /* Recursion for the nest rows: work_nest10(i) (i >= 0) calls itself until it is 10 frames
+     * deep, each frame a call of the probed function, and returns 10 (work_nest100: 100).
+     * A recursive frame's rdi counts up from -(D-1) to 0; the first instruction is push rbp,
+     * as work_push's. */
+    ".globl work_nest10\n.type work_nest10,@function\n.p2align 4\n"
+    "work_nest10:\n"
+    "  push %rbp\n"
+    "  mov %rsp, %rbp\n"
+    "  test %rdi, %rdi\n"
+    "  js 1f\n"
+    "  mov $-10, %rdi\n"
+    "1:\n"
+    "  inc %rdi\n"
+    "  mov $1, %eax\n" /* mov keeps inc's flags */
+    "  jz 2f\n"
+    "  call work_nest10\n"
+    "  inc %rax\n"
+    "2:\n"
+    "  pop %rbp\n"
+    "  ret\n"
+    ".size work_nest10, .-work_nest10\n"
+
+    ".globl work_nest100\n.type work_nest100,@function\n.p2align 4\n"
+    "work_nest100:\n"
+    "  push %rbp\n"
+    "  mov %rsp, %rbp\n"
+    "  test %rdi, %rdi\n"
+    "  js 1f\n"
+    "  mov $-100, %rdi\n"
+    "1:\n"
+    "  inc %rdi\n"
+    "  mov $1, %eax\n"
+    "  jz 2f\n"
+    "  call work_nest100\n"
+    "  inc %rax\n"
+    "2:\n"
+    "  pop %rbp\n"
+    "  ret\n"
+    ".size work_nest100, .-work_nest100\n"
+
     /* getppid(2); the probe goes on the syscall at offset 5, which only a hardware
      * single-step can execute out of line. The no-probe baseline includes the syscall. */
     ".globl work_sys\n.type work_sys,@function\n.p2align 4\n"
@@ -73,6 +113,7 @@ __asm__(
     ".size work_sys, .-work_sys\n");
 
 long work_push(long), work_lea(long), work_boost(long), work_rip(long), work_sys(long);
+long work_nest10(long), work_nest100(long);
 
 static const struct {
     const char *name;
@@ -80,6 +121,7 @@ static const struct {
 } functions[] = {
     {"work_push", work_push}, {"work_lea", work_lea}, {"work_boost", work_boost},
     {"work_rip", work_rip},   {"work_sys", work_sys},
+    {"work_nest10", work_nest10}, {"work_nest100", work_nest100},
 };
 
 static long (*volatile fn)(long);

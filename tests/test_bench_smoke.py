@@ -126,11 +126,31 @@ def test_uprobes_count_every_hit_and_clean_up(tmp_path: Path) -> None:
     # Only the benchmark's own events and instances are checked: other tools (or another test
     # run) may add and remove theirs at the same time.
     document, _ = run_bench("uprobes", tmp_path)
+    rows = {row["key"]: row for row in document["rows"]}
+    nest = {key: rows.pop(key) for key in ("uprobes-r-nest10", "uprobes-r-nest100")}
     assert_every_hit_counted(
-        document,
+        {"rows": list(rows.values())},
         {"uprobes-push", "uprobes-push-4t", "uprobes-lea", "uprobes-r-push", "uprobes-kr-push"},
     )
+    # The nest rows: every return of work_nest10's 10 frames; of work_nest100's 100, the
+    # kernel's uretprobes keep the 64 outermost (MAX_URETPROBE_DEPTH): a count the report marks.
+    for key, returns, ok in (("uprobes-r-nest10", 10, True), ("uprobes-r-nest100", 64, False)):
+        for placement, cell in nest[key]["cells"].items():
+            assert cell["error"] is None, f"{key} {placement}: {cell['error']}"
+            assert cell["hits"] == [CALLS * returns], (key, placement)
+            assert cell["count_ok"] is ok, (key, placement)
     assert_no_uprobes_left()
+
+
+@pytest.mark.ptrace
+def test_our_nest_rows_count_every_return(tmp_path: Path) -> None:
+    """work_nest10 and work_nest100 under our optimized return probe: N x depth returns."""
+    document, _ = run_bench("optimized-ret-nest10,optimized-ret-nest100", tmp_path)
+    rows = {row["key"]: row for row in document["rows"]}
+    for key, depth in (("optimized-ret-nest10", 10), ("optimized-ret-nest100", 100)):
+        for placement, cell in rows[key]["cells"].items():
+            assert cell["error"] is None, f"{key} {placement}: {cell['error']}"
+            assert cell["hits"] == [CALLS * depth] and cell["count_ok"], (key, placement)
 
 
 def assert_no_uprobes_left() -> None:
@@ -265,9 +285,7 @@ def record_rate(*flags: str) -> str:
     """``python -m bench.record_rate`` on a small N: each row checks its own events (every
     hit delivered or counted lost), or the run fails."""
     argv = [sys.executable, "-m", "bench.record_rate", "--runs", "1", "--calls", "3000"]
-    result = subprocess.run(
-        [*argv, *flags], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    result = subprocess.run([*argv, *flags], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     return result.stdout
 

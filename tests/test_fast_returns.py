@@ -356,12 +356,16 @@ def test_a_return_probe_registered_again_counts_into_its_own_counters(spawn, bui
     assert again.nhit == again.kp.nhit == 2000
 
 
-def test_trace_of_a_return_says_its_events_are_made_at_traps(rets):
-    r = support.cli("trace", "-c", f"{rets} leaf 3", "r leaf")
+def test_trace_of_a_return_reading_the_entrys_memory_says_it_keeps_its_trap(rets):
+    spec = "r leaf x=+0($arg1):u8"  # the entry's memory: only a trap at the entry reads it
+    r = support.cli("trace", "-c", f"{rets} leaf 3", spec)
     assert r.returncode == 0, r.stderr
-    assert "r_leaf_0 uses a breakpoint: a return's event is made at a trap" in r.stderr
-    assert r.stdout.count("<- leaf)") == 3
-    quiet = support.cli("trace", "--no-optimize", "-c", f"{rets} leaf 3", "r leaf")
+    assert "r_leaf_0 uses a breakpoint: a fetch-arg reads $argN's memory" in r.stderr
+    assert r.stdout.count("<- leaf) x=") == 3
+    fast = support.cli("trace", "-c", f"{rets} leaf 3", "r leaf x=$arg1")
+    assert "uses a breakpoint" not in fast.stderr  # recorded at the return, in the program
+    assert fast.stdout.count("<- leaf) x=0x") == 3
+    quiet = support.cli("trace", "--no-optimize", "-c", f"{rets} leaf 3", spec)
     assert "uses a breakpoint" not in quiet.stderr  # no jump was asked for
 
 

@@ -107,8 +107,9 @@ def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-optimize",
         action="store_true",
-        help="ptrace backend: keep every probe on a breakpoint (by default an entry probe "
-        "whose site allows it is a jump to code in the program: no trap per hit)",
+        help="ptrace backend: keep every probe on a breakpoint (by default a probe whose "
+        "entry site allows it is a jump to code in the program: no trap per hit, a return "
+        "probe's event written at the return, its $argN kept by the entry)",
     )
     parser.add_argument(
         "--follow-forks",

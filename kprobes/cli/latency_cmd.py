@@ -15,6 +15,9 @@ in docs/performance.md. A function whose entry keeps its int3 (``--no-optimize``
 the jump cannot take: stderr says why) is timed at its traps, and then each interval holds
 two ptrace stops of ours.
 
+``--linear MIN,MAX,STEP`` makes the histogram bpftrace's ``lhist`` (cli/linear.py), filled
+the same ways.
+
 ``-i SECONDS`` prints the histogram and its average line every interval and starts afresh,
 as funclatency ``-i`` does, each interval under its ``HH:MM:SS`` (funclatency's ``-T``
 line, always printed here, as ``count -i`` does); the last, partial, at the end. A call
@@ -28,6 +31,7 @@ import sys
 from datetime import datetime
 from typing import Any
 
+from kprobes.cli.linear import add_linear_argument, format_histogram, make_histogram
 from kprobes.cli.session import (
     Session,
     add_common_arguments,
@@ -38,7 +42,7 @@ from kprobes.cli.session import (
 from kprobes.errors import SpecError
 from kprobes.model import Event
 from kprobes.output.counts import format_interval_header
-from kprobes.output.hist import LatencyStats, Log2Histogram, format_average
+from kprobes.output.hist import LatencyStats, format_average
 from kprobes.spec.parser import KRETPROBE_MAXACTIVE_MAX
 
 UNITS = {"nsecs": 1e9, "usecs": 1e6, "msecs": 1e3}
@@ -68,6 +72,7 @@ def add_parser(sub: Any, help: str) -> None:
         "the kernel's default with --kernel); timed in the program, calls nested in one "
         "thread (default 16384)",
     )
+    add_linear_argument(p, "the durations (ns, or the unit -u or -m chooses)")
     add_interval_argument(p, "the histogram")
     p.set_defaults(func=run)
 
@@ -85,13 +90,14 @@ def run(args: argparse.Namespace) -> int:
     maxactive = str(args.maxactive) if args.maxactive > 0 else ""
     spec = parse_spec(f"r{maxactive} {args.function}")
     # The program times the calls itself, in this unit (ns per unit), unless each call must
-    # be an event of its own: a filter to apply, a number of events to stop at.
+    # be an event of its own (a filter to apply, a number of events to stop at): then its
+    # trampoline writes a record of each return, with the entry's time (fast/returns.py).
     in_place = args.filter is None and args.max_events is None
     args.durations_unit = int(1e9 / scale) if in_place else 0
     session = Session(args, [spec])
     session.verb = "counted"
     session.entry_times = True  # the kernel's return events need their entry recorded too
-    hist = Log2Histogram()
+    hist = make_histogram(args.linear)
     stats = LatencyStats()
 
     def handle(ev: Event) -> None:
@@ -104,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
     def take_timed() -> None:
         """The calls the program timed itself since the last report (optimized tier)."""
-        slots, total = take_program_hist(session.placed, timed)
+        slots, total = take_program_hist(session.placed, timed, len(hist.slots))
         hist.add_slots(slots)
         stats.count += sum(slots)
         stats.total += total
@@ -116,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         out = sys.stdout
         if when is not None:
             out.write("\n" + format_interval_header(when))
-        out.write(hist.format(unit))
+        out.write(format_histogram(hist, unit))
         if stats.count:
             out.write("\n" + format_average(stats, unit) + "\n")
         out.flush()

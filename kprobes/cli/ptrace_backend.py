@@ -89,9 +89,7 @@ class GrowingPool(InstancePool):
         return free.pop()
 
 
-_RETURN_EVENTS_AT_TRAPS = (
-    "a return's event is made at a trap (in the program: only latency, and hist -H of $retval)"
-)
+_RETURN_EVENTS_AT_TRAPS = "a return's event is made at a trap (its probe did not ask for a jump)"
 
 
 class PtraceBackend(Backend):
@@ -125,6 +123,7 @@ class PtraceBackend(Backend):
         self.block = getattr(args, "block", False)  # trace --block (recording.py)
         self.durations_unit: int = getattr(args, "durations_unit", 0)
         self.retval_bits: int = getattr(args, "retval_bits", 0)
+        self.linear: tuple[int, int, int] | None = getattr(args, "linear", None)
         self.attached: list[SpecTracer] = []  # the -p processes (or the -c command), in order
         try:
             for proc in procs:
@@ -155,6 +154,7 @@ class PtraceBackend(Backend):
             fast_stacks=self.fast_stacks,
             durations_unit=self.durations_unit,
             retval_bits=self.retval_bits,
+            linear=self.linear,
             batch=self.batch,
         )
 
@@ -397,8 +397,8 @@ class PtraceBackend(Backend):
             proc.records.discard_records()
 
     def placement_notes(self) -> list[tuple[str, str]]:
-        """Probes that asked for a jump and keep their breakpoint, and return probes that
-        make events (the program writes no record of a return yet): (name, why)."""
+        """Probes that asked for a jump and keep their breakpoint (a return probe: its
+        entry), and return probes whose events are made at traps: (name, why)."""
         if not self.optimize:
             return []
         notes: dict[str, str] = {}  # one a probe, whichever process it keeps it in

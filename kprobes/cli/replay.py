@@ -25,6 +25,7 @@ from typing import IO, Any
 
 from kprobes.arch.x86_64 import ring_block
 from kprobes.core.probes import Kprobe
+from kprobes.core.retprobes import Kretprobe
 from kprobes.core.table import ProbeSite, ProbeTable
 from kprobes.errors import ProbeError, RecordFileError, SymbolNotFound, TargetError
 from kprobes.linux.tsc import TscClock
@@ -126,7 +127,7 @@ class _Process:
     def comm(self, tid: int) -> str:
         return self.comms.get(tid, "")
 
-    def fast_of(self, kp: Kprobe) -> FastProbe | None:
+    def fast_of(self, kp: Kprobe | Kretprobe) -> FastProbe | None:
         return self.fast.get(id(kp))
 
     def site(self, info: SiteInfo) -> None:
@@ -139,13 +140,19 @@ class _Process:
             fp = FastProbe(p.spec, fetcher, False, memory, resolvers, p.pid, p.group, p.event)
             if self.batches is not None:
                 fp.batch = self.batches(p.spec)
+            if p.spec.is_return:  # records of returns: to the return probe whose entry it is
+                rp = Kretprobe(addr=info.addr, async_handler=self._deliver)
+                self.fast[id(rp)] = fp
+                site.probes.append(rp.kp)
+                continue
             kp = Kprobe(addr=info.addr, async_handler=self._deliver)
             self.fast[id(kp)] = fp
             site.probes.append(kp)
         site.refresh()
-        self.reader.sites[info.rid] = RecordSite(site, info.plan, info.with_regs)
+        is_return = any(p.spec.is_return for p in info.probes)  # written by a trampoline
+        self.reader.sites[info.rid] = RecordSite(site, info.plan, info.with_regs, is_return)
 
-    def _deliver(self, kp: Kprobe, ev: Event) -> None:
+    def _deliver(self, kp: Kprobe | Kretprobe, ev: Event) -> None:
         self.sink(ev)
 
     def clock(self, segments: list[list[Any]]) -> None:

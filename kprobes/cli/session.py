@@ -218,14 +218,15 @@ def compile_event_filter(
 
 
 def take_program_hist(
-    placed: Sequence[Placed], seen: dict[int, tuple[tuple[int, ...], int]]
+    placed: Sequence[Placed], seen: dict[int, tuple[tuple[int, ...], int]], nslots: int = 65
 ) -> tuple[list[int], int]:
     """What the optimized return probes among ``placed`` aggregated in the program since
-    the last call (``seen`` keeps where each was): its log2 slots' counts and its sum."""
-    slots, total = [0] * 65, 0
+    the last call (``seen`` keeps where each was): its slots' counts (the 65 log2 ones, or
+    ``nslots`` linear ones) and its sum."""
+    slots, total = [0] * nslots, 0
     for p in placed:
         rp = getattr(p, "probe", None)
-        if not isinstance(rp, Kretprobe) or not rp.hist_slots:
+        if not isinstance(rp, Kretprobe) or len(rp.hist_slots) != nslots:
             continue
         before, before_total = seen.get(id(rp), ((0,) * len(rp.hist_slots), 0))
         for i, (now, was) in enumerate(zip(rp.hist_slots, before, strict=True)):

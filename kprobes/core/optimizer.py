@@ -17,6 +17,7 @@ from kprobes.errors import InternalError
 from kprobes.values import dataclass
 
 if TYPE_CHECKING:
+    from kprobes.core.probes import Kprobe
     from kprobes.core.table import ProbeSite
 
 
@@ -48,6 +49,8 @@ class SiteOpt:
     region_len: int = 0
     record_id: int = 0  # a record site's id in its records (reader.py), 0 for a count
     plan: Any = None  # the captures that id's records hold (the target's)
+    return_id: int = 0  # the same, of the records a return probe's trampoline writes
+    return_plan: Any = None
 
     def to(self, state: OptState, reason: str = "") -> None:
         if state not in _ALLOWED[self.state]:
@@ -69,13 +72,20 @@ def why_no_jump(site: ProbeSite, is_enabled: bool) -> str | None:
             return why_owner
         if p.owner is None and (p.pre_handler or p.post_handler or p.fault_handler):
             return "a probe here has a handler that may change the program, which runs at a trap"
-    if len(site.probes) > 1 and any(p.owner is not None for p in site.probes):
-        return "a return probe's entry shares its site with another probe"
+    owners = [p for p in site.probes if p.owner is not None]
+    if len(site.probes) > 1 and (len(owners) > 1 or (owners and not _is_return(owners[0]))):
+        return "a return probe's entry shares its site with another probe of its kind"
     if not site.is_armed:
         return "disabled"
     if not is_enabled:
         return "optimization is off (proc.optimization)"
     return None
+
+
+def _is_return(probe: Kprobe) -> bool:
+    """A return probe's entry (which an entry probe's record may share: the target runs
+    both in one detour)."""
+    return probe.kind == "r"
 
 
 def _why_owner_traps(owner: Any) -> str | None:

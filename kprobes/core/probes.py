@@ -135,8 +135,17 @@ class Kprobe:
         return f"<{type(self).__name__} {where} {state} nhit={self.nhit} nmissed={self.nmissed}>"
 
 
+class WithArgs(Protocol):
+    """A probe that takes fetch-args (a ``Kprobe``, a ``Kretprobe``)."""
+
+    args: tuple[str, ...]
+
+    @property
+    def is_registered(self) -> bool: ...
+
+
 @contextmanager
-def args_given(given: Iterable[tuple[Kprobe, Sequence[str]]]) -> Iterator[None]:
+def args_given(given: Iterable[tuple[WithArgs, Sequence[str]]]) -> Iterator[None]:
     """Around a registration: fetch-args given to the register call become each probe's
     ``args`` (every target takes them either way; given both ways, and different, they are
     refused), and a probe left unregistered gets its own back, as it was given."""

@@ -15,7 +15,7 @@ arguments; it is registered through an entry kprobe (type ``j``) like the kernel
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kprobes.core.probes import Kprobe, Location, ProbeFlags
@@ -119,6 +119,15 @@ class Kretprobe(EntryProbed):
     ``hist_slots`` (bcc's log2 slots, in ``duration_unit`` ns) and ``hist_total``,
     read when the user can see them, as an optimized kprobe's ``nhit`` is. ``maxactive``
     then caps each thread's nesting. A probe with a handler stays on traps.
+
+    ``optimize=True`` with an ``async_handler`` (and no other handler) makes a *record* of
+    each return, as an optimized kprobe does of each hit: the return trampoline writes the
+    fetch-args ``args`` evaluated at the return (``"ret=$retval"``, ``%ax``, memory), with
+    ``with_regs=True`` the registers at the return, and the tool hands
+    ``async_handler(probe, event)`` a read-only return ``Event`` after the fact (``ip`` the
+    caller, ``func``, ``entry_timestamp``). Where the entry site keeps its int3 the same
+    event is made at the return's trap. ``$argN`` (taken at the entry) keeps the probe on
+    traps; ``entry_handler`` and ``data_size`` do not go with an ``async_handler``.
     """
 
     kind = "r"
@@ -134,9 +143,17 @@ class Kretprobe(EntryProbed):
         data_size: int = 0,
         disabled: bool = False,
         optimize: bool = False,
+        async_handler: Callable[[Kretprobe, Any], Any] | None = None,
+        args: str | Sequence[str] = (),
+        with_regs: bool = False,
     ) -> None:
         super().__init__(symbol, offset, addr, disabled)
         self.kp.optimize = optimize
+        self.async_handler = async_handler  # the records of the returns (after the fact)
+        self.args: tuple[str, ...] = (
+            ((args,) if args else ()) if isinstance(args, str) else tuple(args)
+        )
+        self.with_regs = with_regs  # the async_handler's Event carries the registers
         self.handler = handler
         self.entry_handler = entry_handler
         self.maxactive = maxactive
@@ -152,6 +169,9 @@ class Kretprobe(EntryProbed):
         self.value_bits = 0
         self.hist_slots: tuple[int, ...] = ()
         self.hist_total = 0
+        # Linear buckets (low, high, step: bpftrace's lhist) in place of the log2 slots:
+        # ``hist_slots`` are then theirs (below low, the buckets, high and above).
+        self.linear: tuple[int, int, int] | None = None
         # The command line's: the handlers run only where the site keeps its trap; on the
         # optimized tier the program times the calls instead.
         self.handlers_on_traps_only = False

@@ -176,6 +176,12 @@ class LinearHistogram:
     def add(self, value: int, count: int = 1) -> None:
         self._slots[self.slot_of(value)] += count
 
+    def add_slots(self, counts: Sequence[int]) -> None:
+        """Counts by slot (``counts[i]`` values in slot ``i``), as the program of an
+        optimized return probe aggregates them (arch/x86_64/retstack.py, ``Linear``)."""
+        for i, n in enumerate(counts[: len(self._slots)]):
+            self._slots[i] += n
+
     def merge(self, other: LinearHistogram) -> None:
         if (other.low, other.high, other.step) != (self.low, self.high, self.step):
             raise ValueError("cannot merge linear histograms with different buckets")

@@ -19,9 +19,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import field
 from typing import TYPE_CHECKING, Any
 
+from kprobes.arch.x86_64.retstack import Linear
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe, KretprobeInstance
-from kprobes.errors import ProbeRejected, SpecError
+from kprobes.errors import InternalError, ProbeRejected, SpecError
 from kprobes.model import ArgValue, Event
 from kprobes.process.fast.batch import BatchOutput
 from kprobes.process.fast.reader import FastProbe
@@ -95,6 +96,7 @@ class SpecTracer:
         batch: BatchOutputs | None = None,
         durations_unit: int = 0,
         retval_bits: int = 0,
+        linear: tuple[int, int, int] | None = None,
     ) -> None:
         self.proc = proc
         self.sink = sink
@@ -109,6 +111,9 @@ class SpecTracer:
         self.durations_unit = durations_unit if self.optimize else 0
         # ``hist -H`` of ``$retval``: its low 32 or 64 bits aggregated in the program.
         self.retval_bits = retval_bits if self.optimize else 0
+        # Either aggregated into linear buckets (low, high, step) rather than log2 slots,
+        # where the program can (values unsigned: low >= 0; at most LHIST_SLOTS_MAX slots).
+        self.linear = linear
         self.placed: list[PlacedSpec] = []
         self.lines: list[tuple[Kprobe | Kretprobe, str, LineHandler | None]] = []  # add()'s
         self.comm = CommCache(proc.pid)
@@ -261,6 +266,9 @@ class SpecTracer:
             else:
                 handler(ri, made)
 
+        aggregates = self._aggregates_in_place(fetcher)
+        # ``count`` makes no event of a return: its returns stay counted at traps, as before.
+        records = self.optimize and not aggregates and not self.count_only
         rp = Kretprobe(
             symbol=where.symbol,
             offset=where.offset,
@@ -268,17 +276,45 @@ class SpecTracer:
             handler=on_return,
             entry_handler=entry_handler,
             maxactive=spec.maxactive,
-            optimize=self._aggregates_in_place(fetcher) and handler is None,
+            optimize=(aggregates or records) and handler is None,
         )
         if rp.optimize:
             rp.handlers_on_traps_only = True
             rp.duration_unit = self.durations_unit or 1
             rp.value_bits = self.retval_bits
+            rp.linear = self.linear if aggregates else None
+        if rp.optimize and records:
+            self._record_returns(rp, spec, where, fetcher)
         return PlacedSpec(spec, rp, entry_time=entry_time)
+
+    def _record_returns(
+        self, rp: Kretprobe, spec: ProbeSpec, where: _Where, fetcher: ArgFetcher
+    ) -> None:
+        """``rp``'s returns as records its trampoline writes (fast/returns.py), where its
+        entry takes a jump: the reader makes their events, the trap tier's own (its handlers
+        above make them where the entry keeps its int3)."""
+        sink = self.sink
+
+        def on_record(_rp: Kretprobe, event: Event) -> None:
+            sink(event)
+
+        rp.async_handler = on_record
+        resolvers = (self._resolve_data, self._file_address(where.path or _SELF))
+        fast = FastProbe(
+            spec, fetcher, False, self.memory, resolvers, self.proc.pid,
+            spec.effective_group, spec.effective_event,
+        )  # fmt: skip
+        self.proc.records.prepare_return(rp, fast)
 
     def _aggregates_in_place(self, fetcher: ArgFetcher) -> bool:
         """A return spec the program aggregates itself: ``latency``'s (no fetch-arg), or
-        ``hist -H``'s (its one fetch-arg, ``$retval``: the command checked it)."""
+        ``hist -H``'s (its one fetch-arg, ``$retval``: the command checked it); into linear
+        buckets only where the program can."""
+        if self.linear is not None:
+            try:
+                Linear(*self.linear)
+            except InternalError:
+                return False  # each return an event: the command aggregates them
         if self.retval_bits:
             return len(fetcher.args) == 1
         return bool(self.durations_unit) and not fetcher.args

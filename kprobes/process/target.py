@@ -26,7 +26,7 @@ from kprobes.core.manager import ProbeManager
 from kprobes.core.probes import Kprobe, args_given
 from kprobes.core.retprobes import Jprobe, Kretprobe, KretprobeInstance
 from kprobes.core.table import ProbeSite
-from kprobes.errors import ProbeRejected, TargetError, UnsupportedOption
+from kprobes.errors import ProbeRejected, TargetError
 from kprobes.lifetime import uninterrupted
 from kprobes.model import BlacklistEntry, ProbeListing
 from kprobes.process import listing
@@ -318,17 +318,16 @@ class Process:
     def register_kretprobe(
         self, rp: Kretprobe, args: Sequence[str] = (), *, event: str = ""
     ) -> None:
-        """Register a return probe. Its handler runs at the return with the live registers:
-        fetch-args and an event name (the tracefs targets' events) are refused here."""
-        if args or event:
-            why = "its handler runs at the return with the live registers: read them there"
-            option = f"args={' '.join(args)!r}" if args else f"event={event!r}"
-            raise UnsupportedOption("Process", option, "Kretprobe", why)
-        self.register_kretprobes([rp])
+        """Register a return probe. ``args`` and ``event`` are for the events of an
+        ``async_handler`` (as ``rp.args``; the kernel's default name), refused without one."""
+        with args_given([(rp, args)]):
+            self.register_kretprobes([rp], events={rp: event} if event else None)
 
-    def register_kretprobes(self, rps: Sequence[Kretprobe]) -> None:
+    def register_kretprobes(
+        self, rps: Sequence[Kretprobe], *, events: Mapping[Kretprobe, str] | None = None
+    ) -> None:
         """Register return probes; a failure rolls back the ones already registered."""
-        with self._program.registering():
+        with self._program.registering(), self._recording.returns_equipped(rps, events or {}):
             self._returns.register(rps)
 
     def unregister_kretprobe(self, rp: Kretprobe) -> None:
@@ -339,6 +338,7 @@ class Process:
         with self.batch():
             for rp in rps:
                 self._returns.unregister(rp)
+        self._recording.forget([rp for rp in rps if not rp.is_registered])
         self.family.unregister_copies(list(rps))
 
     def equip_kretprobe_instances(

@@ -108,3 +108,70 @@ def test_layouts_fit() -> None:
     assert rs.SLOT_STRIDE % rs.PAGE == 0
     assert rs.COUNTERS_SIZE <= NCOUNTERS * 64
     assert rs.C_HIST + 8 * rs.HIST_SLOTS == rs.COUNTERS_SIZE
+
+
+def _record_site(entry_reg: str = "") -> rs.ReturnSite:
+    from kprobes.arch.x86_64 import shared_area as sa
+    from kprobes.arch.x86_64.capture import ENTRY_ARG, ENTRY_TSC, CapturePlan, Reg, Value
+    from kprobes.arch.x86_64.record import RecordAction
+
+    ring = sa.RingAddrs(TRAMP + 0x8000, TRAMP + 0x8008, TRAMP + 0x8010, TRAMP + 0x8018,
+                        TRAMP + 0x9000, 64)  # fmt: skip
+    plan = CapturePlan()
+    for name in ("rax", "rip", ENTRY_TSC, *([ENTRY_ARG] if entry_reg else [])):
+        plan.add(Value(Reg(name)))
+    record = RecordAction(3, ring, with_regs=True, plan=plan, counter=None)
+    return rs.ReturnSite(SHADOW, TRAMP, TRAMP, 0x10000, 0, COUNTERS, record=record,
+                         entry_reg=entry_reg)  # fmt: skip
+
+
+@pytest.mark.parametrize("entry_reg", ["", "rsi"])
+def test_a_recording_trampoline_gives_back_every_word_it_took(entry_reg: str) -> None:
+    """Its frame: the return address's word, the nine registers, rbx, the flags, the entry
+    time (and the entry's register): all taken back before the ret, rbx popped."""
+    site = _record_site(entry_reg)
+    frame = rs.record_frame(site)
+    assert frame.words[0] == "rip" and frame.probe_rsp == 8 * len(frame.words)
+    instrs = listing(rs.build_trampoline(site, 1 << 31), TRAMP)
+    ret = next(n for n, i in enumerate(instrs) if i.code == Code.RETNQ)
+    taken = 8 + 8 * sum(i.code in (Code.PUSH_R64, Code.PUSHFQ) for i in instrs[:ret])
+    popped = 8 * sum(i.code == Code.POP_R64 for i in instrs[:ret])
+    leas = [i for i in instrs[:ret] if i.code == Code.LEA_R64_M and i.op0_register == Register.RSP]
+    given = sum(i.memory_displacement for i in leas[1:])  # the first is Step 1's lea rsp,[rsp-8]
+    assert taken == popped + given + 8  # the last word is the real return address, for the ret
+
+
+def test_the_entry_keeps_the_register_a_return_record_asks_for() -> None:
+    code = bytes.fromhex("554889e54883ec10c9c3")
+    region = find_region(code, 0x40_1000, 0x40_1000, len(code))
+    assert not isinstance(region, str)
+    detour = build_detour(0x40_0000, region, rs.RetEntryAction(_record_site("rsi")))  # type: ignore[arg-type]
+    instrs = text(listing(detour.code, 0x40_0000))
+    assert f"mov [r10+{rs.E_ARG:X}h],rax" in instrs
+    with pytest.raises(InternalError):
+        rs.ReturnSite(SHADOW, TRAMP, TRAMP, 0x10000, 0, COUNTERS, entry_reg="rsi")  # no record
+
+
+def test_an_entry_record_and_the_hook_share_one_detour() -> None:
+    """``Actions``: the entry's record first, then the hook; their labels ("full", "done",
+    "drop" in both) kept apart, the registers either clobbers saved."""
+    from kprobes.arch.x86_64.detour import Actions
+
+    code = bytes.fromhex("554889e54883ec10c9c3")
+    region = find_region(code, 0x40_1000, 0x40_1000, len(code))
+    assert not isinstance(region, str)
+    from kprobes.arch.x86_64.capture import CapturePlan, Reg, Value
+    from kprobes.arch.x86_64.record import RecordAction
+
+    ring_record = _record_site().record
+    assert ring_record is not None
+    plan = CapturePlan()
+    plan.add(Value(Reg("rdi")))
+    record = RecordAction(4, ring_record.ring, with_regs=False, plan=plan, counter=None)
+    both = Actions((record, rs.RetEntryAction(SITE)))
+    assert set(both.clobbers) == set(record.clobbers) | set(rs.RetEntryAction(SITE).clobbers)
+    detour = build_detour(0x5000_2000, region, both)  # type: ignore[arg-type]
+    instrs = text(listing(detour.code, 0x5000_2000))
+    commit = next(i for i, t in enumerate(instrs) if t.startswith("lock cmpxchg"))
+    hook = instrs.index(f"mov rax,{TRAMP:X}h")
+    assert commit < hook

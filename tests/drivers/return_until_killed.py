@@ -2,7 +2,9 @@
 
     return_until_killed.py PID SYMBOL...
 
-Attaches to PID, registers ``Kretprobe(symbol=SYMBOL, optimize=True)`` for each SYMBOL,
+Attaches to PID, registers ``Kretprobe(symbol=SYMBOL, optimize=True)`` for each SYMBOL (a
+``SYMBOL@ARGS`` gets an ``async_handler`` and the fetch-args ARGS: its trampoline writes a
+record of each return),
 waits until ``list()`` shows them ``[OPTIMIZED]``, prints ``ready`` and dispatches until it
 is killed. The frames the program enters meanwhile are hooked to a trampoline in the
 program; nothing here puts their return addresses back: SIGKILL gives it no chance.
@@ -19,7 +21,16 @@ import kprobes
 def main() -> int:
     pid, symbols = int(sys.argv[1]), sys.argv[2:]
     with kprobes.attach(pid) as proc:
-        proc.register_kretprobes([kprobes.Kretprobe(symbol=s, optimize=True) for s in symbols])
+        events: list[object] = []
+        probes = []
+        for spec in symbols:
+            symbol, _, args = spec.partition("@")
+            handler = (lambda _rp, ev: events.append(ev)) if args else None
+            probes.append(
+                kprobes.Kretprobe(symbol=symbol, optimize=True, async_handler=handler, args=args)
+            )
+        for rp in probes:
+            proc.register_kretprobe(rp)
         deadline = time.monotonic() + 20
         while not all(entry.is_optimized for entry in proc.list()):
             if time.monotonic() > deadline:

@@ -14,6 +14,8 @@
  *                      co_work(3) to its end and switches back; A's frames return
  *   rets signals N     rec(5) N times while a 1 ms interval timer's handler calls rec(3);
  *                      prints the main loop's sum and whether every handler's result was right
+ *   rets names N       name_of(i) for i < N: returns a pointer to "zero", "one", "two" or
+ *                      "three" (i % 4); prints the total length of the names
  */
 #include <pthread.h>
 #include <setjmp.h>
@@ -39,6 +41,10 @@ __attribute__((noinline)) long rec(long n)
 		return 0;
 	return n + rec(n - 1);
 }
+
+static const char *const names[] = {"zero", "one", "two", "three"};
+
+__attribute__((noinline)) const char *name_of(long i) { SINK_ADD(i); return names[i % 4]; }
 
 __attribute__((noinline)) long tail_b(long x) { SINK_ADD(x); return x * 3; }
 
@@ -146,6 +152,11 @@ int main(int argc, char **argv)
 		for (long i = 0; i < n; i++)
 			sum += leaf(i);
 		printf("leaf sum=%ld\n", sum);
+	} else if (!strcmp(mode, "names")) {
+		size_t len = 0;
+		for (long i = 0; i < n; i++)
+			len += strlen(name_of(i));
+		printf("names length=%zu\n", len);
 	} else if (!strcmp(mode, "rec")) {
 		printf("rec=%ld\n", rec(n));
 	} else if (!strcmp(mode, "tail")) {

@@ -91,6 +91,7 @@ class Block:
         self._labels: dict[str, int] = {}
         self._branches: list[tuple[Instruction, str]] = []
         self._label_refs: list[tuple[Instruction, str]] = []
+        self.prefix = ""  # prepended to every label named (``Actions``: one per action)
 
     def add(self, instr: Instruction, *, lock: bool = False) -> None:
         instr.ip = _LABEL_BASE + 16 * len(self._instrs)
@@ -99,19 +100,20 @@ class Block:
 
     def label(self, name: str) -> None:
         """Name the next instruction added."""
+        name = self.prefix + name
         if name in self._labels:
             raise InternalError(f"label {name} defined twice")
         self._labels[name] = len(self._instrs)
 
     def branch(self, code: Code_, name: str) -> None:
         instr = Instruction.create_branch(code, 0)
-        self._branches.append((instr, name))
+        self._branches.append((instr, self.prefix + name))
         self.add(instr)
 
     def lea_label(self, reg: Register_, name: str) -> None:
         """``lea reg, [rip + label]``: the address of a labelled instruction."""
         instr = Instruction.create_reg_mem(Code.LEA_R64_M, reg, _rip(_LABEL_BASE))
-        self._label_refs.append((instr, name))
+        self._label_refs.append((instr, self.prefix + name))
         self.add(instr)
 
     def _label_ip(self, name: str) -> int:
@@ -236,6 +238,9 @@ class Frame:
     program values), EFLAGS and ARITH."""
 
     words: tuple[str, ...]
+    # Bytes between the program's rsp and the first word: a detour skips the red zone; a
+    # return trampoline, entered by a ``ret``, has none to skip (retstack.py).
+    below: int = RED_ZONE
 
     def offset(self, word: str) -> int:
         """``[rsp + offset]`` holds ``word`` while the action runs."""
@@ -244,7 +249,7 @@ class Frame:
     @property
     def probe_rsp(self) -> int:
         """The program's rsp at the probe is ``rsp + probe_rsp`` inside the action."""
-        return 8 * len(self.words) + RED_ZONE
+        return 8 * len(self.words) + self.below
 
     @classmethod
     def of(cls, action: Action, flags: FlagsSave) -> Frame:
@@ -269,6 +274,31 @@ class Action(Protocol):
     def reads_flags(self) -> bool: ...
 
     def emit(self, block: Block, frame: Frame, probe_addr: int) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Actions:
+    """Several actions run one after the other in one detour (an entry's record, then a
+    return probe's hook, at one site): the registers any of them clobbers are saved, and
+    each one's labels are its own (``Block.prefix``)."""
+
+    actions: tuple[Action, ...]
+
+    @property
+    def clobbers(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(r for a in self.actions for r in a.clobbers))
+
+    @property
+    def reads_flags(self) -> bool:
+        return any(a.reads_flags for a in self.actions)
+
+    def emit(self, block: Block, frame: Frame, probe_addr: int) -> None:
+        for i, action in enumerate(self.actions):
+            block.prefix = f"a{i}."
+            try:
+                action.emit(block, frame, probe_addr)
+            finally:
+                block.prefix = ""
 
 
 @dataclass(frozen=True, slots=True)

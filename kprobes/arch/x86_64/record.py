@@ -243,8 +243,11 @@ def _register_loader(frame: Frame, probe_addr: int) -> LoadReg:
     """``load_reg`` for this detour's captures: a register it saved is read from ``frame``."""
 
     def load_reg(b: Block, name: str, into: Register_) -> None:
-        """The program's value of ``name`` at the probe, into ``into``."""
-        if name == "rsp":
+        """The program's value of ``name`` at the probe, into ``into``: a word of the frame
+        first (a return trampoline keeps the real return address there as "rip")."""
+        if name in frame.words:
+            b.add(mov_load(into, Register.RSP, frame.offset(name)))
+        elif name == "rsp":
             b.add(
                 Instruction.create_reg_mem(Code.LEA_R64_M, into, at(Register.RSP, frame.probe_rsp))
             )
@@ -252,8 +255,6 @@ def _register_loader(frame: Frame, probe_addr: int) -> LoadReg:
             b.add(Instruction.create_reg_mem(Code.LEA_R64_M, into, rip_operand(probe_addr)))
         elif name == "eflags":
             b.add(mov_load(into, Register.RSP, frame.offset(EFLAGS)))
-        elif name in frame.words:
-            b.add(mov_load(into, Register.RSP, frame.offset(name)))
         elif _GPRS[name] != into:
             b.add(Instruction.create_reg_reg(Code.MOV_R64_RM64, into, _GPRS[name]))
 

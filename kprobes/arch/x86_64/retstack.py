@@ -44,8 +44,9 @@ from typing import Final
 
 from iced_x86 import Code, Instruction, MemoryOperand, Register, Register_
 
-from kprobes.arch.x86_64.detour import Block, Frame, at, mov_load, mov_store
-from kprobes.arch.x86_64.record import ThreadId
+from kprobes.arch.x86_64.capture import ENTRY_ARG, ENTRY_TSC
+from kprobes.arch.x86_64.detour import EFLAGS, Block, Frame, at, mov_load, mov_store
+from kprobes.arch.x86_64.record import RecordAction, ThreadId
 from kprobes.errors import InternalError
 from kprobes.values import dataclass
 
@@ -62,6 +63,7 @@ T_ENTRIES: Final = 64
 E_RET: Final = 0
 E_STACK: Final = 8
 E_TSC: Final = 16
+E_ARG: Final = 24  # a return record's one $argN register, kept at the entry (``entry_reg``)
 ENTRY: Final = 32
 # Then the released entries' (return slot, return address), the last LOST_MAX, so that a
 # frame released wrongly (a stack switched under it: coroutines, a signal stack above the
@@ -85,14 +87,50 @@ C_SUM_NS: Final = 32
 C_HIST: Final = 64
 HIST_SLOTS: Final = 65
 COUNTERS_SIZE: Final = C_HIST + 8 * HIST_SLOTS  # 584 bytes
+# Then, for a linear histogram (bpftrace's lhist: ``Linear``), its slots in place of the
+# log2 ones: below ``low``, the buckets, ``high`` and above.
+C_LHIST: Final = COUNTERS_SIZE
+LHIST_SLOTS_MAX: Final = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Linear:
+    """Linear buckets of ``step`` from ``low`` to ``high`` (output/hist.py's
+    ``LinearHistogram``, slot for slot), for values compared unsigned: ``low`` >= 0."""
+
+    low: int
+    high: int
+    step: int
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.low < self.high < 1 << 63 and self.step >= 1):
+            raise InternalError(f"linear buckets {self}")
+        if self.nslots > LHIST_SLOTS_MAX:
+            raise InternalError(f"{self.nslots} linear slots")
+
+    @property
+    def nbuckets(self) -> int:
+        return (self.high - self.low) // self.step
+
+    @property
+    def nslots(self) -> int:
+        return self.nbuckets + 2
+
+
+def counters_size(linear: Linear | None) -> int:
+    """Bytes of a return probe's counters, with its linear slots if it has them."""
+    return COUNTERS_SIZE + (8 * linear.nslots if linear is not None else 0)
+
 
 TRAMPOLINE_MAX: Final = 512  # bytes of one trampoline, with room to spare
+RECORD_TRAMPOLINE_MAX: Final = 8192  # one that also writes a record (its captures' code)
 
 RAX, RCX, RDX, RSI, RDI, R8, R9, R10, R11 = (
     Register.RAX, Register.RCX, Register.RDX, Register.RSI, Register.RDI,
     Register.R8, Register.R9, Register.R10, Register.R11,
 )  # fmt: skip
 _SAVED: Final = (RAX, RCX, RDX, RSI, RDI, R8, R9, R10, R11)
+_SAVED_NAMES: Final = ("rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11")
 
 
 def thread_slot(shadow: int, fs_base: int, index: int) -> int:
@@ -111,7 +149,8 @@ class ReturnSite:
     trampoline, the range every trampoline lies in (for tail-call chains), the trap tier's
     trampoline (0 if none), its counters, its cap, how to read the thread pointer, and what
     its trampoline aggregates: the call's duration (``value_bits`` 0), or the low 32 or 64
-    bits of the return value."""
+    bits of the return value; and, with ``record``, the record its trampoline writes of each
+    return (the registers at the return, "rip" the real return address, and ``ENTRY_TSC``)."""
 
     shadow: int
     trampoline: int
@@ -122,12 +161,17 @@ class ReturnSite:
     cap: int = CAPACITY
     thread_id: ThreadId = ThreadId.FSBASE
     value_bits: int = 0
+    record: RecordAction | None = None
+    entry_reg: str = ""  # a register the entry keeps for the record (its $argN), or ""
+    linear: Linear | None = None  # linear slots (at C_LHIST) in place of the log2 ones
 
     def __post_init__(self) -> None:
         if not 0 < self.cap <= CAPACITY:
             raise InternalError(f"a return probe's cap {self.cap} is not 1..{CAPACITY}")
         if self.value_bits not in (0, 32, 64):
             raise InternalError(f"a return value of {self.value_bits} bits")
+        if self.entry_reg and (self.record is None or self.entry_reg not in _SAVED_NAMES):
+            raise InternalError(f"an entry register {self.entry_reg!r} for no record")
 
 
 def _imm64(block: Block, reg: Register_, value: int) -> None:
@@ -272,6 +316,9 @@ class RetEntryAction:
         block.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, RDX, 32))
         block.add(Instruction.create_reg_reg(Code.OR_R64_RM64, RAX, RDX))
         block.add(mov_store(R10, E_TSC, RAX))
+        if site.entry_reg:  # the program's, saved in the frame (the action clobbers it)
+            block.add(mov_load(RAX, Register.RSP, frame.offset(site.entry_reg)))
+            block.add(mov_store(R10, E_ARG, RAX))
         block.add(mov_store(RDI, T_DEPTH, RSI))
         _imm64(block, RAX, site.trampoline)
         block.add(mov_store(R8, 0, RAX))
@@ -306,17 +353,33 @@ def _emit_measure(b: Block, site: ReturnSite, mult: int, saved_rax: int) -> None
     b.add(Instruction.create_reg_reg_i32(Code.SHRD_RM64_R64_IMM8, RAX, RDX, 32))
 
 
+def record_frame(site: ReturnSite) -> Frame:
+    """The trampoline's words while its record is written, in push order: the real return
+    address (as "rip": the program's rip once the trampoline returns), the saved registers,
+    and, with a record, rbx (the record's pointer), the flags and the call's entry time."""
+    extra = ("rbx", EFLAGS, ENTRY_TSC) if site.record is not None else ()
+    kept = (ENTRY_ARG,) if site.entry_reg else ()
+    return Frame(("rip", *_SAVED_NAMES, *extra, *kept), below=0)
+
+
 def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     """The return trampoline of one probe, at ``site.trampoline``. ``mult`` turns TSC ticks
     into ns: ``ns = ticks * mult >> 32``."""
     if not 0 < mult < 1 << 63:
         raise InternalError(f"tsc multiplier {mult}")
     b = Block()
-    nsaved = len(_SAVED)
-    # Step 1: a word for the real return address (the slot the ret just freed), the registers.
+    frame = record_frame(site)
+    nsaved = len(frame.words) - 1
+    # Step 1: a word for the real return address (the slot the ret just freed), the registers
+    # (and, to write a record, rbx, the flags and a word for the entry time).
     b.add(Instruction.create_reg_mem(Code.LEA_R64_M, Register.RSP, at(Register.RSP, -8)))
     for reg in _SAVED:
         b.add(Instruction.create_reg(Code.PUSH_R64, reg))
+    if site.record is not None:
+        b.add(Instruction.create_reg(Code.PUSH_R64, Register.RBX))
+        b.add(Instruction.create(Code.PUSHFQ))
+        for _ in range(len(frame.words) - 1 - len(_SAVED) - 2):  # the entry's words
+            b.add(Instruction.create_reg(Code.PUSH_R64, RAX))
     # Step 2: the thread's stack; r8 = the return slot R, rsi = the depth.
     _emit_find(b, site, claim=False, missing="nowhere")
     b.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDI, T_BUSY), 1))
@@ -334,26 +397,73 @@ def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     b.add(mov_store(RDI, T_DEPTH, RSI))
     b.add(mov_load(RAX, R10, E_RET))
     b.add(mov_store(R8, 0, RAX))  # where the final ret finds it
-    # Step 4: what the probe aggregates, in rax.
-    _emit_measure(b, site, mult, 8 * (nsaved - 1))
+    if site.record is not None:
+        b.add(mov_load(RAX, R10, E_TSC))
+        b.add(mov_store(Register.RSP, frame.offset(ENTRY_TSC), RAX))
+        if site.entry_reg:
+            b.add(mov_load(RAX, R10, E_ARG))
+            b.add(mov_store(Register.RSP, frame.offset(ENTRY_ARG), RAX))
     _imm64(b, R11, site.counters)
-    b.add(Instruction.create_mem_reg(Code.ADD_RM64_R64, at(R11, C_SUM_NS), RAX), lock=True)
     b.add(Instruction.create_mem(Code.INC_RM64, at(R11, C_RETURNS)), lock=True)
-    b.add(Instruction.create_reg_i32(Code.OR_RM64_IMM8, RAX, 1))
-    b.add(Instruction.create_reg_reg(Code.BSR_R64_RM64, RCX, RAX))
-    hist = MemoryOperand(R11, RCX, 8, C_HIST + 8, 1)  # slot bsr + 1: bcc's bit length
-    b.add(Instruction.create_mem(Code.INC_RM64, hist), lock=True)
+    if site.record is not None:
+        # Step 4: the record of this return (its events are the tool's to aggregate), the
+        # thread's stack left first (a signal handler may call probed functions while the
+        # record waits for room: --block).
+        b.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDI, T_BUSY), 0))
+        site.record.emit(b, frame, 0)
+        b.branch(Code.JMP_REL32_64, "restore")
+    else:
+        # Step 4: what the probe aggregates, in rax.
+        _emit_measure(b, site, mult, frame.offset("rax"))
+        b.add(Instruction.create_mem_reg(Code.ADD_RM64_R64, at(R11, C_SUM_NS), RAX), lock=True)
+        if site.linear is not None:
+            _emit_linear_slot(b, site.linear)
+            hist = MemoryOperand(R11, RCX, 8, C_LHIST, 1)
+        else:
+            b.add(Instruction.create_reg_i32(Code.OR_RM64_IMM8, RAX, 1))
+            b.add(Instruction.create_reg_reg(Code.BSR_R64_RM64, RCX, RAX))
+            hist = MemoryOperand(R11, RCX, 8, C_HIST + 8, 1)  # slot bsr + 1: bcc's bit length
+        b.add(Instruction.create_mem(Code.INC_RM64, hist), lock=True)
     b.label("home")
     b.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDI, T_BUSY), 0))
     # Step 5: the registers back, and home.
+    b.label("restore")
+    if site.record is not None:
+        kept = 8 * (len(frame.words) - 1 - len(_SAVED) - 1)  # all but rbx: the flags, the entry's
+        b.add(Instruction.create_reg_mem(Code.LEA_R64_M, Register.RSP, at(Register.RSP, kept)))
+        b.add(Instruction.create_reg(Code.POP_R64, Register.RBX))
     for reg in reversed(_SAVED):
         b.add(Instruction.create_reg(Code.POP_R64, reg))
     b.add(Instruction.create(Code.RETNQ))
     _emit_lost(b)
     code = b.encode(site.trampoline)
-    if len(code) > TRAMPOLINE_MAX:
+    limit = TRAMPOLINE_MAX if site.record is None else RECORD_TRAMPOLINE_MAX
+    if len(code) > limit:
         raise InternalError(f"a trampoline of {len(code)} bytes")
     return code
+
+
+def _emit_linear_slot(b: Block, linear: Linear) -> None:
+    """rcx = the linear slot of the value in rax (unsigned): 0 below ``low``, ``nslots - 1``
+    from ``high`` on, else ``(value - low) // step + 1``. Clobbers rax and rdx."""
+    _imm64(b, RDX, linear.low)
+    b.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, RAX, RDX))
+    b.branch(Code.JB_REL32_64, "lin_below")
+    _imm64(b, RCX, linear.high)
+    b.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, RAX, RCX))
+    b.branch(Code.JAE_REL32_64, "lin_above")
+    b.add(Instruction.create_reg_reg(Code.SUB_R64_RM64, RAX, RDX))
+    b.add(Instruction.create_reg_reg(Code.XOR_R32_RM32, Register.EDX, Register.EDX))
+    _imm64(b, RCX, linear.step)
+    b.add(Instruction.create_reg(Code.DIV_RM64, RCX))
+    b.add(Instruction.create_reg_mem(Code.LEA_R64_M, RCX, at(RAX, 1)))
+    b.branch(Code.JMP_REL32_64, "lin_slot")
+    b.label("lin_below")
+    b.add(Instruction.create_reg_reg(Code.XOR_R32_RM32, Register.ECX, Register.ECX))
+    b.branch(Code.JMP_REL32_64, "lin_slot")
+    b.label("lin_above")
+    b.add(Instruction.create_reg_u32(Code.MOV_R32_IMM32, Register.ECX, linear.nslots - 1))
+    b.label("lin_slot")
 
 
 def _emit_lost(b: Block) -> None:

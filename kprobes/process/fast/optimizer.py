@@ -39,10 +39,11 @@ from typing import TYPE_CHECKING, Final
 
 from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64.decode import MAX_INSN_LEN
-from kprobes.arch.x86_64.detour import build_detour
+from kprobes.arch.x86_64.detour import Action, Actions, build_detour
 from kprobes.arch.x86_64.jumpopt import Refusal, find_region
 from kprobes.arch.x86_64.plan import SLOT_SIZE
 from kprobes.arch.x86_64.record import RecordAction
+from kprobes.arch.x86_64.retstack import RetEntryAction
 from kprobes.core.optimizer import OptState, SiteOpt, why_no_jump
 from kprobes.errors import NotRelocatable, TargetError
 from kprobes.process.engine.breakpoints import JUMP_LEN
@@ -65,10 +66,21 @@ if TYPE_CHECKING:
     from kprobes.process.engine.tracer import Tracer
     from kprobes.process.fast.memory import DetourMemory
     from kprobes.process.fast.recording import Recording
-    from kprobes.process.fast.state import JumpState
+    from kprobes.process.fast.state import JumpState, SharedArea
     from kprobes.process.inject.program import ProgramCalls
 
 _DETOUR_ALIGN: Final = 16
+
+
+def _writes_records(action: Action) -> bool:
+    """The action writes records into its area's ring (an entry's, or a return's)."""
+    if isinstance(action, Actions):
+        return any(map(_writes_records, action.actions))
+    if isinstance(action, RetEntryAction):
+        return action.site.record is not None
+    return isinstance(action, RecordAction)
+
+
 # The longest region a jump displaces: whole instructions over its five bytes, the last of
 # which may begin at the fifth.
 _REGION_MAX: Final = JUMP_LEN - 1 + MAX_INSN_LEN
@@ -226,16 +238,16 @@ class Optimizer:
             return
         # Step 4: the counter, the action, then the detour, written before the jump to it.
         try:
-            is_return = return_probe_of(site) is not None
+            rp = return_probe_of(site)
             if so.counter < 0:
-                need = returns.NCOUNTERS if is_return else 1
+                need = 1 if rp is None else returns.counters_needed(rp)
                 so.area = self._memory.area(addr, need)
                 area = self._state.areas[so.area]
                 so.counter, area.next_counter = area.next_counter, area.next_counter + need
                 so.seen = sa.read_counter(area.view, so.counter)
             area = self._state.areas[so.area]
-            if is_return:
-                action = self._returns.action(site, area, so)
+            if rp is not None:
+                action = self._return_action(site, area, so)
             elif any(isinstance(p.owner, UnwindUnhook) for p in site.probes):
                 action = self._returns.unhook_action(site, area, so)
             else:
@@ -243,7 +255,7 @@ class Optimizer:
             if isinstance(action, str):
                 so.to(OptState.REFUSED, action)
                 return
-            if isinstance(action, RecordAction):
+            if _writes_records(action):
                 self._memory.fault_in_ring(so.area)
             page = self._memory.detour_page(addr)
             at = page.start + page.used
@@ -265,6 +277,17 @@ class Optimizer:
         self._tracer.breakpoints.patch_jump(spaces, addr, detour.patch, region.original[:5])
         so.detour, so.region_len = at, region.length
         so.to(OptState.OPTIMIZED)
+
+    def _return_action(self, site: ProbeSite, area: SharedArea, so: SiteOpt) -> Action | str:
+        """A return probe's entry action, its trampoline writing a record of each return if
+        the probe has an asynchronous handler (recording.py), else aggregating."""
+        entry = self._recording.entry_record(site, area, so, counted=False)
+        record = self._recording.return_record(site, area, so)
+        if isinstance(entry, str) or isinstance(record, str):
+            return entry if isinstance(entry, str) else str(record)
+        hook = self._returns.action(site, area, so, *(record or ()))
+        # An entry probe's record shares the site: first the record, then the hook.
+        return hook if entry is None or isinstance(hook, str) else Actions((entry, hook))
 
     def _shield_site(self, addr: int, original: bytes) -> str | None:
         """Cover the jump's pages in every address space with a copy of the code (shield.py);

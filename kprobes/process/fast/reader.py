@@ -47,19 +47,22 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from kprobes.arch.x86_64 import ring_block
 from kprobes.arch.x86_64 import shared_area as sa
-from kprobes.arch.x86_64.capture import Captured, CapturePlan
+from kprobes.arch.x86_64.capture import ENTRY_ARG, ENTRY_TSC, Captured, CapturePlan
 from kprobes.arch.x86_64.regs import REG_INDEX, Regs
 from kprobes.arch.x86_64.stackwalk import WalkResult, read_walk
+from kprobes.core.probes import Kprobe
+from kprobes.core.retprobes import Kretprobe
+from kprobes.errors import ProbeError
 from kprobes.linux.tsc import TscClock
-from kprobes.model import Event, UserStack
+from kprobes.model import ArgValue, Event, UserStack
 from kprobes.process.fast.batch import BatchOutput, Decoder, plan_decoder
 from kprobes.process.fetch.evaluate import ArgFetcher, CpuReader, Memory
-from kprobes.process.fetch.fast import Resolver, data_resolver, file_resolver
+from kprobes.process.fetch.fast import Resolver, data_resolver, entry_register, file_resolver
 from kprobes.spec import SymbolLocation, parse
 from kprobes.values import dataclass
 
 if TYPE_CHECKING:
-    from kprobes.core.probes import Kprobe
+    from kprobes.core.retprobes import KretprobeInstance, RetHandler
     from kprobes.core.table import ProbeSite, ProbeTable
     from kprobes.spec import ProbeSpec
     from kprobes.symbols.resolve import SymbolResolver
@@ -122,8 +125,43 @@ def trap_delivery(fp: FastProbe, cpu: CpuReader) -> Callable[[Kprobe, Any], None
     return deliver
 
 
+def return_trap_delivery(
+    rp: Kretprobe, fp: FastProbe, cpu: CpuReader, drain: Callable[[], None]
+) -> tuple[RetHandler, RetHandler]:
+    """The trap tier's entry handler and handler for a return probe's ``async_handler``:
+    the event a record of its return would give (``(caller <- func)``, the entry time, the
+    ``$argN`` taken at the entry), built from the live thread at the return, after the
+    records written before it (``drain``)."""
+    group, event, pid, memory, fetcher = fp.group, fp.event, fp.pid, fp.memory, fp.fetcher
+    comm, symbolize, with_regs = memory.comm, memory.symbolize, fp.with_regs
+    entered: dict[int, tuple[float, tuple[ArgValue, ...]]] = {}
+
+    def at_entry(ri: KretprobeInstance, regs: Any) -> None:
+        args = fetcher.entry(regs, memory) if fetcher.has_entry_args else ()
+        entered[id(ri)] = (time.monotonic(), args)
+
+    def at_return(ri: KretprobeInstance, regs: Any) -> None:
+        drain()
+        handler = rp.async_handler
+        start, args = entered.pop(id(ri), (0.0, ()))
+        if handler is None:
+            return
+        tid, ret, func_ip = regs.tid, ri.ret_addr, rp.addr or 0
+        handler(
+            rp,
+            Event(
+                group, event, pid, tid, comm(tid), cpu(tid), time.monotonic(), ret,
+                symbolize(ret), fetcher.fetch(regs, memory, args), is_return=True,
+                func=symbolize(func_ip).split("+")[0], func_ip=func_ip, entry_timestamp=start,
+                regs=regs.frozen() if with_regs else None,
+            ),
+        )  # fmt: skip
+
+    return at_entry, at_return
+
+
 def equip(
-    kp: Kprobe,
+    kp: Kprobe | Kretprobe,
     symbols: Callable[[], SymbolResolver],
     memory: Memory,
     *,
@@ -137,7 +175,8 @@ def equip(
     where = kp.symbol or f"{kp.addr or 0:#x}"
     if kp.symbol and kp.offset:
         where += f"+{kp.offset:#x}"
-    spec = parse(" ".join((f"p:kprobes/{event}" if event else "p", where, *kp.args)))
+    kind = "r" if isinstance(kp, Kretprobe) else "p"
+    spec = parse(" ".join((f"{kind}:kprobes/{event}" if event else kind, where, *kp.args)))
     resolve_data = data_resolver(symbols)
     loc = spec.location
     path = loc.module if isinstance(loc, SymbolLocation) and loc.module else "/proc/self"
@@ -171,6 +210,9 @@ class RecordSite:
     plan: CapturePlan
     with_regs: bool
     stack_depth: int = 0  # the records hold a stack walk after the captures (0: none)
+    # Written at the return, by the trampoline of the return probe whose entry the site is:
+    # its plan ends with the real return address ("rip") and the entry time (ENTRY_TSC).
+    is_return: bool = False
 
 
 class RingReader:
@@ -182,7 +224,7 @@ class RingReader:
         views: Callable[[], Iterable[memoryview]],
         symbolize: Callable[[int], str],
         comm: Callable[[int], str],
-        fast_of: Callable[[Kprobe], FastProbe | None],
+        fast_of: Callable[[Kprobe | Kretprobe], FastProbe | None],
         name_stack: Callable[[int, WalkResult], UserStack] | None = None,
     ) -> None:
         self.table = table
@@ -235,13 +277,19 @@ class RingReader:
         return self._draining
 
     def add_site(
-        self, site: ProbeSite, plan: CapturePlan, with_regs: bool, stack_depth: int = 0
+        self,
+        site: ProbeSite,
+        plan: CapturePlan,
+        with_regs: bool,
+        stack_depth: int = 0,
+        *,
+        is_return: bool = False,
     ) -> int:
         """A new record id for ``site`` (never reused: old records may still be in a ring)."""
         if self._clock is None:
             self._clock = TscClock()
         rid = len(self.sites) + 1
-        self.sites[rid] = RecordSite(site, plan, with_regs, stack_depth)
+        self.sites[rid] = RecordSite(site, plan, with_regs, stack_depth, is_return)
         return rid
 
     def note_thread(self, fs_base: int, tid: int) -> None:
@@ -388,7 +436,7 @@ class RingReader:
         one probe with a handler and that probe takes batches (made once, and again when
         the site's probes change)."""
         rs = self.sites.get(rid)
-        if rs is None or rs.stack_depth:  # stacks: events, one by one
+        if rs is None or rs.stack_depth or rs.is_return:  # stacks, returns: events, one by one
             return None
         active = [p for p in rs.site.active if p.async_handler is not None]
         fp = self.fast_of(active[0]) if len(active) == 1 else None
@@ -406,7 +454,13 @@ class RingReader:
         self, rs: RecordSite, kp: Kprobe, fp: FastProbe, slots: int
     ) -> Batcher | None:
         assert self._clock is not None and fp.batch is not None
-        plan = plan_decoder(fp.spec, fp.resolvers, rs.plan, rs.site.addr)
+        try:
+            plan = plan_decoder(fp.spec, fp.resolvers, rs.plan, rs.site.addr)
+        except ProbeError:
+            # Its @symbol asked of a program that is gone (a short one, its records read
+            # after its exit): each event then goes through the handler, whose fetcher
+            # resolved it at placing.
+            return None
         if plan is None:
             return None
         line = fp.batch.writer(plan.layout(fp.group, fp.event, fp.pid, self.comm))
@@ -436,38 +490,45 @@ class RingReader:
         if record.regs is not None:
             for name, value in zip(sa.REG_ORDER, record.regs, strict=True):
                 words[REG_INDEX[name]] = value
+        entered = captured.regs.pop(ENTRY_TSC, 0)
+        kept = captured.regs.pop(ENTRY_ARG, None)
         for name, value in captured.regs.items():
             words[REG_INDEX[name]] = value
-        words[REG_INDEX["rip"]] = rs.site.addr
+        ip = words[REG_INDEX["rip"]] if rs.is_return else rs.site.addr
+        words[REG_INDEX["rip"]] = ip
         words[REG_INDEX["fs_base"]] = record.thread
         memory = Memory(captured.read, captured.read_string, self.symbolize, self.comm)
         cpu = -1 if record.cpu == sa.META_CPU_MASK else record.cpu
         when = self._clock.seconds(record.tsc)
         snapshot = regs.frozen() if rs.with_regs else None
         name = self.comm(tid)
-        ip = rs.site.addr
         location = self.symbolize(ip)
         stack = None
         if rs.stack_depth and self.name_stack is not None:
             walk = read_walk(record.data[rs.plan.size :])
             stack = self.name_stack(ip, walk)
         fast_of = self.fast_of
-        for probe in rs.site.active:
-            handler = probe.async_handler
+        returned = _return_fields(
+            rs, self.symbolize, self._clock.seconds(entered) if entered else 0.0
+        )
+        for target in record_targets(rs):
+            handler: Callable[[Any, Event], Any] | None = target.async_handler
             if handler is None:
                 continue
-            fp = fast_of(probe)
+            fp = fast_of(target)
             if fp is None:
                 continue
-            args = fp.fetcher.fetch(regs, memory)
+            at_entry = () if kept is None else _at_entry(fp, tid, kept, memory)
+            args = fp.fetcher.fetch(regs, memory, at_entry)
             event = Event(
                 fp.group, fp.event, fp.pid, tid, name, cpu, when, ip, location, args,
                 regs=snapshot if fp.with_regs else None,
                 stack=None if fp.stack_depth is None else _cut(stack, fp.stack_depth),
+                **returned,
             )  # fmt: skip
             self.delivered += 1
             try:
-                handler(probe, event)
+                handler(target, event)
             except Exception as exc:  # raised from run(), as a trap handler's would be
                 self.table.park(exc)
 
@@ -477,3 +538,39 @@ def _cut(stack: UserStack | None, depth: int) -> UserStack | None:
     if stack is None or len(stack.frames) <= depth:
         return stack
     return UserStack(stack.frames[:depth], "depth limit")
+
+
+def _at_entry(fp: FastProbe, tid: int, kept: int, memory: Memory) -> tuple[ArgValue, ...]:
+    """A return record's ``$argN``: evaluated on the register its entry kept."""
+    regs = Regs(tid)
+    regs.words[REG_INDEX[entry_register(fp.spec)]] = kept
+    return fp.fetcher.entry(regs, memory)
+
+
+def record_targets(rs: RecordSite) -> list[Kprobe | Kretprobe]:
+    """The probes whose ``async_handler`` takes the records of ``rs``: its probes, or, for
+    the records of returns, the return probes whose entry its probes are."""
+    out: list[Kprobe | Kretprobe] = []
+    for probe in rs.site.active:
+        target = probe.owner if rs.is_return else probe
+        if isinstance(target, Kprobe | Kretprobe) and target.async_handler is not None:
+            out.append(target)
+    return out
+
+
+def _return_fields(
+    rs: RecordSite, symbolize: Callable[[int], str], entered: float
+) -> dict[str, Any]:
+    """The fields a return event adds (``Event(**fields)``): none for an entry's record."""
+    if not rs.is_return:
+        return _NO_FIELDS
+    func_ip = rs.site.addr
+    return {
+        "is_return": True,
+        "func": symbolize(func_ip).split("+")[0],
+        "func_ip": func_ip,
+        "entry_timestamp": entered,
+    }
+
+
+_NO_FIELDS: Final[dict[str, Any]] = {}

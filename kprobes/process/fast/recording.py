@@ -10,10 +10,12 @@ the counter that ``nhit`` reads.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kprobes.arch.x86_64 import shared_area as sa
+from kprobes.arch.x86_64.capture import CapturePlan
 from kprobes.arch.x86_64.detour import Action, CountAction
 from kprobes.arch.x86_64.record import CpuId, RecordAction
 from kprobes.core.probes import check_handlers
@@ -21,9 +23,21 @@ from kprobes.errors import InternalError, TargetError, UnsupportedOption
 from kprobes.process.engine.threads import ThreadState
 from kprobes.process.fast.frametables import FrameTables
 from kprobes.process.fast.lease import Lease
-from kprobes.process.fast.reader import FastProbe, RingReader, equip, trap_delivery
+from kprobes.process.fast.reader import (
+    FastProbe,
+    RingReader,
+    equip,
+    return_trap_delivery,
+    trap_delivery,
+)
+from kprobes.process.fast.returns import return_probe_of
 from kprobes.process.fetch.evaluate import CommCache, CpuReader, Memory, Symbolizer
-from kprobes.process.fetch.fast import NotCapturable, plan_captures
+from kprobes.process.fetch.fast import (
+    NotCapturable,
+    entry_register,
+    plan_captures,
+    plan_return_captures,
+)
 
 
 class StackNames(Protocol):
@@ -39,6 +53,7 @@ if TYPE_CHECKING:
     from kprobes.arch.x86_64.stackwalk import WalkResult
     from kprobes.core.optimizer import SiteOpt
     from kprobes.core.probes import Kprobe
+    from kprobes.core.retprobes import Kretprobe
     from kprobes.core.table import ProbeSite, ProbeTable
     from kprobes.model import UserStack
     from kprobes.process.engine.attachment import Attachment
@@ -85,6 +100,9 @@ class Recording:
         # Each probe with an async_handler: its FastProbe and what runs it at a trap. The
         # probe is held too, so that its id names it alone while it is here.
         self._fast: dict[int, tuple[Kprobe, FastProbe, Callable[[Kprobe, Any], None]]] = {}
+        # Each return probe with an async_handler: its FastProbe (its records are written
+        # at the return, by its trampoline: fast/returns.py).
+        self._returns: dict[int, tuple[Kretprobe, FastProbe]] = {}
         self._cpu: CpuReader | None = None
         self.tables = FrameTables(program, injector, state)  # for records with a stack
         # Names the frames of a stack walked in the program (stacks.py; target.py sets it).
@@ -132,14 +150,76 @@ class Recording:
             self._cpu = CpuReader(self.pid)
         self._fast[id(kp)] = (kp, fp, trap_delivery(fp, self._cpu))
 
-    def fast_of(self, kp: Kprobe) -> FastProbe | None:
-        entry = self._fast.get(id(kp))
-        return None if entry is None else entry[1]
+    def prepare_return(self, rp: Kretprobe, fp: FastProbe) -> None:
+        """``rp``'s async_handler is run with ``fp``'s events of its returns, from the records
+        its trampoline writes (``return_record``); where its entry keeps the int3, its trap
+        handlers make them."""
+        if self._cpu is None:
+            self._cpu = CpuReader(self.pid)
+        self._returns[id(rp)] = (rp, fp)
 
-    def forget(self, kps: Sequence[Kprobe]) -> None:
+    @contextmanager
+    def returns_equipped(
+        self, rps: Sequence[Kretprobe], events: Mapping[Kretprobe, str]
+    ) -> Iterator[None]:
+        """Around the registration of ``rps``: those with an asynchronous handler prepared
+        first (``equip_returns``), forgotten if they end up unregistered."""
+        try:
+            self.equip_returns(rps, events)
+            yield
+        except BaseException:
+            self.forget([rp for rp in rps if not rp.is_registered])
+            raise
+
+    def equip_returns(self, rps: Sequence[Kretprobe], events: Mapping[Kretprobe, str]) -> None:
+        """Prepare the API's return probes with an asynchronous handler (a wrong fetch-arg
+        raises SpecError here): the records of the fast tier, and at the return's trap the
+        same event, made by its handler."""
+        for rp in rps:
+            if rp.async_handler is None:
+                if rp.args or rp in events or rp.with_regs:
+                    raise UnsupportedOption(
+                        "Process",
+                        f"args={' '.join(rp.args)!r}"
+                        if rp.args
+                        else f"event={events[rp]!r}"
+                        if rp in events
+                        else "with_regs=True",
+                        "Kretprobe",
+                        "its handler runs at the return with the live registers: read them "
+                        "there (or give an async_handler)",
+                    )
+                continue
+            if id(rp) in self._returns:
+                continue
+            if rp.handler or rp.entry_handler or rp.data_size:
+                raise UnsupportedOption(
+                    "Process",
+                    "async_handler",
+                    "Kretprobe",
+                    "an async_handler sees returns after the fact: it does not go with a "
+                    "handler, an entry_handler or data_size (register two probes)",
+                )
+            reader = self.ring_reader()
+            memory = Memory(self._fetch, self._fetch_string, reader.symbolize, reader.comm)
+            fp = equip(rp, self._program.symbols, memory, pid=self.pid, event=events.get(rp, ""))
+            self.prepare_return(rp, fp)
+            assert self._cpu is not None
+            rp.entry_handler, rp.handler = return_trap_delivery(rp, fp, self._cpu, self.drain_rings)
+            rp.handlers_on_traps_only = True
+
+    def fast_of(self, kp: Kprobe | Kretprobe) -> FastProbe | None:
+        entry = self._fast.get(id(kp))
+        if entry is not None:
+            return entry[1]
+        ret = self._returns.get(id(kp))
+        return None if ret is None else ret[1]
+
+    def forget(self, kps: Sequence[Kprobe | Kretprobe]) -> None:
         """The probes were unregistered (or never were): nothing of theirs is kept."""
         for kp in kps:
             self._fast.pop(id(kp), None)
+            self._returns.pop(id(kp), None)
 
     def close(self) -> None:
         """The process is no longer traced: the files the trap tier's events read go, and
@@ -287,28 +367,74 @@ class Recording:
     def action(self, site: ProbeSite, area: SharedArea, so: SiteOpt) -> Action | str:
         """The site's action: a count, or a record if a probe has an asynchronous handler
         (then also the count); a str says why the site cannot be optimized."""
-        counter = area.counter_addr(so.counter)
+        record = self.entry_record(site, area, so)
+        return CountAction(area.counter_addr(so.counter)) if record is None else record
+
+    def entry_record(
+        self, site: ProbeSite, area: SharedArea, so: SiteOpt, *, counted: bool = True
+    ) -> RecordAction | str | None:
+        """The record of a hit of the site's probes with an asynchronous handler (None:
+        none has one), also counting it unless the site counts its hits otherwise (a
+        return probe's entry: ``counted`` off); a str says why it cannot be made."""
         wanted = [p for p in site.probes if p.async_handler is not None]
         fast = [fp for fp in map(self.fast_of, wanted) if fp is not None]
         if len(fast) < len(wanted):
             return "its asynchronous handler was not prepared"
         if not fast:
-            return CountAction(counter)
+            return None
         try:
             plan = plan_captures([(fp.spec, fp.resolvers) for fp in fast])
         except NotCapturable as exc:
             return str(exc)
+        with_regs = any(fp.with_regs for fp in fast)
+        # The user stack, walked in the detour, for the probe that wants the most frames.
+        depth = max((fp.stack_depth or 0 for fp in fast), default=0)
+        return self._record_action(site, area, so, plan, with_regs, counted=counted, depth=depth)
+
+    def return_record(
+        self, site: ProbeSite, area: SharedArea, so: SiteOpt
+    ) -> tuple[RecordAction, str] | str | None:
+        """The record the trampoline of the return probe whose entry is ``site`` writes of
+        each return, and the register its entry keeps for it ("": none), or None (it
+        writes none, it aggregates), or why the site cannot be optimized: the return's
+        fetch-args, its caller, its entry time, its ``$argN``."""
+        rp = return_probe_of(site)
+        if rp is None or rp.async_handler is None or not rp.optimize:
+            return None
+        entry = self._returns.get(id(rp))
+        if entry is None:
+            return "its asynchronous handler was not prepared"
+        fp = entry[1]
+        try:
+            plan = plan_return_captures(fp.spec, fp.resolvers)
+            keeps = entry_register(fp.spec)
+        except NotCapturable as exc:
+            return str(exc)
+        record = self._record_action(site, area, so, plan, fp.with_regs, returns=True)
+        return record if isinstance(record, str) else (record, keeps)
+
+    def _record_action(
+        self,
+        site: ProbeSite,
+        area: SharedArea,
+        so: SiteOpt,
+        plan: CapturePlan,
+        with_regs: bool,
+        *,
+        returns: bool = False,
+        counted: bool = True,
+        depth: int = 0,
+    ) -> RecordAction | str:
+        """A record action of ``plan`` for ``site`` (at its entry, or ``returns``: at its
+        return, which its trampoline counts), its record id kept while the plan holds; it
+        counts the hit too if ``counted`` (and not ``returns``)."""
         if plan.reads_memory:
             # A bad pointer must give (fault): the tracer fixes such faults, and the rescue
             # once the tool is gone (faults.py). Without a rescue (seccomp) the program
             # is no worse off than with our int3s, which need it as much.
             self._injector.activate_fetch_faults()
-        with_regs = any(fp.with_regs for fp in fast)
-        # The user stack, walked in the detour, for the probe that wants the most frames
-        # (the first is the hit's ip: the others are return addresses).
-        depth = max((fp.stack_depth or 0 for fp in fast), default=0)
         stack = None
-        if depth:
+        if depth:  # the first frame is the hit's ip: the others are return addresses
             walk = self.tables.walk(so.area, max(depth - 1, 1))
             if isinstance(walk, str):
                 return walk
@@ -323,17 +449,27 @@ class Recording:
             self._hold_lease()
         if not reader.is_active:
             self._learn_all_threads(reader)
-        known = reader.sites.get(so.record_id)
-        if so.record_id == 0 or so.plan != plan or known is None or known.stack_depth != depth:
-            so.record_id, so.plan = reader.add_site(site, plan, with_regs, depth), plan
+        rid, held = (so.return_id, so.return_plan) if returns else (so.record_id, so.plan)
+        known = reader.sites.get(rid)
+        if (
+            known is None
+            or held != plan
+            or known.with_regs != with_regs
+            or known.stack_depth != depth
+        ):
+            rid = reader.add_site(site, plan, with_regs, depth, is_return=returns)
+            if returns:
+                so.return_id, so.return_plan = rid, plan
+            else:
+                so.record_id, so.plan = rid, plan
         try:
             return RecordAction(
-                so.record_id,
+                rid,
                 area.layout.ring_at(area.addr),
                 with_regs=with_regs,
                 plan=plan,
                 cpu_id=_cpu_id(),
-                counter=counter,
+                counter=area.counter_addr(so.counter) if counted and not returns else None,
                 may_wait=self._state.waits_when_full,
                 stack=stack,
             )

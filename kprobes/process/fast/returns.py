@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Final
 
 from kprobes.arch.x86_64 import retstack as rs
 from kprobes.arch.x86_64.detour import Action
-from kprobes.arch.x86_64.record import ThreadId
+from kprobes.arch.x86_64.record import RecordAction, ThreadId
 from kprobes.core.retprobes import Kretprobe
 from kprobes.errors import InternalError, TargetError
 from kprobes.linux.syscalls import NR_MMAP
@@ -49,6 +49,17 @@ if TYPE_CHECKING:
 
 # Counters a return site takes in its area (64 bytes apart): the block ``rs.COUNTERS_SIZE``.
 NCOUNTERS: Final = -(-rs.COUNTERS_SIZE // 64)
+
+
+def counters_needed(rp: Kretprobe) -> int:
+    """Counters (64 bytes) ``rp``'s return site takes: its block, and its linear slots."""
+    return -(-rs.counters_size(linear_of(rp)) // 64)
+
+
+def linear_of(rp: Kretprobe) -> rs.Linear | None:
+    return None if rp.linear is None else rs.Linear(*rp.linear)
+
+
 TRAMP_PAGE: Final = 0x10000
 _MAP_PRIVATE_ANON_NORESERVE: Final = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000
 _Q2 = struct.Struct("<QQ")
@@ -94,9 +105,12 @@ class ReturnStacks:
     shadow: int = 0  # the shadow stacks' mapping
     tramp_start: int = 0  # the trampolines' page
     tramp_used: int = 0
-    # Trampolines by what their code holds: (site address, its counters, unit, value bits);
+    # Trampolines by what their code holds: (site address, its counters, unit, value bits,
+    # the id of the record it writes, the entry's register for it, its linear buckets);
     # the one each site's current detour writes (for ``unhook``).
-    trampolines: dict[tuple[int, int, int, int], int] = field(default_factory=dict)
+    trampolines: dict[tuple[int, int, int, int, int, str, tuple[int, int, int] | None], int] = (
+        field(default_factory=dict)
+    )
     current: dict[int, int] = field(default_factory=dict)
     seen: dict[int, _Seen] = field(default_factory=dict)  # site address → its counters read
 
@@ -183,8 +197,17 @@ class FastReturns:
         self._stacks = stacks
         self._thread_id = thread_id
 
-    def action(self, site: ProbeSite, area: SharedArea, so: SiteOpt) -> Action | str:
-        """The entry action of a return site (its trampoline made once), or why none."""
+    def action(
+        self,
+        site: ProbeSite,
+        area: SharedArea,
+        so: SiteOpt,
+        record: RecordAction | None = None,
+        entry_reg: str = "",
+    ) -> Action | str:
+        """The entry action of a return site (its trampoline made once), or why none; with
+        ``record``, its trampoline writes that record of each return (and the entry keeps
+        ``entry_reg`` for it)."""
         rp = return_probe_of(site)
         if rp is None:
             raise InternalError(f"{site.addr:#x} is no return probe's entry")
@@ -197,7 +220,15 @@ class FastReturns:
         counters = area.counter_addr(so.counter)
         # A probe registered again at the site has new counters: a new trampoline (the old
         # one stays, for the frames still hooked to it).
-        key = (site.addr, counters, rp.duration_unit, rp.value_bits)
+        key = (
+            site.addr,
+            counters,
+            rp.duration_unit,
+            rp.value_bits,
+            record.probe_id if record else 0,
+            entry_reg,
+            rp.linear,
+        )
         tramp = stacks.trampolines.get(key, 0)
         ret_site = rs.ReturnSite(
             shadow=stacks.shadow,
@@ -209,16 +240,20 @@ class FastReturns:
             cap=cap,
             thread_id=self._thread_id,
             value_bits=rp.value_bits,
+            record=record,
+            entry_reg=entry_reg,
+            linear=linear_of(rp),
         )
         if not tramp:
-            if stacks.tramp_used + rs.TRAMPOLINE_MAX > TRAMP_PAGE - MARK_SIZE:
-                return "no room left for another return trampoline (256 per process)"
             code = rs.build_trampoline(ret_site, max(1, tsc_mult() // max(1, rp.duration_unit)))
+            size = max(rs.TRAMPOLINE_MAX, -(-len(code) // 64) * 64)
+            if stacks.tramp_used + size > TRAMP_PAGE - MARK_SIZE:
+                return "no room left for another return trampoline (64 KiB of them per process)"
             for space in self._tracer.own_memories():
                 space.write(ret_site.trampoline, code)
             stacks.trampolines[key] = ret_site.trampoline
-            stacks.tramp_used += rs.TRAMPOLINE_MAX
-            stacks.seen[site.addr] = _Seen(*self._read(area, so)[1:4])
+            stacks.tramp_used += size
+            stacks.seen[site.addr] = _Seen(*self._read(area, so, rp)[1:4])
         stacks.current[site.addr] = ret_site.trampoline
         return rs.RetEntryAction(ret_site)
 
@@ -253,13 +288,18 @@ class FastReturns:
         stacks.shadow = result
 
     @staticmethod
-    def _read(area: SharedArea, so: SiteOpt) -> tuple[int, ...]:
-        """(hits, returns, missed, abandoned, sum of ns, then the 64 histogram slots)."""
+    def _read(area: SharedArea, so: SiteOpt, rp: Kretprobe) -> tuple[int, ...]:
+        """(hits, returns, missed, abandoned, sum of ns, then the histogram's slots: the
+        65 log2 ones, or ``rp``'s linear ones)."""
         base = area.layout.counter_offset(so.counter)
         view = area.view
+        linear = linear_of(rp)
         try:
             head = struct.unpack_from("<5Q", view, base)
-            hist = struct.unpack_from(f"<{rs.HIST_SLOTS}Q", view, base + rs.C_HIST)
+            if linear is None:
+                hist = struct.unpack_from(f"<{rs.HIST_SLOTS}Q", view, base + rs.C_HIST)
+            else:
+                hist = struct.unpack_from(f"<{linear.nslots}Q", view, base + rs.C_LHIST)
         finally:
             view.release()
         return head + hist
@@ -271,10 +311,11 @@ class FastReturns:
         seen = self._stacks.seen.get(site.addr)
         if rp is None or seen is None:
             return
-        values = self._read(area, so)
+        values = self._read(area, so, rp)
         _, returns, missed, abandoned, total = values[:5]
         rp.nhit += returns - seen.returns
         rp.nmissed += missed - seen.missed
         rp.nabandoned += abandoned - seen.abandoned
         seen.returns, seen.missed, seen.abandoned = returns, missed, abandoned
-        rp.note_hist(values[5:], total)
+        if rp.async_handler is None:  # a record probe's returns are its records
+            rp.note_hist(values[5:], total)

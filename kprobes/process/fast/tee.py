@@ -30,7 +30,7 @@ from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64.capture import CapturePlan
 from kprobes.errors import ProbeError
 from kprobes.process.fast.batch import plan_decoder
-from kprobes.process.fast.reader import RecordSite, RingReader
+from kprobes.process.fast.reader import RecordSite, RingReader, record_targets
 from kprobes.process.fetch.evaluate import ArgFetcher
 from kprobes.spec import ProbeSpec
 from kprobes.symbols.elf import build_id
@@ -144,7 +144,7 @@ class RecordTee:
         rs = self.reader.sites.get(rid)
         if rs is None:
             return
-        active = tuple(p for p in rs.site.active if p.async_handler is not None)
+        active = tuple(record_targets(rs))
         key = tuple(map(id, active))
         known = self._sites.get(rid)
         if known is not None and known[0] is rs and known[1] == key:
@@ -158,7 +158,8 @@ class RecordTee:
             data, files = _Recorded(fp.resolvers[0]), _Recorded(fp.resolvers[1])
             try:  # what the decoders ask of the symbols, asked now
                 ArgFetcher(fp.spec, data, files)
-                plan_decoder(fp.spec, (data, files), rs.plan, rs.site.addr)
+                if not rs.is_return:  # a return's records are not decoded in batches
+                    plan_decoder(fp.spec, (data, files), rs.plan, rs.site.addr)
             except (ProbeError, OSError):
                 pass  # a reader of the file will find it missing, and say so
             probes.append(

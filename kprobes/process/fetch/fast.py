@@ -8,9 +8,11 @@ reads, and it says it by lowering the very walk of the fetch tree that the evalu
 closures are made by (tree.py): a register is a ``Value`` capture, a word of memory a
 ``Bytes`` capture, in the order the walk asks for them, which is the order the closures
 read. ``+8(+16(%si)):u32`` reads ``rsi``, then 8 bytes at ``rsi+16``, then 4 bytes at that
-word plus 8. Whatever cannot be copied at the hit (``$retval``: return probes stay on traps;
-registers the detour does not save; ``$comm`` and immediates need nothing) is refused with
-the reason, and the probe keeps its trap.
+word plus 8. Whatever cannot be copied at the hit (``$retval`` at an entry; a return
+probe's ``$argN``, which the trap tier takes at the entry; registers the detour does not
+save; ``$comm`` and immediates need nothing) is refused with the reason, and the probe keeps
+its trap. A return probe's fetch-args are captured by its return trampoline
+(``plan_return_captures``), where ``$retval`` is rax.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final
 
 from kprobes.arch.x86_64.capture import (
+    ENTRY_ARG,
+    ENTRY_TSC,
     REGISTERS,
     Bytes,
     CapturePlan,
@@ -31,8 +35,15 @@ from kprobes.arch.x86_64.capture import (
     Word,
 )
 from kprobes.errors import ProbeRejected, SymbolNotFound
-from kprobes.process.fetch.tree import Kind, address, kind_of, value
-from kprobes.spec import FetchArg, ProbeSpec, TypeSpec
+from kprobes.process.fetch.tree import (
+    ARG_REGS,
+    Kind,
+    address,
+    kind_of,
+    reads_function_args,
+    value,
+)
+from kprobes.spec import FetchArg, FunctionArg, ProbeSpec, TypeSpec
 from kprobes.symbols.elf import did_you_mean
 
 if TYPE_CHECKING:
@@ -125,22 +136,74 @@ def file_resolver(symbols: Callable[[], SymbolResolver], path: str) -> Callable[
     return address
 
 
+class _ReturnPlanner(_Planner):
+    """At the return (a return trampoline's record): ``$retval`` is rax there."""
+
+    def retval(self) -> Src:
+        return self.register("rax", "$retval")
+
+
 def plan_captures(specs: Sequence[tuple[ProbeSpec, Resolver]]) -> CapturePlan:
     """One plan that captures what every spec's fetch-args read (each spec with the
     resolvers of its ``@symbol`` and file offsets); NotCapturable if one cannot be read at
     the hit."""
     planner = _Planner()
-    for spec, (resolve_data, file_addr) in specs:
+    for spec, resolvers in specs:
         if spec.is_return:
             raise NotCapturable("a return probe's event is made at the return, on traps")
-        for arg in spec.args:
-            fetch = arg.fetch
-            match kind_of(fetch):
-                case Kind.MEMORY:
-                    base, off = address(fetch, planner, resolve_data, file_addr)
-                    planner.memory(base, off, arg.effective_type)
-                case Kind.VALUE:
-                    value(fetch, planner, resolve_data, file_addr)
-                case Kind.COMM | Kind.TEXT:
-                    pass  # nothing of the program's to copy
+        _plan_args(planner, spec, resolvers)
     return planner.plan
+
+
+def plan_return_captures(spec: ProbeSpec, resolvers: Resolver) -> CapturePlan:
+    """What a return spec's fetch-args read at the return, captured by its trampoline, then
+    the real return address ("rip") and the call's entry time (``ENTRY_TSC``), which make
+    the event's ``(caller <- func)`` and its ``entry_timestamp``, and the register its
+    ``$argN`` names, which the entry kept (``ENTRY_ARG``, see ``entry_register``)."""
+    keeps = entry_register(spec)
+    planner = _ReturnPlanner()
+    _plan_args(planner, spec, resolvers, at_return=True)
+    planner.plan.add(Value(Reg("rip")))
+    planner.plan.add(Value(Reg(ENTRY_TSC)))
+    if keeps:
+        planner.plan.add(Value(Reg(ENTRY_ARG)))
+    return planner.plan
+
+
+def entry_register(spec: ProbeSpec) -> str:
+    """The argument register a return spec's ``$argN`` read at the entry, which its entry
+    keeps in the shadow stack for the return's record ("" if it has none); NotCapturable
+    for more than one register's worth: memory read at the entry (``+0($arg1)``), an
+    argument on the stack, two arguments."""
+    kept = set()
+    for arg in spec.args:
+        fetch = arg.fetch
+        if not reads_function_args(fetch):
+            continue
+        reads_memory = arg.effective_type.is_string or arg.effective_type.count is not None
+        if not isinstance(fetch, FunctionArg) or fetch.index > len(ARG_REGS) or reads_memory:
+            raise NotCapturable(
+                "a fetch-arg reads $argN's memory or stack at the entry, which is a trap"
+            )
+        kept.add(ARG_REGS[fetch.index - 1])
+    if len(kept) > 1:
+        raise NotCapturable("its $argN name two registers; the entry keeps one, others trap")
+    return kept.pop() if kept else ""
+
+
+def _plan_args(
+    planner: _Planner, spec: ProbeSpec, resolvers: Resolver, *, at_return: bool = False
+) -> None:
+    resolve_data, file_addr = resolvers
+    for arg in spec.args:
+        fetch = arg.fetch
+        if at_return and reads_function_args(fetch):
+            continue  # taken at the entry (entry_register)
+        match kind_of(fetch):
+            case Kind.MEMORY:
+                base, off = address(fetch, planner, resolve_data, file_addr)
+                planner.memory(base, off, arg.effective_type)
+            case Kind.VALUE:
+                value(fetch, planner, resolve_data, file_addr)
+            case Kind.COMM | Kind.TEXT:
+                pass  # nothing of the program's to copy
