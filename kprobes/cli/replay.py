@@ -150,7 +150,9 @@ class _Process:
             site.probes.append(kp)
         site.refresh()
         is_return = any(p.spec.is_return for p in info.probes)  # written by a trampoline
-        self.reader.sites[info.rid] = RecordSite(site, info.plan, info.with_regs, is_return)
+        self.reader.sites[info.rid] = RecordSite(
+            site, info.plan, info.with_regs, is_return=is_return
+        )
 
     def _deliver(self, kp: Kprobe | Kretprobe, ev: Event) -> None:
         self.sink(ev)

@@ -289,7 +289,7 @@ class RingReader:
         if self._clock is None:
             self._clock = TscClock()
         rid = len(self.sites) + 1
-        self.sites[rid] = RecordSite(site, plan, with_regs, stack_depth, is_return)
+        self.sites[rid] = RecordSite(site, plan, with_regs, stack_depth, is_return=is_return)
         return rid
 
     def note_thread(self, fs_base: int, tid: int) -> None:
