@@ -158,13 +158,14 @@ def _sigtrap_unblocked(tid: int) -> Iterator[None]:
 def home_regs(thread: Thread, kernel_regs: bytes, view: bytes) -> bytes:
     """The registers the rescue gives the thread back if the tool dies during the injection.
 
-    Its own registers, but where it really was: a thread borrowed from inside a handler goes
-    where the handler's view says (its hit is handled); one whose int3 trap is still pending
+    Its own registers, but where it really was: a thread borrowed from inside a handler has
+    the handler's view (its hit is handled: the rip it goes on at, and what an emulated
+    instruction changed, the loader's ``ret`` its rsp); one whose int3 trap is still pending
     goes back onto the int3, to take that trap again (from the rescue, if the tool is gone).
     """
     home = bytearray(kernel_regs)
     if thread.busy:
-        home[RIP_OFFSET : RIP_OFFSET + 8] = view[RIP_OFFSET : RIP_OFFSET + 8]
+        home[:] = view  # rip, and what an emulated instruction changed (a ret's rsp)
     elif thread.pending == SIGTRAP_STOP:
         info = ptrace.getsiginfo(thread.tid)
         if siginfo_code(info) == ptrace.SI_KERNEL:
