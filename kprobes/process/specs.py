@@ -181,11 +181,7 @@ class SpecTracer:
 
         kp = Kprobe(symbol=where.symbol, offset=where.offset, addr=where.addr, optimize=True)
         kp.async_handler = on_hit
-        resolvers = (self._resolve_data, self._file_address(where.path or _SELF))
-        fast = FastProbe(
-            spec, fetcher, False, self.memory, resolvers, self.proc.pid,
-            spec.effective_group, spec.effective_event,
-        )  # fmt: skip
+        fast = self._fast_probe(spec, fetcher, where.path)
         if handler is None and self.batch is not None:
             fast.batch = self.batch(spec)  # the sink's events, as rows where they can be
         depth = self.stack_depth
@@ -299,12 +295,16 @@ class SpecTracer:
             sink(event)
 
         rp.async_handler = on_record
-        resolvers = (self._resolve_data, self._file_address(where.path or _SELF))
-        fast = FastProbe(
+        fast = self._fast_probe(spec, fetcher, where.path)
+        self.proc.records.prepare_return(rp, fast)
+
+    def _fast_probe(self, spec: ProbeSpec, fetcher: ArgFetcher, path: str | None) -> FastProbe:
+        """What the fast reader needs of ``spec`` to make its records into events."""
+        resolvers = (self._resolve_data, self._file_address(path or _SELF))
+        return FastProbe(
             spec, fetcher, False, self.memory, resolvers, self.proc.pid,
             spec.effective_group, spec.effective_event,
         )  # fmt: skip
-        self.proc.records.prepare_return(rp, fast)
 
     def _aggregates_in_place(self, fetcher: ArgFetcher) -> bool:
         """A return spec the program aggregates itself: ``latency``'s (no fetch-arg), or
