@@ -66,6 +66,7 @@ BUILDS: dict[str, Build] = {
     "signals": Build("signals.c"),
     "owntraps": Build("owntraps.c"),
     "selfsignal": Build("selfsignal.c"),
+    "blocked": Build("blocked.c"),
     "procs": Build("procs.c"),
     "ifunc": Build("ifunc.c", libs=("-ldl",)),
     "rets": Build("rets.c", flags=("-O1", *DEBUG, "-pthread")),

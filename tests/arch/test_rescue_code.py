@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kprobes.arch.x86_64 import rescue, rescue_code
+from kprobes.arch.x86_64 import rescue, rescue_code, sigframe
 from kprobes.arch.x86_64.abi import FETCH_FAULT_MAGIC
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,6 +45,16 @@ def test_code_fits_before_the_header():
     restorer = rescue_code.CODE[rescue_code.RESTORER : rescue_code.RESTORER + 9]
     assert restorer == bytes.fromhex("48c7c00f0000000f05")
     assert rescue.stub_trap(0x1000) == 0x1000 + rescue_code.STUB + 2
+    # a self-restoring injection's syscall, then its ret into the frame's restorer
+    way = rescue_code.CODE[rescue_code.SYSCALL_RET : rescue_code.SYSCALL_RET + 3]
+    assert way == b"\x0f\x05\xc3"
+    assert rescue.syscall_ret(0x1000) == 0x1000 + rescue_code.SYSCALL_RET
+    # its restarter: restart_syscall, the result into the frame's rax, rt_sigreturn
+    restarter = rescue_code.CODE[rescue_code.RESTARTER : rescue_code.RESTARTER + 24]
+    assert restarter == bytes.fromhex("b8db000000 0f05 48898424") + sigframe.UC_RAX.to_bytes(
+        4, "little"
+    ) + bytes.fromhex("48c7c00f000000 0f05")
+    assert rescue.restarter(0x1000) == 0x1000 + rescue_code.RESTARTER
 
 
 FIELDS = {

@@ -254,7 +254,7 @@ MINUS = 1 << 64
         (202, MINUS - 512, 202, 0x5000),  # -ERESTARTSYS: restarted
         (202, MINUS - 513, 202, 0x5000),  # -ERESTARTNOINTR
         (7, MINUS - 514, 7, 0x5000),  # -ERESTARTNOHAND (no handler runs)
-        (35, MINUS - 516, MINUS - 4, 0x5002),  # -ERESTART_RESTARTBLOCK: -EINTR
+        (35, MINUS - 516, 35, 0x5000),  # -ERESTART_RESTARTBLOCK: made again from its start
         (0, MINUS - 4, MINUS - 4, 0x5002),  # -EINTR itself
         (0, MINUS - 11, MINUS - 11, 0x5002),
     ],

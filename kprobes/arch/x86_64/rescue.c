@@ -14,7 +14,8 @@
  *   - the end of a stepped out-of-line copy: resume after the probed instruction;
  *     (the kernel drops the trap of a thread held by a tracer that dies, and the thread
  *     resumes one byte on: that byte is an int3 too, and means the same);
- *   - an injected syscall or call: put back the registers the thread had before it;
+ *   - an injected syscall or call: put back the registers the thread had before it, and
+ *     restart the syscall it was borrowed from, as the kernel would have;
  *   - a trap the tool had already handled (rip moved, int3 gone) or put back on its int3
  *     (the kernel delivers a held trap the tool had not reaped): resume as it is;
  *   - anything else is the program's own trap: handed to its own disposition.
@@ -61,7 +62,8 @@ struct header {
 	struct action old_fault[2];  /* the program's own SIGSEGV and SIGBUS dispositions */
 };
 
-/* The entry points, first in the blob: the injection stub and the signal restorer. */
+/* The entry points, first in the blob: the injection stub, the signal restorer and a
+   self-restoring injection's syscall. */
 __asm__(".text\n"
 	"rescue_start:\n"
 	"rescue_stub:\n"
@@ -70,6 +72,16 @@ __asm__(".text\n"
 	"	int3\n"   /* where a thread resumes if the tool dies after the first one trapped */
 	"	.p2align 4\n"
 	"rescue_restorer:\n"  /* glibc's bytes: unwinders (libgcc, gdb) know it for a signal frame */
+	"	mov $15, %rax\n"
+	"	syscall\n"
+	"	ud2\n"
+	"rescue_syscall_ret:\n"  /* a way home with no trap (selfrestore.py), once the rescue */
+	"	syscall\n"           /* is no longer the program's SIGTRAP handler */
+	"	ret\n"
+	"rescue_restarter:\n"    /* its restorer for a thread borrowed from a call with a */
+	"	mov $219, %eax\n"    /* restart block: restart_syscall, before rt_sigreturn */
+	"	syscall\n"           /* cancels the block; the result in the frame's rax */
+	"	mov %rax, 144(%rsp)\n"  /* (rsp: the ucontext; its gregs at 40, rax the 14th) */
 	"	mov $15, %rax\n"
 	"	syscall\n"
 	"	ud2\n");
@@ -102,6 +114,17 @@ static inline s64 sys4(s64 nr, s64 a, s64 b, s64 c, s64 d)
 #define NR_GETTID 186
 #define NR_TGKILL 234
 #define NR_RT_TGSIGQUEUEINFO 297
+#define NR_RT_SIGPROCMASK 14
+#define NR_RESTART_SYSCALL 219
+#define SIG_UNBLOCK 1
+#define SIGTRAP 5
+#define U_RAX 10                    /* struct user_regs_struct: rax, orig_rax */
+#define U_ORIG_RAX 15
+#define ERESTARTSYS 512             /* the kernel's restart codes (include/linux/errno.h) */
+#define ERESTARTNOINTR 513
+#define ERESTARTNOHAND 514
+#define ERESTART_RESTARTBLOCK 516
+#define SYSCALL_LEN 2
 #define SI_KERNEL 0x80
 #define PUT_BACK_CODE 0x4b50        /* rescue.py's PUT_BACK_CODE: the tool's mark */
 #define PUT_BACK_ERRNO 0x4b505242   /* rescue.py's PUT_BACK_ERRNO */
@@ -255,6 +278,30 @@ __asm__(".text\n"
 	"	jmp *%r11\n"
 	"1:	ret\n");
 
+/* A thread borrowed from inside a syscall goes on as the kernel would have let it go on with
+   no handler of the program's to run: rt_sigreturn sets orig_rax = -1, so the kernel's own
+   restart does not happen, and is done here. An interrupted call is made again from its
+   syscall instruction. A call with a restart block (nanosleep, poll with a timeout, futex
+   waits) is finished here by restart_syscall, with SIGTRAP unblocked (a program's handler
+   interrupting it may hit a probe of ours): once rt_sigreturn runs, the restart block is
+   cancelled and the call would fail with EINTR, which a program with no signal handler of
+   its own never expects. A signal the program handles still interrupts it with EINTR, as
+   it would have. */
+static void restart(const struct header *h, u64 *g)
+{
+	if ((s64)h->saved[U_ORIG_RAX] < 0)
+		return;
+	s64 error = -(s64)h->saved[U_RAX];
+	if (error == ERESTARTSYS || error == ERESTARTNOINTR || error == ERESTARTNOHAND) {
+		g[G_RAX] = h->saved[U_ORIG_RAX];
+		g[G_RIP] -= SYSCALL_LEN;
+	} else if (error == ERESTART_RESTARTBLOCK) {
+		u64 trap = 1UL << (SIGTRAP - 1);
+		sys4(NR_RT_SIGPROCMASK, SIG_UNBLOCK, (s64)&trap, 0, 8);
+		g[G_RAX] = (u64)sys3(NR_RESTART_SYSCALL, 0, 0, 0);
+	}
+}
+
 __attribute__((used)) void rescue_handler(int sig, void *info, void *ctx)
 {
 	const struct header *h = (const struct header *)(rescue_start + AREA_HEADER);
@@ -279,6 +326,7 @@ __attribute__((used)) void rescue_handler(int sig, void *info, void *ctx)
 	if (h->inject_trap && (at == h->inject_trap || at == h->inject_trap + 1)) {
 		for (int i = 0; i < G_NREGS; i++)
 			g[i] = h->saved[user_index[i]];
+		restart(h, g);
 		return;
 	}
 	/* The return trampoline: the newest record of this stack slot holds the caller. */

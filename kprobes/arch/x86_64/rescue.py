@@ -105,6 +105,20 @@ def restorer(area: int) -> int:
     return area + rescue_code.RESTORER
 
 
+def syscall_ret(area: int) -> int:
+    """``syscall; ret``: with the restorer, a way home for an injection that must not end on
+    a trap (``selfrestore.py``): the ones that make the rescue no signal handler any more,
+    and those after them."""
+    return area + rescue_code.SYSCALL_RET
+
+
+def restarter(area: int) -> int:
+    """The restorer of such an injection for a thread borrowed from a call with a restart
+    block (``nanosleep``, ``poll`` with a timeout): ``restart_syscall`` first, its result in
+    the frame's rax, then ``rt_sigreturn`` (which would cancel the block)."""
+    return area + rescue_code.RESTARTER
+
+
 def header(area: int) -> bytes:
     """A fresh header: tables empty, one range covering every return record."""
     out = bytearray(H_SIZE)

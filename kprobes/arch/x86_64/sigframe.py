@@ -17,8 +17,10 @@ aligned below the red zone, then the frame, so that ``rsp + 8`` is 16-byte align
 - **The registers** are those the thread will really go on from: an interrupted syscall the
   kernel would restart is restarted from the frame (``rt_sigreturn`` sets ``orig_rax = -1``,
   so the kernel's own restart would not happen). A ``-ERESTART_RESTARTBLOCK`` call
-  (``nanosleep`` and the like) becomes ``-EINTR``: ``rt_sigreturn`` cancels the restart
-  block, as it does for the program's own handlers.
+  (``nanosleep``, ``poll`` with a timeout, futex waits) is made again from its start with its
+  own arguments: ``rt_sigreturn`` cancels the restart block, so ``restart_syscall`` would fail
+  with ``EINTR``, which POSIX allows only when a handler ran (a program with none never
+  checks for it), where it allows a sleep or a wait to last longer than asked.
 - **The FPU state** is the thread's XSAVE image (``PTRACE_GETREGSET NT_X86_XSTATE``) with
   the software bytes and the end magic the kernel checks; without them it would restore the
   legacy FXSAVE part alone and reset AVX and later state. A NULL ``fpstate`` resets it all.
@@ -67,6 +69,7 @@ SIGCONTEXT_REGS: Final = (
     "rdi", "rsi", "rbp", "rbx", "rdx", "rax", "rcx", "rsp", "rip", "eflags",
 )  # fmt: skip
 _SIGCONTEXT: Final = struct.Struct("<18Q4H5Q64x")  # ... err, trapno, oldmask, cr2, fpstate
+UC_RAX: Final = UC_MCONTEXT + 8 * SIGCONTEXT_REGS.index("rax")  # where a restarter's result goes
 
 # The FPU state: an FXSAVE image (512 bytes) or an XSAVE one (the header at 512).
 FXSAVE_SIZE: Final = 512
@@ -86,7 +89,6 @@ ERESTARTSYS: Final = 512
 ERESTARTNOINTR: Final = 513
 ERESTARTNOHAND: Final = 514
 ERESTART_RESTARTBLOCK: Final = 516
-EINTR: Final = 4
 SYSCALL_INSN_LEN: Final = 2  # syscall is 0f 05
 
 _MASK64: Final = (1 << 64) - 1
@@ -120,17 +122,22 @@ def _with(regs: bytes, **values: int) -> bytes:
 def resumed(regs: bytes) -> bytes:
     """``regs`` (``struct user_regs_struct``) as the thread goes on from them with no handler:
     an interrupted syscall restarted (rip back on the ``syscall``, rax its number again), a
-    restart-block syscall failed with ``-EINTR``; anything else unchanged."""
+    restart-block syscall made again from its start; anything else unchanged."""
     nr = _reg(regs, "orig_rax")
     if nr >= 1 << 63:  # -1: not in a syscall
         return regs
     rax = _reg(regs, "rax")
     error = _MASK64 + 1 - rax if rax >= 1 << 63 else 0
-    if error in (ERESTARTSYS, ERESTARTNOINTR, ERESTARTNOHAND):
+    if error in (ERESTARTSYS, ERESTARTNOINTR, ERESTARTNOHAND, ERESTART_RESTARTBLOCK):
         return _with(regs, rax=nr, rip=_reg(regs, "rip") - SYSCALL_INSN_LEN)
-    if error == ERESTART_RESTARTBLOCK:
-        return _with(regs, rax=-EINTR)
     return regs
+
+
+def in_restart_block(regs: bytes) -> bool:
+    """Whether ``regs`` are those of a call interrupted with ``-ERESTART_RESTARTBLOCK``: one
+    that a restorer restarting it (the rescue's restarter) finishes better than ``resumed``."""
+    nr, rax = _reg(regs, "orig_rax"), _reg(regs, "rax")
+    return nr < 1 << 63 and rax == _MASK64 + 1 - ERESTART_RESTARTBLOCK
 
 
 def fpstate(image: bytes) -> bytes:

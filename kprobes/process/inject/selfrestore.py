@@ -1,11 +1,15 @@
-"""An injected syscall whose thread goes home by itself: the rescue's own ``mmap``.
+"""An injected syscall whose thread goes home by itself: the rescue's own ``mmap``, and the
+injections of a clean end that the rescue can no longer undo.
 
-Every injection but one runs on the rescue's stub, whose trap the rescue turns back into the
-thread's own registers if the tool has died (``calls.py``). The one that cannot is the
-``mmap`` that makes the rescue's mapping: nothing of ours is in the program yet. A tool killed
-while that thread wears the injection's registers would leave it to run on from them. So the
-injection carries its own way home, built from the program's code alone
-(``arch/x86_64/sigframe.py``):
+Every other injection runs on the rescue's stub, whose trap the rescue turns back into the
+thread's own registers if the tool has died (``calls.py``). The ``mmap`` that makes the
+rescue's mapping cannot: nothing of ours is in the program yet. Nor can those of a clean end
+from the one that puts the program's own SIGTRAP action back (the stub's trap would then be
+the program's, and kill it) to the ``munmap`` of the rescue itself. A tool killed while such a
+thread wears the injection's registers would leave it to run on from them. So the injection
+carries its own way home (``arch/x86_64/sigframe.py``), built from the program's code alone,
+or at a clean end from the rescue's (a ``syscall; ret`` and a restorer beside its stub) while
+its mapping lasts:
 
 - the ``syscall`` is one that the program's code follows by a plain ``ret`` (libc's, else the
   dynamic loader's: at the exit of ``execve`` nothing else is mapped);
@@ -25,12 +29,16 @@ siginfo is put back (``program.py``). Each step leaves the thread in a state it 
 from alone: the interrupt asked for before the registers are put back is dropped by the
 kernel if we die (``__ptrace_unlink``), and the registers put back are its own.
 
-Dying in the window still costs a little: a call interrupted with ``-ERESTART_RESTARTBLOCK``
-(``nanosleep``) fails with ``EINTR`` (``rt_sigreturn`` cancels the restart block, as after
-any handler); the signal a thread was lent from, and those we held for it meanwhile, are
-lost; the 4 MiB mapping stays, unused. The frame (3 KiB with AVX-512) goes below the red zone
-of whatever stack the thread is on: one lent from inside a handler on a small alternate
-stack could overrun it, as an injected call's return address already could.
+Dying in the window still costs a little. A call interrupted with ``-ERESTART_RESTARTBLOCK``
+(``nanosleep``, ``poll`` with a timeout) cannot be restarted through its restart block after
+``rt_sigreturn``, which cancels the block: on the rescue's way home its restarter does it
+before (``restart_syscall``, the result in the frame); on the program's the call is made again
+from its start, with its arguments, so a sleep or a wait may last longer than asked, and one
+that was already being restarted (``restart_syscall`` itself) fails with ``EINTR``, as after
+a handler of the program's. The signal a thread was lent from, and those we held for it
+meanwhile, are lost; the 4 MiB mapping stays, unused. The frame (3 KiB with AVX-512) goes
+below the red zone of whatever stack the thread is on: one lent from inside a handler on a
+small alternate stack could overrun it, as an injected call's return address already could.
 
 Where no way home exists (no restorer in the program's code, a shadow stack that a ``ret``
 without its ``call`` would break, a thread held at a syscall's entry), ``find_way_home``
@@ -52,6 +60,7 @@ import signal
 from collections.abc import Iterator
 from typing import Final
 
+from kprobes.arch.x86_64 import rescue as rescue_layout
 from kprobes.arch.x86_64 import sigframe
 from kprobes.errors import TargetError
 from kprobes.linux import procfs, ptrace
@@ -75,6 +84,7 @@ class WayHome:
 
     syscall_ret: int  # syscall; ret
     restorer: int  # mov rax, 15; syscall (rt_sigreturn)
+    restarter: int = 0  # restart_syscall, then rt_sigreturn (the rescue's: rescue.c)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,15 +96,22 @@ class _Saved:
     signal: int  # the signal whose delivery it was stopped in, 0 for any other stop
 
 
-def find_way_home(thread: Thread) -> WayHome | None:
-    """A ``syscall; ret`` and a restorer in the code of ``thread``'s program, if a
-    self-restoring injection is possible in it now; ``None`` to inject as before."""
+def find_way_home(thread: Thread, *, rescue_area: int = 0) -> WayHome | None:
+    """A ``syscall; ret`` and a restorer in the code of ``thread``'s program (the rescue's
+    own, at ``rescue_area``, if given), if a self-restoring injection is possible in it now;
+    ``None`` to inject as before."""
     pid = thread.tracee.pid
     info = ptrace.get_syscall_info(thread.tid)
     if info.op not in (ptrace.PTRACE_SYSCALL_INFO_NONE, ptrace.PTRACE_SYSCALL_INFO_EXIT):
         return None  # its syscall has not run yet: we would run ours in its place
     if "shstk" in procfs.read_status(pid).get("x86_Thread_features", "").split():
         return None
+    if rescue_area:
+        return WayHome(
+            rescue_layout.syscall_ret(rescue_area),
+            rescue_layout.restorer(rescue_area),
+            rescue_layout.restarter(rescue_area),
+        )
     syscall_ret = restorer = None
     for m in _code_mappings(pid):
         for start, data in _chunks(thread, m):
@@ -158,8 +175,11 @@ def run_syscall(thread: Thread, way: WayHome, nr: int, *args: int) -> int:
     mask = ptrace.getsigmask(tid)
     fpu = sigframe.fpstate(_fpu_image(tid))
     # Step 2: its way home, below its red zone: a frame rt_sigreturn turns back into it.
-    home = sigframe.resumed(calls.home_regs(thread, saved.regs, view[0]))
-    frame = sigframe.build(home, mask, fpu, way.restorer)
+    home = calls.home_regs(thread, saved.regs, view[0])
+    if way.restarter and sigframe.in_restart_block(home):
+        frame = sigframe.build(home, mask, fpu, way.restarter)
+    else:
+        frame = sigframe.build(sigframe.resumed(home), mask, fpu, way.restorer)
     try:
         thread.tracee.write(frame.address, frame.data)
     except TargetError:

@@ -39,7 +39,7 @@ from kprobes.process.engine.tracee import Tracee, TraceeKind
 from kprobes.process.engine.tracer import Tracer
 from kprobes.process.fast.shield import Shield, pages_of
 from kprobes.process.fast.state import JumpState
-from kprobes.process.inject import calls
+from kprobes.process.inject import calls, selfrestore
 from kprobes.process.survival.unmapping import Unmapping, leave_detours
 
 _STOPPED = ThreadState.STOPPED
@@ -169,17 +169,29 @@ def _restop(tracer: Tracer, t: Thread, sig: int) -> bool:
 def _deactivate_rescue(tracer: Tracer, thread: Thread, *, keep_fetch_faults: bool) -> None:
     """Put the program's own signal actions back, through ``thread`` (held, sent home).
 
-    Without such a thread the rescue stays installed, which is harmless: it hands every trap
-    and fault that is not ours to the program's own action, and no trap of ours is left.
+    The injections go home by themselves on the rescue's ``syscall; ret`` (selfrestore.py),
+    not on its stub: once the program's own SIGTRAP action is back, the stub's trap would be
+    the program's, and a tool killed inside the injection would leave the thread to die of
+    it. Where no way home is possible (a shadow stack) they run on the stub, and that window
+    stays open. Without a thread the rescue stays installed, which is harmless: it hands
+    every trap and fault that is not ours to the program's own action, and no trap of ours
+    is left.
     """
     rescue = tracer.rescue
     if not rescue.is_installed:
         return
     with contextlib.suppress(TargetError, InternalError, ProcessLookupError):
-        rescue.deactivate(
-            lambda nr, *args: calls.run_syscall(thread, 0, nr, *args, rescue=rescue),
-            keep_fetch_faults=keep_fetch_faults,
-        )
+        way = selfrestore.find_way_home(thread, rescue_area=rescue.area)
+        if way is None:
+            rescue.deactivate(
+                lambda nr, *args: calls.run_syscall(thread, 0, nr, *args, rescue=rescue),
+                keep_fetch_faults=keep_fetch_faults,
+            )
+        else:
+            rescue.deactivate(
+                lambda nr, *args: selfrestore.run_syscall(thread, way, nr, *args),
+                keep_fetch_faults=keep_fetch_faults,
+            )
 
 
 def _uncover(tracer: Tracer, shield: Shield, thread: Thread) -> None:

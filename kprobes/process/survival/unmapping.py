@@ -20,8 +20,9 @@ it needs: a detour page keeps the shared areas (its code stores into them); the 
 its records. The rest is unmapped by injected ``munmap`` calls through the last held thread
 (``give_back``), before the rescue stops being the program's signal handler, so that a tool
 killed during one of them leaves a thread the rescue brings home. The rescue's own mapping
-goes last, once it handles no signal any more (``give_back_rescue``), by the one injection
-that goes home without it (``selfrestore.py``): its stub cannot unmap the page it runs in.
+goes last, once it handles no signal any more (``give_back_rescue``), by injections that go
+home without it (``selfrestore.py``): its records on its own ``syscall; ret``, itself on the
+program's (its stub cannot unmap the page it runs in).
 
 Pages kept are the minimum: only the ones a thread was seen in (decisions.md, "A clean end
 unmaps our pages"). Rejected: unmapping in ``Process.detach`` after the threads are gone (a
@@ -278,19 +279,23 @@ class Unmapping:
         for pages in ours:
             if pages in kept:
                 return
-            self._munmap(thread, pages, on_stub=pages.kind is PageKind.RECORDS)
+            home = rescue.area if pages.kind is PageKind.RECORDS else 0
+            self._munmap(thread, pages, on_stub=False, rescue_area=home)
         if any(p.kind is PageKind.RESCUE for p in self.unmapped):
             rescue.forget()
 
-    def _munmap(self, thread: Thread, pages: OwnPages, *, on_stub: bool) -> None:
+    def _munmap(
+        self, thread: Thread, pages: OwnPages, *, on_stub: bool, rescue_area: int = 0
+    ) -> None:
         """``munmap`` of ``pages`` in the program, injected on the rescue's stub, else on a
-        way home of the program's own code (``selfrestore.py``), else not at all."""
+        way home (``selfrestore.py``) of the rescue's code at ``rescue_area`` or of the
+        program's own, else not at all."""
         size = pages.end - pages.start
         if on_stub:
             rescue = self._tracer.rescue
             result = calls.run_syscall(thread, 0, NR_MUNMAP, pages.start, size, rescue=rescue)
         else:
-            way = selfrestore.find_way_home(thread)
+            way = selfrestore.find_way_home(thread, rescue_area=rescue_area)
             if way is None:
                 return
             try:
