@@ -93,6 +93,44 @@ def test_follow_forks_counts_the_child(spawn, procs, tmp_path):
     assert {t for t, _ in hits.hits} == {proc.pid, child}
 
 
+def test_follow_forks_records_in_the_program_name_the_child_apart(spawn, procs, tmp_path):
+    """Records written in the program (jump-optimized entry and return probes): a fork child
+    writes into its parent's ring (the shared area is shared) with its parent's thread
+    pointer, and its own thread salt keeps its records its own: each process's events carry
+    its own arguments, after the fork as before."""
+    argv = [procs, "fork", 20, 30, 10]
+    expected = support.reference_output(argv)
+    proc = start(spawn, tmp_path, argv, follow_forks=True)
+    entries: list[tuple[int, int]] = []
+    returns: list[tuple[int, int]] = []
+    kp = kprobes.Kprobe(
+        symbol="work",
+        optimize=True,
+        async_handler=lambda _, ev: entries.append((ev.tid, ev.args[0].value)),
+        args="x=%di:s64",
+    )
+    rp = kprobes.Kretprobe(
+        symbol="work",
+        optimize=True,
+        async_handler=lambda _, ev: returns.append((ev.tid, ev.args[0].value)),
+        args="ret=$retval:s64",
+    )
+    proc.register_kprobe(kp)
+    proc.register_kretprobe(rp)
+    assert all(e.is_optimized for e in proc.list()), proc.list()
+    assert proc.run(timeout=30)
+    assert proc.exit_code == 0
+    assert output(tmp_path) == expected
+    child = child_pid(tmp_path)
+    parent_x = list(range(20)) + list(range(2000, 2010))
+    child_x = list(range(1000, 1030))
+    assert [x for t, x in entries if t == proc.pid] == parent_x
+    assert [x for t, x in entries if t == child] == child_x
+    assert [r for t, r in returns if t == proc.pid] == [3 * x + 2 for x in parent_x]
+    assert [r for t, r in returns if t == child] == [3 * x + 2 for x in child_x]
+    assert {t for t, _ in entries + returns} == {proc.pid, child}
+
+
 # ---------------------------------------------------------------------------------------------
 # vfork and posix_spawn: the child runs in the parent's memory, probes and all
 
@@ -236,3 +274,37 @@ def test_reference_program_outputs(procs):
     assert out.stdout == b"phase1 sum=950\nphase2 ready\nphase2 sum=14420\n"
     out = subprocess.run([procs, "exit", "3"], capture_output=True, timeout=10)
     assert (out.returncode, out.stdout) == (3, b"works=15\n")
+
+
+@pytest.mark.parametrize("order", ["entry first", "return first"])
+def test_probes_that_join_an_optimized_site_get_their_events(spawn, procs, tmp_path, order):
+    """A record probe and a return probe registered one after the other at one site: the
+    second joins a site already optimized for the first, whose detour is built again for
+    both (it used to keep the first one's action: the second got no event at all)."""
+    argv = [procs, "fork", 20, 30, 10]
+    proc = start(spawn, tmp_path, argv)  # the child is let go: the parent's 30 calls
+    entries: list[int] = []
+    returns: list[int] = []
+    kp = kprobes.Kprobe(
+        symbol="work",
+        optimize=True,
+        async_handler=lambda _, ev: entries.append(ev.args[0].value),
+        args="x=%di:s64",
+    )
+    rp = kprobes.Kretprobe(
+        symbol="work",
+        optimize=True,
+        async_handler=lambda _, ev: returns.append(ev.args[0].value),
+        args="ret=$retval:s64",
+    )
+    first, second = (kp, rp) if order == "entry first" else (rp, kp)
+    for probe in (first, second):
+        if isinstance(probe, kprobes.Kretprobe):
+            proc.register_kretprobe(probe)
+        else:
+            proc.register_kprobe(probe)
+        assert all(e.is_optimized for e in proc.list()), proc.list()
+    assert proc.run(timeout=30) and proc.exit_code == 0
+    xs = list(range(20)) + list(range(2000, 2010))
+    assert entries == xs
+    assert returns == [3 * x + 2 for x in xs]

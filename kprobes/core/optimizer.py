@@ -51,6 +51,7 @@ class SiteOpt:
     plan: Any = None  # the captures that id's records hold (the target's)
     return_id: int = 0  # the same, of the records a return probe's trampoline writes
     return_plan: Any = None
+    members: tuple[int, ...] = ()  # the probes its detour was built for (their ids)
 
     def to(self, state: OptState, reason: str = "") -> None:
         if state not in _ALLOWED[self.state]:

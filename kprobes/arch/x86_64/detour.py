@@ -92,6 +92,7 @@ class Block:
         self._branches: list[tuple[Instruction, str]] = []
         self._label_refs: list[tuple[Instruction, str]] = []
         self.prefix = ""  # prepended to every label named (``Actions``: one per action)
+        self.thread_salt = 0  # where the address space's thread salt is (record.py); 0: none
 
     def add(self, instr: Instruction, *, lock: bool = False) -> None:
         instr.ip = _LABEL_BASE + 16 * len(self._instrs)
@@ -354,9 +355,15 @@ class Detour:
 
 
 def build_detour(
-    addr: int, region: Region, action: Action, *, flags: FlagsSave = FlagsSave.LAHF
+    addr: int,
+    region: Region,
+    action: Action,
+    *,
+    flags: FlagsSave = FlagsSave.LAHF,
+    thread_salt: int = 0,
 ) -> Detour:
-    """The detour at ``addr`` for the probe whose jump displaces ``region``, running ``action``.
+    """The detour at ``addr`` for the probe whose jump displaces ``region``, running ``action``;
+    a record names its thread with the salt word at ``thread_salt`` (record.py), if given.
 
     Raises NotRelocatable (ERANGE) when ``addr`` is out of rel32 reach of the probe, or an
     address the action uses or a displaced rip-relative operand is out of reach of the code.
@@ -366,6 +373,7 @@ def build_detour(
     # Step 2: entry, action and exit, encoded at addr.
     frame = Frame.of(action, flags)
     block = Block()
+    block.thread_salt = thread_salt
     _enter(block, frame, flags)
     action.emit(block, frame, region.addr)
     _leave(block, frame, flags)

@@ -8,15 +8,18 @@ death nobody reads the ring, it fills, and from then on a hit costs the reservat
 An action that ``may_wait`` (``--block``) retries a full ring, with a ``pause`` between two
 tries, as long as the reader's lease holds (shared_area.py), and only then drops.
 
-The thread is identified by its fs base, the thread pointer that glibc and musl point at
-their thread control block and that the tracer reads in every thread's registers
-(``fs_base``): with FSGSBASE (Linux 5.9+, AT_HWCAP2 bit 1) ``rdfsbase`` reads it without
-touching memory; else ``mov rcx, fs:[0]`` loads the TCB's self pointer, the same value under
-glibc, but a fault in a thread without a TLS block. Rejected: ``syscall(gettid)`` (about
-90 ns on these machines, three times the whole record). The timestamp is ``rdtsc``: the
-machines have an invariant TSC (``constant_tsc nonstop_tsc``) and the tool converts ticks to
-time. The CPU, which the kernel's trace prints, comes from ``rdpid`` (the kernel keeps the CPU
-number in TSC_AUX), else from ``rdtscp``, which also waits for older instructions to retire.
+The thread is identified by its fs base, the thread pointer that glibc and musl point at their
+thread control block and that the tracer reads in every thread's registers (``fs_base``): with
+FSGSBASE (Linux 5.9+, AT_HWCAP2 bit 1) ``rdfsbase`` reads it without touching memory; else
+``mov rcx, fs:[0]`` loads the TCB's self pointer, the same value under glibc, but a fault in a
+thread without a TLS block. A fork child's threads have their parent's thread pointers and
+write into the same ring (the shared area is shared), so the pointer is XORed with a word of
+the address space's own (``thread_salt``), kept at the start of each detour page, where a fork
+child's copy gets its own value before it runs. Rejected: ``syscall(gettid)`` (about 90 ns on
+these machines, three times the whole record). The timestamp is ``rdtsc``: the machines have an
+invariant TSC (``constant_tsc nonstop_tsc``) and the tool converts ticks to time. The CPU,
+which the kernel's trace prints, comes from ``rdpid`` (the kernel keeps the CPU number in
+TSC_AUX), else from ``rdtscp``, which also waits for older instructions to retire.
 """
 
 from __future__ import annotations
@@ -49,6 +52,18 @@ _GPRS: Final[dict[str, Register_]] = {
     "r8": Register.R8, "r9": Register.R9, "r10": Register.R10, "r11": Register.R11,
     "r12": Register.R12, "r13": Register.R13, "r14": Register.R14, "r15": Register.R15,
 }  # fmt: skip
+
+
+THREAD_SALT_SHIFT: Final = 48  # above any user-space thread pointer (47 bits)
+THREAD_MASK: Final = (1 << THREAD_SALT_SHIFT) - 1
+SALT_SIZE: Final = 16  # the salt's room at the start of a page of detours (kept aligned)
+
+
+def thread_salt(number: int) -> int:
+    """The word a record's thread pointer is XORed with in the address space numbered
+    ``number``: 0 in the program's own, another in each followed fork child, whose threads
+    have the thread pointers of their parent's and write into the same ring."""
+    return (number & 0xFFFF) << THREAD_SALT_SHIFT
 
 
 class ThreadId(Enum):
@@ -215,6 +230,9 @@ class RecordAction:
         else:
             fs0 = MemoryOperand(displ=0, displ_size=8, seg=Register.FS)
             block.add(Instruction.create_reg_mem(Code.MOV_R64_RM64, rcx, fs0))
+        if block.thread_salt:  # this address space's own (thread_salt)
+            xor = Instruction.create_reg_mem(Code.XOR_R64_RM64, rcx, rip_operand(block.thread_salt))
+            block.add(xor)
         block.add(mov_store(rbx, area.REC_THREAD, rcx))
         if self.cpu_id is CpuId.RDTSCP:
             block.add(Instruction.create(Code.RDTSCP))  # ecx = TSC_AUX

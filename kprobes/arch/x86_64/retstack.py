@@ -164,6 +164,7 @@ class ReturnSite:
     record: RecordAction | None = None
     entry_reg: str = ""  # a register the entry keeps for the record (its $argN), or ""
     linear: Linear | None = None  # linear slots (at C_LHIST) in place of the log2 ones
+    thread_salt: int = 0  # where its record's thread salt is (record.py), 0: none
 
     def __post_init__(self) -> None:
         if not 0 < self.cap <= CAPACITY:
@@ -368,6 +369,7 @@ def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     if not 0 < mult < 1 << 63:
         raise InternalError(f"tsc multiplier {mult}")
     b = Block()
+    b.thread_salt = site.thread_salt
     frame = record_frame(site)
     nsaved = len(frame.words) - 1
     # Step 1: a word for the real return address (the slot the ret just freed), the registers

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from kprobes.process.engine.threads import Thread
+    from kprobes.process.engine.tracee import Tracee
     from kprobes.process.engine.xol import XolArea
 
 
@@ -108,4 +109,9 @@ class FastTier(Protocol):
     def unhook_returns(self, threads: Iterable[Thread]) -> None:
         """Real return addresses back in every frame of ``threads`` the tier's return
         trampolines hooked (the threads are held)."""
+        ...
+
+    def fork_child(self, child: Tracee) -> None:
+        """A followed fork child (``child.number`` its own), held before it runs a single
+        instruction: its copy of the tier's private pages becomes its own."""
         ...

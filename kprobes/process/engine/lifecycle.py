@@ -91,6 +91,8 @@ class Lifecycle:
         elif tracee.kind is TraceeKind.FORK:
             tracer.breakpoints.sync(tracee)
             tracer.trampoline.restore_child(tracee)
+            if tracer.fast is not None:
+                tracer.fast.fork_child(tracee)
             tracer.resume_if_free(t)
         else:
             tracer.resume_if_free(t)

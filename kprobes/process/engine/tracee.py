@@ -37,6 +37,9 @@ class Tracee:
         # (stack slot, real return address) of the frames the forking thread had hooked:
         # a forked child's copy of the stack holds our trampoline there.
         self.inherited_returns: list[tuple[int, int]] = []
+        # Its own among the address spaces of the program's image (0: the main one; each
+        # followed fork child a new one): the fast tier's records mix it into thread names.
+        self.number = 0
         self.open_memory()
 
     def open_memory(self) -> None:

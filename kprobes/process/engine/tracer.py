@@ -76,6 +76,7 @@ class Tracer:
         self.hold_all = False  # spawned and not yet run(): keep every thread stopped
         self.exit_code: int | None = None
         self.live = 0  # tracees that keep run() going (the program and followed children)
+        self.forks = 0  # fork children followed so far: each address space its number
         self.on_gone: Callable[[], None] = lambda: None
         # Followed children that exec'd, driven by this loop (family.py); and who adopts one.
         self.family: list[Tracer] = []
@@ -109,6 +110,9 @@ class Tracer:
     def add_tracee(self, pid: int, kind: TraceeKind) -> Tracee:
         tracee = Tracee(pid, kind)
         self.tracees[pid] = tracee
+        if kind is TraceeKind.FORK:
+            self.forks += 1
+            tracee.number = self.forks
         if kind in (TraceeKind.MAIN, TraceeKind.FORK):
             self.live += 1
         if kind is TraceeKind.MAIN:

@@ -11,9 +11,11 @@ mapping).
 
 **Detours** are cut from pages the program maps for us (``map_xol_page``, the out-of-line
 pages' mapper), bump-allocated and never freed or reused while the tool is attached: a thread
-may be inside one long after its probe went back to an int3. A clean end unmaps them, and the
-areas, where no thread can be (``unmapping.py``). The area and the detours must lie within
-±2 GiB of the probe; a probe out of the area's reach stays on traps and says so.
+may be inside one long after its probe went back to an int3. A page's first 16 bytes hold the
+thread salt of its address space (record.py), rewritten in a followed fork child's copy. A
+clean end unmaps them, and the areas, where no thread can be (``unmapping.py``). The area and
+the detours must lie within ±2 GiB of the probe; a probe out of the area's reach stays on traps
+and says so.
 
 **The ring is faulted in before the first record goes there** (``fault_in_ring``: an
 injected ``madvise(MADV_POPULATE_WRITE)``, once per area). Else the ring's first lap makes
@@ -34,7 +36,8 @@ from typing import TYPE_CHECKING, Final
 
 from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64.detour import DETOUR_MAX
-from kprobes.errors import NotRelocatable, TargetError
+from kprobes.arch.x86_64.record import SALT_SIZE
+from kprobes.errors import InternalError, NotRelocatable, TargetError
 from kprobes.linux.syscalls import NR_CLOSE, NR_FTRUNCATE, NR_MADVISE, NR_MEMFD_CREATE, NR_MMAP
 from kprobes.process.engine.xol import MARK_SIZE, REACH, candidate_addresses
 from kprobes.process.fast.state import DetourPage, JumpState, SharedArea
@@ -59,6 +62,7 @@ class DetourMemory:
 
     def __init__(self, program: Attachment, injector: ProgramCalls, state: JumpState) -> None:
         self.pid = program.pid
+        self._program = program
         self._tracer = program.tracer
         self._injector = injector
         self._state = state
@@ -69,7 +73,7 @@ class DetourMemory:
         for page in pages:
             if abs(page.start - near) <= REACH and page.used + DETOUR_MAX <= PAGES_SIZE - MARK_SIZE:
                 return page
-        pages.append(DetourPage(self._injector.map_xol_page(near, PAGES_SIZE), 0))
+        pages.append(self._new_page(near, SALT_SIZE))
         return pages[-1]
 
     def alloc_detour(self, near: int, size: int = DETOUR_MAX) -> int:
@@ -80,9 +84,22 @@ class DetourMemory:
                 at = page.start + page.used
                 page.used += size
                 return at
+        pages.append(self._new_page(near, SALT_SIZE + size))
+        return pages[-1].start + SALT_SIZE
+
+    def _new_page(self, near: int, used: int) -> DetourPage:
+        """Detour pages mapped by the program, their thread salt (record.py) in place: the
+        program's own is 0, the page's int3s until then."""
         start = self._injector.map_xol_page(near, PAGES_SIZE)
-        pages.append(DetourPage(start, size))
-        return start
+        self._program.memory().write(start, bytes(SALT_SIZE))
+        return DetourPage(start, used)
+
+    def salt_of(self, addr: int) -> int:
+        """The thread salt's word of the detour page ``addr`` is in."""
+        for page in self._state.pages:
+            if page.start <= addr < page.start + PAGES_SIZE:
+                return page.start
+        raise InternalError(f"{addr:#x} is in no detour page")
 
     def area(self, near: int, need: int = 1) -> int:
         """A shared area with ``need`` free counters within reach of ``near`` (its index),

@@ -72,6 +72,11 @@ if TYPE_CHECKING:
 _DETOUR_ALIGN: Final = 16
 
 
+def _members(site: ProbeSite) -> tuple[int, ...]:
+    """The probes a detour is built for, by identity."""
+    return tuple(id(p) for p in site.probes)
+
+
 def _writes_records(action: Action) -> bool:
     """The action writes records into its area's ring (an entry's, or a return's)."""
     if isinstance(action, Actions):
@@ -201,6 +206,10 @@ class Optimizer:
                 continue
             if so is None:
                 so = state.sites[site.addr] = SiteOpt()
+            if so.state is OptState.OPTIMIZED and so.members != _members(site):
+                # A probe joined or left: the detour's action was built for the others (the
+                # kernel unoptimizes an aggregate probe it changes, then optimizes it again).
+                self.unoptimize(site, rearm=site.is_armed)
             if so.state is OptState.TRAP:
                 self._optimize(site, so, threads)
 
@@ -259,7 +268,7 @@ class Optimizer:
                 self._memory.fault_in_ring(so.area)
             page = self._memory.detour_page(addr)
             at = page.start + page.used
-            detour = build_detour(at, region, action)
+            detour = build_detour(at, region, action, thread_salt=page.start)
             page.used += -(-len(detour.code) // _DETOUR_ALIGN) * _DETOUR_ALIGN
         except NotRelocatable as exc:  # out of reach (ERANGE), too large a detour (E2BIG)
             so.to(OptState.REFUSED, str(exc))
@@ -276,6 +285,7 @@ class Optimizer:
         self._tracer.rescue.note_jump(spaces, addr, region.original[0], detour.patch)
         self._tracer.breakpoints.patch_jump(spaces, addr, detour.patch, region.original[:5])
         so.detour, so.region_len = at, region.length
+        so.members = _members(site)
         so.to(OptState.OPTIMIZED)
 
     def _return_action(self, site: ProbeSite, area: SharedArea, so: SiteOpt) -> Action | str:

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 from kprobes.arch.x86_64 import ring_block
 from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64.capture import ENTRY_ARG, ENTRY_TSC, Captured, CapturePlan
+from kprobes.arch.x86_64.record import THREAD_MASK, thread_salt
 from kprobes.arch.x86_64.regs import REG_INDEX, Regs
 from kprobes.arch.x86_64.stackwalk import WalkResult, read_walk
 from kprobes.core.probes import Kprobe
@@ -292,8 +293,10 @@ class RingReader:
         self.sites[rid] = RecordSite(site, plan, with_regs, stack_depth, is_return=is_return)
         return rid
 
-    def note_thread(self, fs_base: int, tid: int) -> None:
-        self.threads[fs_base] = tid
+    def note_thread(self, fs_base: int, tid: int, number: int = 0) -> None:
+        """Records of thread pointer ``fs_base`` in the address space numbered ``number``
+        (record.py's ``thread_salt``) are thread ``tid``'s."""
+        self.threads[fs_base ^ thread_salt(number)] = tid
         self.comm(tid)  # read now: the thread may be gone when its records are read
 
     def forget(self) -> None:
@@ -496,7 +499,7 @@ class RingReader:
             words[REG_INDEX[name]] = value
         ip = words[REG_INDEX["rip"]] if rs.is_return else rs.site.addr
         words[REG_INDEX["rip"]] = ip
-        words[REG_INDEX["fs_base"]] = record.thread
+        words[REG_INDEX["fs_base"]] = record.thread & THREAD_MASK
         memory = Memory(captured.read, captured.read_string, self.symbolize, self.comm)
         cpu = -1 if record.cpu == sa.META_CPU_MASK else record.cpu
         when = self._clock.seconds(record.tsc)

@@ -362,7 +362,7 @@ class Recording:
         reader = self._state.reader
         if reader is not None and reader.is_active:
             reader.drain()
-            reader.note_thread(t.load_regs().fs_base, t.tid)
+            reader.note_thread(t.load_regs().fs_base, t.tid, t.tracee.number)
 
     def action(self, site: ProbeSite, area: SharedArea, so: SiteOpt) -> Action | str:
         """The site's action: a count, or a record if a probe has an asynchronous handler
@@ -496,7 +496,7 @@ class Recording:
         """Every held thread's thread pointer (the world is stopped)."""
         for t in self._tracer.threads.values():
             if t.state in (ThreadState.STOPPED, ThreadState.GROUP_STOPPED) and not t.busy:
-                reader.note_thread(t.load_regs().fs_base, t.tid)
+                reader.note_thread(t.load_regs().fs_base, t.tid, t.tracee.number)
 
     def _relearn_threads(self) -> None:
         reader = self._state.reader

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Final
 
 from kprobes.arch.x86_64 import retstack as rs
 from kprobes.arch.x86_64.detour import Action
-from kprobes.arch.x86_64.record import RecordAction, ThreadId
+from kprobes.arch.x86_64.record import SALT_SIZE, RecordAction, ThreadId
 from kprobes.core.retprobes import Kretprobe
 from kprobes.errors import InternalError, TargetError
 from kprobes.linux.syscalls import NR_MMAP
@@ -61,6 +61,7 @@ def linear_of(rp: Kretprobe) -> rs.Linear | None:
 
 
 TRAMP_PAGE: Final = 0x10000
+TRAMP_SPAN: Final = TRAMP_PAGE - SALT_SIZE  # the trampolines' part: all but the thread salt
 _MAP_PRIVATE_ANON_NORESERVE: Final = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000
 _Q2 = struct.Struct("<QQ")
 _Q = struct.Struct("<Q")
@@ -123,7 +124,7 @@ class ReturnStacks:
         self.seen.clear()
 
     def tramp_range(self) -> tuple[int, int]:
-        return self.tramp_start, self.tramp_start + TRAMP_PAGE
+        return self.tramp_start, self.tramp_start + TRAMP_SPAN
 
     def unhook(self, threads: Iterable[Thread], only: int = 0) -> int:
         """Put the real return address back in every frame of ``threads`` hooked to one of
@@ -234,7 +235,7 @@ class FastReturns:
             shadow=stacks.shadow,
             trampoline=tramp or stacks.tramp_start + stacks.tramp_used,
             tramp_start=stacks.tramp_start,
-            tramp_size=TRAMP_PAGE,
+            tramp_size=TRAMP_SPAN,
             trap_trampoline=self._tracer.trampoline.addr,
             counters=counters,
             cap=cap,
@@ -243,11 +244,12 @@ class FastReturns:
             record=record,
             entry_reg=entry_reg,
             linear=linear_of(rp),
+            thread_salt=self._memory.salt_of(stacks.tramp_start),
         )
         if not tramp:
             code = rs.build_trampoline(ret_site, max(1, tsc_mult() // max(1, rp.duration_unit)))
             size = max(rs.TRAMPOLINE_MAX, -(-len(code) // 64) * 64)
-            if stacks.tramp_used + size > TRAMP_PAGE - MARK_SIZE:
+            if stacks.tramp_used + size > TRAMP_SPAN - MARK_SIZE:
                 return "no room left for another return trampoline (64 KiB of them per process)"
             for space in self._tracer.own_memories():
                 space.write(ret_site.trampoline, code)
@@ -265,7 +267,7 @@ class FastReturns:
         return rs.UnhookAction(
             stacks.shadow,
             stacks.tramp_start,
-            TRAMP_PAGE,
+            TRAMP_SPAN,
             area.counter_addr(so.counter),
             self._thread_id,
         )
@@ -274,7 +276,7 @@ class FastReturns:
         """The shadow stacks' mapping and the trampolines' page, made once per image."""
         stacks = self._stacks
         if not stacks.tramp_start:
-            stacks.tramp_start = self._memory.alloc_detour(near, TRAMP_PAGE - MARK_SIZE)
+            stacks.tramp_start = self._memory.alloc_detour(near, TRAMP_SPAN - MARK_SIZE)
             stacks.tramp_used = 0
         if stacks.shadow:
             return

@@ -14,6 +14,7 @@ from dataclasses import field
 from typing import TYPE_CHECKING, Final
 
 from kprobes.arch.x86_64 import shared_area as sa
+from kprobes.arch.x86_64.record import thread_salt
 from kprobes.core.optimizer import SiteOpt
 from kprobes.process.fast.lease import Lease
 from kprobes.process.fast.reader import RingReader
@@ -23,6 +24,7 @@ from kprobes.values import dataclass
 
 if TYPE_CHECKING:
     from kprobes.process.engine.threads import Thread
+    from kprobes.process.engine.tracee import Tracee
 
 RING_BYTES: Final = 32 << 20  # per area; faulted in once a record goes there (memory.py)
 
@@ -123,3 +125,10 @@ class JumpState:
     def forget_site(self, addr: int) -> None:
         """The site at ``addr`` left the probe table: its counter goes with it."""
         self.sites.pop(addr, None)
+
+    def fork_child(self, child: Tracee) -> None:
+        """A followed fork child, held before it runs: its copy of each detour page gets its
+        own thread salt, so that its records name its threads apart from its parent's."""
+        salt = thread_salt(child.number).to_bytes(8, "little")
+        for page in self.pages:
+            child.write(page.start, salt)

@@ -206,7 +206,7 @@ class Following:
             return False
         fs_base = t.regs.fs_base
         if fs_base:
-            reader.note_thread(fs_base, t.tid)
+            reader.note_thread(fs_base, t.tid, t.tracee.number)
         return not fs_base
 
     def on_syscall_stop(self, t: Thread) -> None:
