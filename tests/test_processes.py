@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -91,6 +93,41 @@ def test_follow_forks_counts_the_child(spawn, procs, tmp_path):
     assert hits.args_of(proc.pid) == list(range(20)) + list(range(2000, 2010))
     assert hits.args_of(child) == list(range(1000, 1030))
     assert {t for t, _ in hits.hits} == {proc.pid, child}
+
+
+def test_a_probe_registered_after_a_fork_gets_its_page_in_the_child(spawn, procs, tmp_path):
+    """The first probes are registered once a followed child exists: the page of ours they
+    need (the return trampoline's), mapped by the parent after the fork, is mapped at the
+    same address in the child too (the registration failed with EIO writing the child's
+    copy). Both processes count every call and every return."""
+    argv = [procs, "forkwait", 30, 10]
+    child_sum = sum(3 * x + 2 for x in range(1000, 1030))
+    parent_sum = sum(3 * x + 2 for x in range(2000, 2010))
+    expected = f"child sum={child_sum}\nchild exit=0\nparent after={parent_sum}\n".encode()
+    proc = start(spawn, tmp_path, argv, follow_forks=True)
+    deadline = time.monotonic() + 30
+    while b"child pid=" not in (tmp_path / "stderr").read_bytes():
+        assert time.monotonic() < deadline, "the program did not fork"
+        proc.run(timeout=0.05)
+    child = child_pid(tmp_path)
+    assert child in proc._tracer.tracees
+    hits = Hits()
+    returns: list[tuple[int, int]] = []
+    kp = kprobes.Kprobe(symbol="work", pre_handler=hits)
+    rp = kprobes.Kretprobe(
+        symbol="work", handler=lambda ri, regs: returns.append((regs.tid, regs.return_value))
+    )
+    proc.register_kprobe(kp)
+    proc.register_kretprobe(rp)  # its trampoline is an int3 in the page of ours
+    os.kill(child, signal.SIGUSR1)
+    os.kill(proc.pid, signal.SIGUSR1)
+    assert proc.run(timeout=30)
+    assert proc.exit_code == 0
+    assert output(tmp_path) == expected
+    assert hits.args_of(child) == list(range(1000, 1030))
+    assert hits.args_of(proc.pid) == list(range(2000, 2010))
+    assert [r for t, r in returns if t == child] == [3 * x + 2 for x in range(1000, 1030)]
+    assert [r for t, r in returns if t == proc.pid] == [3 * x + 2 for x in range(2000, 2010)]
 
 
 def test_follow_forks_records_in_the_program_name_the_child_apart(spawn, procs, tmp_path):

@@ -3,6 +3,9 @@
  *
  *   procs fork N M K     parent: work() N times; fork; child: work() M times, exits 0;
  *                        parent waits, then work() K more times. stderr: "child pid=P".
+ *   procs forkwait M K   fork at once; both wait for SIGUSR1 (stderr: "child pid=P" from
+ *                        the parent once both wait); child: work() M times, exits 0;
+ *                        parent waits for it, then work() K times.
  *   procs vfork N        parent: work() N times; a vfork child calls work() (in the
  *                        parent's memory) then execs /bin/true; a second vfork child calls
  *                        work() and _exit(5); parent: work() N more times.
@@ -12,6 +15,7 @@
  *   procs exit CODE      work() 3 times, print "works=15", exit(CODE).
  *   procs abort          work() 3 times, print "works=15", abort().
  */
+#include <signal.h>
 #include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -54,6 +58,36 @@ static int mode_fork(long n, long m, long k)
 		exit(0);
 	}
 	fprintf(stderr, "child pid=%d\n", (int)pid);
+	waitpid(pid, &st, 0);
+	print_status("child", st);
+	printf("parent after=%ld\n", works(2000, k));
+	return 0;
+}
+
+static int mode_forkwait(long m, long k)
+{
+	sigset_t usr1;
+	int sig, st = 0, ready[2];
+
+	sigemptyset(&usr1);
+	sigaddset(&usr1, SIGUSR1);
+	sigprocmask(SIG_BLOCK, &usr1, NULL);
+	if (pipe(ready) != 0)
+		return 1;
+	pid_t pid = fork();
+	if (pid == 0) {
+		close(ready[0]);
+		close(ready[1]); /* the parent's read sees EOF: the child is about to wait */
+		sigwait(&usr1, &sig);
+		printf("child sum=%ld\n", works(1000, m));
+		exit(0);
+	}
+	close(ready[1]);
+	char c;
+	while (read(ready[0], &c, 1) > 0)
+		;
+	fprintf(stderr, "child pid=%d\n", (int)pid);
+	sigwait(&usr1, &sig);
 	waitpid(pid, &st, 0);
 	print_status("child", st);
 	printf("parent after=%ld\n", works(2000, k));
@@ -138,6 +172,8 @@ int main(int argc, char **argv)
 	setvbuf(stdout, NULL, _IONBF, 0);
 	if (argc > 4 && strcmp(argv[1], "fork") == 0)
 		return mode_fork(atol(argv[2]), atol(argv[3]), atol(argv[4]));
+	if (argc > 3 && strcmp(argv[1], "forkwait") == 0)
+		return mode_forkwait(atol(argv[2]), atol(argv[3]));
 	if (argc > 2 && strcmp(argv[1], "vfork") == 0)
 		return mode_vfork(atol(argv[2]));
 	if (argc > 2 && strcmp(argv[1], "spawn") == 0)

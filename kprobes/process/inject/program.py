@@ -79,6 +79,7 @@ class ProgramCalls:
                 )
                 if result == cand:
                     self._program.memory().write(cand, b"\xcc" * size)
+                    self._map_in_children(insn, cand, size)
                     self.note_own_code(cand, cand + size)
                     return cand
                 if result >= 0:  # munmap: wrong place
@@ -91,6 +92,55 @@ class ProgramCalls:
             f"no free address within ±2 GiB of {near:#x} for an out-of-line page",
             errno=errno.ERANGE,
         )
+
+    def _map_in_children(self, insn: int, at: int, size: int) -> None:
+        """The page just mapped at ``at``, mapped at the same address in each followed fork
+        child too (the world is held): a child has its own copy of the code our probes
+        patch, and runs our slots and detours from its own copy of our pages. A page mapped
+        before the fork is there already; one mapped after is not, unless we map it. A child
+        that cannot take it fails the registration, with the page unmapped nowhere (the
+        program keeps it, unused, as it keeps its out-of-line pages)."""
+        rescue = self._tracer.rescue
+        for tracee in self._tracer.own_memories():
+            if tracee is self._tracer.main:
+                continue
+            thread = next(
+                (
+                    t
+                    for t in tracee.threads.values()
+                    if t.state is ThreadState.STOPPED and t.pending is None and not t.busy
+                ),
+                None,
+            )
+            if thread is None:
+                raise TargetError(
+                    f"followed child {tracee.pid} has no thread held still to map a page of "
+                    "ours in (each fork child needs its own copy of the probe's page)"
+                )
+            # On the rescue's stub where the child has its copy of the rescue (mapped before
+            # the fork), else on the program's syscall instruction, the same in its copy.
+            has_rescue = rescue.is_installed and _is_mapped(tracee, rescue.area)
+            result = calls.run_syscall(
+                thread,
+                insn,
+                NR_MMAP,
+                at,
+                size,
+                PROT,
+                FLAGS,
+                (1 << 64) - 1,
+                0,
+                rescue=rescue if has_rescue else None,
+            )
+            if result != at:
+                if result >= 0:
+                    calls.run_syscall(thread, insn, NR_MUNMAP, result, size)
+                    result = -errno.EEXIST
+                raise TargetError(
+                    f"followed child {tracee.pid} could not map a page of ours at {at:#x} "
+                    f"where its parent has it: {os.strerror(-result)}"
+                )
+            tracee.write(at, b"\xcc" * size)
 
     def find_syscall(self, maps: list[Mapping]) -> int:
         """The address of an existing ``syscall`` instruction (0f 05) in the program."""
@@ -318,3 +368,11 @@ def _is_group_stopped(thread: Thread) -> bool:
         and (status >> 16) == ptrace.PTRACE_EVENT_STOP
         and os.WSTOPSIG(status) != signal.SIGTRAP
     )
+
+
+def _is_mapped(tracee: Tracee, addr: int) -> bool:
+    try:
+        tracee.read(addr, 1)
+    except TargetError:
+        return False
+    return True
