@@ -1,6 +1,7 @@
 """The command line's stress test: every command, ended every way, against busy programs.
 
-    python tests/stress_commands.py [--seconds N] [--seed S] [--no-load] [--verbose]
+    python tests/stress_commands.py [--seconds N] [--seed S] [--no-load] [--no-other-tool]
+                                    [--verbose]
 
 (``make stress`` runs it for ten minutes; ``tests/test_stress_commands.py`` runs it for one
 minute in the suite.) For the whole time, in a loop:
@@ -17,7 +18,9 @@ minute in the suite.) For the whole time, in a loop:
 * in every other round on ``malloc``, another tool's kernel uprobe (a tracefs event in an
   instance of its own, as bpftrace or ``perf probe`` places one) goes on the target's libc
   ``malloc`` once our command's int3 or jump is there, and off at another random moment: the
-  kernel writes its int3 into every process mapping libc (process/fast/shield.py).
+  kernel writes its int3 into every process mapping libc (process/fast/shield.py);
+  ``--no-other-tool`` leaves it out, for a run beside other tests, whose programs it would
+  slow down and whose checks of libc's bytes it would fail.
 
 What must hold, checked every round and at the end:
 
@@ -257,7 +260,9 @@ class OtherTool:
         self.uprobes.close()
 
 
-def one_round(target: Target, rng: random.Random, tally: Tally, verbose: bool) -> None:
+def one_round(
+    target: Target, rng: random.Random, tally: Tally, verbose: bool, other_tool: bool = True
+) -> None:
     runs = CHECKER_RUNS if target.kind == "checker" else PYTHON_RUNS
     command, extra, specs = rng.choice(runs)
     optimized = rng.random() < 0.5
@@ -280,7 +285,8 @@ def one_round(target: Target, rng: random.Random, tally: Tally, verbose: bool) -
     # Not after a tool was killed in the target: its int3 left at malloc is one the kernel
     # would take for its own (a case of its own: decisions.md, "Our probes are kept out of
     # the kernel's uprobes").
-    if any("malloc" in spec for spec in specs) and rng.random() < 0.5 and not target.killed_in:
+    wants_other = any("malloc" in spec for spec in specs) and rng.random() < 0.5
+    if wants_other and other_tool and not target.killed_in:
         with contextlib.suppress(OSError):
             other = OtherTool(target, rng, seconds)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
@@ -382,7 +388,7 @@ def cpu_burner(enabled: bool):  # type: ignore[no-untyped-def]
         burner.wait()
 
 
-def stress(seconds: float, seed: int, load: bool, verbose: bool) -> Tally:
+def stress(seconds: float, seed: int, load: bool, verbose: bool, other_tool: bool = True) -> Tally:
     rng = random.Random(seed)
     tally = Tally()
     rounds_per_target = 6
@@ -398,7 +404,7 @@ def stress(seconds: float, seed: int, load: bool, verbose: bool) -> Tally:
                 if target is None:
                     serial += 1
                     target = targets[kind] = start_target(kind, workdir, serial)
-                one_round(target, rng, tally, verbose)
+                one_round(target, rng, tally, verbose, other_tool)
                 target.rounds += 1
                 if target.rounds >= rounds_per_target or target.proc.poll() is not None:
                     finish_target(targets.pop(kind), tally)
@@ -413,11 +419,12 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--no-load", action="store_true")
+    parser.add_argument("--no-other-tool", action="store_true")
     parser.add_argument("--verbose", action="store_true")
     opts = parser.parse_args()
     seed = opts.seed if opts.seed is not None else random.randrange(1 << 32)
     print(f"stress: {opts.seconds:.0f} s, seed {seed}", flush=True)
-    tally = stress(opts.seconds, seed, not opts.no_load, opts.verbose)
+    tally = stress(opts.seconds, seed, not opts.no_load, opts.verbose, not opts.no_other_tool)
     endings = ", ".join(f"{k} {v}" for k, v in sorted(tally.endings.items()))
     print(
         f"stress: {tally.rounds} rounds ({endings}), "
