@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Final
 
 from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64.detour import DETOUR_MAX
-from kprobes.arch.x86_64.record import SALT_SIZE
+from kprobes.arch.x86_64.record import SALT_SIZE, thread_salt
 from kprobes.errors import InternalError, NotRelocatable, TargetError
 from kprobes.linux.syscalls import NR_CLOSE, NR_FTRUNCATE, NR_MADVISE, NR_MEMFD_CREATE, NR_MMAP
 from kprobes.process.engine.xol import MARK_SIZE, REACH, candidate_addresses
@@ -62,7 +62,6 @@ class DetourMemory:
 
     def __init__(self, program: Attachment, injector: ProgramCalls, state: JumpState) -> None:
         self.pid = program.pid
-        self._program = program
         self._tracer = program.tracer
         self._injector = injector
         self._state = state
@@ -88,10 +87,11 @@ class DetourMemory:
         return pages[-1].start + SALT_SIZE
 
     def _new_page(self, near: int, used: int) -> DetourPage:
-        """Detour pages mapped by the program, their thread salt (record.py) in place: the
-        program's own is 0, the page's int3s until then."""
+        """Detour pages mapped by the program (and its followed fork children), with each
+        address space's thread salt (record.py) in place of the page's first int3s."""
         start = self._injector.map_xol_page(near, PAGES_SIZE)
-        self._program.memory().write(start, bytes(SALT_SIZE))
+        for space in self._tracer.own_memories():
+            space.write(start, thread_salt(space.number).to_bytes(SALT_SIZE, "little"))
         return DetourPage(start, used)
 
     def salt_of(self, addr: int) -> int:
