@@ -54,6 +54,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
+import support  # noqa: E402 - the tests' own helpers
 from conftest import build_program  # noqa: E402 - the tests' own builder
 
 KPROBES = [sys.executable, "-c", "import sys; from kprobes.cli.main import main; sys.exit(main())"]
@@ -167,7 +168,10 @@ def ours_now(target: Target) -> list[str]:
 
 
 def foreign_bytes(pid: int) -> list[str]:
-    """Executable file mappings whose bytes differ from the file's: where and what."""
+    """Executable file mappings whose bytes differ from the file's: where and what. The
+    int3 of a kernel uprobe (another test's or tool's beside this run: the kernel writes it
+    into every process that maps the file) is not ours, and is left out."""
+    kernels = kernel_uprobes()
     differ = []
     with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb") as mem:
         for line in maps:
@@ -185,13 +189,34 @@ def foreign_bytes(pid: int) -> list[str]:
                 continue  # deleted or replaced on disk: nothing to compare with
             mem.seek(start)
             got = mem.read(len(want))
-            if got != want:
-                at = next(i for i in range(len(want)) if got[i] != want[i])
+            if got == want:
+                continue
+            kernels |= kernel_uprobes()  # one placed while we read is the kernel's too
+            for at in (i for i in range(len(want)) if got[i] != want[i]):
+                if got[at] == 0xCC and (os.path.realpath(path), offset + at) in kernels:
+                    continue
                 differ.append(
                     f"{path}+{offset + at:#x}: {got[at : at + 5].hex()} (file: "
                     f"{want[at : at + 5].hex()})"
                 )
+                break
     return differ
+
+
+def kernel_uprobes() -> set[tuple[str, int]]:
+    """(file, offset) of every uprobe defined in the kernel (uprobe_events)."""
+    root = support.tracefs_root()
+    if root is None:
+        return set()
+    found = set()
+    with contextlib.suppress(OSError), open(root / "uprobe_events") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 2 and ":" in fields[1]:
+                path, _, where = fields[1].rpartition(":")
+                with contextlib.suppress(ValueError):
+                    found.add((os.path.realpath(path), int(where.split("(")[0], 16)))
+    return found
 
 
 def is_attached(target: int, tool: int) -> bool:
@@ -212,8 +237,6 @@ class OtherTool:
     once our command's int3 or jump is there, off at another (or at ``close``)."""
 
     def __init__(self, target: Target, rng: random.Random, seconds: float) -> None:
-        import support
-
         with open(f"/proc/{target.proc.pid}/maps") as maps:
             libc = next(
                 line.split()[5]

@@ -191,6 +191,32 @@ def test_vfork_children_run_fine(spawn, procs, tmp_path):
     assert sorted(a for t, a in hits.hits if t != proc.pid) in ([], [500], [600], [500, 600])
 
 
+def test_records_after_a_vfork_name_the_parent_again(spawn, procs, tmp_path):
+    """A vfork child runs on its parent's stack with its parent's thread pointer, so records
+    written in the program name it as they name its parent. The child's own are its own
+    (learnt at its first stop); once the parent is back (PTRACE_EVENT_VFORK_DONE, read
+    first) they are the parent's again: they were the last child's until then."""
+    argv = [procs, "vfork", 15]
+    expected = support.reference_output(argv)
+    proc = start(spawn, tmp_path, argv)
+    seen: list[tuple[int, int]] = []
+    kp = kprobes.Kprobe(
+        symbol="work",
+        optimize=True,
+        async_handler=lambda _, ev: seen.append((ev.tid, ev.args[0].value)),
+        args="x=%di:s64",
+    )
+    proc.register_kprobe(kp)
+    assert proc.list()[0].is_optimized, proc.list()
+    assert proc.run(timeout=30)
+    assert proc.exit_code == 0
+    assert output(tmp_path) == expected
+    assert [x for t, x in seen if t == proc.pid] == list(range(15)) + list(range(2000, 2015))
+    children = [(t, x) for t, x in seen if t != proc.pid]
+    assert [x for _, x in children] == [500, 600]
+    assert len({t for t, _ in children}) == 2
+
+
 def test_posix_spawn_children_run_fine(spawn, procs, tmp_path):
     argv = [procs, "spawn", 12]
     expected = support.reference_output(argv)

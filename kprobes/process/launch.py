@@ -31,6 +31,7 @@ OPTIONS = (
     ptrace.PTRACE_O_TRACECLONE
     | ptrace.PTRACE_O_TRACEFORK
     | ptrace.PTRACE_O_TRACEVFORK
+    | ptrace.PTRACE_O_TRACEVFORKDONE  # the parent back from a vfork: records name it again
     | ptrace.PTRACE_O_TRACEEXEC
     | ptrace.PTRACE_O_TRACESYSGOOD  # syscall stops (the loader's startup) say they are
 )

@@ -91,7 +91,8 @@ class Tracer:
         self.fetch_faults = fetch_faults  # our code's pages, where a fault may be a fetch's
         self.fast: FastTier | None = None  # the optimized tier, once there is one (fast/)
         # Record probes (reader.py): their rings are read every POLL seconds while run()
-        # waits, and a new thread's first stop tells which thread pointer it has.
+        # waits, and a new thread's first stop (or a vfork parent's return) tells which
+        # thread pointer names it.
         self.ring_poll: Callable[[], None] | None = None
         self.on_thread_start: Callable[[Thread], None] | None = None
         self.placement = Placement()  # hot threads on the tool's CPU (cpus.py)
@@ -319,8 +320,13 @@ class Tracer:
                     self.lifecycle.first_stop_of_child(t)
                 else:
                     self.resume_if_free(t)
-            case ev.OtherEvent():
+            case ev.OtherEvent(event=kind):
                 t.to(S.STOPPED)
+                if kind == ptrace.PTRACE_EVENT_VFORK_DONE and self.on_thread_start is not None:
+                    # Back from a vfork, held before it runs: its child ran on its stack with
+                    # its thread pointer, and the fast tier's records named the child by it
+                    # until now (read first); from now on they name this thread again.
+                    self.on_thread_start(t)
                 self.resume_if_free(t)
 
     def is_free(self, t: Thread) -> bool:
