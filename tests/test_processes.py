@@ -58,6 +58,26 @@ def child_pid(tmp_path: Path) -> int:
     return int(m.group(1))
 
 
+def entry_records(into: list[tuple[int, int]]) -> kprobes.Kprobe:
+    """A jump-optimized record probe on ``work``: (tid, its argument) of each call."""
+    return kprobes.Kprobe(
+        symbol="work",
+        optimize=True,
+        async_handler=lambda _, ev: into.append((ev.tid, ev.args[0].value)),
+        args="x=%di:s64",
+    )
+
+
+def return_records(into: list[tuple[int, int]]) -> kprobes.Kretprobe:
+    """A return probe on ``work`` recording in the program: (tid, the value returned)."""
+    return kprobes.Kretprobe(
+        symbol="work",
+        optimize=True,
+        async_handler=lambda _, ev: into.append((ev.tid, ev.args[0].value)),
+        args="ret=$retval:s64",
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # fork
 
@@ -140,20 +160,8 @@ def test_follow_forks_records_in_the_program_name_the_child_apart(spawn, procs, 
     proc = start(spawn, tmp_path, argv, follow_forks=True)
     entries: list[tuple[int, int]] = []
     returns: list[tuple[int, int]] = []
-    kp = kprobes.Kprobe(
-        symbol="work",
-        optimize=True,
-        async_handler=lambda _, ev: entries.append((ev.tid, ev.args[0].value)),
-        args="x=%di:s64",
-    )
-    rp = kprobes.Kretprobe(
-        symbol="work",
-        optimize=True,
-        async_handler=lambda _, ev: returns.append((ev.tid, ev.args[0].value)),
-        args="ret=$retval:s64",
-    )
-    proc.register_kprobe(kp)
-    proc.register_kretprobe(rp)
+    proc.register_kprobe(entry_records(entries))
+    proc.register_kretprobe(return_records(returns))
     assert all(e.is_optimized for e in proc.list()), proc.list()
     assert proc.run(timeout=30)
     assert proc.exit_code == 0
@@ -200,13 +208,7 @@ def test_records_after_a_vfork_name_the_parent_again(spawn, procs, tmp_path):
     expected = support.reference_output(argv)
     proc = start(spawn, tmp_path, argv)
     seen: list[tuple[int, int]] = []
-    kp = kprobes.Kprobe(
-        symbol="work",
-        optimize=True,
-        async_handler=lambda _, ev: seen.append((ev.tid, ev.args[0].value)),
-        args="x=%di:s64",
-    )
-    proc.register_kprobe(kp)
+    proc.register_kprobe(entry_records(seen))
     assert proc.list()[0].is_optimized, proc.list()
     assert proc.run(timeout=30)
     assert proc.exit_code == 0
@@ -346,20 +348,9 @@ def test_probes_that_join_an_optimized_site_get_their_events(spawn, procs, tmp_p
     both (it used to keep the first one's action: the second got no event at all)."""
     argv = [procs, "fork", 20, 30, 10]
     proc = start(spawn, tmp_path, argv)  # the child is let go: the parent's 30 calls
-    entries: list[int] = []
-    returns: list[int] = []
-    kp = kprobes.Kprobe(
-        symbol="work",
-        optimize=True,
-        async_handler=lambda _, ev: entries.append(ev.args[0].value),
-        args="x=%di:s64",
-    )
-    rp = kprobes.Kretprobe(
-        symbol="work",
-        optimize=True,
-        async_handler=lambda _, ev: returns.append(ev.args[0].value),
-        args="ret=$retval:s64",
-    )
+    entries: list[tuple[int, int]] = []
+    returns: list[tuple[int, int]] = []
+    kp, rp = entry_records(entries), return_records(returns)
     first, second = (kp, rp) if order == "entry first" else (rp, kp)
     for probe in (first, second):
         if isinstance(probe, kprobes.Kretprobe):
@@ -369,5 +360,5 @@ def test_probes_that_join_an_optimized_site_get_their_events(spawn, procs, tmp_p
         assert all(e.is_optimized for e in proc.list()), proc.list()
     assert proc.run(timeout=30) and proc.exit_code == 0
     xs = list(range(20)) + list(range(2000, 2010))
-    assert entries == xs
-    assert returns == [3 * x + 2 for x in xs]
+    assert [x for _, x in entries] == xs
+    assert [r for _, r in returns] == [3 * x + 2 for x in xs]
