@@ -219,6 +219,24 @@ def test_records_after_a_vfork_name_the_parent_again(spawn, procs, tmp_path):
     assert len({t for t, _ in children}) == 2
 
 
+def test_a_vfork_in_a_fork_child_is_named_in_its_memory(spawn, procs, tmp_path):
+    """A grandchild vforked by a followed fork child runs in the child's memory, whose
+    thread salt its records carry: they name it, then the child again, never another."""
+    argv = [procs, "forkvfork"]
+    expected = support.reference_output(argv)
+    proc = start(spawn, tmp_path, argv, follow_forks=True)
+    seen: list[tuple[int, int]] = []
+    proc.register_kprobe(entry_records(seen))
+    assert proc.run(timeout=30)
+    assert proc.exit_code == 0
+    assert output(tmp_path) == expected
+    child = child_pid(tmp_path)
+    assert [x for t, x in seen if t == proc.pid] == [2000, 2001, 2002]
+    assert [x for t, x in seen if t == child] == [1000, 1001, 1002]
+    others = [(t, x) for t, x in seen if t not in (proc.pid, child)]
+    assert [x for _, x in others] == [500] and others[0][0] > 0
+
+
 def test_posix_spawn_children_run_fine(spawn, procs, tmp_path):
     argv = [procs, "spawn", 12]
     expected = support.reference_output(argv)

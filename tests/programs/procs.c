@@ -6,6 +6,9 @@
  *   procs forkwait M K   fork at once; both wait for SIGUSR1 (stderr: "child pid=P" from
  *                        the parent once both wait); child: work() M times, exits 0;
  *                        parent waits for it, then work() K times.
+ *   procs forkvfork      fork; the child vforks a grandchild that calls work(500) and
+ *                        _exits 0, then calls work() 3 times from 1000; the parent waits,
+ *                        then work() 3 times from 2000. stderr: "child pid=P".
  *   procs vfork N        parent: work() N times; a vfork child calls work() (in the
  *                        parent's memory) then execs /bin/true; a second vfork child calls
  *                        work() and _exit(5); parent: work() N more times.
@@ -94,6 +97,29 @@ static int mode_forkwait(long m, long k)
 	return 0;
 }
 
+static int mode_forkvfork(void)
+{
+	int st = 0;
+	pid_t pid = fork();
+	if (pid == 0) {
+		volatile long grandchild_work = 0;
+		pid_t grandchild = vfork();
+		if (grandchild == 0) {
+			grandchild_work = work(500);
+			_exit(0);
+		}
+		waitpid(grandchild, &st, 0);
+		print_status("grandchild", st);
+		printf("grandchild work=%ld child sum=%ld\n", grandchild_work, works(1000, 3));
+		exit(0);
+	}
+	fprintf(stderr, "child pid=%d\n", (int)pid);
+	waitpid(pid, &st, 0);
+	print_status("child", st);
+	printf("parent after=%ld\n", works(2000, 3));
+	return 0;
+}
+
 static int mode_vfork(long n)
 {
 	volatile long child_work = 0;
@@ -174,6 +200,8 @@ int main(int argc, char **argv)
 		return mode_fork(atol(argv[2]), atol(argv[3]), atol(argv[4]));
 	if (argc > 3 && strcmp(argv[1], "forkwait") == 0)
 		return mode_forkwait(atol(argv[2]), atol(argv[3]));
+	if (argc > 1 && strcmp(argv[1], "forkvfork") == 0)
+		return mode_forkvfork();
 	if (argc > 2 && strcmp(argv[1], "vfork") == 0)
 		return mode_vfork(atol(argv[2]));
 	if (argc > 2 && strcmp(argv[1], "spawn") == 0)

@@ -294,6 +294,8 @@ class Tracer:
                     kind = TraceeKind.FORK if self.follow_forks else TraceeKind.RELEASE
                 if child not in self.tracees:
                     tracee = self.add_tracee(child, kind)
+                    if kind is TraceeKind.VFORK:  # it runs in its parent's memory, salt and all
+                        tracee.number = t.tracee.number
                     if t.rets and kind is not TraceeKind.VFORK:
                         tracee.inherited_returns = self.trampoline.snapshot(t)
                     self.add_thread(tracee, child, S.NEW)
