@@ -2,8 +2,10 @@
 
 A trace record carries only ``common_pid``, the thread id. The kernel's text output takes the
 name from its saved-cmdlines table, which it fills as tasks are scheduled while events are
-enabled; we read the same table (``saved_cmdlines``), and /proc for a thread it does not
-hold yet. The process id is not in the record at all: /proc/TID/status has it while the
+enabled. We ask /proc first (``/proc/TID/comm``): the table keeps the name of a thread long
+gone until another thread with its id is scheduled with events recorded, and read at a new
+thread's first event it can still name the one before (a ticker shown as "tree", a program
+that had its pid earlier on a busy machine). The table names the threads that are gone. The process id is not in the record at all: /proc/TID/status has it while the
 thread lives, so it is looked up once per thread and cached.
 
 A thread that has already exited cannot be looked up. Where that matters (``Uprobes(pid=)``
@@ -54,19 +56,17 @@ class Tasks:
     def comm(self, tid: int) -> str:
         comm = self.comms.get(tid)
         if comm is None:
-            with contextlib.suppress(ProbeError):
-                for line in self.fs.read("saved_cmdlines").splitlines():
-                    pid, _, name = line.partition(" ")
-                    if pid.isdigit():
-                        self.comms[int(pid)] = name
-            comm = self.comms.get(tid)
-            if comm is None:
-                try:
-                    with open(f"/proc/{tid}/comm") as f:
-                        comm = f.read().strip()
-                except OSError:
-                    comm = UNKNOWN_COMM
-                self.comms[tid] = comm
+            try:
+                with open(f"/proc/{tid}/comm") as f:
+                    comm = f.read().strip()
+            except OSError:  # gone: the kernel's table may remember it
+                with contextlib.suppress(ProbeError):
+                    for line in self.fs.read("saved_cmdlines").splitlines():
+                        pid, _, name = line.partition(" ")
+                        if pid.isdigit() and int(pid) == tid:
+                            comm = name
+                comm = comm or UNKNOWN_COMM
+            self.comms[tid] = comm
         return comm
 
     def tgid(self, tid: int) -> int:
