@@ -27,7 +27,7 @@ from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import InstancePool, Kretprobe, KretprobeInstance
 from kprobes.errors import NotMapped, ProbeError
 from kprobes.linux import procfs
-from kprobes.process.specs import BatchOutputs, SpecTracer
+from kprobes.process.specs import BatchOutputs, SpecTracer, StackSink
 from kprobes.process.target import Process
 from kprobes.spec import ProbeSpec
 from kprobes.spec.render import render_location
@@ -99,10 +99,17 @@ class PtraceBackend(Backend):
     executable; the specs go in every one of them or in none."""
 
     def __init__(
-        self, args: argparse.Namespace, sink: Sink, batch: BatchOutputs | None = None
+        self,
+        args: argparse.Namespace,
+        sink: Sink,
+        batch: BatchOutputs | None = None,
+        stack_counts: StackSink | None = None,
     ) -> None:
         super().__init__()
         self.batch = batch  # the sink's events as rows, where they can be (specs.py)
+        # stackcount: hits counted by stack in the program, each stack's count to this.
+        self.stack_counts = stack_counts
+        self.max_stacks: int = getattr(args, "max_stacks", 0) if stack_counts else 0
         # -c follows the command and everything it starts, as perf does; -p on request.
         follow = args.command is not None or getattr(args, "follow_forks", False)
         procs = open_targets(args, follow_forks=follow)
@@ -156,6 +163,8 @@ class PtraceBackend(Backend):
             retval_bits=self.retval_bits,
             linear=self.linear,
             batch=self.batch,
+            stack_counts=self.stack_counts,
+            max_stacks=self.max_stacks,
         )
 
     def place(self, specs: Sequence[ProbeSpec]) -> list[Placed]:

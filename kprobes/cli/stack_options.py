@@ -5,10 +5,13 @@ backend makes of them.
   the files: ``trace``'s entry probes that take a jump (the fast tier) walk it in the
   program, over compact tables compiled from them (process/fast/frametables.py), and the
   others unwind it in the handler, while the thread is stopped at its breakpoint; right on
-  code built without frame pointers either way. With a return spec among them (the walk in
-  the program does not see through a return probe's trampoline yet), and for
-  ``stackcount`` (a record per hit may be dropped where a count must be exact), every probe
-  stays on its breakpoint, and stderr says so once (docs/decisions.md);
+  code built without frame pointers either way. ``stackcount``'s entry probes on jumps
+  count their hits by stack in the program, with no record per hit
+  (process/fast/stackcounts.py). With a return spec among them (the walk in the program
+  does not see through a return probe's trampoline yet), and for ``stackcount -n`` or
+  ``--filter`` (each hit an event: a record could be dropped where a count must be
+  exact), every probe stays on its breakpoint, and stderr says so once
+  (docs/decisions.md);
 * the kernel's uprobes (``--backend uprobes``): the kernel's ``userstacktrace`` trace option
   in our instance, which follows frame pointers only (a stack through code built without
   them loses frames or gets wrong ones) and keeps at most 8 frames; the output's header and
@@ -35,7 +38,7 @@ TIER_NOTE = (
     "thread is stopped ({why})\n"
 )
 WHY_RETURNS = "a jump's walk does not see through a return probe's trampoline yet"
-WHY_COUNTS = "a jump's record may be dropped, and stack counts are exact"
+WHY_COUNTS = "-n and --filter take each hit as an event, and a jump's record may be dropped"
 WHY_RECORDS = "a record file does not keep the stacks walked in the program yet"
 UPROBES_HEADER = (
     f"# user stacks: the kernel's userstacktrace, which follows frame pointers only (code "
@@ -43,8 +46,8 @@ UPROBES_HEADER = (
 )
 BACKENDS_HELP = (
     "our own backend unwinds with the files' unwind tables (.eh_frame: right without frame "
-    "pointers), in the program where a probe takes a jump (not with return specs: then, "
-    "and for stackcount, on breakpoints); --backend uprobes uses the kernel's "
+    "pointers), in the program where a probe takes a jump (not with return specs, nor "
+    "stackcount -n or --filter: then on breakpoints); --backend uprobes uses the kernel's "
     f"userstacktrace, which follows frame pointers only, at most {KERNEL_USER_FRAMES} frames, "
     "named while the process lives (a process gone before its events are read shows "
     "addresses)"

@@ -127,7 +127,7 @@ class RecordAction:
             block.add(Instruction.create_mem(Code.INC_RM64, rip_operand(self.counter)), lock=True)
         self._emit_reserve(block)
         self._emit_header(block)
-        load_reg = _register_loader(frame, probe_addr)
+        load_reg = register_loader(frame, probe_addr)
         # Step 4: the registers block.
         if self.with_regs:
             for name in area.REG_ORDER:
@@ -239,7 +239,7 @@ class RecordAction:
         block.add(mov_store(rbx, area.REC_META, rcx))
 
 
-def _register_loader(frame: Frame, probe_addr: int) -> LoadReg:
+def register_loader(frame: Frame, probe_addr: int) -> LoadReg:
     """``load_reg`` for this detour's captures: a register it saved is read from ``frame``."""
 
     def load_reg(b: Block, name: str, into: Register_) -> None:

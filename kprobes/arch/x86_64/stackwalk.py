@@ -187,16 +187,26 @@ PC, SP, BP, LOOKUP, OUT, COUNT = (Register.RAX, Register.RDX, Register.RBP, Regi
 _ENTRY_P, _LO, _T1, _T2, _ROWS = Register.R9, Register.R15, Register.R12, Register.R13, Register.R14
 CLOBBERS: Final = ("rax", "rcx", "rdx", "rbp", "rdi", "r8", "r9", "r10", "r11", "r12",
                    "r13", "r14", "r15")  # fmt: skip
+# A hashing walk (``hashing``) folds each return address, then the status word, into HASH:
+# HASH = (HASH ^ word) * HASH_MUL (FNV-1a's step, a word at a time); both are left alone by
+# the walk, as rbx and rsi are.
+HASH, HASH_MUL = Register.RBX, Register.RSI
 
 
 def emit_stack_walk(
-    block: Block, directory: int, max_returns: int, *, indirect: bool = False
+    block: Block,
+    directory: int,
+    max_returns: int,
+    *,
+    indirect: bool = False,
+    hashing: bool = False,
 ) -> None:
     """Append the walk to ``block``. In: rax = the pc of the innermost frame (exact: the
     probed instruction), rdx = its rsp, rbp = its rbp, rdi = the output. Writes at most
     ``max_returns`` return addresses. ``indirect``: ``directory`` is the address of a word
-    that holds the directory's (0: none yet, every frame is uncovered). Clobbers
-    ``CLOBBERS`` and the arithmetic flags."""
+    that holds the directory's (0: none yet, every frame is uncovered). ``hashing``:
+    nothing is written, each return address and the status word are folded into HASH
+    instead (rdi is not used). Clobbers ``CLOBBERS`` and the arithmetic flags."""
     if not 0 < max_returns < 1 << 16:
         raise InternalError(f"a walk of {max_returns} frames")
     add = block.add
@@ -217,7 +227,10 @@ def emit_stack_walk(
     block.label("sw_push")
     add(Instruction.create_reg_i32(Code.CMP_RM64_IMM32, COUNT, max_returns))
     block.branch(Code.JAE_REL32_64, "sw_max")
-    add(Instruction.create_mem_reg(Code.MOV_RM64_R64, _at_index(OUT, COUNT, STATUS), PC))
+    if hashing:
+        _emit_fold(block, PC)
+    else:
+        add(Instruction.create_mem_reg(Code.MOV_RM64_R64, _at_index(OUT, COUNT, STATUS), PC))
     add(Instruction.create_reg(Code.INC_RM64, COUNT))
     add(Instruction.create_reg_mem(Code.LEA_R64_M, LOOKUP, at(PC, -1)))  # the call's row
     block.branch(Code.JMP_REL32_64, "sw_frame")
@@ -227,7 +240,13 @@ def emit_stack_walk(
     add(Instruction.create_reg_i32(Code.CMP_RM32_IMM8, Register.R12D, KIND_UNSUPPORTED))
     block.branch(Code.JE_REL32_64, "sw_unsupported")
     _emit_frame_pointer(block)
-    _emit_stops(block)
+    _emit_stops(block, hashing)
+
+
+def _emit_fold(block: Block, word: Register_) -> None:
+    """HASH = (HASH ^ word) * HASH_MUL."""
+    block.add(Instruction.create_reg_reg(Code.XOR_R64_RM64, HASH, word))
+    block.add(Instruction.create_reg_reg(Code.IMUL_R64_RM64, HASH, HASH_MUL))
 
 
 def _emit_find_row(block: Block, directory: int, indirect: bool) -> None:
@@ -341,8 +360,8 @@ def _emit_frame_pointer(block: Block) -> None:
     block.branch(Code.JMP_REL32_64, "sw_push")
 
 
-def _emit_stops(block: Block) -> None:
-    """The ends: the status word = the count | the reason << 32."""
+def _emit_stops(block: Block, hashing: bool) -> None:
+    """The ends: the status word = the count | the reason << 32 (stored, or folded)."""
     for label, stop in (
         ("sw_outermost", WalkStop.OUTERMOST),
         ("sw_no_info", WalkStop.NO_UNWIND_INFO),
@@ -357,7 +376,10 @@ def _emit_stops(block: Block) -> None:
     block.label("sw_status")
     block.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, _T1, STOP_SHIFT))
     block.add(Instruction.create_reg_reg(Code.OR_R64_RM64, _T1, COUNT))
-    block.add(mov_store(OUT, 0, _T1))
+    if hashing:
+        _emit_fold(block, _T1)
+    else:
+        block.add(mov_store(OUT, 0, _T1))
 
 
 def _at_index(base: Register_, index: Register_, disp: int, scale: int = 8) -> MemoryOperand:

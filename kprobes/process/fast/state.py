@@ -75,6 +75,10 @@ class JumpState:
     is_enabled: bool = True  # proc.optimization
     ring_bytes: int = RING_BYTES
     waits_when_full: bool = False  # record detours wait for room (recording.py)
+    # Areas made from now on hold a table of this many stack ids, each of up to
+    # ``stack_returns`` return addresses (stackcount: stackcounts.py); 0: none.
+    stack_ids: int = 0
+    stack_returns: int = 0
     lease: Lease | None = None  # how long they may wait (lease.py), once one may
     sites: dict[int, SiteOpt] = field(default_factory=dict)
     areas: list[SharedArea] = field(default_factory=list)  # one per ±2 GiB neighbourhood
