@@ -8,7 +8,8 @@ the command line's outputs and aggregations do not know which target they came f
 
 With ``stack_depth`` every event carries the thread's user stack (``trace --stack``,
 ``stackcount``): walked in the detour where an entry spec takes a jump and ``fast_stacks``
-allows it, else unwound in the handler while the thread is stopped. With ``stack_counts``
+allows it (a return spec's by its trampoline, from the real return address), else unwound
+in the handler while the thread is stopped. With ``stack_counts``
 too (``stackcount``), the fast tier counts the hits by stack in the program and hands
 each stack's count over (process/fast/stackcounts.py), with no record per hit.
 """
@@ -311,6 +312,7 @@ class SpecTracer:
 
         rp.async_handler = on_record
         fast = self._fast_probe(spec, fetcher, where.path)
+        fast.stack_depth = self.stack_depth  # the caller's stack, walked by the trampoline
         self.proc.records.prepare_return(rp, fast)
 
     def _fast_probe(self, spec: ProbeSpec, fetcher: ArgFetcher, path: str | None) -> FastProbe:

@@ -426,7 +426,9 @@ class Recording:
             keeps = entry_register(fp.spec)
         except NotCapturable as exc:
             return str(exc)
-        record = self._record_action(site, area, so, plan, fp.with_regs, returns=True)
+        # The caller's stack, walked by the trampoline from the real return address.
+        depth = fp.stack_depth or 0
+        record = self._record_action(site, area, so, plan, fp.with_regs, returns=True, depth=depth)
         return record if isinstance(record, str) else (record, keeps)
 
     def _record_action(

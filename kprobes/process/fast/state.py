@@ -59,7 +59,8 @@ class WalkTables:
     cell: int = 0  # the word's address (a counter of a shared area); 0: no walk yet
     cell_area: int = 0  # that area (its index) and the word's offset in it
     cell_offset: int = 0
-    published: tuple[tuple[int, int, int, str], ...] = ()  # (start, end, bias, file) each
+    # (start, end, bias, file) each, then (shadow stacks, trampolines' start and end)
+    published: tuple[tuple[int | str, ...], ...] = ()
     regions: list[tuple[int, int]] = field(default_factory=list)  # (start, size), never reused
 
     def forget(self) -> None:
