@@ -253,6 +253,28 @@ def test_trace_u_with_return_specs_walks_through_their_frames(build: Build) -> N
     assert all(block[-1].startswith(" => _start+") for block in stack_blocks(out))
 
 
+def test_record_u_keeps_the_walks_and_script_prints_them(build: Build, tmp_path: Path) -> None:
+    # The stacks go to the file as the records lie (the walks' return addresses, no
+    # event), with the files mapped; script names them as trace -U does on traps.
+    from kprobes.output.recfile import END, EVNT, MODS, iter_chunks
+
+    program, data = build("stacks"), tmp_path / "stacks.data"
+    specs = ("leaf", "r main", "r leaf")
+    _, err = kprobes("record", "-U", "-o", data, "-c", program, *specs)
+    assert "breakpoint" not in err, err
+    with open(data, "rb") as f:
+        chunks = list(iter_chunks(f))
+    assert not [c for c in chunks if c.tag == EVNT]  # every hit a record of the ring
+    (end,) = [c.json() for c in chunks if c.tag == END]
+    assert end["records"] == end["hits"] == 21
+    mods = [c.json() for c in chunks if c.tag == MODS]
+    assert mods and all(m["main"] == str(program) for m in mods)
+    script, _ = kprobes("script", data)
+    trap, _ = kprobes("trace", "-U", "--no-optimize", "-c", program, *specs)
+    assert sum(stack_blocks(script).values()) == 21
+    assert stack_blocks(script) == stack_blocks(trap)
+
+
 def test_trace_json_stack_on_the_fast_tier(build: Build) -> None:
     program = build("stacks")
     fast, _ = kprobes("trace", "-U", "--json", "-c", program, "leaf")

@@ -44,7 +44,6 @@ WHY_TRAP_RETURNS = (
     "a return probe keeps its breakpoint, and a jump's walk does not see through its trampoline"
 )
 WHY_COUNTS = "-n and --filter take each hit as an event, and a jump's record may be dropped"
-WHY_RECORDS = "a record file does not keep the stacks walked in the program yet"
 UPROBES_HEADER = (
     f"# user stacks: the kernel's userstacktrace, which follows frame pointers only (code "
     f"built without them loses frames) and keeps at most {KERNEL_USER_FRAMES} frames\n"
