@@ -23,6 +23,12 @@ What runs per hit, and what is checked after each run:
 - **return record** (issue 20): ``Kretprobe(optimize=True, async_handler=h,
   args="ret=$retval")``, the trampoline writing a record of each return; and the CLI's
   ``kprobes trace 'r work_push ret=$retval'``: records delivered + dropped = N.
+- **stacks** (issue 23, item 5): at ``work_deep10``, 10 frames deep, through
+  ``SpecTracer`` as ``trace -U --stack-depth 10`` and ``stackcount`` make their probes: a
+  record with its stack walked in the program (``record-stack``), beside the same record
+  without a stack (``record-big``), and the stack counted in the program by its id
+  (``stackcount``, no record); every stack complete and 10 frames long, delivered (or
+  counted) + dropped = N.
 - **latency CLI**: ``kprobes latency -c PROGRAM work_push``, the histogram timed in the
   program; its count = N.
 - **detour floor**: ``detour_floor count``, ``record`` or ``record-cold``, the hand-written
@@ -41,7 +47,8 @@ module as a separate process (so that it can be pinned)::
 
     python -m bench.peer_optimized MODE FUNC PROGRAM [ARGS...]
 
-(MODE: count, record, ret, ret-record, cli, cli-ret or latency)
+(MODE: count, record, record-big, record-stack, stackcount, ret, ret-record, cli, cli-ret
+or latency)
 
 which prints the program's output, then ``hits=`` and the other fields the runner checks; any
 failure is one ``error:`` line on stderr and exit status 3.
@@ -162,6 +169,38 @@ OURS: tuple[tuple[str, str, str, int, int, int], ...] = (
         20_000,
     ),
 )
+# User stacks walked in the program (issue 23, item 5), at work_deep10 (work_push with unwind
+# info, called 5 frames below main: a 10-frame stack): the record without a stack, the same
+# with its stack (--stack-depth 10: 9 return addresses, a 2-slot record), and the stack
+# counted in the program by its stack id (stackcount: no record). As OURS: key, label,
+# variant, threads, N, quick N.
+STACK_ROWS: tuple[tuple[str, str, str, int, int, int], ...] = (
+    (
+        "optimized-record-deep10",
+        "kprobes, optimized record (i=%di) at work_deep10, no stack, 128 MiB ring",
+        "record-big",
+        1,
+        500_000,
+        2_000,
+    ),
+    (
+        "optimized-record-stack10",
+        "kprobes, optimized record (i=%di) + its 10-frame user stack walked in the program",
+        "record-stack",
+        1,
+        500_000,
+        2_000,
+    ),
+    (
+        "optimized-stackcount10",
+        "kprobes stackcount: a 10-frame stack's id counted in the program (no record)",
+        "stackcount",
+        1,
+        2_000_000,
+        20_000,
+    ),
+)
+STACK_DEPTH = 10
 FLOORS: tuple[tuple[str, str, str, int, int, int], ...] = (
     ("detour-floor-count", "C detour floor, count (lock inc)", "count", 1, 20_000_000, 20_000),
     (
@@ -215,14 +254,17 @@ def _int(info: dict[str, str], name: str) -> int:
 
 
 def _rows(
-    peer: str, table: tuple[tuple[str, str, str, int, int, int], ...], ours: bool
+    peer: str,
+    table: tuple[tuple[str, str, str, int, int, int], ...],
+    ours: bool,
+    func: str = "work_push",
 ) -> list[Row]:
     return [
         Row(
             peer=peer,
             key=key,
             label=label,
-            func="work_push",
+            func=func,
             calls=calls,
             quick_calls=quick,
             variant=variant,
@@ -258,7 +300,9 @@ class OptimizedRunner:
         delivered, dropped = _int(info, "delivered"), _int(info, "dropped")
         if delivered + dropped != outcome.hits or nhit != outcome.hits:
             raise RunError(f"{delivered} delivered + {dropped} dropped, but {nhit} hits")
-        if self.mode in ("record", "record-big"):
+        if int(info.get("bad_values", "0")):
+            raise RunError(f"{info['bad_values']} values or stacks wrong")
+        if self.mode in ("record", "record-big", "record-stack"):
             if int(info.get("bad_values", "0")):
                 raise RunError(f"{info['bad_values']} values out of range or out of order")
             if dropped == 0 and _int(info, "arg_sum") != arg_sum(self.calls):
@@ -295,7 +339,8 @@ class OptimizedPeer(Peer):
         nest = nest_rows(
             self.name, "optimized-ret", "kprobes, optimized kretprobe", "ret", (1_000_000, 100_000)
         )
-        return _rows(self.name, OURS, ours=True) + nest
+        stacks = _rows(self.name, STACK_ROWS, ours=True, func="work_deep10")
+        return _rows(self.name, OURS, ours=True) + nest + stacks
 
     @contextmanager
     def session(self, row: Row) -> Iterator[OptimizedRunner]:
@@ -339,6 +384,22 @@ class DetourFloorPeer(Peer):
 # -- the tool's side: python -m bench.peer_optimized MODE FUNC PROGRAM [ARGS...] ------------
 
 
+def _check_optimized(proc: Any) -> None:
+    (entry,) = proc.list()
+    if not entry.is_optimized:
+        raise RuntimeError(f"not optimized: {entry.why_not_optimized}")
+
+
+def _pass_output(proc: Any, out: Any) -> None:
+    """The program ended well: its output (kept in ``out``) goes to our stdout."""
+    if proc.exit_code:
+        raise RuntimeError(f"the program exited with status {proc.exit_code}")
+    out.seek(0)
+    sys.stdout.flush()
+    shutil.copyfileobj(out, sys.stdout.buffer)
+    sys.stdout.buffer.flush()
+
+
 def run_api(mode: str, func: str, argv: list[str]) -> list[str]:
     """A count or record probe on ``func`` through the API while ``argv`` runs to its end."""
     import kprobes
@@ -377,17 +438,10 @@ def run_api(mode: str, func: str, argv: list[str]) -> list[str]:
                     proc.ring_size = BIG_RING
                 kp = kprobes.Kprobe(symbol=func, optimize=True, async_handler=on_hit, args=ARGS)
                 proc.register_kprobe(kp)
-            (entry,) = proc.list()
-            if not entry.is_optimized:
-                raise RuntimeError(f"not optimized: {entry.why_not_optimized}")
+            _check_optimized(proc)
             proc.run()
             dropped = proc.dropped
-        if proc.exit_code:
-            raise RuntimeError(f"the program exited with status {proc.exit_code}")
-        out.seek(0)
-        sys.stdout.flush()
-        shutil.copyfileobj(out, sys.stdout.buffer)
-    sys.stdout.buffer.flush()
+        _pass_output(proc, out)
     if rp is not None:
         if rp.nmissed or rp.nabandoned:
             raise RuntimeError(f"{rp.nmissed} missed, {rp.nabandoned} abandoned")
@@ -409,6 +463,52 @@ def run_api(mode: str, func: str, argv: list[str]) -> list[str]:
         f"arg_sum={total}",
         f"bad_values={bad}",
     ]
+
+
+def run_stacks(mode: str, func: str, argv: list[str]) -> list[str]:
+    """A probe on ``func`` taking a 10-frame user stack in the program (``SpecTracer``, as
+    ``trace -U`` and ``stackcount`` make it) while ``argv`` runs to its end: a record of each
+    hit with its stack (``record-stack``), or each stack's hits counted in the program
+    (``stackcount``). Every stack must be complete and 10 frames long."""
+    import kprobes
+    from kprobes.process.specs import SpecTracer
+    from kprobes.spec import parse
+
+    delivered = total = bad = 0
+
+    def good(ev: Any) -> bool:
+        stack = ev.stack
+        return stack is not None and not stack.stop and len(stack.frames) == STACK_DEPTH
+
+    def on_event(ev: Any) -> None:
+        nonlocal delivered, total, bad
+        delivered += 1
+        total += ev.arg("i") if mode == "record-stack" else 0
+        bad += not good(ev)
+
+    def on_count(ev: Any, n: int) -> None:
+        nonlocal delivered, bad
+        delivered += n
+        bad += 0 if good(ev) else n
+
+    counting = mode == "stackcount"
+    with tempfile.TemporaryFile() as out:
+        with kprobes.spawn(argv, stdout=out) as proc:
+            proc.ring_size = BIG_RING
+            tracer = SpecTracer(
+                proc, on_event, optimize=True, stack_depth=STACK_DEPTH, fast_stacks=True,
+                stack_counts=on_count if counting else None, max_stacks=4096 if counting else 0,
+            )  # fmt: skip
+            (placed,) = tracer.place([parse(f"p {func}" if counting else f"p {func} {ARGS}")])
+            _check_optimized(proc)
+            proc.run()
+            proc.records.read_records()
+            dropped = proc.dropped
+            tracer.close()
+        _pass_output(proc, out)
+    lines = [f"hits={delivered + dropped}", f"nhit={placed.hits}", f"delivered={delivered}"]
+    lines += [f"dropped={dropped}", f"bad_values={bad}"]
+    return lines + ([] if counting else [f"arg_sum={total}"])
 
 
 def run_cli(func: str, argv: list[str], *, latency: bool = False, ret: bool = False) -> list[str]:
@@ -449,6 +549,8 @@ def main(args: list[str]) -> int:
     try:
         if mode in ("cli", "cli-ret", "latency"):
             lines = run_cli(func, argv, latency=mode == "latency", ret=mode == "cli-ret")
+        elif mode in ("record-stack", "stackcount"):
+            lines = run_stacks(mode, func, argv)
         else:
             lines = run_api(mode, func, argv)
     except Exception as e:

@@ -103,6 +103,23 @@ __asm__(
     "  ret\n"
     ".size work_nest100, .-work_nest100\n"
 
+    /* work_push again, with unwind info (its CFI), for the stack rows: the loop that calls
+     * it runs DEEP_LEVELS frames below main (run_deep), so that a walk from its entry
+     * reads a 10-frame stack: itself, run_deep 5 times, main, libc's two, _start. */
+    ".globl work_deep10\n.type work_deep10,@function\n.p2align 4\n"
+    "work_deep10:\n"
+    "  .cfi_startproc\n"
+    "  push %rbp\n"
+    "  .cfi_def_cfa_offset 16\n"
+    "  .cfi_offset %rbp, -16\n"
+    "  mov %rsp, %rbp\n"
+    "  lea 1(%rdi), %rax\n"
+    "  pop %rbp\n"
+    "  .cfi_def_cfa_offset 8\n"
+    "  ret\n"
+    "  .cfi_endproc\n"
+    ".size work_deep10, .-work_deep10\n"
+
     /* getppid(2); the probe goes on the syscall at offset 5, which only a hardware
      * single-step can execute out of line. The no-probe baseline includes the syscall. */
     ".globl work_sys\n.type work_sys,@function\n.p2align 4\n"
@@ -113,7 +130,7 @@ __asm__(
     ".size work_sys, .-work_sys\n");
 
 long work_push(long), work_lea(long), work_boost(long), work_rip(long), work_sys(long);
-long work_nest10(long), work_nest100(long);
+long work_nest10(long), work_nest100(long), work_deep10(long);
 
 static const struct {
     const char *name;
@@ -122,7 +139,9 @@ static const struct {
     {"work_push", work_push}, {"work_lea", work_lea}, {"work_boost", work_boost},
     {"work_rip", work_rip},   {"work_sys", work_sys},
     {"work_nest10", work_nest10}, {"work_nest100", work_nest100},
+    {"work_deep10", work_deep10},
 };
+#define DEEP_LEVELS 4 /* run_deep(4) .. run_deep(0): five frames */
 
 static long (*volatile fn)(long);
 static long spin_rounds; /* spin=S */
@@ -192,6 +211,27 @@ static double run_threads(long n, long nthreads)
     return wall ? elapsed_ns(first_start, last_end) : cpu_ns;
 }
 
+/* The single-threaded loop, timed, `level` frames further down (work_deep10's stack). */
+static volatile long deep_sink;
+
+__attribute__((noinline)) static double run_deep(int level, long n)
+{
+    if (level > 0) {
+        double ns = run_deep(level - 1, n);
+
+        deep_sink++; /* after the call: no tail call, no loop made of the recursion */
+        return ns;
+    }
+    volatile long sink = 0;
+    struct timespec t0, t1;
+
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (long i = 0; i < n; i++)
+        sink += fn(i);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    return elapsed_ns(&t0, &t1);
+}
+
 int main(int argc, char **argv)
 {
     long nthreads = 0;
@@ -220,18 +260,10 @@ int main(int argc, char **argv)
     long n = strtol(argv[2], NULL, 10);
     double ns;
 
-    if (nthreads > 0) {
+    if (nthreads > 0)
         ns = run_threads(n, nthreads);
-    } else {
-        volatile long sink = 0;
-        struct timespec t0, t1;
-
-        clock_gettime(CLOCK_MONOTONIC, &t0);
-        for (long i = 0; i < n; i++)
-            sink += fn(i);
-        clock_gettime(CLOCK_MONOTONIC, &t1);
-        ns = elapsed_ns(&t0, &t1);
-    }
+    else
+        ns = run_deep(fn == work_deep10 ? DEEP_LEVELS : 0, n);
     printf("ns_per_call=%.3f calls=%ld\n", n > 0 ? ns / (double)n : 0.0, n);
     return 0;
 }

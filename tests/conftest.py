@@ -122,6 +122,8 @@ BUILDS: dict[str, Build] = {
         libs=(f"-L{BIN}", "-lstk", "-Wl,-rpath,$ORIGIN"),
         needs=("libstk.so",),
     ),
+    # Recursion deeper than a walk's limit (tests/test_fast_stack_records.py).
+    "recurse": Build("recurse.c", flags=("-O2", "-fomit-frame-pointer", "-Wall")),
     # The same without unwind tables for its own functions: walks end there, and say so.
     "stacks-nocfi": Build(
         "stacks.c",

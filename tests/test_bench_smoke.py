@@ -26,7 +26,7 @@ from bench.build import compile_c
 from bench.elf import find_site
 from bench.measure import Cell, RowResult, Sample
 from bench.peer import Row
-from bench.peer_optimized import FLOORS, OURS
+from bench.peer_optimized import FLOORS, OURS, STACK_ROWS
 from bench.report import NOTATION, notation_table, notation_words
 from bench.report_optimized import GOALS, optimized_table
 
@@ -183,6 +183,7 @@ def test_optimized_rows_count_every_hit_and_judge_the_goals(tmp_path: Path) -> N
     threads, beside the kernel's uprobe: every hit counted, every record delivered (a quick
     run fits the ring), and the report's section judges each goal."""
     keys = {key for key, *_ in OURS} | {key for key, *_ in FLOORS}
+    keys |= {key for key, *_ in STACK_ROWS}  # issue 23: stacks walked in the program
     uprobes = {"uprobes-push", "uprobes-push-4t"}
     document, report = run_bench(",".join(sorted(keys | uprobes)), tmp_path)
     rows = {row["key"]: row for row in document["rows"]}
@@ -198,9 +199,10 @@ def test_optimized_rows_count_every_hit_and_judge_the_goals(tmp_path: Path) -> N
             if "dropped" in cell["info"]:
                 assert cell["info"]["dropped"] == "0", where
     assert {"work_push/pinned/4t", "work_push/unpinned/4t"} <= set(document["baselines"])
+    assert {"work_deep10/pinned", "work_deep10/unpinned"} <= set(document["baselines"])
     section = report.split("Optimized probes (issue 12)", 1)[1]
     judged = {goal.ours for goal in GOALS}  # issue 12's rows (the return rows have no goal)
-    for key, label, *_ in OURS:
+    for key, label, *_ in (*OURS, *STACK_ROWS):
         if key not in judged:
             continue
         line = next(line for line in section.splitlines() if line.startswith(f"| {label} | "))

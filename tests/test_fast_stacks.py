@@ -12,8 +12,10 @@ through libstk.so, frames.c's rbp frames and recursion), one without unwind tabl
 own code (the marker), libraries that come and go with ``dlopen``/``dlclose`` (the
 directory followed), and zstd's ``libc:malloc`` up to zstd's main.
 
-A frame hooked by a return probe's trampoline is not translated by the walk yet: the stack
-ends there with a marker, and what it shows is a prefix of the trap tier's stack.
+A frame hooked by a return probe that takes a jump is walked through (the real return
+address is in the thread's shadow stack), and the return records carry the caller's
+stack; one hooked by a return probe on traps ends the stack with a marker, a prefix of
+the trap tier's stack.
 """
 
 from __future__ import annotations
@@ -150,9 +152,30 @@ def test_libraries_that_come_and_go(spawn: Any, build: Build) -> None:
     assert len(from_main) == 3 * 4
 
 
-def test_a_frame_hooked_by_a_return_probe_ends_the_walk(spawn: Any, build: Build) -> None:
-    """``a``'s return address is the trampoline's while ``leaf`` runs under it: the fast
-    stack stops there with a marker, a prefix of the trap tier's; ``b``'s is whole."""
+def test_a_frame_hooked_by_a_return_probe_that_takes_a_jump_is_walked_through(
+    spawn: Any, build: Build
+) -> None:
+    """``main``'s return address is its fast return probe's trampoline while ``leaf`` runs:
+    the walk takes the real one from the thread's shadow stack and goes on, as the trap
+    tier's unwinder does, and no frame is a trampoline."""
+
+    def hook(proc: Any) -> None:
+        rp = Kretprobe(symbol="main", optimize=True)
+        proc.register_kretprobe(rp)
+        (entry,) = [e for e in proc.list() if e.addr == rp.addr]
+        assert entry.is_optimized, entry.why_not_optimized
+
+    fast, optimized = traced(spawn, [build("stacks")], "leaf", fast=True, before=hook)
+    assert optimized
+    trap, _ = traced(spawn, [build("stacks")], "leaf", fast=False)
+    assert stacks(fast) == stacks(trap) and len(fast) == 10
+    assert all(e.stack is not None and e.stack.frames[-1].func == "_start" for e in fast)
+
+
+def test_a_frame_hooked_by_a_return_probe_on_traps_ends_the_walk(spawn: Any, build: Build) -> None:
+    """``a``'s return address is a trap-tier trampoline's while ``leaf`` runs under it (its
+    real one is in the tool): the fast stack stops there with a marker, a prefix of the
+    trap tier's; ``b``'s is whole."""
 
     def hook(proc: Any) -> None:
         proc.register_kretprobe(Kretprobe(symbol="a", maxactive=4, handler=lambda *_: None))
@@ -210,8 +233,46 @@ def test_trace_u_walks_in_the_program_and_prints_what_traps_print(build: Build) 
     assert "breakpoint" not in fast_err and "breakpoint" not in trap_err
     assert sum(stack_blocks(fast_out).values()) == 10
     assert stack_blocks(fast_out) == stack_blocks(trap_out)
-    _, err = kprobes("trace", "-U", "-c", program, "leaf", "r leaf")
-    assert "trampoline" in err  # with a return spec: on breakpoints, and said why
+
+
+def test_trace_u_with_return_specs_walks_through_their_frames(build: Build) -> None:
+    # main's frame is hooked by 'r main' (its entry takes a jump) while leaf runs under it:
+    # each stack, leaf's entries' and leaf's returns', goes on past it to libc's callers.
+    program = build("stacks")
+    specs = ("leaf", "r main", "r leaf")
+    fast_out, fast_err = kprobes("trace", "-U", "-c", program, *specs)
+    trap_out, trap_err = kprobes("trace", "-U", "--no-optimize", "-c", program, *specs)
+    assert "breakpoint" not in fast_err and "breakpoint" not in trap_err
+    assert sum(stack_blocks(fast_out).values()) == 21  # 10 entries, 10 returns, main's
+    assert stack_blocks(fast_out) == stack_blocks(trap_out)
+    assert all(block[-1].startswith(" => _start+") for block in stack_blocks(fast_out))
+    # 'r a' keeps its breakpoint (a call in its region): a walk in the program could not
+    # go through a's frames, so every probe goes back to breakpoints, and stderr says why.
+    out, err = kprobes("trace", "-U", "-c", program, "leaf", "r a")
+    assert "a return probe keeps its breakpoint" in err and err.count("kprobes:") == 1, err
+    assert all(block[-1].startswith(" => _start+") for block in stack_blocks(out))
+
+
+def test_record_u_keeps_the_walks_and_script_prints_them(build: Build, tmp_path: Path) -> None:
+    # The stacks go to the file as the records lie (the walks' return addresses, no
+    # event), with the files mapped; script names them as trace -U does on traps.
+    from kprobes.output.recfile import END, EVNT, MODS, iter_chunks
+
+    program, data = build("stacks"), tmp_path / "stacks.data"
+    specs = ("leaf", "r main", "r leaf")
+    _, err = kprobes("record", "-U", "-o", data, "-c", program, *specs)
+    assert "breakpoint" not in err, err
+    with open(data, "rb") as f:
+        chunks = list(iter_chunks(f))
+    assert not [c for c in chunks if c.tag == EVNT]  # every hit a record of the ring
+    (end,) = [c.json() for c in chunks if c.tag == END]
+    assert end["records"] == end["hits"] == 21
+    mods = [c.json() for c in chunks if c.tag == MODS]
+    assert mods and all(m["main"] == str(program) for m in mods)
+    script, _ = kprobes("script", data)
+    trap, _ = kprobes("trace", "-U", "--no-optimize", "-c", program, *specs)
+    assert sum(stack_blocks(script).values()) == 21
+    assert stack_blocks(script) == stack_blocks(trap)
 
 
 def test_trace_json_stack_on_the_fast_tier(build: Build) -> None:

@@ -63,8 +63,7 @@ def size_of(path: Path, name: str) -> int:
 
 def test_folded_stacks_count_each_path_exactly(program: Path) -> None:
     out, err = kprobes("stackcount", "--folded", "-c", program, "leaf")
-    assert "stacks keep every probe on a breakpoint" in err  # the tier note, said once
-    assert err.count("kprobes:") == 1, err
+    assert "kprobes:" not in err, err  # counted in the program: no tier note
     lines = out.splitlines()
     assert len(lines) == 3, out
     # Most frequent first; every stack reaches _start (no marker: the walk was complete).

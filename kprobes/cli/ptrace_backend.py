@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import signal
+import sys
 import time
 from collections.abc import Callable, Generator, Sequence
 from functools import partial
@@ -22,12 +23,13 @@ from functools import partial
 from kprobes.cli.backends import Backend, Glob, Placed, Sink, Tried
 from kprobes.cli.ownfile import in_own_file, own_file
 from kprobes.cli.sigint import is_in_trace_stop
+from kprobes.cli.stack_options import TIER_NOTE, WHY_TRAP_RETURNS
 from kprobes.cli.targets import open_targets
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import InstancePool, Kretprobe, KretprobeInstance
 from kprobes.errors import NotMapped, ProbeError
 from kprobes.linux import procfs
-from kprobes.process.specs import BatchOutputs, SpecTracer
+from kprobes.process.specs import BatchOutputs, PlacedSpec, SpecTracer, StackSink
 from kprobes.process.target import Process
 from kprobes.spec import ProbeSpec
 from kprobes.spec.render import render_location
@@ -99,10 +101,17 @@ class PtraceBackend(Backend):
     executable; the specs go in every one of them or in none."""
 
     def __init__(
-        self, args: argparse.Namespace, sink: Sink, batch: BatchOutputs | None = None
+        self,
+        args: argparse.Namespace,
+        sink: Sink,
+        batch: BatchOutputs | None = None,
+        stack_counts: StackSink | None = None,
     ) -> None:
         super().__init__()
         self.batch = batch  # the sink's events as rows, where they can be (specs.py)
+        # stackcount: hits counted by stack in the program, each stack's count to this.
+        self.stack_counts = stack_counts
+        self.max_stacks: int = getattr(args, "max_stacks", 0) if stack_counts else 0
         # -c follows the command and everything it starts, as perf does; -p on request.
         follow = args.command is not None or getattr(args, "follow_forks", False)
         procs = open_targets(args, follow_forks=follow)
@@ -119,6 +128,7 @@ class PtraceBackend(Backend):
         self.optimize = not getattr(args, "no_optimize", False) and (
             self.stack_depth is None or self.fast_stacks
         )
+        self._stacks_on_traps = False  # a return probe on traps put them all there
         self.count_only = getattr(args, "count_only", False)
         self.block = getattr(args, "block", False)  # trace --block (recording.py)
         self.durations_unit: int = getattr(args, "durations_unit", 0)
@@ -156,6 +166,8 @@ class PtraceBackend(Backend):
             retval_bits=self.retval_bits,
             linear=self.linear,
             batch=self.batch,
+            stack_counts=self.stack_counts,
+            max_stacks=self.max_stacks,
         )
 
     def place(self, specs: Sequence[ProbeSpec]) -> list[Placed]:
@@ -211,6 +223,7 @@ class PtraceBackend(Backend):
 
     def _place(self, proc: Process, tracer: SpecTracer, specs: Sequence[ProbeSpec]) -> list[Placed]:
         placed = tracer.place(specs)
+        self._keep_stacks_whole(proc, placed)
         for one in placed:
             # No instance is in flight yet: hits are handled only once run() is called.
             probe = one.probe
@@ -219,6 +232,24 @@ class PtraceBackend(Backend):
                 probe.pool = GrowingPool(probe, probe.pool, equip)
         self.placed += placed
         return list(placed)
+
+    def _keep_stacks_whole(self, proc: Process, placed: Sequence[PlacedSpec]) -> None:
+        """Stacks walked in the program go through the frames of return probes that take a
+        jump (their shadow stacks), not through those of a return probe on breakpoints (its
+        real return addresses are in the tool): where one keeps its breakpoint, every probe
+        of the process goes back to breakpoints, whose stacks are whole, and stderr says why
+        (docs/decisions.md)."""
+        if self.stack_depth is None or not self.optimize or not proc.optimization:
+            return
+        rps = [p.probe for p in placed if isinstance(p.probe, Kretprobe) and p.probe.addr]
+        if not rps:
+            return
+        jumps = {entry.addr for entry in proc.list() if entry.is_optimized}
+        if all(rp.optimize and rp.addr in jumps for rp in rps):
+            return
+        proc.optimization = False
+        self._stacks_on_traps = True  # said once, here: no note per probe
+        sys.stderr.write(TIER_NOTE.format(why=WHY_TRAP_RETURNS))
 
     def _follow(self, member: Process) -> None:
         """A followed child exec'd (family.py): the specs of the process it comes from in its
@@ -399,7 +430,7 @@ class PtraceBackend(Backend):
     def placement_notes(self) -> list[tuple[str, str]]:
         """Probes that asked for a jump and keep their breakpoint (a return probe: its
         entry), and return probes whose events are made at traps: (name, why)."""
-        if not self.optimize:
+        if not self.optimize or self._stacks_on_traps:
             return []
         notes: dict[str, str] = {}  # one a probe, whichever process it keeps it in
         for tracer in self.attached:

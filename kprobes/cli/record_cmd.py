@@ -13,8 +13,10 @@ scheduled), since the reader here only copies. With ``--block`` (``trace``'s) a 
 makes the program wait for the reader instead of dropping: a loop of any length then comes
 whole, at the pace of the file's writes.
 
-Every other event (a probe that keeps its breakpoint, a return probe, the kernel's
-backends, ``-U``, ``-n``) is written as the event ``trace`` would have printed, in the
+With ``-U`` the records carry the stacks walked in the program (their return addresses,
+named by ``script`` from the files the recording mapped, as ``trace -U`` names them).
+Every other event (a probe that keeps its breakpoint, the kernel's backends, ``-n``) is
+written as the event ``trace`` would have printed, in the
 order ``trace`` would have printed it. ``--filter`` is kept in the file and applied by
 ``script`` (the records are not decoded here).
 """
@@ -30,7 +32,7 @@ from typing import IO, Any
 from kprobes import __version__
 from kprobes.cli.backends import Backend
 from kprobes.cli.session import Session
-from kprobes.cli.stack_options import WHY_RECORDS, prepare_stacks
+from kprobes.cli.stack_options import prepare_stacks
 from kprobes.cli.trace_cmd import add_trace_arguments, check_block, parse_specs
 from kprobes.errors import TargetError
 from kprobes.model import Event
@@ -130,7 +132,8 @@ class _Recorder:
             proc.ring_size = args.ring_size
             reader = proc.records.ring_reader()
             modules = lambda: proc.symbols().modules()  # noqa: E731
-            reader.tee = RecordTee(reader, proc.pid, self.writer, modules)
+            main = lambda: proc.symbols().main_module().path  # noqa: E731
+            reader.tee = RecordTee(reader, proc.pid, self.writer, modules, main)
 
         for tracer in backend.attached:
             tap(tracer.proc)
@@ -165,7 +168,7 @@ class _Recorder:
 def run(args: argparse.Namespace) -> int:
     specs, _ = parse_specs(args.specs, as_json=False)  # a probe's own line is script's
     check_block(args)
-    header = prepare_stacks(args, on_traps=WHY_RECORDS) if args.stack else ""
+    header = prepare_stacks(args) if args.stack else ""
     session = Session(args, specs)
     session.wall_clock = True  # kept for script -T
     session.verb = "recorded"

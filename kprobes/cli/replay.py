@@ -20,16 +20,18 @@ printed in hex, and ``changed`` lists the files that are not.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 from kprobes.arch.x86_64 import ring_block
+from kprobes.arch.x86_64.stackwalk import WalkResult
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe
 from kprobes.core.table import ProbeSite, ProbeTable
 from kprobes.errors import ProbeError, RecordFileError, SymbolNotFound, TargetError
 from kprobes.linux.tsc import TscClock
-from kprobes.model import Event
+from kprobes.model import Event, StackFrame, UserStack
 from kprobes.output.recfile import (
     CLCK,
     END,
@@ -50,6 +52,7 @@ from kprobes.process.fast.batch import BatchOutput
 from kprobes.process.fast.reader import FastProbe, RecordSite, RingReader
 from kprobes.process.fast.tee import ModuleInfo, SiteInfo
 from kprobes.process.fetch.evaluate import ArgFetcher, Memory
+from kprobes.process.stacks import STOP_MARKERS
 from kprobes.spec import ProbeSpec
 from kprobes.symbols.elf import ElfImage, build_id
 from kprobes.values import dataclass
@@ -93,9 +96,12 @@ class _Process:
         self.comms: dict[int, str] = {}
         self.locations: dict[int, str] = {}  # the sites' texts, as the recorder made them
         self.modules: list[ModuleInfo] = []
+        self.main: str | None = None  # the program's own file (its frames have no [module])
         self.images: dict[str, ElfImage | None] = {}  # None: gone or changed
         self.changed: set[str] = set()  # files whose build-id is not the recording's
-        self.reader = RingReader(self.table, list, self.symbolize, self.comm, self.fast_of)
+        self.reader = RingReader(
+            self.table, list, self.symbolize, self.comm, self.fast_of, self.walked
+        )
 
     def symbolize(self, addr: int) -> str:
         """``func+0xoff/0xsize`` as ``Symbolizer`` names it live: a site's text as
@@ -112,6 +118,25 @@ class _Process:
         symbol, offset = found
         text = self.locations[addr] = f"{symbol.name}+{offset:#x}/{max(symbol.size, 1):#x}"
         return text
+
+    def walked(self, ip: int, walk: WalkResult) -> UserStack:
+        """A stack walked in the program, named as ``trace -U`` names it live
+        (process/stacks.py's ``Backtraces.walked``): each frame by the function holding it
+        (a return address's call: the byte before it), ``[module]`` for a library's."""
+        frames = [self._frame(ip, ip), *(self._frame(addr, addr - 1) for addr in walk.returns)]
+        return UserStack(tuple(frames), STOP_MARKERS.get(walk.stop.name.lower(), ""))
+
+    def _frame(self, addr: int, at: int) -> StackFrame:
+        module = next((m for m in self.modules if m.start <= at < m.end), None)
+        if module is None:
+            return StackFrame(addr)
+        lib = "" if module.path == self.main else os.path.basename(module.path)
+        image = self._image(module)
+        found = None if image is None else image.function_at(at - module.bias)
+        if found is None:
+            return StackFrame(addr, module=lib)
+        symbol, offset = found
+        return StackFrame(addr, symbol.name, offset + addr - at, symbol.size, lib)
 
     def _image(self, module: ModuleInfo) -> ElfImage | None:
         path = module.path
@@ -138,6 +163,7 @@ class _Process:
             resolvers = (_replayed(dict(p.data), "@"), _replayed(dict(p.files), "offset"))
             fetcher = ArgFetcher(p.spec, *resolvers)
             fp = FastProbe(p.spec, fetcher, False, memory, resolvers, p.pid, p.group, p.event)
+            fp.stack_depth = info.stack_depth or None
             if self.batches is not None:
                 fp.batch = self.batches(p.spec)
             if p.spec.is_return:  # records of returns: to the return probe whose entry it is
@@ -151,7 +177,7 @@ class _Process:
         site.refresh()
         is_return = any(p.spec.is_return for p in info.probes)  # written by a trampoline
         self.reader.sites[info.rid] = RecordSite(
-            site, info.plan, info.with_regs, is_return=is_return
+            site, info.plan, info.with_regs, info.stack_depth, is_return=is_return
         )
 
     def _deliver(self, kp: Kprobe | Kretprobe, ev: Event) -> None:
@@ -215,7 +241,8 @@ class Replay:
                 elif tag == SITE:
                     self._process(value["pid"]).site(site_of(value))
                 elif tag == MODS:
-                    self._process(value["pid"]).modules = modules_of(value)
+                    proc = self._process(value["pid"])
+                    proc.modules, proc.main = modules_of(value), value.get("main")
                 elif tag == THRD:
                     proc = self._process(value["pid"])
                     proc.reader.threads[value["thread"]] = value["tid"]

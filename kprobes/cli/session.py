@@ -46,7 +46,7 @@ from kprobes.spec import FieldKind, ProbeSpec, compile_filter, parse, parse_filt
 from kprobes.spec.render import render_location
 
 if TYPE_CHECKING:
-    from kprobes.process.specs import BatchOutputs
+    from kprobes.process.specs import BatchOutputs, StackSink
 
 STATUS_PERIOD = 0.5
 # How long after the end was asked the events left are still read (the rest is counted
@@ -278,6 +278,10 @@ class Session:
         # never with -n, which the sink applies. Its writer counts the events it is given
         # and those the filter left out.
         self.batch: BatchOutputs | None = None
+        # Takes an event that stands for ``count`` hits of its stack, where our own backend
+        # counts hits by stack in the program (``stackcount``: process/fast/stackcounts.py);
+        # never with -n or --filter, which need each hit as an event.
+        self.handle_counted: StackSink | None = None
         self._interrupt = SafeInterrupt()
 
     @staticmethod
@@ -308,6 +312,11 @@ class Session:
         else:
             self.filtered += 1
 
+    def _sink_counted(self, event: Event, count: int) -> None:
+        assert self.handle_counted is not None and self._max is None and self._filter is None
+        self.events += count
+        self.handle_counted(event, count)
+
     def run(self) -> None:
         interrupt = self._interrupt
         with interrupt.installed():
@@ -318,6 +327,7 @@ class Session:
                 entry_times=self.entry_times,
                 patterns=self.patterns,
                 batch=self.batch if self._max is None else None,
+                stack_counts=self._sink_counted if self.handle_counted is not None else None,
             )
             interrupt.end_run = backend.end_run
             interrupt.is_mid_hit = backend.is_mid_hit
@@ -547,10 +557,12 @@ def open_backend(
     entry_times: bool = False,
     patterns: Sequence[str] = (),
     batch: BatchOutputs | None = None,
+    stack_counts: StackSink | None = None,
 ) -> Backend:
     """The backend the options ask for (``--backend``/``--kernel``, ``-p``/``-c``);
     ``patterns`` are the globs that will be placed too (``count``); ``batch``, the outputs
-    that take a spec's events as rows (our own backend's records: ``Session.batch``)."""
+    that take a spec's events as rows (our own backend's records: ``Session.batch``);
+    ``stack_counts``, what takes the stacks our own backend counts in the program."""
     if args.backend == "ptrace":
         if args.pids is None and args.command is None:
             raise TargetError(
@@ -563,7 +575,7 @@ def open_backend(
         from kprobes.cli.ptrace_backend import PtraceBackend
 
         startup.settled()
-        return PtraceBackend(args, sink, batch)
+        return PtraceBackend(args, sink, batch, stack_counts)
     from kprobes.cli.tracefs_backend import TraceFsBackend
 
     startup.settled()

@@ -5,10 +5,15 @@ backend makes of them.
   the files: ``trace``'s entry probes that take a jump (the fast tier) walk it in the
   program, over compact tables compiled from them (process/fast/frametables.py), and the
   others unwind it in the handler, while the thread is stopped at its breakpoint; right on
-  code built without frame pointers either way. With a return spec among them (the walk in
-  the program does not see through a return probe's trampoline yet), and for
-  ``stackcount`` (a record per hit may be dropped where a count must be exact), every probe
-  stays on its breakpoint, and stderr says so once (docs/decisions.md);
+  code built without frame pointers either way. ``stackcount``'s entry probes on jumps
+  count their hits by stack in the program, with no record per hit
+  (process/fast/stackcounts.py). A walk goes through the frames of return probes that
+  take a jump (their shadow stacks hold the real return addresses), and their records
+  carry the caller's stack; where a return probe keeps its breakpoint, every probe of the
+  process goes back to breakpoints. With a return spec in ``stackcount``, and for
+  ``stackcount -n`` or ``--filter`` (each hit an event: a record could be dropped where
+  a count must be exact), every probe stays on its breakpoint. stderr says so once
+  (docs/decisions.md);
 * the kernel's uprobes (``--backend uprobes``): the kernel's ``userstacktrace`` trace option
   in our instance, which follows frame pointers only (a stack through code built without
   them loses frames or gets wrong ones) and keeps at most 8 frames; the output's header and
@@ -34,17 +39,19 @@ TIER_NOTE = (
     "kprobes: stacks keep every probe on a breakpoint: each stack is unwound while its "
     "thread is stopped ({why})\n"
 )
-WHY_RETURNS = "a jump's walk does not see through a return probe's trampoline yet"
-WHY_COUNTS = "a jump's record may be dropped, and stack counts are exact"
-WHY_RECORDS = "a record file does not keep the stacks walked in the program yet"
+WHY_RETURNS = "a return's stack is not counted in the program (only a record could take it)"
+WHY_TRAP_RETURNS = (
+    "a return probe keeps its breakpoint, and a jump's walk does not see through its trampoline"
+)
+WHY_COUNTS = "-n and --filter take each hit as an event, and a jump's record may be dropped"
 UPROBES_HEADER = (
     f"# user stacks: the kernel's userstacktrace, which follows frame pointers only (code "
     f"built without them loses frames) and keeps at most {KERNEL_USER_FRAMES} frames\n"
 )
 BACKENDS_HELP = (
     "our own backend unwinds with the files' unwind tables (.eh_frame: right without frame "
-    "pointers), in the program where a probe takes a jump (not with return specs: then, "
-    "and for stackcount, on breakpoints); --backend uprobes uses the kernel's "
+    "pointers), in the program where a probe takes a jump (not for stackcount's return "
+    "specs, -n or --filter: then on breakpoints); --backend uprobes uses the kernel's "
     f"userstacktrace, which follows frame pointers only, at most {KERNEL_USER_FRAMES} frames, "
     "named while the process lives (a process gone before its events are read shows "
     "addresses)"

@@ -38,7 +38,7 @@ from kprobes.cli.session import (
     event_fields_source,
     output_closed,
 )
-from kprobes.cli.stack_options import WHY_RETURNS, add_stack_arguments, prepare_stacks
+from kprobes.cli.stack_options import add_stack_arguments, prepare_stacks
 from kprobes.errors import SpecError, TargetError
 from kprobes.model import Event
 from kprobes.output.jsonl import format_json
@@ -242,9 +242,7 @@ class TraceOutput:
 def run(args: argparse.Namespace) -> int:
     traced = parse_specs(args.specs, as_json=args.json)
     check_block(args)
-    returns = any(spec.is_return for spec in traced[0])
-    on_traps = WHY_RETURNS if returns else ""
-    header = prepare_stacks(args, on_traps=on_traps) if args.stack else ""
+    header = prepare_stacks(args) if args.stack else ""
     session = Session(args, traced[0])
     session.wall_clock = args.timestamp
     out = sys.stdout

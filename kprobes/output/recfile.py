@@ -38,7 +38,8 @@ from kprobes.spec.render import render
 from kprobes.values import dataclass
 
 MAGIC: Final = b"KPRBDATA"
-VERSION: Final = 1
+VERSION: Final = 2  # 2: stacks walked in the program (SITE stack_depth, MODS main)
+READS: Final = (1, 2)  # versions this reader reads (1 has no stacks in its records)
 _HEADER: Final = struct.Struct("<8sII")  # magic, version, 0
 _CHUNK: Final = struct.Struct("<4sIQ")  # tag, crc32 of the payload, its length
 _RING: Final = struct.Struct("<IHH")  # pid, blocks, 0
@@ -74,9 +75,9 @@ class RecordWriter:
     def thread(self, pid: int, thread: int, tid: int, comm: str) -> None:
         self.json(THRD, {"pid": pid, "thread": thread, "tid": tid, "comm": comm})
 
-    def modules(self, pid: int, modules: Sequence[ModuleInfo]) -> None:
+    def modules(self, pid: int, modules: Sequence[ModuleInfo], main: str | None) -> None:
         rows = [[m.path, m.start, m.end, m.bias, m.build_id] for m in modules]
-        self.json(MODS, {"pid": pid, "modules": rows})
+        self.json(MODS, {"pid": pid, "modules": rows, "main": main})
 
     def clock(self, pid: int, segments: Sequence[tuple[int, float, float]]) -> None:
         self.json(CLCK, {"pid": pid, "segments": [list(s) for s in segments]})
@@ -111,9 +112,9 @@ def iter_chunks(f: IO[bytes]) -> Iterator[Chunk]:
     if len(head) < _HEADER.size or head[:8] != MAGIC:
         raise RecordFileError("not a kprobes record file (no KPRBDATA header)", 0)
     _, version, _ = _HEADER.unpack(head)
-    if version != VERSION:
+    if version not in READS:
         raise RecordFileError(
-            f"a record file of version {version}; this kprobes reads version {VERSION}", 8
+            f"a record file of version {version}; this kprobes reads versions 1 to {VERSION}", 8
         )
     offset = _HEADER.size
     while True:
@@ -217,6 +218,7 @@ def site_to_json(info: SiteInfo) -> dict[str, Any]:
         "addr": info.addr,
         "location": info.location,
         "with_regs": info.with_regs,
+        "stack_depth": info.stack_depth,
         "plan": [_capture(c) for c in info.plan.captures],
         "probes": [
             {
@@ -248,8 +250,9 @@ def site_of(value: dict[str, Any]) -> SiteInfo:
         for p in value["probes"]
     )
     return SiteInfo(
-        value["rid"], value["addr"], value["location"], plan, value["with_regs"], probes
-    )
+        value["rid"], value["addr"], value["location"], plan, value["with_regs"], probes,
+        int(value.get("stack_depth", 0)),
+    )  # fmt: skip
 
 
 def _value_of(v: Any) -> ArgValue:

@@ -72,10 +72,11 @@ class StackCounts:
         self.counts: Counter[tuple[str, UserStack]] = Counter()
         self.order: dict[str, None] = {}  # the probes, as their first hit came
 
-    def add(self, probe: str, ev: Event) -> None:
+    def add(self, probe: str, ev: Event, count: int = 1) -> None:
+        """``count`` hits of ``ev``'s stack (more than one: counted in the program)."""
         stack = ev.stack if ev.stack is not None else UserStack((), "no stack")
         self.order.setdefault(probe, None)
-        self.counts[(probe, stack)] += 1
+        self.counts[(probe, stack)] += count
 
     def folded(self) -> Counter[tuple[str, ...]]:
         """Counts by folded stack, over every probe (the probe is the innermost frame)."""

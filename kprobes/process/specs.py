@@ -7,8 +7,11 @@ the entry timestamp and any ``$argN`` and whose return handler builds the return
 the command line's outputs and aggregations do not know which target they came from.
 
 With ``stack_depth`` every event carries the thread's user stack (``trace --stack``,
-``stackcount``), unwound in the handler while the thread is stopped: such specs stay on
-the trap tier (an optimized probe's record holds no stack yet; docs/decisions.md).
+``stackcount``): walked in the detour where an entry spec takes a jump and ``fast_stacks``
+allows it (a return spec's by its trampoline, from the real return address), else unwound
+in the handler while the thread is stopped. With ``stack_counts``
+too (``stackcount``), the fast tier counts the hits by stack in the program and hands
+each stack's count over (process/fast/stackcounts.py), with no record per hit.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from kprobes.arch.x86_64.retstack import Linear
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe, KretprobeInstance
-from kprobes.errors import InternalError, ProbeRejected, SpecError
+from kprobes.errors import InternalError, ProbeRejected, SpecError, TargetError
 from kprobes.model import ArgValue, Event
 from kprobes.process.fast.batch import BatchOutput
 from kprobes.process.fast.reader import FastProbe
@@ -35,6 +38,8 @@ if TYPE_CHECKING:
     from kprobes.process.target import Process
 
 Sink = Callable[[Event], None]
+# Takes an event that stands for ``count`` hits of its stack (stacks counted in the program).
+StackSink = Callable[[Event, int], None]
 # A probe line's own handler (Process.add): handler(kp, event), or handler(ri, event).
 LineHandler = Callable[[Any, Event], Any]
 # The output that takes a spec's events as rows, a batch at a time (process/fast/batch.py),
@@ -97,6 +102,8 @@ class SpecTracer:
         durations_unit: int = 0,
         retval_bits: int = 0,
         linear: tuple[int, int, int] | None = None,
+        stack_counts: StackSink | None = None,
+        max_stacks: int = 0,
     ) -> None:
         self.proc = proc
         self.sink = sink
@@ -106,6 +113,14 @@ class SpecTracer:
         self.stack_depth = stack_depth  # each event's user stack, this many frames at most
         self.optimize = optimize and (stack_depth is None or fast_stacks)
         self.count_only = count_only and stack_depth is None  # only count hits: no events
+        # Entry specs on jumps count their hits by stack in the program, into a table of
+        # ``max_stacks`` stack ids an area, each stack's count to ``stack_counts``.
+        self.stack_counts = stack_counts if self.optimize and stack_depth and max_stacks else None
+        if self.stack_counts is not None and stack_depth is not None:
+            try:
+                proc.records.stack_ids = (max_stacks, max(stack_depth - 1, 1))
+            except TargetError:  # its areas were made before: records, a hit each
+                self.stack_counts = None
         # ``latency``: return specs timed in the program where their entry takes a jump
         # (fast/returns.py), in units of this many ns; their events only from traps.
         self.durations_unit = durations_unit if self.optimize else 0
@@ -188,6 +203,7 @@ class SpecTracer:
         if depth is not None:  # walked in the detour; at a trap, by the trap tier
             user_stack = self.proc.stacks.user_stack
             fast.stack_depth, fast.trap_stack = depth, lambda regs: user_stack(regs, depth)
+            fast.count_sink = self.stack_counts if handler is None else None
         self.proc.records.prepare(kp, fast)
         return PlacedSpec(spec, kp)
 
@@ -296,6 +312,7 @@ class SpecTracer:
 
         rp.async_handler = on_record
         fast = self._fast_probe(spec, fetcher, where.path)
+        fast.stack_depth = self.stack_depth  # the caller's stack, walked by the trampoline
         self.proc.records.prepare_return(rp, fast)
 
     def _fast_probe(self, spec: ProbeSpec, fetcher: ArgFetcher, path: str | None) -> FastProbe:

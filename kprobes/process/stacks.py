@@ -111,10 +111,11 @@ class Backtraces:
         """The stack of a walk made in the program (the fast tier's record: ``ip``, then
         the return addresses the detour found), named as ``user_stack`` names its frames.
 
-        A return address in code of ours (a return probe's trampoline) ends the stack
-        there, with the marker of a frame without unwind information: the walk in the
-        program does not translate trampolines yet (the frames it found past one are not
-        to be trusted), and a wrong frame is never shown. Each stack is named once for
+        A return address in code of ours (the trampoline of a return probe on
+        breakpoints: the walk in the program goes through those of return probes on jumps)
+        ends the stack there, with the marker of a frame without unwind information (the
+        frames the walk found past one are not to be trusted), and a wrong frame is never
+        shown. Each stack is named once for
         the modules mapped (a busy probe's walks repeat: naming is what the reader pays)."""
         resolver = self._program.symbols()
         if (id(resolver), resolver.generation) != self._named_for:

@@ -4,9 +4,10 @@ A trace record carries only ``common_pid``, the thread id. The kernel's text out
 name from its saved-cmdlines table, which it fills as tasks are scheduled while events are
 enabled. We ask /proc first (``/proc/TID/comm``): the table keeps the name of a thread long
 gone until another thread with its id is scheduled with events recorded, and read at a new
-thread's first event it can still name the one before (a ticker shown as "tree", a program
-that had its pid earlier on a busy machine). The table names the threads that are gone. The process id is not in the record at all: /proc/TID/status has it while the
-thread lives, so it is looked up once per thread and cached.
+thread's first event it can still name the one before (a ticker shown as "tree", a program that
+had its pid earlier on a busy machine). The table names the threads that are gone. The process
+id is not in the record at all: /proc/TID/status has it while the thread lives, so it is looked
+up once per thread and cached.
 
 A thread that has already exited cannot be looked up. Where that matters (``Uprobes(pid=)``
 keeps one process's events and drops its children's), ``new_task_watcher`` reads the

@@ -9,7 +9,8 @@ records with the registers take 3 slots), except in the "ring full" line, which 
 drop path; a line that dropped where it should not says so. The "stack" lines walk the user
 stack in the record (stackwalk.py: from ``work`` through ``run`` and libc's ``start_thread``
 to ``clone3``, 3 return addresses), the tables of the harness's files in the area's
-counters.
+counters; the "stack count" line counts the hit by its stack id in the area's table
+(stackids.py: the walk hashed, the id's entry found, its count incremented; no record).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from kprobes.arch.x86_64.capture import Bytes, CapturePlan, Const, Reg, Value
 from kprobes.arch.x86_64.detour import Action, CountAction, FlagsSave, build_detour
 from kprobes.arch.x86_64.jumpopt import Region, find_region
 from kprobes.arch.x86_64.record import RecordAction, ThreadId
+from kprobes.arch.x86_64.stackids import StackCountAction, StackTable, stride_for
 from kprobes.arch.x86_64.stackwalk import StackWalk
 
 # (the area's address, its layout, the harness's other addresses) -> the action
@@ -67,6 +69,19 @@ def record_stack_indirect(base: int, layout: sa.AreaLayout, addrs: dict[str, int
     return RecordAction(1, layout.ring_at(base), with_regs=False, stack=walk)
 
 
+def stack_count(base: int, layout: sa.AreaLayout, addrs: dict[str, int]) -> Action:
+    """The hit counted by its stack id, the walk's directory found as the tool's detours
+    find it (``addrs["cell"]``), the hits in counter 1."""
+    table = StackTable(
+        base + layout.stacks_offset,
+        layout.stack_entries,
+        layout.stack_stride,
+        base + sa.OFF_STACKS_LOST,
+    )
+    walk = StackWalk(addrs["cell"], 16, indirect=True)
+    return StackCountAction(1, table, walk, base + layout.counter_offset(1))
+
+
 Case = tuple[str, MakeAction, int, FlagsSave]
 LAHF, PUSHF = FlagsSave.LAHF, FlagsSave.PUSHF
 CASES: list[Case] = [
@@ -81,14 +96,17 @@ CASES: list[Case] = [
     ("record, ring full (drop)", record(ThreadId.FSBASE), FULL, LAHF),
     ("record, stack (3 return addresses)", record_stack, BIG, LAHF),
     ("record, stack, indirect", record_stack_indirect, BIG, LAHF),
+    ("stack count (3 return addresses)", stack_count, BIG, LAHF),
 ]
+WALKS = (record_stack, record_stack_indirect, stack_count)
 DIRECTORY_COUNTERS = 16384  # 1 MiB: the tables of the harness, libc and ld.so
 
 
 def measure(exe: Path, func: str, calls: int, case: Case) -> str:
     name, make, capacity, flags = case
-    stack = make in (record_stack, record_stack_indirect)
-    layout = sa.AreaLayout(ncounters=DIRECTORY_COUNTERS if stack else 1, capacity=capacity)
+    stack = make in WALKS
+    ids = (64, stride_for(16)) if make is stack_count else (0, 0)
+    layout = sa.AreaLayout(DIRECTORY_COUNTERS if stack else 1, capacity, *ids)
     area = create_area(layout)
     cmd = ["taskset", "-c", "0", str(exe), func, area.path, "1", str(calls), "bench"]
     cmd.append(f"mirror={sa.MIRROR}")
@@ -130,7 +148,7 @@ def main() -> None:
         print(f"{'':8} {'detour':32} {'plain':>6} {'probed':>6} {'cost':>6}")
         for func in ("work", "work_fp"):
             for case in CASES:
-                if case[1] in (record_stack, record_stack_indirect) and func != "work":
+                if case[1] in WALKS and func != "work":
                     continue  # work_fp, in asm, has no unwind table: its walks end at once
                 print(measure(exe, func, calls, case), flush=True)
 

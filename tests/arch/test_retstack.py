@@ -12,6 +12,7 @@ import pytest
 from iced_x86 import Code, Decoder, Formatter, FormatterSyntax, Instruction, OpKind, Register
 
 from kprobes.arch.x86_64 import retstack as rs
+from kprobes.arch.x86_64 import shadow
 from kprobes.arch.x86_64.detour import build_detour
 from kprobes.arch.x86_64.jumpopt import find_region
 from kprobes.errors import InternalError
@@ -104,8 +105,8 @@ def test_bad_sites_are_refused() -> None:
 
 
 def test_layouts_fit() -> None:
-    assert rs.T_LOST + rs.LOST_MAX * rs.LOST <= rs.SLOT_STRIDE
-    assert rs.SLOT_STRIDE % rs.PAGE == 0
+    assert rs.T_LOST + rs.LOST_MAX * shadow.LOST <= rs.SLOT_STRIDE
+    assert rs.SLOT_STRIDE % shadow.PAGE == 0
     assert rs.COUNTERS_SIZE <= NCOUNTERS * 64
     assert rs.C_HIST + 8 * rs.HIST_SLOTS == rs.COUNTERS_SIZE
 

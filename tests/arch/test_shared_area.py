@@ -202,6 +202,18 @@ def test_header_round_trip_and_bad_headers() -> None:
             sa.layout_of(bad)
 
 
+def test_a_table_of_stack_ids_lies_between_the_counters_and_the_ring() -> None:
+    layout = sa.AreaLayout(ncounters=3, capacity=128, stack_entries=4, stack_stride=1040)
+    assert layout.stacks_offset == 8192 and layout.stacks_bytes == 8192  # 4160, in pages
+    assert layout.ring_offset == 16384
+    buf = bytearray(layout.size)
+    sa.init_area(buf, layout)
+    assert sa.layout_of(buf) == layout
+    for entries, stride in ((3, 1040), (4, 0), (4, 1036), (1 << 24, 64)):
+        with pytest.raises(InternalError):
+            sa.AreaLayout(0, 0, entries, stride)
+
+
 def test_counters() -> None:
     buf, layout, p = make()
     p.set_word(layout.counter_offset(1), 12345)

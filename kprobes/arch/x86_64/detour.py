@@ -86,13 +86,13 @@ class Block:
     that every one of them came out pointing where it was asked to.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, thread_salt: int = 0) -> None:
         self._instrs: list[Instruction] = []
         self._labels: dict[str, int] = {}
         self._branches: list[tuple[Instruction, str]] = []
         self._label_refs: list[tuple[Instruction, str]] = []
         self.prefix = ""  # prepended to every label named (``Actions``: one per action)
-        self.thread_salt = 0  # where the address space's thread salt is (record.py); 0: none
+        self.thread_salt = thread_salt  # where the address space's (record.py); 0: none
 
     def add(self, instr: Instruction, *, lock: bool = False) -> None:
         instr.ip = _LABEL_BASE + 16 * len(self._instrs)
@@ -372,8 +372,7 @@ def build_detour(
     jmp_rel32(region.addr, addr)
     # Step 2: entry, action and exit, encoded at addr.
     frame = Frame.of(action, flags)
-    block = Block()
-    block.thread_salt = thread_salt
+    block = Block(thread_salt)
     _enter(block, frame, flags)
     action.emit(block, frame, region.addr)
     _leave(block, frame, flags)

@@ -42,6 +42,7 @@ from kprobes.arch.x86_64.detour import (
     rip_operand,
 )
 from kprobes.arch.x86_64.stackwalk import CLOBBERS as WALK_CLOBBERS
+from kprobes.arch.x86_64.stackwalk import STATUS as STACK_STATUS
 from kprobes.arch.x86_64.stackwalk import StackWalk, emit_stack_walk
 from kprobes.errors import InternalError
 from kprobes.values import dataclass
@@ -142,7 +143,7 @@ class RecordAction:
             block.add(Instruction.create_mem(Code.INC_RM64, rip_operand(self.counter)), lock=True)
         self._emit_reserve(block)
         self._emit_header(block)
-        load_reg = _register_loader(frame, probe_addr)
+        load_reg = register_loader(frame, probe_addr)
         # Step 4: the registers block.
         if self.with_regs:
             for name in area.REG_ORDER:
@@ -164,6 +165,7 @@ class RecordAction:
             emit_stack_walk(
                 block, self.stack.directory, self.stack.max_returns, indirect=self.stack.indirect
             )
+            self._emit_give_back(block)
         # Step 6: the commit word, last.
         block.add(Instruction.create_reg_u64(Code.MOV_R64_IMM64, rcx, area.COMMIT_TAG + 1))
         block.add(Instruction.create_reg_reg(Code.ADD_R64_RM64, rcx, rsi))
@@ -204,6 +206,48 @@ class RecordAction:
         block.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, rax, 6))  # * SLOT
         block.add(Instruction.create_reg_mem(Code.LEA_R64_M, rbx, rip_operand(ring.ring)))
         block.add(Instruction.create_reg_reg(Code.ADD_R64_RM64, rbx, rax))
+
+    def _emit_give_back(self, block: Block) -> None:
+        """Step 5c: a record with a stack was reserved for the deepest walk; the slots its
+        walk did not fill go back to the ring if no producer reserved after it (the head is
+        still its end: ``lock cmpxchg`` of the head from its end to its real end), and its
+        meta says its real size. Else it keeps them (the reader skips them with it)."""
+        rax, rcx, rdx, rbx, rsi = (_GPRS[r] for r in ("rax", "rcx", "rdx", "rbx", "rsi"))
+        k = self.slots
+        # k_real = (stack_offset + STATUS + 8 * returns + SLOT - 1) / SLOT, the returns the
+        # low 32 bits of the walk's status word.
+        block.add(
+            Instruction.create_reg_mem(Code.MOV_R32_RM32, Register.ECX, at(rbx, self.stack_offset))
+        )
+        end = self.stack_offset + STACK_STATUS + area.SLOT - 1
+        block.add(
+            Instruction.create_reg_mem(
+                Code.LEA_R64_M, rcx, MemoryOperand(index=rcx, scale=8, displ=end, displ_size=8)
+            )
+        )
+        block.add(Instruction.create_reg_i32(Code.SHR_RM64_IMM8, rcx, 6))  # / SLOT
+        block.add(Instruction.create_reg_i32(Code.CMP_RM64_IMM32, rcx, k))
+        block.branch(Code.JAE_REL32_64, "kept")
+        block.add(Instruction.create_reg_mem(Code.LEA_R64_M, rax, at(rsi, k)))
+        block.add(
+            Instruction.create_reg_mem(
+                Code.LEA_R64_M, rdx, MemoryOperand(rsi, rcx, 1, displ=0, displ_size=0)
+            )
+        )
+        block.add(
+            Instruction.create_mem_reg(Code.CMPXCHG_RM64_R64, rip_operand(self.ring.head), rdx),
+            lock=True,
+        )
+        block.branch(Code.JNE_REL32_64, "kept")
+        # The meta word's slots (bits 32-47) become the real ones, before the commit.
+        block.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, rcx, area.META_SLOTS_SHIFT))
+        block.add(mov_load(rax, rbx, area.REC_META))
+        mask = ~(0xFFFF << area.META_SLOTS_SHIFT) & (1 << 64) - 1
+        block.add(Instruction.create_reg_u64(Code.MOV_R64_IMM64, rdx, mask))
+        block.add(Instruction.create_reg_reg(Code.AND_R64_RM64, rax, rdx))
+        block.add(Instruction.create_reg_reg(Code.OR_R64_RM64, rax, rcx))
+        block.add(mov_store(rbx, area.REC_META, rax))
+        block.label("kept")
 
     def _emit_wait(self, block: Block) -> None:
         """Step 7a: back to Step 1 while ``rdtsc`` < the lease; falls through once it is not
@@ -257,7 +301,7 @@ class RecordAction:
         block.add(mov_store(rbx, area.REC_META, rcx))
 
 
-def _register_loader(frame: Frame, probe_addr: int) -> LoadReg:
+def register_loader(frame: Frame, probe_addr: int) -> LoadReg:
     """``load_reg`` for this detour's captures: a register it saved is read from ``frame``."""
 
     def load_reg(b: Block, name: str, into: Register_) -> None:

@@ -47,33 +47,26 @@ from iced_x86 import Code, Instruction, MemoryOperand, Register, Register_
 from kprobes.arch.x86_64.capture import ENTRY_ARG, ENTRY_TSC
 from kprobes.arch.x86_64.detour import EFLAGS, Block, Frame, at, mov_load, mov_store
 from kprobes.arch.x86_64.record import RecordAction, ThreadId
+from kprobes.arch.x86_64.shadow import (
+    CAPACITY,
+    E_ARG,
+    E_RET,
+    E_STACK,
+    E_TSC,
+    ENTRY,
+    LOST_MAX,
+    NTHREADS,
+    SLOT_STRIDE,
+    T_BUSY,
+    T_DEPTH,
+    T_ENTRIES,
+    T_LOST,
+    T_LOST_NEXT,
+    T_OWNER,
+)
+from kprobes.arch.x86_64.shadow import HASH as _HASH
 from kprobes.errors import InternalError
 from kprobes.values import dataclass
-
-NTHREADS: Final = 256  # thread slots per process (a power of two)
-CAPACITY: Final = 16384  # entries per thread: the deepest nesting followed
-PAGE: Final = 4096
-# A thread slot: its header, then its entries.
-T_OWNER: Final = 0  # the thread pointer, 0 while free
-T_DEPTH: Final = 8
-T_BUSY: Final = 16
-T_LOST_NEXT: Final = 24  # how many entries were ever released (the ring's next place)
-T_ENTRIES: Final = 64
-# An entry: where the call returns to, its return slot, its entry time.
-E_RET: Final = 0
-E_STACK: Final = 8
-E_TSC: Final = 16
-E_ARG: Final = 24  # a return record's one $argN register, kept at the entry (``entry_reg``)
-ENTRY: Final = 32
-# Then the released entries' (return slot, return address), the last LOST_MAX, so that a
-# frame released wrongly (a stack switched under it: coroutines, a signal stack above the
-# thread's) still finds its way home, as the trap tier's ``Thread.lost`` does.
-T_LOST: Final = T_ENTRIES + CAPACITY * ENTRY
-LOST_MAX: Final = 64
-LOST: Final = 16
-SLOT_STRIDE: Final = (T_LOST + LOST_MAX * LOST + PAGE - 1) & ~(PAGE - 1)
-SHADOW_SIZE: Final = NTHREADS * SLOT_STRIDE
-_HASH: Final = 0x61C88647  # Fibonacci hashing, an imm32
 
 # A probe's counters in the shared area, 8 bytes each from its first counter: the entries
 # (hits), the calls returned, entries not hooked (cap, no slot, busy), frames released,
@@ -131,6 +124,8 @@ RAX, RCX, RDX, RSI, RDI, R8, R9, R10, R11 = (
 )  # fmt: skip
 _SAVED: Final = (RAX, RCX, RDX, RSI, RDI, R8, R9, R10, R11)
 _SAVED_NAMES: Final = ("rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11")
+_WALK_SAVED: Final = (Register.RBP, Register.R12, Register.R13, Register.R14, Register.R15)
+_WALK_SAVED_NAMES: Final = ("rbp", "r12", "r13", "r14", "r15")
 
 
 def thread_slot(shadow: int, fs_base: int, index: int) -> int:
@@ -360,7 +355,14 @@ def record_frame(site: ReturnSite) -> Frame:
     and, with a record, rbx (the record's pointer), the flags and the call's entry time."""
     extra = ("rbx", EFLAGS, ENTRY_TSC) if site.record is not None else ()
     kept = (ENTRY_ARG,) if site.entry_reg else ()
-    return Frame(("rip", *_SAVED_NAMES, *extra, *kept), below=0)
+    return Frame(("rip", *_SAVED_NAMES, *_walk_names(site), *extra, *kept), below=0)
+
+
+def _walk_names(site: ReturnSite) -> tuple[str, ...]:
+    """The callee-saved registers a record's stack walk uses, saved by its trampoline."""
+    if site.record is None or site.record.stack is None:
+        return ()
+    return _WALK_SAVED_NAMES
 
 
 def build_trampoline(site: ReturnSite, mult: int) -> bytes:
@@ -368,19 +370,19 @@ def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     into ns: ``ns = ticks * mult >> 32``."""
     if not 0 < mult < 1 << 63:
         raise InternalError(f"tsc multiplier {mult}")
-    b = Block()
-    b.thread_salt = site.thread_salt
+    b = Block(site.thread_salt)
     frame = record_frame(site)
     nsaved = len(frame.words) - 1
     # Step 1: a word for the real return address (the slot the ret just freed), the registers
     # (and, to write a record, rbx, the flags and a word for the entry time).
     b.add(Instruction.create_reg_mem(Code.LEA_R64_M, Register.RSP, at(Register.RSP, -8)))
-    for reg in _SAVED:
+    walk = _WALK_SAVED if _walk_names(site) else ()
+    for reg in (*_SAVED, *walk):
         b.add(Instruction.create_reg(Code.PUSH_R64, reg))
     if site.record is not None:
         b.add(Instruction.create_reg(Code.PUSH_R64, Register.RBX))
         b.add(Instruction.create(Code.PUSHFQ))
-        for _ in range(len(frame.words) - 1 - len(_SAVED) - 2):  # the entry's words
+        for _ in range(len(frame.words) - 1 - len(_SAVED) - len(walk) - 2):  # the entry's words
             b.add(Instruction.create_reg(Code.PUSH_R64, RAX))
     # Step 2: the thread's stack; r8 = the return slot R, rsi = the depth.
     _emit_find(b, site, claim=False, missing="nowhere")
@@ -431,10 +433,10 @@ def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     # Step 5: the registers back, and home.
     b.label("restore")
     if site.record is not None:
-        kept = 8 * (len(frame.words) - 1 - len(_SAVED) - 1)  # all but rbx: the flags, the entry's
+        kept = 8 * (len(frame.words) - 1 - len(_SAVED) - len(walk) - 1)  # the flags, the entry's
         b.add(Instruction.create_reg_mem(Code.LEA_R64_M, Register.RSP, at(Register.RSP, kept)))
         b.add(Instruction.create_reg(Code.POP_R64, Register.RBX))
-    for reg in reversed(_SAVED):
+    for reg in reversed((*_SAVED, *walk)):
         b.add(Instruction.create_reg(Code.POP_R64, reg))
     b.add(Instruction.create(Code.RETNQ))
     _emit_lost(b)

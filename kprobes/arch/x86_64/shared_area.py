@@ -6,6 +6,9 @@ One memfd, mapped in both the program and the tool, holds three parts::
                         cache line so that producers, the reader and drops do not share one
     4096    counters    one 8-byte counter per probe, 64 bytes apart (no false sharing
                         between probes hit on different CPUs)
+    stacks  stack ids   ``stack_entries`` entries of ``stack_stride`` bytes, where
+                        ``stackcount`` counts hits by stack in the program (stackids.py);
+                        none in an area made without them
     ring    slots       ``capacity`` (a power of two) 64-byte slots
 
 **Records take as many slots as they need.** A count-and-argument record (the common trace)
@@ -66,7 +69,7 @@ from kprobes.errors import InternalError
 from kprobes.values import dataclass
 
 MAGIC: Final = int.from_bytes(b"KPRBAREA", "little")
-VERSION: Final = 2
+VERSION: Final = 3  # 3: the stack ids' table (its entries and stride in the header)
 PAGE: Final = 4096
 CACHE_LINE: Final = 64
 SLOT: Final = 64  # bytes per ring slot
@@ -85,6 +88,7 @@ OFF_TAIL: Final = 128  # the reader: the first ticket not yet consumed
 OFF_DROPS: Final = 192  # producers: hits not recorded because the ring was full
 OFF_DROPS_READ: Final = 256  # the reader: drops already reported
 OFF_BLOCK_UNTIL: Final = 320  # the reader: producers may wait for room until this TSC
+OFF_STACKS_LOST: Final = 384  # producers: hits not counted by stack, the table was full
 
 COUNTER_STRIDE: Final = CACHE_LINE
 
@@ -108,7 +112,7 @@ GPR_ORDER: Final = (
 REG_ORDER: Final = ("rip", "eflags", "rsp", *GPR_ORDER)
 REGS_BLOCK: Final = 8 * len(REG_ORDER)  # 144
 
-_HEADER: Final = struct.Struct("<QIIQQQQ")
+_HEADER: Final = struct.Struct("<QIIQQQQII")
 _REC_HEADER: Final = struct.Struct("<4Q")
 _REGS: Final = struct.Struct(f"<{len(REG_ORDER)}Q")
 
@@ -129,11 +133,14 @@ def slots_for(nbytes: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class AreaLayout:
-    """Where everything is in a shared area of ``ncounters`` counters and a ring of
+    """Where everything is in a shared area of ``ncounters`` counters, a table of
+    ``stack_entries`` stack ids of ``stack_stride`` bytes each (0: none) and a ring of
     ``capacity`` slots (0: no ring, counters only)."""
 
     ncounters: int
     capacity: int
+    stack_entries: int = 0
+    stack_stride: int = 0
 
     def __post_init__(self) -> None:
         cap = self.capacity
@@ -143,15 +150,26 @@ class AreaLayout:
             )
         if self.ncounters < 0:
             raise InternalError(f"{self.ncounters} counters")
+        n, stride = self.stack_entries, self.stack_stride
+        if n < 0 or n & (n - 1) or n >= 1 << 24 or (n and (stride <= 0 or stride % 8)):
+            raise InternalError(f"a stack table of {n} entries of {stride} bytes")
 
     @property
     def counters_offset(self) -> int:
         return PAGE
 
     @property
-    def ring_offset(self) -> int:
+    def stacks_offset(self) -> int:
         counters_end = PAGE + self.ncounters * COUNTER_STRIDE
         return (counters_end + PAGE - 1) & ~(PAGE - 1)
+
+    @property
+    def stacks_bytes(self) -> int:
+        return (self.stack_entries * self.stack_stride + PAGE - 1) & ~(PAGE - 1)
+
+    @property
+    def ring_offset(self) -> int:
+        return self.stacks_offset + self.stacks_bytes
 
     @property
     def ring_bytes(self) -> int:
@@ -247,15 +265,19 @@ def init_area(buffer: memoryview | bytearray, layout: AreaLayout) -> None:
         layout.ncounters,
         layout.counters_offset,
         layout.ring_offset,
+        layout.stack_entries,
+        layout.stack_stride,
     )
 
 
 def layout_of(buffer: memoryview | bytearray) -> AreaLayout:
     """The layout an area's header describes; InternalError if it is not one of ours."""
-    magic, version, slot, capacity, ncounters, _, ring = _HEADER.unpack_from(buffer, 0)
+    magic, version, slot, capacity, ncounters, _, ring, entries, stride = _HEADER.unpack_from(
+        buffer, 0
+    )
     if magic != MAGIC or version != VERSION or slot != SLOT:
         raise InternalError(f"not a kprobes shared area (magic {magic:#x}, version {version})")
-    layout = AreaLayout(ncounters, capacity)
+    layout = AreaLayout(ncounters, capacity, entries, stride)
     if ring != layout.ring_offset or len(buffer) < layout.size:
         raise InternalError("the shared area's header does not match its size")
     return layout

@@ -21,7 +21,9 @@ was just read: it does not happen on a real stack).
 The directory (absolute address ``directory``)::
 
     0     u64 count
-    8     entries, 48 bytes each: start, end (the executable mapping, run-time addresses),
+    8     u64 the shadow stacks of the fast return probes (retstack.py; 0: none), then the
+          range of their trampolines (u64 start, u64 end)
+    32    entries, 48 bytes each: start, end (the executable mapping, run-time addresses),
           bias (run-time minus link-time), then u32s: the table's offset from the entry,
           its rows, its index's offset from the entry, the index's blocks, the first
           row's start
@@ -35,6 +37,14 @@ The index narrows the bisection to the rows of one block: libc's 28,274 rows tak
 without it, each a branch the processor cannot predict and a load that may miss the cache
 (~30 ns a frame), and 2-3 with it. It is what SFrame's and the kernel's ORC lookup tables
 do for the same reason.
+
+**Our return trampolines.** A return address in the trampolines' range is a frame a fast
+return probe hooked: the real one is in the thread's shadow stack (shadow.py), in the
+newest entry whose return slot is the slot the address was read from (CFA-8). The walk
+finds the thread's slot by its thread pointer (``rdfsbase``), as the trampoline does, and
+goes on from the real address; a hooked frame with no entry (it cannot happen but for a
+frame released by a ``longjmp``) ends the walk as ``NO_UNWIND_INFO``. So the stacks of the
+fast tier show the real callers, never a trampoline.
 
 Offsets are from the entry, not from the directory, so that a frame's lookup needs the
 directory's address once: a walk given the address of a word that holds it (``indirect``,
@@ -62,12 +72,13 @@ from typing import Final
 
 from iced_x86 import Code, Instruction, MemoryOperand, Register, Register_
 
+from kprobes.arch.x86_64 import shadow
 from kprobes.arch.x86_64.abi import FETCH_FAULT_MAGIC
 from kprobes.arch.x86_64.detour import Block, at, mov_load, mov_store
 from kprobes.errors import InternalError
 from kprobes.values import dataclass
 
-DIR_HEADER: Final = 8
+DIR_HEADER: Final = 32  # the count, the shadow stacks, the trampolines' range
 # start, end, bias; table offset, rows; index offset, blocks, first row's start; padding
 ENTRY: Final = struct.Struct("<QQQIIIIII")
 BLOCK_SHIFT: Final = 8  # the index has an entry per 256 bytes of code
@@ -111,12 +122,14 @@ class MappedTable:
             raise InternalError(f"a table of {len(self.table)} bytes for {self.rows} rows")
 
 
-def pack_directory(mappings: Sequence[MappedTable]) -> bytes:
+def pack_directory(
+    mappings: Sequence[MappedTable], returns: tuple[int, int, int] = (0, 0, 0)
+) -> bytes:
     """The directory, the tables and their indexes, as the walker reads them (any order
-    given; sorted)."""
+    given; sorted); ``returns``: the shadow stacks and the trampolines' start and end."""
     ordered = sorted(mappings, key=lambda m: m.start)
     offset = DIR_HEADER + ENTRY.size * len(ordered)
-    head = [struct.pack("<Q", len(ordered))]
+    head = [struct.pack("<4Q", len(ordered), *returns)]
     parts = []
     for i, m in enumerate(ordered):
         offset = (offset + 7) & ~7
@@ -187,16 +200,26 @@ PC, SP, BP, LOOKUP, OUT, COUNT = (Register.RAX, Register.RDX, Register.RBP, Regi
 _ENTRY_P, _LO, _T1, _T2, _ROWS = Register.R9, Register.R15, Register.R12, Register.R13, Register.R14
 CLOBBERS: Final = ("rax", "rcx", "rdx", "rbp", "rdi", "r8", "r9", "r10", "r11", "r12",
                    "r13", "r14", "r15")  # fmt: skip
+# A hashing walk (``hashing``) folds each return address, then the status word, into HASH:
+# HASH = (HASH ^ word) * HASH_MUL (FNV-1a's step, a word at a time); both are left alone by
+# the walk, as rbx and rsi are.
+HASH, HASH_MUL = Register.RBX, Register.RSI
 
 
 def emit_stack_walk(
-    block: Block, directory: int, max_returns: int, *, indirect: bool = False
+    block: Block,
+    directory: int,
+    max_returns: int,
+    *,
+    indirect: bool = False,
+    hashing: bool = False,
 ) -> None:
     """Append the walk to ``block``. In: rax = the pc of the innermost frame (exact: the
     probed instruction), rdx = its rsp, rbp = its rbp, rdi = the output. Writes at most
     ``max_returns`` return addresses. ``indirect``: ``directory`` is the address of a word
-    that holds the directory's (0: none yet, every frame is uncovered). Clobbers
-    ``CLOBBERS`` and the arithmetic flags."""
+    that holds the directory's (0: none yet, every frame is uncovered). ``hashing``:
+    nothing is written, each return address and the status word are folded into HASH
+    instead (rdi is not used). Clobbers ``CLOBBERS`` and the arithmetic flags."""
     if not 0 < max_returns < 1 << 16:
         raise InternalError(f"a walk of {max_returns} frames")
     add = block.add
@@ -215,9 +238,13 @@ def emit_stack_walk(
     # Step 6: the caller's return address is written, unless ``max_returns`` already are
     # (then the walk ends short of it, as unwind.py's depth limit ends it); its frame is next.
     block.label("sw_push")
+    _emit_real_return(block, directory, indirect)
     add(Instruction.create_reg_i32(Code.CMP_RM64_IMM32, COUNT, max_returns))
     block.branch(Code.JAE_REL32_64, "sw_max")
-    add(Instruction.create_mem_reg(Code.MOV_RM64_R64, _at_index(OUT, COUNT, STATUS), PC))
+    if hashing:
+        _emit_fold(block, PC)
+    else:
+        add(Instruction.create_mem_reg(Code.MOV_RM64_R64, _at_index(OUT, COUNT, STATUS), PC))
     add(Instruction.create_reg(Code.INC_RM64, COUNT))
     add(Instruction.create_reg_mem(Code.LEA_R64_M, LOOKUP, at(PC, -1)))  # the call's row
     block.branch(Code.JMP_REL32_64, "sw_frame")
@@ -227,7 +254,13 @@ def emit_stack_walk(
     add(Instruction.create_reg_i32(Code.CMP_RM32_IMM8, Register.R12D, KIND_UNSUPPORTED))
     block.branch(Code.JE_REL32_64, "sw_unsupported")
     _emit_frame_pointer(block)
-    _emit_stops(block)
+    _emit_stops(block, hashing)
+
+
+def _emit_fold(block: Block, word: Register_) -> None:
+    """HASH = (HASH ^ word) * HASH_MUL."""
+    block.add(Instruction.create_reg_reg(Code.XOR_R64_RM64, HASH, word))
+    block.add(Instruction.create_reg_reg(Code.IMUL_R64_RM64, HASH, HASH_MUL))
 
 
 def _emit_find_row(block: Block, directory: int, indirect: bool) -> None:
@@ -296,6 +329,62 @@ def _emit_find_row(block: Block, directory: int, indirect: bool) -> None:
     add(Instruction.create_reg_mem(Code.LEA_R64_M, _ROWS, _at_index(_ROWS, _LO, 0, ROW_SIZE)))
 
 
+def _emit_real_return(block: Block, directory: int, indirect: bool) -> None:
+    """Step 6a: PC in our trampolines' range is replaced by the real return address of the
+    thread's newest shadow entry whose slot is SP-8 (the module docstring), or the walk
+    ends. Clobbers LOOKUP and _ENTRY_P, _LO, _T1, _T2, _ROWS (free between two frames)."""
+    add = block.add
+    add(Instruction.create_reg_u64(Code.MOV_R64_IMM64, _ENTRY_P, directory))
+    if indirect:
+        add(mov_load(_ENTRY_P, _ENTRY_P, 0))
+        add(Instruction.create_reg_reg(Code.TEST_RM64_R64, _ENTRY_P, _ENTRY_P))
+        block.branch(Code.JE_REL32_64, "sw_real")
+    add(Instruction.create_reg_mem(Code.CMP_R64_RM64, PC, at(_ENTRY_P, 16)))
+    block.branch(Code.JB_REL32_64, "sw_real")
+    add(Instruction.create_reg_mem(Code.CMP_R64_RM64, PC, at(_ENTRY_P, 24)))
+    block.branch(Code.JAE_REL32_64, "sw_real")
+    # The thread's slot: its thread pointer hashed, then probed as the trampoline does.
+    add(Instruction.create_reg(Code.RDFSBASE_R64, LOOKUP))
+    add(Instruction.create_reg_reg(Code.MOV_R64_RM64, _LO, LOOKUP))
+    add(Instruction.create_reg_i32(Code.SHR_RM64_IMM8, _LO, 12))
+    add(Instruction.create_reg_reg_i32(Code.IMUL_R64_RM64_IMM32, _LO, _LO, shadow.HASH))
+    add(Instruction.create_reg_i32(Code.SHR_RM64_IMM8, _LO, 16))
+    add(Instruction.create_reg_u32(Code.AND_RM32_IMM32, Register.R15D, shadow.NTHREADS - 1))
+    add(Instruction.create_reg_u32(Code.MOV_R32_IMM32, Register.R13D, shadow.NTHREADS))
+    block.label("sw_look")
+    add(Instruction.create_reg_reg_i32(Code.IMUL_R64_RM64_IMM32, _ROWS, _LO, shadow.SLOT_STRIDE))
+    add(Instruction.create_reg_mem(Code.ADD_R64_RM64, _ROWS, at(_ENTRY_P, 8)))
+    add(mov_load(_T1, _ROWS, shadow.T_OWNER))  # may fault: r10
+    add(Instruction.create_reg_reg(Code.CMP_R64_RM64, _T1, LOOKUP))
+    block.branch(Code.JE_REL32_64, "sw_thread")
+    add(Instruction.create_reg_reg(Code.TEST_RM64_R64, _T1, _T1))
+    block.branch(Code.JE_REL32_64, "sw_no_info")
+    add(Instruction.create_reg(Code.INC_RM32, Register.R15D))
+    add(Instruction.create_reg_u32(Code.AND_RM32_IMM32, Register.R15D, shadow.NTHREADS - 1))
+    add(Instruction.create_reg(Code.DEC_RM32, Register.R13D))
+    block.branch(Code.JNE_REL32_64, "sw_look")
+    block.branch(Code.JMP_REL32_64, "sw_no_info")
+    # Its entries, newest first, for the one whose return slot is SP-8.
+    block.label("sw_thread")
+    add(Instruction.create_reg_mem(Code.LEA_R64_M, _T1, at(SP, -8)))
+    add(mov_load(_T2, _ROWS, shadow.T_DEPTH))
+    block.label("sw_entry")
+    add(Instruction.create_reg_reg(Code.TEST_RM64_R64, _T2, _T2))
+    block.branch(Code.JE_REL32_64, "sw_no_info")
+    add(Instruction.create_reg(Code.DEC_RM64, _T2))
+    add(Instruction.create_reg_reg(Code.MOV_R64_RM64, _LO, _T2))
+    add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, _LO, 5))  # * shadow.ENTRY
+    add(Instruction.create_reg_reg(Code.ADD_R64_RM64, _LO, _ROWS))
+    add(
+        Instruction.create_reg_mem(
+            Code.CMP_R64_RM64, _T1, at(_LO, shadow.T_ENTRIES + shadow.E_STACK)
+        )
+    )
+    block.branch(Code.JNE_REL32_64, "sw_entry")
+    add(mov_load(PC, _LO, shadow.T_ENTRIES + shadow.E_RET))
+    block.label("sw_real")
+
+
 def _emit_cfa_step(block: Block) -> None:
     """Step 5: CFA = base + offset (above sp, or the stack is corrupt); PC = [CFA-8] (0: the
     outermost frame); BP = [CFA + rbp offset] where saved; SP = CFA."""
@@ -341,8 +430,8 @@ def _emit_frame_pointer(block: Block) -> None:
     block.branch(Code.JMP_REL32_64, "sw_push")
 
 
-def _emit_stops(block: Block) -> None:
-    """The ends: the status word = the count | the reason << 32."""
+def _emit_stops(block: Block, hashing: bool) -> None:
+    """The ends: the status word = the count | the reason << 32 (stored, or folded)."""
     for label, stop in (
         ("sw_outermost", WalkStop.OUTERMOST),
         ("sw_no_info", WalkStop.NO_UNWIND_INFO),
@@ -357,7 +446,10 @@ def _emit_stops(block: Block) -> None:
     block.label("sw_status")
     block.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, _T1, STOP_SHIFT))
     block.add(Instruction.create_reg_reg(Code.OR_R64_RM64, _T1, COUNT))
-    block.add(mov_store(OUT, 0, _T1))
+    if hashing:
+        _emit_fold(block, _T1)
+    else:
+        block.add(mov_store(OUT, 0, _T1))
 
 
 def _at_index(base: Register_, index: Register_, disp: int, scale: int = 8) -> MemoryOperand:

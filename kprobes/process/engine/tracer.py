@@ -285,21 +285,7 @@ class Tracer:
                     self.add_thread(t.tracee, new_tid, S.NEW)
                 self.resume_if_free(t)
             case ev.Forked(is_vfork=is_vfork):
-                t.to(S.STOPPED)
-                child = ptrace.geteventmsg(t.tid)
-                self.placement.on_new_task(t.tid, child, is_thread=False)
-                if is_vfork:
-                    kind = TraceeKind.VFORK
-                else:
-                    kind = TraceeKind.FORK if self.follow_forks else TraceeKind.RELEASE
-                if child not in self.tracees:
-                    tracee = self.add_tracee(child, kind)
-                    if kind is TraceeKind.VFORK:  # it runs in its parent's memory, salt and all
-                        tracee.number = t.tracee.number
-                    if t.rets and kind is not TraceeKind.VFORK:
-                        tracee.inherited_returns = self.trampoline.snapshot(t)
-                    self.add_thread(tracee, child, S.NEW)
-                self.resume_if_free(t)
+                self._forked(t, is_vfork)
             case ev.Exec():
                 self.lifecycle.on_exec(t)
             case ev.GroupStop():
@@ -330,6 +316,24 @@ class Tracer:
                     # until now (read first); from now on they name this thread again.
                     self.on_thread_start(t)
                 self.resume_if_free(t)
+
+    def _forked(self, t: Thread, is_vfork: bool) -> None:
+        """``t`` forked (or vforked): its child is taken in, to be followed or let go."""
+        t.to(S.STOPPED)
+        child = ptrace.geteventmsg(t.tid)
+        self.placement.on_new_task(t.tid, child, is_thread=False)
+        if is_vfork:
+            kind = TraceeKind.VFORK
+        else:
+            kind = TraceeKind.FORK if self.follow_forks else TraceeKind.RELEASE
+        if child not in self.tracees:
+            tracee = self.add_tracee(child, kind)
+            if kind is TraceeKind.VFORK:  # it runs in its parent's memory, salt and all
+                tracee.number = t.tracee.number
+            if t.rets and kind is not TraceeKind.VFORK:
+                tracee.inherited_returns = self.trampoline.snapshot(t)
+            self.add_thread(tracee, child, S.NEW)
+        self.resume_if_free(t)
 
     def is_free(self, t: Thread) -> bool:
         """``t`` may be resumed now: the world is not stopped, nor is every thread held (a

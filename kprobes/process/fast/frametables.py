@@ -10,7 +10,9 @@ a directory of the mappings. This module puts them in the program and keeps them
   through one word, a counter of a shared area (``WalkTables.cell``), that holds its
   address (an ``indirect`` walk reads it once a frame). Detours embed the word's address,
   which never changes while the image lives.
-- **When.** At the first walk, and then whenever code comes or goes (``refresh`` is one of
+- **When.** At the first walk, when the fast return probes' shadow stacks and
+  trampolines are made (a walk reads a hooked frame's real return address there), and
+  then whenever code comes or goes (``refresh`` is one of
   the code watchers of process/following/: the exec's image, each library the loader maps
   at startup, ``dlopen`` and ``dlclose`` at the rendezvous), before the pending probes of
   new code are placed. Nothing is rebuilt when the executable mappings did not change.
@@ -92,10 +94,14 @@ class FrameTables:
             return
         # Step 1: the tables of what is mapped now (each file's compiled once, cached).
         mapped = list(self._mapped())
-        key = tuple(k for k, _ in mapped)
+        # And where the fast return probes keep the real return addresses (their shadow
+        # stacks) and their trampolines: a walk goes through a hooked frame (stackwalk.py).
+        stacks = self._state.returns
+        returns = (stacks.shadow, *stacks.tramp_range()) if stacks.shadow else (0, 0, 0)
+        key = (*(k for k, _ in mapped), returns)
         if key == tables.published:
             return
-        blob = pack_directory([m for _, m in mapped])
+        blob = pack_directory([m for _, m in mapped], returns)
         # Step 2: a new mapping, written whole before anything points to it.
         size = -(-len(blob) // _PAGE) * _PAGE
         addr = self._injector.map_data(size)

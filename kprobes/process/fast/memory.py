@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Final
 from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64.detour import DETOUR_MAX
 from kprobes.arch.x86_64.record import SALT_SIZE, thread_salt
+from kprobes.arch.x86_64.stackids import stride_for
 from kprobes.errors import InternalError, NotRelocatable, TargetError
 from kprobes.linux.syscalls import NR_CLOSE, NR_FTRUNCATE, NR_MADVISE, NR_MEMFD_CREATE, NR_MMAP
 from kprobes.process.engine.xol import MARK_SIZE, REACH, candidate_addresses
@@ -128,7 +129,13 @@ class DetourMemory:
             )
 
     def make_area(self, near: int) -> SharedArea:
-        layout = sa.AreaLayout(NCOUNTERS, self._state.ring_bytes // sa.SLOT)
+        state = self._state
+        layout = sa.AreaLayout(
+            NCOUNTERS,
+            state.ring_bytes // sa.SLOT,
+            state.stack_ids,
+            stride_for(state.stack_returns) if state.stack_ids else 0,
+        )
         name = self.alloc_detour(near, 64)
         for space in self._tracer.own_memories():
             space.write(name, AREA_NAME)

@@ -296,6 +296,7 @@ class Optimizer:
         if isinstance(entry, str) or isinstance(record, str):
             return entry if isinstance(entry, str) else str(record)
         hook = self._returns.action(site, area, so, *(record or ()))
+        self._recording.tables.refresh()  # walks learn where the trampolines and stacks are
         # An entry probe's record shares the site: first the record, then the hook.
         return hook if entry is None or isinstance(hook, str) else Actions((entry, hook))
 

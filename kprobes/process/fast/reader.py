@@ -95,6 +95,9 @@ class FastProbe:
     # the detour on the fast tier (frametables.py), by ``trap_stack`` at a trap.
     stack_depth: int | None = None
     trap_stack: Callable[[Any], UserStack] | None = None
+    # Hits counted by stack in the program, no record each (stackcounts.py): each stack's
+    # new hits as one event and their count; at a trap, the handler still gets the event.
+    count_sink: Callable[[Event, int], None] | None = None
 
     def __post_init__(self) -> None:
         if not self.event:
@@ -252,6 +255,7 @@ class RingReader:
         self._batchers: dict[tuple[int, int], Batcher | None] = {}
         # Takes the records as they lie in place of the handlers (``kprobes record``).
         self.tee: RingTee | None = None
+        self.after_drain: Callable[[], None] = lambda: None  # stackcounts.py's tables
 
     @property
     def is_active(self) -> bool:
@@ -335,6 +339,8 @@ class RingReader:
                     break
                 if self._drain(piece) < piece:
                     break
+            if everything:
+                self.after_drain()
         finally:
             self._draining = False
 
@@ -526,7 +532,7 @@ class RingReader:
             event = Event(
                 fp.group, fp.event, fp.pid, tid, name, cpu, when, ip, location, args,
                 regs=snapshot if fp.with_regs else None,
-                stack=None if fp.stack_depth is None else _cut(stack, fp.stack_depth),
+                stack=None if fp.stack_depth is None else cut_stack(stack, fp.stack_depth),
                 **returned,
             )  # fmt: skip
             self.delivered += 1
@@ -536,9 +542,9 @@ class RingReader:
                 self.table.park(exc)
 
 
-def _cut(stack: UserStack | None, depth: int) -> UserStack | None:
+def cut_stack(stack: UserStack | None, depth: int | None) -> UserStack | None:
     """``stack`` to ``depth`` frames (a site's walk takes the most any of its probes wants)."""
-    if stack is None or len(stack.frames) <= depth:
+    if stack is None or depth is None or len(stack.frames) <= depth:
         return stack
     return UserStack(stack.frames[:depth], "depth limit")
 

@@ -18,6 +18,7 @@ from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64.capture import CapturePlan
 from kprobes.arch.x86_64.detour import Action, CountAction
 from kprobes.arch.x86_64.record import CpuId, RecordAction
+from kprobes.arch.x86_64.stackids import StackCountAction, StackTable, stride_for
 from kprobes.core.probes import check_handlers
 from kprobes.errors import InternalError, TargetError, UnsupportedOption
 from kprobes.process.engine.threads import ThreadState
@@ -31,6 +32,7 @@ from kprobes.process.fast.reader import (
     trap_delivery,
 )
 from kprobes.process.fast.returns import return_probe_of
+from kprobes.process.fast.stackcounts import StackTally
 from kprobes.process.fetch.evaluate import CommCache, CpuReader, Memory, Symbolizer
 from kprobes.process.fetch.fast import (
     NotCapturable,
@@ -105,6 +107,9 @@ class Recording:
         self._returns: dict[int, tuple[Kretprobe, FastProbe]] = {}
         self._cpu: CpuReader | None = None
         self.tables = FrameTables(program, injector, state)  # for records with a stack
+        self.stack_tally: StackTally | None = (
+            None  # stacks counted in the program (with the reader)
+        )
         # Names the frames of a stack walked in the program (stacks.py; target.py sets it).
         self.stack_names: StackNames | None = None
         table.run_async = self._run_at_trap
@@ -238,7 +243,10 @@ class Recording:
         """Records of optimized probes lost to a full ring (perf's lost events): their hits
         are in ``nhit``, their handlers did not run."""
         reader = self._state.reader
-        return 0 if reader is None else reader.count_drops()
+        if reader is None:
+            return 0
+        tally = self.stack_tally
+        return reader.count_drops() + (0 if tally is None else tally.lost())
 
     @property
     def unread(self) -> int:
@@ -322,6 +330,10 @@ class Recording:
                 self.fast_of,
                 lambda ip, walk: self._name_stack(ip, walk),
             )
+            self.stack_tally = StackTally(
+                lambda: state.areas, state.reader, self.fast_of, self._name_stack
+            )
+            state.reader.after_drain = self.stack_tally.take
         return state.reader
 
     def follow_stacks(self, names: StackNames, code_watchers: list[Callable[[], None]]) -> None:
@@ -372,16 +384,20 @@ class Recording:
 
     def entry_record(
         self, site: ProbeSite, area: SharedArea, so: SiteOpt, *, counted: bool = True
-    ) -> RecordAction | str | None:
+    ) -> RecordAction | StackCountAction | str | None:
         """The record of a hit of the site's probes with an asynchronous handler (None:
         none has one), also counting it unless the site counts its hits otherwise (a
-        return probe's entry: ``counted`` off); a str says why it cannot be made."""
+        return probe's entry: ``counted`` off); a str says why it cannot be made. Where
+        every such probe counts by stack (``count_sink``), a stack count instead, with no
+        record (stackcounts.py)."""
         wanted = [p for p in site.probes if p.async_handler is not None]
         fast = [fp for fp in map(self.fast_of, wanted) if fp is not None]
         if len(fast) < len(wanted):
             return "its asynchronous handler was not prepared"
         if not fast:
             return None
+        if counted and all(fp.count_sink is not None for fp in fast):
+            return self._stack_count_action(site, area, so, fast)
         try:
             plan = plan_captures([(fp.spec, fp.resolvers) for fp in fast])
         except NotCapturable as exc:
@@ -410,7 +426,9 @@ class Recording:
             keeps = entry_register(fp.spec)
         except NotCapturable as exc:
             return str(exc)
-        record = self._record_action(site, area, so, plan, fp.with_regs, returns=True)
+        # The caller's stack, walked by the trampoline from the real return address.
+        depth = fp.stack_depth or 0
+        record = self._record_action(site, area, so, plan, fp.with_regs, returns=True, depth=depth)
         return record if isinstance(record, str) else (record, keeps)
 
     def _record_action(
@@ -475,6 +493,54 @@ class Recording:
             )
         except InternalError as exc:  # a record larger than the ring's mirror
             return f"its fetch-args need too large a record: {exc}"
+
+    def _stack_count_action(
+        self, site: ProbeSite, area: SharedArea, so: SiteOpt, fast: Sequence[FastProbe]
+    ) -> StackCountAction | str:
+        """Hits counted by stack id in the program (stackcounts.py), no record each."""
+        layout = area.layout
+        if not layout.stack_entries:
+            return "its shared area has no table of stack ids (stack_ids was set after it)"
+        depth = max(fp.stack_depth or 1 for fp in fast)
+        walk = self.tables.walk(so.area, max(depth - 1, 1))
+        if isinstance(walk, str):
+            return walk
+        if stride_for(walk.max_returns) > layout.stack_stride:
+            return f"its area's stack ids hold fewer than {walk.max_returns} return addresses"
+        if self.stack_names is not None:
+            self.stack_names.note_main()
+        self._injector.activate_fetch_faults()  # a bad stack: UNREADABLE, never a SIGSEGV
+        reader = self.ring_reader()
+        known = reader.sites.get(so.record_id)
+        if known is None or known.plan != CapturePlan() or known.stack_depth != depth:
+            so.record_id, so.plan = (
+                reader.add_site(site, CapturePlan(), False, depth),
+                CapturePlan(),
+            )
+        assert self.stack_tally is not None  # made with the reader
+        self.stack_tally.is_active = True
+        table = StackTable(
+            area.addr + layout.stacks_offset,
+            layout.stack_entries,
+            layout.stack_stride,
+            area.addr + sa.OFF_STACKS_LOST,
+        )
+        return StackCountAction(so.record_id, table, walk, area.counter_addr(so.counter))
+
+    @property
+    def stack_ids(self) -> tuple[int, int]:
+        """The table of stack ids each shared area holds (``stackcount``): (entries, return
+        addresses each), (0, 0) for none. Set before the first probe is optimized."""
+        return self._state.stack_ids, self._state.stack_returns
+
+    @stack_ids.setter
+    def stack_ids(self, value: tuple[int, int]) -> None:
+        if self._state.areas:
+            raise TargetError("the shared areas are in use: set stack_ids before optimizing")
+        entries, returns = value
+        if entries:
+            sa.AreaLayout(0, 0, entries, stride_for(returns))  # raises for a wrong size
+        self._state.stack_ids, self._state.stack_returns = entries, returns
 
     def _hold_lease(self) -> None:
         """Producers that find the ring full wait from now on, while the tool lives and

@@ -26,8 +26,10 @@ from dataclasses import field
 from typing import TYPE_CHECKING, Final
 
 from kprobes.arch.x86_64 import retstack as rs
+from kprobes.arch.x86_64 import shadow as sh
 from kprobes.arch.x86_64.detour import Action
 from kprobes.arch.x86_64.record import SALT_SIZE, RecordAction, ThreadId
+from kprobes.arch.x86_64.shadow import LOST, SHADOW_SIZE
 from kprobes.core.retprobes import Kretprobe
 from kprobes.errors import InternalError, TargetError
 from kprobes.linux.syscalls import NR_MMAP
@@ -142,18 +144,18 @@ class ReturnStacks:
                 slot = _find_slot(t.tracee, self.shadow, fs_base)
                 if slot is None:
                     continue
-                depth = min(_Q.unpack(t.tracee.read(slot + rs.T_DEPTH, 8))[0], rs.CAPACITY)
-                raw = t.tracee.read(slot + rs.T_ENTRIES, depth * rs.ENTRY) if depth else b""
-                lost = t.tracee.read(slot + rs.T_LOST, rs.LOST_MAX * rs.LOST)
+                depth = min(_Q.unpack(t.tracee.read(slot + sh.T_DEPTH, 8))[0], sh.CAPACITY)
+                raw = t.tracee.read(slot + sh.T_ENTRIES, depth * sh.ENTRY) if depth else b""
+                lost = t.tracee.read(slot + sh.T_LOST, sh.LOST_MAX * LOST)
             except (TargetError, OSError):
                 continue
             # Newest first: in a tail-call chain the newer entry's "return address" is the
             # older one's trampoline, then the older one puts the real address. Then the
-            # released frames that may still be live (the lost ring, rs.T_LOST).
-            pairs = [_Q2.unpack_from(raw, i * rs.ENTRY) for i in reversed(range(depth))]
+            # released frames that may still be live (the lost ring, T_LOST).
+            pairs = [_Q2.unpack_from(raw, i * sh.ENTRY) for i in reversed(range(depth))]
             pairs += [
                 (ret, stack)
-                for stack, ret in (_Q2.unpack_from(lost, i * rs.LOST) for i in range(rs.LOST_MAX))
+                for stack, ret in (_Q2.unpack_from(lost, i * LOST) for i in range(sh.LOST_MAX))
                 if stack
             ]
             for ret, stack in pairs:
@@ -170,9 +172,9 @@ class ReturnStacks:
 def _find_slot(mem: Tracee, shadow: int, fs_base: int) -> int | None:
     """The thread slot of ``fs_base``, searched as the program's code searches."""
     index = rs.first_index(fs_base)
-    for i in range(rs.NTHREADS):
+    for i in range(sh.NTHREADS):
         slot = rs.thread_slot(shadow, fs_base, index + i)
-        owner = _Q.unpack(mem.read(slot + rs.T_OWNER, 8))[0]
+        owner = _Q.unpack(mem.read(slot + sh.T_OWNER, 8))[0]
         if owner == fs_base:
             return slot
         if owner == 0:
@@ -217,7 +219,7 @@ class FastReturns:
             return why
         stacks = self._stacks
         self._ensure_memory(site.addr)
-        cap = rs.CAPACITY if rp.maxactive <= 0 else min(rp.maxactive, rs.CAPACITY)
+        cap = sh.CAPACITY if rp.maxactive <= 0 else min(rp.maxactive, sh.CAPACITY)
         counters = area.counter_addr(so.counter)
         # A probe registered again at the site has new counters: a new trampoline (the old
         # one stays, for the frames still hooked to it).
@@ -283,7 +285,7 @@ class FastReturns:
         with self._injector.injection_thread() as thread:
             insn = self._injector.find_syscall(read_maps(self._program.pid))
             prot = mmap.PROT_READ | mmap.PROT_WRITE
-            args = (0, rs.SHADOW_SIZE, prot, _MAP_PRIVATE_ANON_NORESERVE, (1 << 64) - 1, 0)
+            args = (0, SHADOW_SIZE, prot, _MAP_PRIVATE_ANON_NORESERVE, (1 << 64) - 1, 0)
             result = calls.run_syscall(thread, insn, NR_MMAP, *args, rescue=self._tracer.rescue)
         if result < 0:
             raise TargetError(f"mmap of the shadow stacks failed: {os.strerror(-result)}")

@@ -61,7 +61,8 @@ class WalkTables:
     cell: int = 0  # the word's address (a counter of a shared area); 0: no walk yet
     cell_area: int = 0  # that area (its index) and the word's offset in it
     cell_offset: int = 0
-    published: tuple[tuple[int, int, int, str], ...] = ()  # (start, end, bias, file) each
+    # (start, end, bias, file) each, then (shadow stacks, trampolines' start and end)
+    published: tuple[tuple[int | str, ...], ...] = ()
     regions: list[tuple[int, int]] = field(default_factory=list)  # (start, size), never reused
 
     def forget(self) -> None:
@@ -77,6 +78,10 @@ class JumpState:
     is_enabled: bool = True  # proc.optimization
     ring_bytes: int = RING_BYTES
     waits_when_full: bool = False  # record detours wait for room (recording.py)
+    # Areas made from now on hold a table of this many stack ids, each of up to
+    # ``stack_returns`` return addresses (stackcount: stackcounts.py); 0: none.
+    stack_ids: int = 0
+    stack_returns: int = 0
     lease: Lease | None = None  # how long they may wait (lease.py), once one may
     sites: dict[int, SiteOpt] = field(default_factory=dict)
     areas: list[SharedArea] = field(default_factory=list)  # one per ±2 GiB neighbourhood

@@ -12,8 +12,10 @@ each the first time a block needs it:
 - the threads the records name (thread pointer → tid, and the thread's name, read now:
   it may be gone when the file is read), looked up as the reader would (``tid_of``);
 - the clock's segments (ticks → seconds), as the reader has them;
-- the files mapped (path, place, build-id), with each new site, for the addresses a
-  record holds (``:symbol``) that the file's reader must name.
+- the files mapped (path, place, build-id) and which is the program's own, with each new
+  site (and, once records carry stacks walked in the program, with each read that finds
+  them changed), for the addresses a record holds (``:symbol``, a stack's return
+  addresses) that the file's reader must name.
 
 Rejected: decoding the records into a compact form while recording (the per-record Python
 this avoids), and copying the ring's bytes without the commit check (a record still being
@@ -63,6 +65,7 @@ class SiteInfo:
     plan: CapturePlan
     with_regs: bool
     probes: tuple[ProbeInfo, ...]
+    stack_depth: int = 0  # its records hold a stack walked in the program (0: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +88,7 @@ class RecordSink(Protocol):
 
     def thread(self, pid: int, thread: int, tid: int, comm: str) -> None: ...
 
-    def modules(self, pid: int, modules: Sequence[ModuleInfo]) -> None: ...
+    def modules(self, pid: int, modules: Sequence[ModuleInfo], main: str | None) -> None: ...
 
     def clock(self, pid: int, segments: Sequence[tuple[int, float, float]]) -> None: ...
 
@@ -114,11 +117,17 @@ class RecordTee:
         pid: int,
         sink: RecordSink,
         modules: Callable[[], Sequence[Module]] | None = None,
+        main: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.reader = reader
         self.pid = pid
         self.sink = sink
-        self._modules = modules  # the files mapped now: given with each new site
+        # The files mapped now (and the program's own): given with each new site, and with
+        # each read once records carry stacks (libraries mapped later name their frames).
+        self._modules = modules
+        self._main = main
+        self._main_path = self._program_file()  # learnt now: the program may end first
+        self._stacks = False
         self._written_modules: tuple[ModuleInfo, ...] = ()
         self._build_ids: dict[str, str | None] = {}
         self._sites: dict[int, tuple[RecordSite, tuple[int, ...]]] = {}  # rid → as written
@@ -132,6 +141,8 @@ class RecordTee:
             for run in block.runs:
                 self._note_site(run.probe)
             self._note_threads(block)
+        if self._stacks:
+            self._note_modules()
         clock = self.reader.clock
         if clock is not None:
             segments = clock.segments
@@ -175,7 +186,8 @@ class RecordTee:
         self._note_modules()
         addr = rs.site.addr
         location = self.reader.symbolize(addr)
-        info = SiteInfo(rid, addr, location, rs.plan, rs.with_regs, tuple(probes))
+        info = SiteInfo(rid, addr, location, rs.plan, rs.with_regs, tuple(probes), rs.stack_depth)
+        self._stacks = self._stacks or bool(rs.stack_depth)
         self.sink.site(self.pid, info)
 
     def _note_modules(self) -> None:
@@ -191,7 +203,16 @@ class RecordTee:
             infos.append(ModuleInfo(m.path, m.start, m.end, m.bias, ids[m.path]))
         if tuple(infos) != self._written_modules:
             self._written_modules = tuple(infos)
-            self.sink.modules(self.pid, infos)
+            self._main_path = self._program_file() or self._main_path
+            self.sink.modules(self.pid, infos, self._main_path)
+
+    def _program_file(self) -> str | None:
+        """The program's own file (its frames are named without ``[module]``), while it
+        lives (None once it is gone)."""
+        try:
+            return self._main()
+        except (ProbeError, OSError):
+            return None
 
     def _note_threads(self, block: ring_block.Block) -> None:
         """Every thread pointer of ``block`` named (a hot loop's block has one: its words
