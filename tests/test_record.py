@@ -21,6 +21,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -350,3 +351,25 @@ def test_a_blocking_recorder_killed_releases_the_program(
     tool.wait(timeout=30)
     code, stdout, _ = support.stop_busy(prog, timeout=20)
     assert (code, stdout) == (0, support.busy_output(2, 20))
+
+
+@pytest.mark.parametrize("extra", [[], ["--json"]], ids=["text", "json"])
+def test_script_into_a_reader_that_stops_reading_ends_quietly(
+    target: Path, tmp_path: Path, popen: Any, extra: list[str]
+) -> None:
+    """``kprobes script FILE | head -2``: once the pipe closes the rest is written nowhere,
+    with status 0 and no traceback (a batch write raised OutputClosed out of it)."""
+    data = tmp_path / "run.data"
+    kprobes("record", "-o", data, "-c", f"{target} 200000", "p work i=%di")
+    tool = popen(
+        [support.KPROBES, "script", *extra, str(data)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert tool.stdout is not None and tool.stderr is not None
+    lines = [tool.stdout.readline() for _ in range(2)]
+    tool.stdout.close()  # as head does once it has its lines
+    err = tool.stderr.read().decode()
+    assert tool.wait(timeout=120) == 0, err
+    assert all(b"p_work_0" in line for line in lines), lines
+    assert "Traceback" not in err, err

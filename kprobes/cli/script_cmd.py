@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kprobes.cli.record_cmd import DEFAULT_FILE
-from kprobes.cli.session import compile_event_filter, event_fields
+from kprobes.cli.session import OutputClosed, compile_event_filter, event_fields
 from kprobes.cli.trace_cmd import TraceOutput, add_output_arguments, parse_specs
 from kprobes.errors import RecordFileError
 from kprobes.model import Event
@@ -121,7 +121,9 @@ def run(args: argparse.Namespace) -> int:
         except RecordFileError as exc:
             output.close()
             return say_damage(args.file, exc, counts, "printed")
-        except BrokenPipeError:  # | head: the reader has what it wanted
+        except OutputClosed:  # | head: the reader has what it wanted (its file is /dev/null)
+            return 0
+        except BrokenPipeError:  # the same, found by a write of ours
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
     say_end(args.file, replay, counts, "printed")
