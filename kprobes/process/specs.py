@@ -306,6 +306,8 @@ class SpecTracer:
 
         rp.async_handler = on_record
         fast = self._fast_probe(spec, fetcher, where.path)
+        if self.batch is not None:
+            fast.batch = self.batch(spec)  # the sink's events, as rows where they can be
         self.proc.records.prepare_return(rp, fast)
 
     def _fast_probe(self, spec: ProbeSpec, fetcher: ArgFetcher, path: str | None) -> FastProbe:

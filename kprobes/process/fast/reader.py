@@ -10,7 +10,8 @@ Where the probe cannot be optimized the same handler runs at its trap, with an `
 built from the live thread: one handler, two tiers, the same values.
 
 **In batches.** A probe whose events are only printed (``FastProbe.batch``: ``trace``) and
-is alone at its site skips the ``Event``: the ring is read as one block (ring_block.py) and
+is alone at its site (a return probe: alone to take its site's records of returns) skips
+the ``Event``: the ring is read as one block (ring_block.py) and
 each run of its records goes through a decoder generated for its layout and its output's
 line (batch.py), the same bytes at twenty to forty times the pace; the other runs go to the
 handlers, in record order.
@@ -190,7 +191,7 @@ class Batcher:
     """How the runs of one record id are delivered in batches: for ``probe`` alone at its
     site, its decoder and its output's writer."""
 
-    probe: Kprobe
+    probe: Kprobe | Kretprobe
     decode: Decoder
     write: Callable[[str, int, int], None]  # a batch's text, its events, those left out
 
@@ -436,9 +437,9 @@ class RingReader:
         one probe with a handler and that probe takes batches (made once, and again when
         the site's probes change)."""
         rs = self.sites.get(rid)
-        if rs is None or rs.stack_depth or rs.is_return:  # stacks, returns: events, one by one
+        if rs is None or rs.stack_depth:  # stacks: events, one by one
             return None
-        active = [p for p in rs.site.active if p.async_handler is not None]
+        active = record_targets(rs)
         fp = self.fast_of(active[0]) if len(active) == 1 else None
         if fp is None or fp.batch is None:
             return None
@@ -451,7 +452,7 @@ class RingReader:
         return made
 
     def _make_batcher(
-        self, rs: RecordSite, kp: Kprobe, fp: FastProbe, slots: int
+        self, rs: RecordSite, kp: Kprobe | Kretprobe, fp: FastProbe, slots: int
     ) -> Batcher | None:
         assert self._clock is not None and fp.batch is not None
         try:
@@ -463,7 +464,8 @@ class RingReader:
             return None
         if plan is None:
             return None
-        line = fp.batch.writer(plan.layout(fp.group, fp.event, fp.pid, self.comm))
+        layout = plan.layout(fp.group, fp.event, fp.pid, self.comm, self.symbolize, rs.site.addr)
+        line = fp.batch.writer(layout)
         if line is None:
             return None
         decode = plan.compile(
