@@ -163,6 +163,8 @@ RETURN_SPECS = {
         r" f=$retval:b4@2/32 h=%bx:x16 k=\7 n=$comm m=$arg1:s16 w=%ip g=+0($retval):u8"
     ),  # g: a small number as an address, which faults; w: the caller
     "names 300": "r name_of s=+0($retval):string bytes=+0($retval):u8[4] i=$arg1:u8",
+    # every argument register, kept by the entry: six words of the shadow entry
+    "mix 300": "r mix r=$retval:s64 a=$arg1:s64 b=$arg2:s8 c=$arg3 d=$arg4:u16 e=$arg5 f=$arg6:s32",
 }
 
 
@@ -208,7 +210,7 @@ def both_paths_of_returns(
 
 
 @pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
-@pytest.mark.parametrize("command", RETURN_SPECS, ids=["values", "memory"])
+@pytest.mark.parametrize("command", RETURN_SPECS, ids=["values", "memory", "entry-args"])
 def test_batches_of_returns_print_the_bytes_the_handlers_print(
     build: Any, command: str, as_json: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -220,5 +222,7 @@ def test_batches_of_returns_print_the_bytes_the_handlers_print(
     assert out == "".join(per_event)
     if command == "rec 300":
         assert ("<- rec) a=0 " in out or '"func": "rec"' in out) and "main+" in out
-    else:
+    elif command == "names 300":
         assert '"three"' in out
+    else:  # mix(299, -299, 598, 299 ^ 5, 7, 701)
+        assert "f=701" in out or '"f": 701' in out

@@ -44,7 +44,7 @@ from typing import Final
 
 from iced_x86 import Code, Instruction, MemoryOperand, Register, Register_
 
-from kprobes.arch.x86_64.capture import ENTRY_ARG, ENTRY_TSC
+from kprobes.arch.x86_64.capture import ENTRY_TSC, entry_word
 from kprobes.arch.x86_64.detour import EFLAGS, Block, Frame, at, mov_load, mov_store
 from kprobes.arch.x86_64.record import RecordAction, ThreadId
 from kprobes.errors import InternalError
@@ -59,12 +59,14 @@ T_DEPTH: Final = 8
 T_BUSY: Final = 16
 T_LOST_NEXT: Final = 24  # how many entries were ever released (the ring's next place)
 T_ENTRIES: Final = 64
-# An entry: where the call returns to, its return slot, its entry time.
+# An entry: where the call returns to, its return slot, its entry time, then the registers
+# a return record's $argN name, kept at the entry (``entry_regs``), a word each.
 E_RET: Final = 0
 E_STACK: Final = 8
 E_TSC: Final = 16
-E_ARG: Final = 24  # a return record's one $argN register, kept at the entry (``entry_reg``)
-ENTRY: Final = 32
+E_ARGS: Final = 24
+ENTRY_REGS_MAX: Final = 6  # every argument register of the SysV ABI
+ENTRY: Final = E_ARGS + 8 * ENTRY_REGS_MAX  # 72 bytes
 # Then the released entries' (return slot, return address), the last LOST_MAX, so that a
 # frame released wrongly (a stack switched under it: coroutines, a signal stack above the
 # thread's) still finds its way home, as the trap tier's ``Thread.lost`` does.
@@ -162,7 +164,7 @@ class ReturnSite:
     thread_id: ThreadId = ThreadId.FSBASE
     value_bits: int = 0
     record: RecordAction | None = None
-    entry_reg: str = ""  # a register the entry keeps for the record (its $argN), or ""
+    entry_regs: tuple[str, ...] = ()  # registers the entry keeps for the record (its $argN)
     linear: Linear | None = None  # linear slots (at C_LHIST) in place of the log2 ones
 
     def __post_init__(self) -> None:
@@ -170,8 +172,14 @@ class ReturnSite:
             raise InternalError(f"a return probe's cap {self.cap} is not 1..{CAPACITY}")
         if self.value_bits not in (0, 32, 64):
             raise InternalError(f"a return value of {self.value_bits} bits")
-        if self.entry_reg and (self.record is None or self.entry_reg not in _SAVED_NAMES):
-            raise InternalError(f"an entry register {self.entry_reg!r} for no record")
+        regs = self.entry_regs
+        if regs and (
+            self.record is None
+            or len(regs) > ENTRY_REGS_MAX
+            or len(set(regs)) < len(regs)
+            or not set(regs) <= set(_SAVED_NAMES)
+        ):
+            raise InternalError(f"entry registers {regs!r} (for a record, at most six)")
 
 
 def _imm64(block: Block, reg: Register_, value: int) -> None:
@@ -228,8 +236,7 @@ def _emit_find(block: Block, site: ReturnSite, *, claim: bool, missing: str) -> 
 
 def _emit_top(block: Block) -> None:
     """r10 = the entry below depth rsi (the newest live one); clobbers rax."""
-    block.add(Instruction.create_reg_reg(Code.MOV_R64_RM64, RAX, RSI))
-    block.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, RAX, 5))  # * ENTRY
+    block.add(Instruction.create_reg_reg_i32(Code.IMUL_R64_RM64_IMM32, RAX, RSI, ENTRY))
     block.add(Instruction.create_reg_reg(Code.ADD_R64_RM64, RAX, RDI))
     block.add(Instruction.create_reg_mem(Code.LEA_R64_M, R10, at(RAX, T_ENTRIES - ENTRY)))
 
@@ -316,9 +323,9 @@ class RetEntryAction:
         block.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, RDX, 32))
         block.add(Instruction.create_reg_reg(Code.OR_R64_RM64, RAX, RDX))
         block.add(mov_store(R10, E_TSC, RAX))
-        if site.entry_reg:  # the program's, saved in the frame (the action clobbers it)
-            block.add(mov_load(RAX, Register.RSP, frame.offset(site.entry_reg)))
-            block.add(mov_store(R10, E_ARG, RAX))
+        for i, reg in enumerate(site.entry_regs):  # the program's, saved in the frame
+            block.add(mov_load(RAX, Register.RSP, frame.offset(reg)))
+            block.add(mov_store(R10, E_ARGS + 8 * i, RAX))
         block.add(mov_store(RDI, T_DEPTH, RSI))
         _imm64(block, RAX, site.trampoline)
         block.add(mov_store(R8, 0, RAX))
@@ -356,9 +363,10 @@ def _emit_measure(b: Block, site: ReturnSite, mult: int, saved_rax: int) -> None
 def record_frame(site: ReturnSite) -> Frame:
     """The trampoline's words while its record is written, in push order: the real return
     address (as "rip": the program's rip once the trampoline returns), the saved registers,
-    and, with a record, rbx (the record's pointer), the flags and the call's entry time."""
+    and, with a record, rbx (the record's pointer), the flags, the call's entry time and
+    the registers its entry kept (``entry_word``)."""
     extra = ("rbx", EFLAGS, ENTRY_TSC) if site.record is not None else ()
-    kept = (ENTRY_ARG,) if site.entry_reg else ()
+    kept = tuple(entry_word(reg) for reg in site.entry_regs)
     return Frame(("rip", *_SAVED_NAMES, *extra, *kept), below=0)
 
 
@@ -400,9 +408,9 @@ def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     if site.record is not None:
         b.add(mov_load(RAX, R10, E_TSC))
         b.add(mov_store(Register.RSP, frame.offset(ENTRY_TSC), RAX))
-        if site.entry_reg:
-            b.add(mov_load(RAX, R10, E_ARG))
-            b.add(mov_store(Register.RSP, frame.offset(ENTRY_ARG), RAX))
+        for i, name in enumerate(site.entry_regs):
+            b.add(mov_load(RAX, R10, E_ARGS + 8 * i))
+            b.add(mov_store(Register.RSP, frame.offset(entry_word(name)), RAX))
     _imm64(b, R11, site.counters)
     b.add(Instruction.create_mem(Code.INC_RM64, at(R11, C_RETURNS)), lock=True)
     if site.record is not None:

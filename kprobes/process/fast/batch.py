@@ -23,7 +23,7 @@ records that carry the registers and the sites with more than one probe.
 
 The records of returns (a return probe's trampoline writes them: fetch/fast.py
 ``plan_return_captures``) take the same path: ``$retval`` is the rax the plan captured,
-``$argN`` the word the entry kept (``ENTRY_ARG``), and each event's ``ip`` its own caller
+``$argN`` the words the entry kept (``entry_word``), and each event's ``ip`` its own caller
 (the captured "rip"), which the output's line names (``RowLayout.is_return``).
 
 Decoders are generated Python source, as tracefs/records.py generates the kernel records'
@@ -42,7 +42,6 @@ from typing import Any, Final, Protocol
 from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64.capture import (
     COUNT_MASK,
-    ENTRY_ARG,
     FAULTED,
     Bytes,
     Capture,
@@ -52,11 +51,19 @@ from kprobes.arch.x86_64.capture import (
     String,
     Value,
     capture_size,
+    entry_word,
 )
 from kprobes.errors import InternalError
 from kprobes.process.fetch.evaluate import MASK64, cut_to_type, type_text
 from kprobes.process.fetch.fast import STRING_LIMIT, Resolver
-from kprobes.process.fetch.tree import Kind, address, kind_of, reads_function_args, value
+from kprobes.process.fetch.tree import (
+    ARG_REGS,
+    Kind,
+    address,
+    kind_of,
+    reads_function_args,
+    value,
+)
 from kprobes.spec import FetchArg, FunctionArg, ImmediateString, ProbeSpec, TypeSpec
 from kprobes.values import dataclass
 
@@ -263,7 +270,7 @@ def _arg(
         # ``$argN`` of a return: the register its entry kept (``ArgFetcher.entry`` on it).
         if not isinstance(fetch, FunctionArg) or not _is_number(type_) or type_.count:
             raise _NotPlain("a return's $argN read other than as a number")
-        (field,) = src.capture(Value(Reg(ENTRY_ARG)))
+        (field,) = src.capture(Value(Reg(entry_word(ARG_REGS[fetch.index - 1]))))
         src.lines.append(f"{out} = {_cut(type_, field)}")
         return True
     match kind_of(fetch):

@@ -48,7 +48,13 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from kprobes.arch.x86_64 import ring_block
 from kprobes.arch.x86_64 import shared_area as sa
-from kprobes.arch.x86_64.capture import ENTRY_ARG, ENTRY_TSC, Captured, CapturePlan
+from kprobes.arch.x86_64.capture import (
+    ENTRY_PREFIX,
+    ENTRY_TSC,
+    Captured,
+    CapturePlan,
+    entry_register_of,
+)
 from kprobes.arch.x86_64.regs import REG_INDEX, Regs
 from kprobes.arch.x86_64.stackwalk import WalkResult, read_walk
 from kprobes.core.probes import Kprobe
@@ -58,7 +64,7 @@ from kprobes.linux.tsc import TscClock
 from kprobes.model import ArgValue, Event, UserStack
 from kprobes.process.fast.batch import BatchOutput, Decoder, plan_decoder
 from kprobes.process.fetch.evaluate import ArgFetcher, CpuReader, Memory
-from kprobes.process.fetch.fast import Resolver, data_resolver, entry_register, file_resolver
+from kprobes.process.fetch.fast import Resolver, data_resolver, entry_registers, file_resolver
 from kprobes.spec import SymbolLocation, parse
 from kprobes.values import dataclass
 
@@ -493,7 +499,7 @@ class RingReader:
             for name, value in zip(sa.REG_ORDER, record.regs, strict=True):
                 words[REG_INDEX[name]] = value
         entered = captured.regs.pop(ENTRY_TSC, 0)
-        kept = captured.regs.pop(ENTRY_ARG, None)
+        kept = _entry_words(captured.regs) if rs.is_return else None
         for name, value in captured.regs.items():
             words[REG_INDEX[name]] = value
         ip = words[REG_INDEX["rip"]] if rs.is_return else rs.site.addr
@@ -520,7 +526,7 @@ class RingReader:
             fp = fast_of(target)
             if fp is None:
                 continue
-            at_entry = () if kept is None else _at_entry(fp, tid, kept, memory)
+            at_entry = () if not kept else _at_entry(fp, tid, kept, memory)
             args = fp.fetcher.fetch(regs, memory, at_entry)
             event = Event(
                 fp.group, fp.event, fp.pid, tid, name, cpu, when, ip, location, args,
@@ -542,10 +548,23 @@ def _cut(stack: UserStack | None, depth: int) -> UserStack | None:
     return UserStack(stack.frames[:depth], "depth limit")
 
 
-def _at_entry(fp: FastProbe, tid: int, kept: int, memory: Memory) -> tuple[ArgValue, ...]:
-    """A return record's ``$argN``: evaluated on the register its entry kept."""
+def _entry_words(regs: dict[str, int]) -> dict[str, int]:
+    """The words a return record's entry kept, taken out of its registers (by register)."""
+    kept: dict[str, int] = {}
+    for name in [name for name in regs if name.startswith(ENTRY_PREFIX)]:
+        reg = entry_register_of(name)
+        if reg is not None:
+            kept[reg] = regs.pop(name)
+    return kept
+
+
+def _at_entry(
+    fp: FastProbe, tid: int, kept: dict[str, int], memory: Memory
+) -> tuple[ArgValue, ...]:
+    """A return record's ``$argN``: evaluated on the registers its entry kept."""
     regs = Regs(tid)
-    regs.words[REG_INDEX[entry_register(fp.spec)]] = kept
+    for reg in entry_registers(fp.spec):
+        regs.words[REG_INDEX[reg]] = kept[reg]
     return fp.fetcher.entry(regs, memory)
 
 

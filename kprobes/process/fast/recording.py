@@ -34,7 +34,7 @@ from kprobes.process.fast.returns import return_probe_of
 from kprobes.process.fetch.evaluate import CommCache, CpuReader, Memory, Symbolizer
 from kprobes.process.fetch.fast import (
     NotCapturable,
-    entry_register,
+    entry_registers,
     plan_captures,
     plan_return_captures,
 )
@@ -393,9 +393,9 @@ class Recording:
 
     def return_record(
         self, site: ProbeSite, area: SharedArea, so: SiteOpt
-    ) -> tuple[RecordAction, str] | str | None:
+    ) -> tuple[RecordAction, tuple[str, ...]] | str | None:
         """The record the trampoline of the return probe whose entry is ``site`` writes of
-        each return, and the register its entry keeps for it ("": none), or None (it
+        each return, and the registers its entry keeps for it, or None (it
         writes none, it aggregates), or why the site cannot be optimized: the return's
         fetch-args, its caller, its entry time, its ``$argN``."""
         rp = return_probe_of(site)
@@ -407,7 +407,7 @@ class Recording:
         fp = entry[1]
         try:
             plan = plan_return_captures(fp.spec, fp.resolvers)
-            keeps = entry_register(fp.spec)
+            keeps = entry_registers(fp.spec)
         except NotCapturable as exc:
             return str(exc)
         record = self._record_action(site, area, so, plan, fp.with_regs, returns=True)

@@ -89,6 +89,10 @@ def tsc_mult() -> int:
 _MULT: int | None = None
 
 
+# What a trampoline's code holds (``ReturnStacks.trampolines``).
+_TrampolineKey = tuple[int, int, int, int, int, tuple[str, ...], tuple[int, int, int] | None]
+
+
 @dataclass(slots=True)
 class _Seen:
     """A probe's counters as last added to it."""
@@ -106,11 +110,9 @@ class ReturnStacks:
     tramp_start: int = 0  # the trampolines' page
     tramp_used: int = 0
     # Trampolines by what their code holds: (site address, its counters, unit, value bits,
-    # the id of the record it writes, the entry's register for it, its linear buckets);
+    # the id of the record it writes, the entry's registers for it, its linear buckets);
     # the one each site's current detour writes (for ``unhook``).
-    trampolines: dict[tuple[int, int, int, int, int, str, tuple[int, int, int] | None], int] = (
-        field(default_factory=dict)
-    )
+    trampolines: dict[_TrampolineKey, int] = field(default_factory=dict)
     current: dict[int, int] = field(default_factory=dict)
     seen: dict[int, _Seen] = field(default_factory=dict)  # site address → its counters read
 
@@ -203,11 +205,11 @@ class FastReturns:
         area: SharedArea,
         so: SiteOpt,
         record: RecordAction | None = None,
-        entry_reg: str = "",
+        entry_regs: tuple[str, ...] = (),
     ) -> Action | str:
         """The entry action of a return site (its trampoline made once), or why none; with
         ``record``, its trampoline writes that record of each return (and the entry keeps
-        ``entry_reg`` for it)."""
+        ``entry_regs`` for it)."""
         rp = return_probe_of(site)
         if rp is None:
             raise InternalError(f"{site.addr:#x} is no return probe's entry")
@@ -226,7 +228,7 @@ class FastReturns:
             rp.duration_unit,
             rp.value_bits,
             record.probe_id if record else 0,
-            entry_reg,
+            entry_regs,
             rp.linear,
         )
         tramp = stacks.trampolines.get(key, 0)
@@ -241,7 +243,7 @@ class FastReturns:
             thread_id=self._thread_id,
             value_bits=rp.value_bits,
             record=record,
-            entry_reg=entry_reg,
+            entry_regs=entry_regs,
             linear=linear_of(rp),
         )
         if not tramp:
