@@ -360,12 +360,17 @@ def _emit_measure(b: Block, site: ReturnSite, mult: int, saved_rax: int) -> None
     b.add(Instruction.create_reg_reg_i32(Code.SHRD_RM64_R64_IMM8, RAX, RDX, 32))
 
 
+# A recording trampoline's frame word: where its ``ret`` goes, while the "rip" word holds
+# the caller for the record (they differ in a chain of trampolines: ``_emit_caller``).
+RETURN_TO: Final = "return_to"
+
+
 def record_frame(site: ReturnSite) -> Frame:
     """The trampoline's words while its record is written, in push order: the real return
     address (as "rip": the program's rip once the trampoline returns), the saved registers,
-    and, with a record, rbx (the record's pointer), the flags, the call's entry time and
-    the registers its entry kept (``entry_word``)."""
-    extra = ("rbx", EFLAGS, ENTRY_TSC) if site.record is not None else ()
+    and, with a record, rbx (the record's pointer), the flags, the call's entry time, where
+    its ``ret`` goes (``RETURN_TO``) and the registers its entry kept (``entry_word``)."""
+    extra = ("rbx", EFLAGS, ENTRY_TSC, RETURN_TO) if site.record is not None else ()
     kept = tuple(entry_word(reg) for reg in site.entry_regs)
     return Frame(("rip", *_SAVED_NAMES, *extra, *kept), below=0)
 
@@ -406,11 +411,7 @@ def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     b.add(mov_load(RAX, R10, E_RET))
     b.add(mov_store(R8, 0, RAX))  # where the final ret finds it
     if site.record is not None:
-        b.add(mov_load(RAX, R10, E_TSC))
-        b.add(mov_store(Register.RSP, frame.offset(ENTRY_TSC), RAX))
-        for i, name in enumerate(site.entry_regs):
-            b.add(mov_load(RAX, R10, E_ARGS + 8 * i))
-            b.add(mov_store(Register.RSP, frame.offset(entry_word(name)), RAX))
+        _emit_entry_words(b, site, frame)
     _imm64(b, R11, site.counters)
     b.add(Instruction.create_mem(Code.INC_RM64, at(R11, C_RETURNS)), lock=True)
     if site.record is not None:
@@ -437,6 +438,8 @@ def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     # Step 5: the registers back, and home.
     b.label("restore")
     if site.record is not None:
+        b.add(mov_load(RAX, Register.RSP, frame.offset(RETURN_TO)))  # the ret's, once more
+        b.add(mov_store(Register.RSP, frame.offset("rip"), RAX))
         kept = 8 * (len(frame.words) - 1 - len(_SAVED) - 1)  # all but rbx: the flags, the entry's
         b.add(Instruction.create_reg_mem(Code.LEA_R64_M, Register.RSP, at(Register.RSP, kept)))
         b.add(Instruction.create_reg(Code.POP_R64, Register.RBX))
@@ -449,6 +452,45 @@ def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     if len(code) > limit:
         raise InternalError(f"a trampoline of {len(code)} bytes")
     return code
+
+
+def _emit_entry_words(b: Block, site: ReturnSite, frame: Frame) -> None:
+    """A recording trampoline's frame words from its call's entry (r10): the entry time,
+    the registers the entry kept, where the ``ret`` goes and the caller."""
+    b.add(mov_load(RAX, R10, E_TSC))
+    b.add(mov_store(Register.RSP, frame.offset(ENTRY_TSC), RAX))
+    for i, name in enumerate(site.entry_regs):
+        b.add(mov_load(RAX, R10, E_ARGS + 8 * i))
+        b.add(mov_store(Register.RSP, frame.offset(entry_word(name)), RAX))
+    _emit_caller(b, site, frame)
+
+
+def _emit_caller(b: Block, site: ReturnSite, frame: Frame) -> None:
+    """The record's "rip" is the caller: where this call's entry (r10) returns, unless that
+    is another of our trampolines (a later return probe's hook at one site, or a tail
+    call, chains the calls at one slot r8), then the oldest entry of the chain's; the
+    ``ret`` still goes to the next trampoline (``RETURN_TO``). As the trap tier, which
+    gives each instance of a chain the real address. Clobbers rax, rcx, r11."""
+    b.add(mov_load(RAX, R10, E_RET))
+    b.add(mov_store(Register.RSP, frame.offset(RETURN_TO), RAX))
+    b.add(Instruction.create_reg_reg(Code.MOV_R64_RM64, R11, R10))
+    b.label("caller")
+    _imm64(b, RCX, site.tramp_start)
+    b.add(Instruction.create_reg_reg(Code.SUB_R64_RM64, RCX, RAX))
+    b.add(Instruction.create_reg(Code.NEG_RM64, RCX))  # rax - tramp_start
+    b.add(Instruction.create_reg_i32(Code.CMP_RM64_IMM32, RCX, site.tramp_size))
+    b.branch(Code.JAE_REL32_64, "caller_found")  # not one of ours: the caller
+    b.add(Instruction.create_reg_mem(Code.LEA_R64_M, R11, at(R11, -ENTRY)))
+    b.add(Instruction.create_reg_mem(Code.LEA_R64_M, RCX, at(RDI, T_ENTRIES)))
+    b.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, R11, RCX))
+    b.branch(Code.JB_REL32_64, "caller_found")  # no older entry: the trampoline it is
+    b.add(mov_load(RCX, R11, E_STACK))
+    b.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, RCX, R8))
+    b.branch(Code.JNE_REL32_64, "caller_found")  # not of this slot: the same
+    b.add(mov_load(RAX, R11, E_RET))
+    b.branch(Code.JMP_REL32_64, "caller")
+    b.label("caller_found")
+    b.add(mov_store(R8, 0, RAX))
 
 
 def _emit_linear_slot(b: Block, linear: Linear) -> None:

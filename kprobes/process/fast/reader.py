@@ -48,13 +48,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from kprobes.arch.x86_64 import ring_block
 from kprobes.arch.x86_64 import shared_area as sa
-from kprobes.arch.x86_64.capture import (
-    ENTRY_PREFIX,
-    ENTRY_TSC,
-    Captured,
-    CapturePlan,
-    entry_register_of,
-)
+from kprobes.arch.x86_64.capture import ENTRY_TSC, Captured, CapturePlan, entry_register_of
 from kprobes.arch.x86_64.regs import REG_INDEX, Regs
 from kprobes.arch.x86_64.stackwalk import WalkResult, read_walk
 from kprobes.core.probes import Kprobe
@@ -220,6 +214,9 @@ class RecordSite:
     # Written at the return, by the trampoline of the return probe whose entry the site is:
     # its plan ends with the real return address ("rip") and the entry time (ENTRY_TSC).
     is_return: bool = False
+    # That return probe, where the site has several (None: every return probe there; a
+    # record file's reader makes a site of each record id).
+    owner: Kretprobe | None = None
 
 
 class RingReader:
@@ -290,13 +287,16 @@ class RingReader:
         with_regs: bool,
         stack_depth: int = 0,
         *,
-        is_return: bool = False,
+        owner: Kretprobe | None = None,
     ) -> int:
-        """A new record id for ``site`` (never reused: old records may still be in a ring)."""
+        """A new record id for ``site`` (never reused: old records may still be in a ring):
+        of its entry, or of the returns of ``owner``, a return probe whose entry it is."""
         if self._clock is None:
             self._clock = TscClock()
         rid = len(self.sites) + 1
-        self.sites[rid] = RecordSite(site, plan, with_regs, stack_depth, is_return=is_return)
+        self.sites[rid] = RecordSite(
+            site, plan, with_regs, stack_depth, is_return=owner is not None, owner=owner
+        )
         return rid
 
     def note_thread(self, fs_base: int, tid: int) -> None:
@@ -550,12 +550,7 @@ def _cut(stack: UserStack | None, depth: int) -> UserStack | None:
 
 def _entry_words(regs: dict[str, int]) -> dict[str, int]:
     """The words a return record's entry kept, taken out of its registers (by register)."""
-    kept: dict[str, int] = {}
-    for name in [name for name in regs if name.startswith(ENTRY_PREFIX)]:
-        reg = entry_register_of(name)
-        if reg is not None:
-            kept[reg] = regs.pop(name)
-    return kept
+    return {reg: regs.pop(name) for name in list(regs) if (reg := entry_register_of(name))}
 
 
 def _at_entry(
@@ -574,6 +569,8 @@ def record_targets(rs: RecordSite) -> list[Kprobe | Kretprobe]:
     out: list[Kprobe | Kretprobe] = []
     for probe in rs.site.active:
         target = probe.owner if rs.is_return else probe
+        if rs.owner is not None and target is not rs.owner:
+            continue  # another return probe's records
         if isinstance(target, Kprobe | Kretprobe) and target.async_handler is not None:
             out.append(target)
     return out
