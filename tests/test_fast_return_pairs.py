@@ -133,6 +133,36 @@ def test_detach_with_frames_hooked_twice_leaves_a_working_program(spawn, rets):
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
 
 
+def test_a_probe_leaving_a_shared_site_leaves_the_others_counts_their_own(spawn, rets):
+    """Frames hooked by two probes; one is unregistered while they are live: the other
+    counts each of their returns once (its trampoline of before still counts into its own
+    block of before), the gone one's trampoline into no one's."""
+    depth = 20
+    out_r, out_w = os.pipe()
+    in_r, in_w = os.pipe()
+    proc = spawn([rets, "waitblock", depth], stdin=in_r, stdout=out_w)
+    os.close(in_r)
+    os.close(out_w)
+    # The one that goes hooks fewer frames (its cap: 5 entries deep in the thread's shadow
+    # stack, which holds both probes' entries), the one that stays all of them.
+    gone = Kretprobe(symbol="rec_block", optimize=True, maxactive=5)
+    kept = Kretprobe(symbol="rec_block", optimize=True)
+    proc.register_kretprobes([gone, kept])
+    assert both_entries_optimized(proc, kept)
+    os.write(in_w, b"go\n")
+    while kept.kp.nhit < depth + 1:
+        proc.run(timeout=0.1)
+    assert support.read_line(out_r, 10) == b"bottom\n"
+    proc.unregister_kretprobe(gone)
+    assert optimized(proc, kept)
+    os.write(in_w, b"go\n")
+    run_to_exit(proc)
+    want = depth * (depth + 1) // 2
+    assert support.read_line(out_r, 10) == f"block={want + 1}\n".encode()
+    assert kept.nhit == depth + 1 and sum(kept.hist_slots) == depth + 1
+    assert kept.nmissed == kept.nabandoned == 0 and gone.nmissed > 0
+
+
 def test_tool_killed_with_frames_hooked_by_two_probes_leaves_a_working_program(popen, rets):
     depth = 50
     symbols = ("rec_block", "rec_block@ret=$retval n=$arg1")  # one counts, one records

@@ -173,7 +173,7 @@ class Optimizer:
         for addr in list(state.returns.seen):
             site, so = table.get(addr), state.sites.get(addr)
             if site is not None and so is not None and so.counter >= 0:
-                self._returns.collect(site, state.areas[so.area], so)
+                self._returns.collect(site, state.areas)
 
     # -- the sweep, at the end of every stop of the world --------------------------------
 
@@ -246,9 +246,11 @@ class Optimizer:
             return
         # Step 4: the counter, the action, then the detour, written before the jump to it.
         try:
-            rps = return_probes_of(site)
+            rps = return_probes_of(site.probes)
             need = max(1, sum(map(counters_needed, rps)))
-            if so.counter < 0 or need > so.counters:  # a return probe came: a larger block
+            # Return probes that came or went: a new block, whose places no other probe's
+            # trampoline counts into (the old trampolines keep their own: returns.py).
+            if so.counter < 0 or need > so.counters or return_probes_of(so.probes) != rps:
                 so.area = self._memory.area(addr, need)
                 area = self._state.areas[so.area]
                 so.counter, area.next_counter = area.next_counter, area.next_counter + need
@@ -302,7 +304,8 @@ class Optimizer:
             record = self._recording.return_record(site, area, so, rp)
             if isinstance(record, str):
                 return record
-            hook = self._returns.action(site, area, rp, counter, *(record or ()))
+            shared = (so.area, area)
+            hook = self._returns.action(site, shared, rp, counter, *(record or ()))
             if isinstance(hook, str):
                 return hook
             actions.append(hook)

@@ -21,7 +21,7 @@ import mmap
 import os
 import struct
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import field
 from typing import TYPE_CHECKING, Final
 
@@ -39,6 +39,7 @@ from kprobes.values import dataclass
 
 if TYPE_CHECKING:
     from kprobes.core.optimizer import SiteOpt
+    from kprobes.core.probes import Kprobe
     from kprobes.core.table import ProbeSite
     from kprobes.process.engine.attachment import Attachment
     from kprobes.process.engine.threads import Thread
@@ -66,16 +67,16 @@ _Q2 = struct.Struct("<QQ")
 _Q = struct.Struct("<Q")
 
 
-def return_probes_of(site: ProbeSite) -> list[Kretprobe]:
-    """The return probes whose entry ``site`` is, in the order they were placed there."""
-    return [p.owner for p in site.probes if isinstance(p.owner, Kretprobe)]
+def return_probes_of(probes: Iterable[Kprobe]) -> list[Kretprobe]:
+    """The return probes whose entries are among ``probes`` (a site's), in their order."""
+    return [p.owner for p in probes if isinstance(p.owner, Kretprobe)]
 
 
 def counter_blocks(site: ProbeSite, first: int) -> list[tuple[Kretprobe, int]]:
     """Each return probe at ``site`` with the index of its counters: one block after the
     other from ``first`` (the first probe's hits are the site's: ``SiteOpt.counter``)."""
     blocks = []
-    for rp in return_probes_of(site):
+    for rp in return_probes_of(site.probes):
         blocks.append((rp, first))
         first += counters_needed(rp)
     return blocks
@@ -102,8 +103,12 @@ _TrampolineKey = tuple[int, int, int, int, int, tuple[str, ...], tuple[int, int,
 
 @dataclass(slots=True)
 class _Seen:
-    """A probe's counters as last added to it."""
+    """A block of a probe's counters (in shared area ``area``, at index ``counter``) as
+    last added to the probe ``rp``."""
 
+    rp: Kretprobe
+    area: int
+    counter: int
     returns: int = 0
     missed: int = 0
     abandoned: int = 0
@@ -121,7 +126,9 @@ class ReturnStacks:
     # the ones each site's current detour hooks to (for ``unhook``).
     trampolines: dict[_TrampolineKey, int] = field(default_factory=dict)
     current: dict[int, set[int]] = field(default_factory=dict)
-    # Site address → each of its probes' counters (by address) as last read.
+    # Site address → every block of counters its probes' trampolines count into (by the
+    # block's address), as last read: a probe may have several, its trampolines of before
+    # a change of the site's probes still counting for the frames they hooked.
     seen: dict[int, dict[int, _Seen]] = field(default_factory=dict)
 
     def forget(self) -> None:
@@ -210,14 +217,15 @@ class FastReturns:
     def action(
         self,
         site: ProbeSite,
-        area: SharedArea,
+        area: tuple[int, SharedArea],
         rp: Kretprobe,
         counter: int,
         record: RecordAction | None = None,
         entry_regs: tuple[str, ...] = (),
     ) -> Action | str:
         """The entry action of return probe ``rp`` at ``site``, its counters at index
-        ``counter`` (its trampoline made once), or why none; with ``record``, its trampoline
+        ``counter`` of the shared area ``area`` (its index, and it), its trampoline made
+        once; or why none. With ``record``, its trampoline
         writes that record of each return (and the entry keeps ``entry_regs`` for it).
         Several return probes at one site hook one after the other: the later one's entry
         keeps the earlier one's trampoline as the return address (a chain, as a tail call
@@ -228,7 +236,8 @@ class FastReturns:
         stacks = self._stacks
         self._ensure_memory(site.addr)
         cap = rs.CAPACITY if rp.maxactive <= 0 else min(rp.maxactive, rs.CAPACITY)
-        counters = area.counter_addr(counter)
+        index, shared = area
+        counters = shared.counter_addr(counter)
         # A probe registered again at the site has new counters: a new trampoline (the old
         # one stays, for the frames still hooked to it).
         key = (
@@ -265,7 +274,8 @@ class FastReturns:
             stacks.trampolines[key] = ret_site.trampoline
             stacks.tramp_used += size
             seen = stacks.seen.setdefault(site.addr, {})
-            seen[counters] = _Seen(*self._read(area, counter, rp)[1:4])
+            counted = self._read(shared, counter, rp)[1:4]
+            seen.setdefault(counters, _Seen(rp, index, counter, *counted))
         stacks.current.setdefault(site.addr, set()).add(ret_site.trampoline)
         return rs.RetEntryAction(ret_site)
 
@@ -321,19 +331,25 @@ class FastReturns:
             view.release()
         return head + hist
 
-    def collect(self, site: ProbeSite, area: SharedArea, so: SiteOpt) -> None:
+    def collect(self, site: ProbeSite, areas: Sequence[SharedArea]) -> None:
         """Add what the program counted for each return probe at this site since the last
-        call to the probe: returns (``nhit``), misses, abandoned frames, the durations."""
-        seen_of = self._stacks.seen.get(site.addr, {})
-        for rp, counter in counter_blocks(site, so.counter):
-            seen = seen_of.get(area.counter_addr(counter))
-            if seen is None:
-                continue
-            values = self._read(area, counter, rp)
+        call to the probe, in each block of counters it has had here: returns (``nhit``),
+        misses, abandoned frames, the durations (their histogram: the blocks' sum)."""
+        placed = {id(rp) for rp in return_probes_of(site.probes)}
+        hists: dict[int, tuple[Kretprobe, list[int]]] = {}
+        for seen in self._stacks.seen.get(site.addr, {}).values():
+            rp = seen.rp
+            if id(rp) not in placed:
+                continue  # unregistered: what its trampolines still count is nobody's
+            values = self._read(areas[seen.area], seen.counter, rp)
             _, returns, missed, abandoned, total = values[:5]
             rp.nhit += returns - seen.returns
             rp.nmissed += missed - seen.missed
             rp.nabandoned += abandoned - seen.abandoned
             seen.returns, seen.missed, seen.abandoned = returns, missed, abandoned
+            _, hist = hists.setdefault(id(rp), (rp, [0] * (len(values) - 4)))
+            for i, value in enumerate((total, *values[5:])):
+                hist[i] += value
+        for rp, (total, *slots) in hists.values():
             if rp.async_handler is None:  # a record probe's returns are its records
-                rp.note_hist(values[5:], total)
+                rp.note_hist(tuple(slots), total)
