@@ -1,6 +1,7 @@
 """Events per second through ``kprobes trace`` on our own backend: the fast reader (issue 21).
 
-    python -m bench.trace_rate [--calls N] [--runs R] [--per-event] [--only text-null,...]
+    python -m bench.trace_rate [--calls N] [--runs R] [--per-event] [--return]
+                               [--only text-null,...]
     python -m bench.trace_rate --in-process
 
 runs ``kprobes trace -c 'bench/bin/target work_push N' 'p work_push i=%di'`` (a tight loop
@@ -11,7 +12,9 @@ events printed per second of it, the events per second of the run proper (the su
 "in X s": from the probes going live to the end of the reading, which is the formatting of
 what the program wrote), and the events dropped (ring full). ``--per-event`` measures the
 per-event path instead (``Event`` values and the handlers: what ``trace`` did before the
-batch path), by running the command with the batch output turned off.
+batch path), by running the command with the batch output turned off. ``--return`` traces
+the returns instead, ``'r work_push ret=$retval'``: each call's record is written by the
+return trampoline in the program (issue 20) and the line is ``(caller <- work_push)``.
 
 Each run is the command line's ``main()`` in a child interpreter of its own (``--child``),
 so that the tool's start-up (imports, spawning, placing the probe) is in the wall time, as
@@ -92,12 +95,17 @@ def in_process() -> None:
         print(f"{name}: {best / n * 1e9:,.0f} ns an event ({n / best:,.0f}/s)")
 
 
-def one_run(target: Path, calls: int, output: str, per_event: bool) -> dict[str, float]:
+SPECS = {False: "p work_push i=%di", True: "r work_push ret=$retval"}
+
+
+def one_run(
+    target: Path, calls: int, output: str, per_event: bool, returns: bool = False
+) -> dict[str, float]:
     kind, sink = output.split("-")
     cmd = [sys.executable, "-m", "bench.trace_rate", "--child"]
     cmd += ["--per-event"] if per_event else []
     cmd += ["trace", *(["--json"] if kind == "json" else [])]
-    cmd += ["-c", f"{target} work_push {calls}", "p work_push i=%di"]
+    cmd += ["-c", f"{target} work_push {calls}", SPECS[returns]]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.devnull if sink == "null" else os.path.join(tmp, "trace.out")
         with open(path, "w") as out:
@@ -129,17 +137,22 @@ def main() -> int:
     p.add_argument("--calls", type=int, default=500_000)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--per-event", action="store_true")
+    p.add_argument("--return", dest="returns", action="store_true")
     p.add_argument("--only", default=",".join(OUTPUTS))
     args = p.parse_args()
     target = compile_c("target")
     path = "per-event" if args.per_event else "batch"
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"{args.calls:,} calls of work_push, {args.runs} runs each, median; {path} path")
+    print(f"trace {SPECS[args.returns]!r}")
     print(f"load average before: {load}")
     head = ("output", "wall s", "events/s (wall)", "events/s (run)", "dropped")
     print("{:<10} {:>8} {:>16} {:>15} {:>9}".format(*head))
     for output in args.only.split(","):
-        runs = [one_run(target, args.calls, output, args.per_event) for _ in range(args.runs)]
+        runs = [
+            one_run(target, args.calls, output, args.per_event, args.returns)
+            for _ in range(args.runs)
+        ]
         wall = statistics.median(r["wall"] for r in runs)
         rate = statistics.median(r["events"] / r["wall"] for r in runs)
         run_rate = statistics.median(r["events"] / r["run"] for r in runs)

@@ -29,6 +29,11 @@ pytestmark = pytest.mark.ptrace
 _PREFIX = re.compile(r"^\s*\S+-\d+\s+\[\d+\]\s+[\d.]+: ")
 
 
+# Every argument register of mix(a, b, c, d, e, f) (tests/programs/rets.c), kept by the
+# entry for the return's record, each cut to a type of its own; $arg2 twice.
+SIX_ARGS = "a=$arg1:s64 b=$arg2:s64 c=$arg3 d=$arg4:u8 e=$arg5:s32 f=$arg6:s16 g=$arg2:x16"
+
+
 @pytest.fixture
 def rets(build: Callable[[str], Path]) -> Path:
     return build("rets")
@@ -48,8 +53,9 @@ def event_lines(stdout: str, output: bytes) -> list[str]:
         ("rec 30", "r rec ret=$retval:s32 ax=%ax bx=%bx bad=+0($retval):u64", 31),
         ("threads 4 3 40", "r rec ret=$retval:u64 at=%ip:symbol", 4 * 3 * 41),
         ("threads 2 3 30", "r rec n=$arg1 ret=$retval:s32 m=$arg1:s8 k=$arg1:symbol", 186),
+        ("mix 40", f"r mix ret=$retval:s64 {SIX_ARGS}", 40),
     ],
-    ids=["strings", "registers", "threads", "entry-arg"],
+    ids=["strings", "registers", "threads", "entry-arg", "six-entry-args"],
 )
 def test_trace_of_returns_in_the_program_prints_the_trap_tiers_lines(rets, command, spec, n):
     argv = [rets, *command.split()]
@@ -191,6 +197,40 @@ def test_both_tiers_give_a_return_probe_the_same_events(spawn, rets, tmp_path):
     _, fast = returns_of(spawn, rets, tmp_path, fast=True)
     _, traps = returns_of(spawn, rets, tmp_path, fast=False)
     assert fields(fast) == fields(traps)
+
+
+def test_every_argument_register_is_kept_by_the_entry_for_the_return(spawn, rets, tmp_path):
+    """``$arg1``..``$arg6`` of one return: six words of the shadow entry, each event's
+    values the call's own (mix(i, -i, 2i, i^5, 7, 1000 - i)), on the fast tier."""
+    argv = [rets, "mix", 25]
+    proc, out = start(spawn, tmp_path, argv)
+    events: list[Any] = []
+    rp = Kretprobe(
+        symbol="mix",
+        optimize=True,
+        async_handler=lambda _rp, ev: events.append(ev),
+        args=f"ret=$retval:s64 {SIX_ARGS}",
+    )
+    proc.register_kretprobe(rp)
+    assert optimized(proc, rp)
+    run_to_exit(proc)
+    assert out.read_bytes() == support.reference_output(argv)
+    assert rp.kp.nhit == rp.nhit == len(events) == 25  # every entry by the detour: no trap
+    for i, ev in enumerate(events):
+        a, b, c, d, e, f = i, -i, 2 * i, i ^ 5, 7, 1000 - i
+        values = {arg.name: arg.value for arg in ev.args}
+        assert values == {
+            "ret": a + 2 * b + 3 * c + 5 * d + 7 * e + 11 * f,
+            "a": a, "b": b, "c": c, "d": d, "e": e, "f": f, "g": b & 0xFFFF,
+        }  # fmt: skip
+
+
+def test_a_return_reading_an_argument_on_the_stack_keeps_its_trap(rets):
+    spec = "r mix a=$arg1 h=$arg7"  # the seventh argument is on the stack: read at the entry
+    r = support.cli("trace", "-c", f"{rets} mix 3", spec)
+    assert r.returncode == 0, r.stderr
+    assert "r_mix_0 uses a breakpoint: a fetch-arg reads $argN's memory or stack" in r.stderr
+    assert r.stdout.count("<- mix) a=0x") == 3
 
 
 def test_an_async_handler_does_not_go_with_synchronous_handlers(spawn, rets, tmp_path):

@@ -153,3 +153,76 @@ def test_max_events_keeps_the_handlers_path(target: Path, monkeypatch: pytest.Mo
     out, err = kprobes("trace", "-n", "5", "-c", f"{target} 1000", "p work i=%di:u32")
     assert [line.rpartition("=")[2] for line in out.splitlines()] == list(map(str, range(5)))
     assert made == [] and "5 events" in err
+
+
+# -- records of returns (issue 20): written by the trampoline, decoded a batch at a time ---
+
+RETURN_SPECS = {
+    "rec 300": (
+        r"r rec a=$retval:s64 b=$retval:u32 c=%ax d=$retval:s8 e=$retval:char"
+        r" f=$retval:b4@2/32 h=%bx:x16 k=\7 n=$comm m=$arg1:s16 w=%ip g=+0($retval):u8"
+    ),  # g: a small number as an address, which faults; w: the caller
+    "names 300": "r name_of s=+0($retval):string bytes=+0($retval):u8[4] i=$arg1:u8",
+    # every argument register, kept by the entry: six words of the shadow entry
+    "mix 300": "r mix r=$retval:s64 a=$arg1:s64 b=$arg2:s8 c=$arg3 d=$arg4:u16 e=$arg5 f=$arg6:s32",
+}
+
+
+def both_paths_of_returns(
+    rets: Path, command: str, monkeypatch: pytest.MonkeyPatch, as_json: bool
+) -> tuple[str, list[str], int]:
+    """``trace`` of ``command``'s return spec, each block also handed, record by record, to
+    the per-event path (``Event`` values, ``format_event``/``format_json``): (the trace's
+    lines, the per-event lines, runs the batch path took)."""
+    per_event: list[str] = []
+    batched_runs = 0
+    deliver_block = RingReader._deliver_block
+    fmt = format_json if as_json else format_event
+
+    def record(_rp: Any, ev: Any) -> None:
+        per_event.append(fmt(ev) + "\n")
+
+    def both(self: RingReader, block: Any) -> None:
+        nonlocal batched_runs
+        saved = {}
+        for rs in self.sites.values():
+            for rp in reader_mod.record_targets(rs):  # the return probes take the records
+                saved[rp] = rp.async_handler
+                rp.async_handler = record
+        try:
+            for one in block.records():
+                self._deliver(one)
+        finally:
+            for rp, handler in saved.items():
+                rp.async_handler = handler
+        batched_runs += sum(
+            not run.has_regs and self._batcher(run.probe, run.slots) is not None
+            for run in block.runs
+        )
+        deliver_block(self, block)
+
+    monkeypatch.setattr(RingReader, "_deliver_block", both)
+    json_flag = ["--json"] if as_json else []
+    spec = RETURN_SPECS[command]
+    out, err = kprobes("trace", *json_flag, "-c", f"{rets} {command}", spec)
+    assert "uses a breakpoint" not in err  # the entry took its jump: returns are records
+    return out, per_event, batched_runs
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+@pytest.mark.parametrize("command", RETURN_SPECS, ids=["values", "memory", "entry-args"])
+def test_batches_of_returns_print_the_bytes_the_handlers_print(
+    build: Any, command: str, as_json: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out, per_event, batched_runs = both_paths_of_returns(
+        build("rets"), command, monkeypatch, as_json
+    )
+    assert batched_runs >= 1  # the return probe's records went the batch way
+    assert len(per_event) == 301 if command == "rec 300" else 300
+    assert out == "".join(per_event)
+    if command == "rec 300":
+        assert ("<- rec) a=0 " in out or '"func": "rec"' in out) and "main+" in out
+    elif command == "names 300":
+        assert '"three"' in out
+    else:  # mix(299, -299, 598, 299 ^ 5, 7, 701)
+        assert "f=701" in out or '"f": 701' in out

@@ -98,6 +98,8 @@ class _Summary:
         from kprobes.process.fast.batch import LineFormat  # the reader's, when it reads
 
         key = self.args.hist
+        if self.args.latency and layout.is_return:
+            return None  # its duration is its Event's (entry_timestamp): ``handle`` takes it
         if self.args.latency or (key is not None and key not in layout.names):
             return LineFormat("''", "pass", "pass", {}, lambda *_: None, keep="False")
         i = layout.names.index(key) if key is not None else -1

@@ -43,7 +43,7 @@ from kprobes.errors import SpecError, TargetError
 from kprobes.model import Event
 from kprobes.output.jsonl import format_json
 from kprobes.output.perfetto import PerfettoWriter
-from kprobes.output.rows import json_line, text_line
+from kprobes.output.rows import ReturnHead, json_line, text_line
 from kprobes.output.stacks import USER_STACK, format_stack_lines
 from kprobes.output.text import format_context, format_event, format_wallclock
 from kprobes.spec import ProbeSpec, SymbolLocation
@@ -129,10 +129,13 @@ class TraceRows:
 
     def writer(self, layout: RowLayout) -> LineFormat | None:
         args = (layout.names, layout.types, layout.plain, layout.comm)
+        returns = None
+        if layout.is_return and layout.locate is not None:  # records of returns
+            returns = ReturnHead(layout.func, layout.func_ip, layout.locate)
         if self.json:
-            line = json_line(f"{layout.group}/{layout.event}", layout.pid, *args)
+            line = json_line(f"{layout.group}/{layout.event}", layout.pid, *args, returns)
         else:
-            line = text_line(layout.event, *args)
+            line = text_line(layout.event, *args, returns)
         if line is None:
             return None
         session, out, write = self.session, self.out, self.out.write

@@ -11,6 +11,7 @@ target then decides whether the code allows it, and a refusal is final for that 
 from __future__ import annotations
 
 import enum
+from dataclasses import field
 from typing import TYPE_CHECKING, Any, Final
 
 from kprobes.errors import InternalError
@@ -44,14 +45,15 @@ class SiteOpt:
     reason: str = ""
     area: int = 0  # which shared area (JumpState.areas) holds its counter
     counter: int = -1  # index in that area, kept across unoptimize/optimize
+    counters: int = 0  # how many counters from there are the site's (its return probes')
     seen: int = 0  # the counter's value already added to the probes' nhit
     detour: int = 0  # where the current detour is (0 when not optimized)
     region_len: int = 0
+    probes: tuple[Any, ...] = ()  # the site's probes its detour was made for
     record_id: int = 0  # a record site's id in its records (reader.py), 0 for a count
     plan: Any = None  # the captures that id's records hold (the target's)
-    return_id: int = 0  # the same, of the records a return probe's trampoline writes
-    return_plan: Any = None
-    members: tuple[int, ...] = ()  # the probes its detour was built for (their ids)
+    # The same, of the records each return probe's trampoline writes, by return probe.
+    returns: dict[Any, tuple[int, Any]] = field(default_factory=dict)
 
     def to(self, state: OptState, reason: str = "") -> None:
         if state not in _ALLOWED[self.state]:
@@ -73,9 +75,11 @@ def why_no_jump(site: ProbeSite, is_enabled: bool) -> str | None:
             return why_owner
         if p.owner is None and (p.pre_handler or p.post_handler or p.fault_handler):
             return "a probe here has a handler that may change the program, which runs at a trap"
+    # Entry probes and return probes share a detour; a probe of another type (a jprobe)
+    # runs at its trap, alone.
     owners = [p for p in site.probes if p.owner is not None]
-    if len(site.probes) > 1 and (len(owners) > 1 or (owners and not _is_return(owners[0]))):
-        return "a return probe's entry shares its site with another probe of its kind"
+    if len(site.probes) > 1 and not all(_is_return(p) for p in owners):
+        return "a probe here shares its site with a probe of another type"
     if not site.is_armed:
         return "disabled"
     if not is_enabled:

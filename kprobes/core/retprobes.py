@@ -126,8 +126,10 @@ class Kretprobe(EntryProbed):
     ``with_regs=True`` the registers at the return, and the tool hands
     ``async_handler(probe, event)`` a read-only return ``Event`` after the fact (``ip`` the
     caller, ``func``, ``entry_timestamp``). Where the entry site keeps its int3 the same
-    event is made at the return's trap. ``$argN`` (taken at the entry) keeps the probe on
-    traps; ``entry_handler`` and ``data_size`` do not go with an ``async_handler``.
+    event is made at the return's trap. ``$arg1``..``$arg6`` are the argument registers
+    the entry kept for the return (memory read through them, or an argument on the stack,
+    keeps the probe on traps); ``entry_handler`` and ``data_size`` do not go with an
+    ``async_handler``.
     """
 
     kind = "r"

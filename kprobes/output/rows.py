@@ -44,6 +44,18 @@ _TS: Final = (
 
 
 @dataclass(frozen=True, slots=True)
+class ReturnHead:
+    """The events are returns of ``func`` (at ``func_ip``): each one's place is its own
+    caller, the line's ``ip``, named by ``locate`` (the ``location`` its ``Event`` would
+    have): ``(caller+off/size <- func)``, and in JSON ``"return"``, ``"func"``,
+    ``"func_ip"``."""
+
+    func: str
+    func_ip: int
+    locate: Callable[[int], str]
+
+
+@dataclass(frozen=True, slots=True)
 class LineSource:
     """One probe's line, as source for a loop over its events: ``expr`` is an expression
     (an f-string, newline included) over ``ts``, the values ``v0``, ``v1``... and
@@ -102,15 +114,17 @@ class _Source:
         return LineSource(f'f"{line}\\n"', setup, context, self.names)
 
 
-def compile_rows(line: LineSource, count: int) -> RowsFormatter:
+def compile_rows(line: LineSource, count: int, *, each_ip: bool = False) -> RowsFormatter:
     """The function that formats a list of rows ``(tid, cpu, ts, v0, ...)`` (``count``
-    values) with ``line``: what a batch reader inlines, on its own."""
+    values) with ``line``: what a batch reader inlines, on its own. With ``each_ip`` a row
+    is ``(tid, cpu, ts, ip, v0, ...)``: each event's own place (a return's caller)."""
     values = "".join(f"v{i}, " for i in range(count))
+    ip = "ip, " if each_ip else ""
     source = (
         "def format_rows(rows, ip, location):\n"
         f"    {line.setup}\n"
         "    out = []\n"
-        f"    for tid, cpu, ts, {values} in rows:\n"
+        f"    for tid, cpu, ts, {ip}{values} in rows:\n"
         f"        {line.context}\n"
         f"        out.append({line.expr})\n"
         '    return "".join(out)\n'
@@ -138,6 +152,7 @@ def text_line(
     types: Sequence[str],
     plain: Sequence[bool],
     comm: Callable[[int], str],
+    returns: ReturnHead | None = None,
 ) -> LineSource:
     """One probe's events as ``format_event`` lines (without ``-T`` or irq flags)."""
     src = _Source()
@@ -147,7 +162,13 @@ def text_line(
         f" {src.literal(name)}={_text_value(src, i, t, p)}"
         for i, (name, t, p) in enumerate(zip(names, types, plain, strict=True))
     )
-    line = f"{{o_context}} {_TS}: {src.literal(event)}: ({{o_head}}){args}"
+    head = "{o_head}"
+    if returns is not None:  # ``format_location`` of a return, made once per caller
+        func = returns.func or f"0x{returns.func_ip:x}"
+        locate = returns.locate
+        src.names["o_heads"] = _PerKey(lambda ip: f"{locate(ip) or f'0x{ip:x}'} <- {func}")
+        head = "{o_heads[ip]}"
+    line = f"{{o_context}} {_TS}: {src.literal(event)}: ({head}){args}"
     return src.line(line, "location or f'0x{ip:x}'")
 
 
@@ -165,6 +186,7 @@ def json_line(
     types: Sequence[str],
     plain: Sequence[bool],
     comm: Callable[[int], str],
+    returns: ReturnHead | None = None,
 ) -> LineSource | None:
     """One probe ``name`` (GROUP/EVENT) of process ``pid``'s events as ``format_json``
     lines (without ``-T`` or stacks); None if two arguments have one name (one key of the
@@ -181,6 +203,15 @@ def json_line(
         f"{src.literal(dumps(n))}: {_json_value(src, i, t, p)}"
         for i, (n, t, p) in enumerate(zip(names, types, plain, strict=True))
     )
-    line = '{o_start}{o_context}, "timestamp": {ts!r}{o_head}' + args + "}}}}"
     head = 'f\', "ip": {ip}, "location": {o_dumps(location)}, "args": {{\''
+    if returns is None:
+        line = '{o_start}{o_context}, "timestamp": {ts!r}{o_head}' + args + "}}}}"
+        return src.line(line.replace('"', '\\"'), head)
+    locate = returns.locate  # each caller's head made once; the function's tail is fixed
+    src.names["o_heads"] = _PerKey(
+        lambda ip: f', "ip": {ip}, "location": {dumps(locate(ip))}, "args": {{'
+    )
+    tail = f'}}, "return": true, "func": {dumps(returns.func)}, "func_ip": {returns.func_ip}}}'
+    src.names["o_tail"] = tail
+    line = '{o_start}{o_context}, "timestamp": {ts!r}{o_heads[ip]}' + args + "{o_tail}"
     return src.line(line.replace('"', '\\"'), head)

@@ -245,6 +245,17 @@ class SpecTracer:
         self, spec: ProbeSpec, where: _Where, fetcher: ArgFetcher, handler: LineHandler | None
     ) -> PlacedSpec:
         """A return spec: a kretprobe whose entry handler keeps the time and entry args."""
+        if self.count_only:
+            # Its returns are the count (``nhit``): the program's trampoline counts them
+            # where the entry takes a jump, the trap tier's return handler where it does not.
+            rp = Kretprobe(
+                symbol=where.symbol,
+                offset=where.offset,
+                addr=where.addr,
+                maxactive=spec.maxactive,
+                optimize=self.optimize and handler is None,
+            )
+            return PlacedSpec(spec, rp, counts_in_place=True)
         group, event, pid = spec.effective_group, spec.effective_event, self.proc.pid
         sink, memory, comm, cpu, symbolize = (
             self.sink,
@@ -279,8 +290,7 @@ class SpecTracer:
                 handler(ri, made)
 
         aggregates = self._aggregates_in_place(fetcher)
-        # ``count`` makes no event of a return: its returns stay counted at traps, as before.
-        records = self.optimize and not aggregates and not self.count_only
+        records = self.optimize and not aggregates
         rp = Kretprobe(
             symbol=where.symbol,
             offset=where.offset,
@@ -313,6 +323,8 @@ class SpecTracer:
         rp.async_handler = on_record
         fast = self._fast_probe(spec, fetcher, where.path)
         fast.stack_depth = self.stack_depth  # the caller's stack, walked by the trampoline
+        if self.batch is not None:
+            fast.batch = self.batch(spec)  # the sink's events, as rows where they can be
         self.proc.records.prepare_return(rp, fast)
 
     def _fast_probe(self, spec: ProbeSpec, fetcher: ArgFetcher, path: str | None) -> FastProbe:

@@ -107,30 +107,34 @@ def test_bad_sites_are_refused() -> None:
 def test_layouts_fit() -> None:
     assert rs.T_LOST + rs.LOST_MAX * shadow.LOST <= rs.SLOT_STRIDE
     assert rs.SLOT_STRIDE % shadow.PAGE == 0
+    assert shadow.E_ARGS + 8 * shadow.ENTRY_REGS_MAX <= shadow.ENTRY
+    assert shadow.E_TSC < shadow.E_ARGS
     assert rs.COUNTERS_SIZE <= NCOUNTERS * 64
     assert rs.C_HIST + 8 * rs.HIST_SLOTS == rs.COUNTERS_SIZE
 
 
-def _record_site(entry_reg: str = "") -> rs.ReturnSite:
+def _record_site(entry_regs: tuple[str, ...] = ()) -> rs.ReturnSite:
     from kprobes.arch.x86_64 import shared_area as sa
-    from kprobes.arch.x86_64.capture import ENTRY_ARG, ENTRY_TSC, CapturePlan, Reg, Value
+    from kprobes.arch.x86_64.capture import ENTRY_TSC, CapturePlan, Reg, Value, entry_word
     from kprobes.arch.x86_64.record import RecordAction
 
     ring = sa.RingAddrs(TRAMP + 0x8000, TRAMP + 0x8008, TRAMP + 0x8010, TRAMP + 0x8018,
                         TRAMP + 0x9000, 64)  # fmt: skip
     plan = CapturePlan()
-    for name in ("rax", "rip", ENTRY_TSC, *([ENTRY_ARG] if entry_reg else [])):
+    for name in ("rax", "rip", ENTRY_TSC, *map(entry_word, entry_regs)):
         plan.add(Value(Reg(name)))
     record = RecordAction(3, ring, with_regs=True, plan=plan, counter=None)
     return rs.ReturnSite(SHADOW, TRAMP, TRAMP, 0x10000, 0, COUNTERS, record=record,
-                         entry_reg=entry_reg)  # fmt: skip
+                         entry_regs=entry_regs)  # fmt: skip
 
 
-@pytest.mark.parametrize("entry_reg", ["", "rsi"])
-def test_a_recording_trampoline_gives_back_every_word_it_took(entry_reg: str) -> None:
+@pytest.mark.parametrize(
+    "entry_regs", [(), ("rsi",), ("rdi", "rsi", "rdx", "rcx", "r8", "r9")], ids=["0", "1", "6"]
+)
+def test_a_recording_trampoline_gives_back_every_word_it_took(entry_regs: tuple[str, ...]) -> None:
     """Its frame: the return address's word, the nine registers, rbx, the flags, the entry
-    time (and the entry's register): all taken back before the ret, rbx popped."""
-    site = _record_site(entry_reg)
+    time (and the entry's registers): all taken back before the ret, rbx popped."""
+    site = _record_site(entry_regs)
     frame = rs.record_frame(site)
     assert frame.words[0] == "rip" and frame.probe_rsp == 8 * len(frame.words)
     instrs = listing(rs.build_trampoline(site, 1 << 31), TRAMP)
@@ -142,15 +146,32 @@ def test_a_recording_trampoline_gives_back_every_word_it_took(entry_reg: str) ->
     assert taken == popped + given + 8  # the last word is the real return address, for the ret
 
 
-def test_the_entry_keeps_the_register_a_return_record_asks_for() -> None:
+def test_the_entry_keeps_the_registers_a_return_record_asks_for() -> None:
+    """Each in its word of the shadow entry, in order; the trampoline copies each back into
+    its frame word for the record (``entry_word``)."""
+    from kprobes.arch.x86_64.capture import entry_word
+
     code = bytes.fromhex("554889e54883ec10c9c3")
     region = find_region(code, 0x40_1000, 0x40_1000, len(code))
     assert not isinstance(region, str)
-    detour = build_detour(0x40_0000, region, rs.RetEntryAction(_record_site("rsi")))  # type: ignore[arg-type]
+    site = _record_site(("rsi", "r9", "rdi"))
+    detour = build_detour(0x40_0000, region, rs.RetEntryAction(site))  # type: ignore[arg-type]
     instrs = text(listing(detour.code, 0x40_0000))
-    assert f"mov [r10+{rs.E_ARG:X}h],rax" in instrs
+    stores = [line for line in instrs if line.startswith("mov [r10+") and line.endswith(",rax")]
+    assert stores[-3:] == [f"mov [r10+{rs.E_ARGS + 8 * i:X}h],rax" for i in range(3)]
+    tramp = text(listing(rs.build_trampoline(site, 1 << 31), TRAMP))
+    frame = rs.record_frame(site)
+    for i, reg in enumerate(("rsi", "r9", "rdi")):
+        assert f"mov rax,[r10+{rs.E_ARGS + 8 * i:X}h]" in tramp
+        offset = frame.offset(entry_word(reg))  # iced's spelling: [rsp], [rsp+8], [rsp+10h]
+        where = "" if offset == 0 else f"+{offset}" if offset < 10 else f"+{offset:X}h"
+        assert f"mov [rsp{where}],rax" in tramp
     with pytest.raises(InternalError):
-        rs.ReturnSite(SHADOW, TRAMP, TRAMP, 0x10000, 0, COUNTERS, entry_reg="rsi")  # no record
+        rs.ReturnSite(SHADOW, TRAMP, TRAMP, 0x10000, 0, COUNTERS, entry_regs=("rsi",))  # no record
+    with pytest.raises(InternalError):
+        _record_site(("rsi", "rsi"))
+    with pytest.raises(InternalError):
+        _record_site(("rsi", "rbx"))  # not a register the entry saves
 
 
 def test_an_entry_record_and_the_hook_share_one_detour() -> None:

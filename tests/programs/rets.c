@@ -16,6 +16,8 @@
  *                      prints the main loop's sum and whether every handler's result was right
  *   rets names N       name_of(i) for i < N: returns a pointer to "zero", "one", "two" or
  *                      "three" (i % 4); prints the total length of the names
+ *   rets mix N         mix(i, -i, 2i, i^5, 7, 1000 - i) for i < N: six arguments, each in its
+ *                      register; prints the sum of the results
  */
 #include <pthread.h>
 #include <setjmp.h>
@@ -83,6 +85,13 @@ __attribute__((noinline)) long co_work(long n, long who)
 		return 1;
 	}
 	return co_work(n - 1, who) + 1;
+}
+
+/* Every argument register of the ABI, each weighted differently in the result. */
+__attribute__((noinline)) long mix(long a, long b, long c, long d, long e, long f)
+{
+	SINK_ADD(a);
+	return a + 2 * b + 3 * c + 5 * d + 7 * e + 11 * f;
 }
 
 static void run_a(void) { co_a += co_work(3, 0); }
@@ -212,6 +221,11 @@ int main(int argc, char **argv)
 			return 1;
 		printf("block=%ld\n", rec_block(n));
 		printf("rec=%ld\n", rec(n));
+	} else if (!strcmp(mode, "mix")) {
+		long sum = 0;
+		for (long i = 0; i < n; i++)
+			sum += mix(i, -i, 2 * i, i ^ 5, 7, 1000 - i);
+		printf("mix sum=%ld\n", sum);
 	} else if (!strcmp(mode, "fork")) {
 		long r = forker(1);
 		if (r == 100) {

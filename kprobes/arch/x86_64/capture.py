@@ -58,7 +58,20 @@ REGISTERS: Final = (*GPRS, "rip", "eflags")
 # A return trampoline's frame word: the call's entry time (rdtsc), which its record keeps
 # beside the registers at the return (retstack.py); no spec names it.
 ENTRY_TSC: Final = "entry_tsc"
-ENTRY_ARG: Final = "entry_arg"  # and the one $argN register its entry kept (retstack.py)
+# And the $argN registers its entry kept (retstack.py), a word each: ``entry_word("rdi")``.
+ENTRY_PREFIX: Final = "entry_"
+
+
+def entry_word(register: str) -> str:
+    """The trampoline's frame word holding ``register`` as the call's entry had it."""
+    return ENTRY_PREFIX + register
+
+
+def entry_register_of(word: str) -> str | None:
+    """The register an ``entry_word`` holds; None for any other word."""
+    if word.startswith(ENTRY_PREFIX) and word[len(ENTRY_PREFIX) :] in GPRS:
+        return word[len(ENTRY_PREFIX) :]
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +81,8 @@ class Reg:
     name: str
 
     def __post_init__(self) -> None:
-        if self.name not in REGISTERS and self.name not in (ENTRY_TSC, ENTRY_ARG):
+        name = self.name
+        if name not in REGISTERS and name != ENTRY_TSC and entry_register_of(name) is None:
             raise InternalError(f"{self.name} cannot be captured")
 
 

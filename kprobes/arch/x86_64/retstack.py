@@ -44,16 +44,17 @@ from typing import Final
 
 from iced_x86 import Code, Instruction, MemoryOperand, Register, Register_
 
-from kprobes.arch.x86_64.capture import ENTRY_ARG, ENTRY_TSC
+from kprobes.arch.x86_64.capture import ENTRY_TSC, entry_word
 from kprobes.arch.x86_64.detour import EFLAGS, Block, Frame, at, mov_load, mov_store
 from kprobes.arch.x86_64.record import RecordAction, ThreadId
 from kprobes.arch.x86_64.shadow import (
     CAPACITY,
-    E_ARG,
+    E_ARGS,
     E_RET,
     E_STACK,
     E_TSC,
     ENTRY,
+    ENTRY_REGS_MAX,
     LOST_MAX,
     NTHREADS,
     SLOT_STRIDE,
@@ -157,7 +158,7 @@ class ReturnSite:
     thread_id: ThreadId = ThreadId.FSBASE
     value_bits: int = 0
     record: RecordAction | None = None
-    entry_reg: str = ""  # a register the entry keeps for the record (its $argN), or ""
+    entry_regs: tuple[str, ...] = ()  # registers the entry keeps for the record (its $argN)
     linear: Linear | None = None  # linear slots (at C_LHIST) in place of the log2 ones
     thread_salt: int = 0  # where its record's thread salt is (record.py), 0: none
 
@@ -166,8 +167,14 @@ class ReturnSite:
             raise InternalError(f"a return probe's cap {self.cap} is not 1..{CAPACITY}")
         if self.value_bits not in (0, 32, 64):
             raise InternalError(f"a return value of {self.value_bits} bits")
-        if self.entry_reg and (self.record is None or self.entry_reg not in _SAVED_NAMES):
-            raise InternalError(f"an entry register {self.entry_reg!r} for no record")
+        regs = self.entry_regs
+        if regs and (
+            self.record is None
+            or len(regs) > ENTRY_REGS_MAX
+            or len(set(regs)) < len(regs)
+            or not set(regs) <= set(_SAVED_NAMES)
+        ):
+            raise InternalError(f"entry registers {regs!r} (for a record, at most six)")
 
 
 def _imm64(block: Block, reg: Register_, value: int) -> None:
@@ -224,8 +231,7 @@ def _emit_find(block: Block, site: ReturnSite, *, claim: bool, missing: str) -> 
 
 def _emit_top(block: Block) -> None:
     """r10 = the entry below depth rsi (the newest live one); clobbers rax."""
-    block.add(Instruction.create_reg_reg(Code.MOV_R64_RM64, RAX, RSI))
-    block.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, RAX, 5))  # * ENTRY
+    block.add(Instruction.create_reg_reg_i32(Code.IMUL_R64_RM64_IMM32, RAX, RSI, ENTRY))
     block.add(Instruction.create_reg_reg(Code.ADD_R64_RM64, RAX, RDI))
     block.add(Instruction.create_reg_mem(Code.LEA_R64_M, R10, at(RAX, T_ENTRIES - ENTRY)))
 
@@ -312,9 +318,9 @@ class RetEntryAction:
         block.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, RDX, 32))
         block.add(Instruction.create_reg_reg(Code.OR_R64_RM64, RAX, RDX))
         block.add(mov_store(R10, E_TSC, RAX))
-        if site.entry_reg:  # the program's, saved in the frame (the action clobbers it)
-            block.add(mov_load(RAX, Register.RSP, frame.offset(site.entry_reg)))
-            block.add(mov_store(R10, E_ARG, RAX))
+        for i, reg in enumerate(site.entry_regs):  # the program's, saved in the frame
+            block.add(mov_load(RAX, Register.RSP, frame.offset(reg)))
+            block.add(mov_store(R10, E_ARGS + 8 * i, RAX))
         block.add(mov_store(RDI, T_DEPTH, RSI))
         _imm64(block, RAX, site.trampoline)
         block.add(mov_store(R8, 0, RAX))
@@ -349,12 +355,19 @@ def _emit_measure(b: Block, site: ReturnSite, mult: int, saved_rax: int) -> None
     b.add(Instruction.create_reg_reg_i32(Code.SHRD_RM64_R64_IMM8, RAX, RDX, 32))
 
 
+# A recording trampoline's frame word: where its ``ret`` goes, while the "rip" word holds
+# the caller for the record (they differ in a chain of trampolines: ``_emit_caller``).
+RETURN_TO: Final = "return_to"
+
+
 def record_frame(site: ReturnSite) -> Frame:
     """The trampoline's words while its record is written, in push order: the real return
     address (as "rip": the program's rip once the trampoline returns), the saved registers,
-    and, with a record, rbx (the record's pointer), the flags and the call's entry time."""
-    extra = ("rbx", EFLAGS, ENTRY_TSC) if site.record is not None else ()
-    kept = (ENTRY_ARG,) if site.entry_reg else ()
+    and, with a record, rbx (the record's pointer), the flags, the call's entry time, where
+    its ``ret`` goes (``RETURN_TO``) and the registers its entry kept (``entry_word``); a
+    record's stack walk saves callee-saved registers of its own after the others."""
+    extra = ("rbx", EFLAGS, ENTRY_TSC, RETURN_TO) if site.record is not None else ()
+    kept = tuple(entry_word(reg) for reg in site.entry_regs)
     return Frame(("rip", *_SAVED_NAMES, *_walk_names(site), *extra, *kept), below=0)
 
 
@@ -402,11 +415,7 @@ def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     b.add(mov_load(RAX, R10, E_RET))
     b.add(mov_store(R8, 0, RAX))  # where the final ret finds it
     if site.record is not None:
-        b.add(mov_load(RAX, R10, E_TSC))
-        b.add(mov_store(Register.RSP, frame.offset(ENTRY_TSC), RAX))
-        if site.entry_reg:
-            b.add(mov_load(RAX, R10, E_ARG))
-            b.add(mov_store(Register.RSP, frame.offset(ENTRY_ARG), RAX))
+        _emit_entry_words(b, site, frame)
     _imm64(b, R11, site.counters)
     b.add(Instruction.create_mem(Code.INC_RM64, at(R11, C_RETURNS)), lock=True)
     if site.record is not None:
@@ -433,7 +442,10 @@ def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     # Step 5: the registers back, and home.
     b.label("restore")
     if site.record is not None:
-        kept = 8 * (len(frame.words) - 1 - len(_SAVED) - len(walk) - 1)  # the flags, the entry's
+        b.add(mov_load(RAX, Register.RSP, frame.offset(RETURN_TO)))  # the ret's, once more
+        b.add(mov_store(Register.RSP, frame.offset("rip"), RAX))
+        # all but rbx above the walk's registers: the flags, the entry's time and words
+        kept = 8 * (len(frame.words) - 1 - len(_SAVED) - len(walk) - 1)
         b.add(Instruction.create_reg_mem(Code.LEA_R64_M, Register.RSP, at(Register.RSP, kept)))
         b.add(Instruction.create_reg(Code.POP_R64, Register.RBX))
     for reg in reversed((*_SAVED, *walk)):
@@ -445,6 +457,45 @@ def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     if len(code) > limit:
         raise InternalError(f"a trampoline of {len(code)} bytes")
     return code
+
+
+def _emit_entry_words(b: Block, site: ReturnSite, frame: Frame) -> None:
+    """A recording trampoline's frame words from its call's entry (r10): the entry time,
+    the registers the entry kept, where the ``ret`` goes and the caller."""
+    b.add(mov_load(RAX, R10, E_TSC))
+    b.add(mov_store(Register.RSP, frame.offset(ENTRY_TSC), RAX))
+    for i, name in enumerate(site.entry_regs):
+        b.add(mov_load(RAX, R10, E_ARGS + 8 * i))
+        b.add(mov_store(Register.RSP, frame.offset(entry_word(name)), RAX))
+    _emit_caller(b, site, frame)
+
+
+def _emit_caller(b: Block, site: ReturnSite, frame: Frame) -> None:
+    """The record's "rip" is the caller: where this call's entry (r10) returns, unless that
+    is another of our trampolines (a later return probe's hook at one site, or a tail
+    call, chains the calls at one slot r8), then the oldest entry of the chain's; the
+    ``ret`` still goes to the next trampoline (``RETURN_TO``). As the trap tier, which
+    gives each instance of a chain the real address. Clobbers rax, rcx, r11."""
+    b.add(mov_load(RAX, R10, E_RET))
+    b.add(mov_store(Register.RSP, frame.offset(RETURN_TO), RAX))
+    b.add(Instruction.create_reg_reg(Code.MOV_R64_RM64, R11, R10))
+    b.label("caller")
+    _imm64(b, RCX, site.tramp_start)
+    b.add(Instruction.create_reg_reg(Code.SUB_R64_RM64, RCX, RAX))
+    b.add(Instruction.create_reg(Code.NEG_RM64, RCX))  # rax - tramp_start
+    b.add(Instruction.create_reg_i32(Code.CMP_RM64_IMM32, RCX, site.tramp_size))
+    b.branch(Code.JAE_REL32_64, "caller_found")  # not one of ours: the caller
+    b.add(Instruction.create_reg_mem(Code.LEA_R64_M, R11, at(R11, -ENTRY)))
+    b.add(Instruction.create_reg_mem(Code.LEA_R64_M, RCX, at(RDI, T_ENTRIES)))
+    b.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, R11, RCX))
+    b.branch(Code.JB_REL32_64, "caller_found")  # no older entry: the trampoline it is
+    b.add(mov_load(RCX, R11, E_STACK))
+    b.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, RCX, R8))
+    b.branch(Code.JNE_REL32_64, "caller_found")  # not of this slot: the same
+    b.add(mov_load(RAX, R11, E_RET))
+    b.branch(Code.JMP_REL32_64, "caller")
+    b.label("caller_found")
+    b.add(mov_store(R8, 0, RAX))
 
 
 def _emit_linear_slot(b: Block, linear: Linear) -> None:

@@ -20,12 +20,14 @@ T_DEPTH: Final = 8
 T_BUSY: Final = 16
 T_LOST_NEXT: Final = 24  # how many entries were ever released (the ring's next place)
 T_ENTRIES: Final = 64
-# An entry: where the call returns to, its return slot, its entry time.
+# An entry: where the call returns to, its return slot, its entry time, then the registers
+# a return record's $argN name, kept at the entry (``entry_regs``), a word each.
 E_RET: Final = 0
 E_STACK: Final = 8
 E_TSC: Final = 16
-E_ARG: Final = 24  # a return record's one $argN register, kept at the entry (``entry_reg``)
-ENTRY: Final = 32
+E_ARGS: Final = 24
+ENTRY_REGS_MAX: Final = 6  # every argument register of the SysV ABI
+ENTRY: Final = E_ARGS + 8 * ENTRY_REGS_MAX  # 72 bytes
 # Then the released entries' (return slot, return address), the last LOST_MAX, so that a
 # frame released wrongly (a stack switched under it: coroutines, a signal stack above the
 # thread's) still finds its way home, as the trap tier's ``Thread.lost`` does.

@@ -373,7 +373,7 @@ def _emit_real_return(block: Block, directory: int, indirect: bool) -> None:
     block.branch(Code.JE_REL32_64, "sw_no_info")
     add(Instruction.create_reg(Code.DEC_RM64, _T2))
     add(Instruction.create_reg_reg(Code.MOV_R64_RM64, _LO, _T2))
-    add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, _LO, 5))  # * shadow.ENTRY
+    add(Instruction.create_reg_reg_i32(Code.IMUL_R64_RM64_IMM32, _LO, _LO, shadow.ENTRY))
     add(Instruction.create_reg_reg(Code.ADD_R64_RM64, _LO, _ROWS))
     add(
         Instruction.create_reg_mem(

@@ -21,6 +21,11 @@ keep the handlers' path: fetch-args through a dereference chain (``+8(+16(%si))`
 find an address in another probe's copy), string arrays; the reader keeps there too the
 records that carry the registers and the sites with more than one probe.
 
+The records of returns (a return probe's trampoline writes them: fetch/fast.py
+``plan_return_captures``) take the same path: ``$retval`` is the rax the plan captured,
+``$argN`` the words the entry kept (``entry_word``), and each event's ``ip`` its own caller
+(the captured "rip"), which the output's line names (``RowLayout.is_return``).
+
 Decoders are generated Python source, as tracefs/records.py generates the kernel records'
 builders; only names chosen here, integer constants and the output's line are written into
 it, everything else enters through the function's namespace. Rejected: one closure per
@@ -46,12 +51,20 @@ from kprobes.arch.x86_64.capture import (
     String,
     Value,
     capture_size,
+    entry_word,
 )
 from kprobes.errors import InternalError
 from kprobes.process.fetch.evaluate import MASK64, cut_to_type, type_text
 from kprobes.process.fetch.fast import STRING_LIMIT, Resolver
-from kprobes.process.fetch.tree import Kind, address, kind_of, value
-from kprobes.spec import FetchArg, ImmediateString, ProbeSpec, TypeSpec
+from kprobes.process.fetch.tree import (
+    ARG_REGS,
+    Kind,
+    address,
+    kind_of,
+    reads_function_args,
+    value,
+)
+from kprobes.spec import FetchArg, FunctionArg, ImmediateString, ProbeSpec, TypeSpec
 from kprobes.values import dataclass
 
 # (a block's run of records, a segment of the clock: its start tick, its ns, ticks per ns,
@@ -76,6 +89,13 @@ class RowLayout:
     types: tuple[str, ...]
     plain: tuple[bool, ...]
     comm: Callable[[int], str]  # a thread's name, as the reader's events give it
+    # The events of a return probe's records: ``(caller <- func)``. Each event's ``ip`` is
+    # then its caller (the line's ``ip``, set for each event), named by ``locate``; the
+    # function is ``func`` at ``func_ip`` (``Event.func``, ``Event.func_ip``).
+    is_return: bool = False
+    func: str = ""
+    func_ip: int = 0
+    locate: Callable[[int], str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,8 +154,17 @@ class _Parts:
         return _NotPlain(type(fetch).__name__)
 
 
+class _ReturnParts(_Parts):
+    """At the return (a trampoline's record): ``$retval`` is rax, as the plan captured it
+    (``fetch/fast.plan_return_captures``)."""
+
+    def retval(self) -> Src:
+        return Reg("rax")
+
+
 Src = Reg | Const
 _PARTS = _Parts()
+_RETURN_PARTS = _ReturnParts()
 
 
 def _cut(type_: TypeSpec, v: str) -> str:
@@ -228,12 +257,22 @@ class _Source:
         return "".join(fmt), names
 
 
-def _arg(src: _Source, i: int, arg: Any, resolvers: Resolver, site_addr: int) -> bool:
+def _arg(
+    src: _Source, i: int, arg: Any, resolvers: Resolver, site_addr: int, is_return: bool
+) -> bool:
     """Append the statement that sets ``v<i>``; whether the value is plain (an int cut to
     its type); _NotPlain if the decoder cannot give exactly the evaluator's value."""
     fetch, type_ = arg.fetch, arg.effective_type
     resolve_data, file_addr = resolvers
     out = f"v{i}"
+    parts = _RETURN_PARTS if is_return else _PARTS
+    if is_return and reads_function_args(fetch):
+        # ``$argN`` of a return: the register its entry kept (``ArgFetcher.entry`` on it).
+        if not isinstance(fetch, FunctionArg) or not _is_number(type_) or type_.count:
+            raise _NotPlain("a return's $argN read other than as a number")
+        (field,) = src.capture(Value(Reg(entry_word(ARG_REGS[fetch.index - 1]))))
+        src.lines.append(f"{out} = {_cut(type_, field)}")
+        return True
     match kind_of(fetch):
         case Kind.COMM:
             src.lines.append(f"{out} = comm(tid)")
@@ -245,8 +284,9 @@ def _arg(src: _Source, i: int, arg: Any, resolvers: Resolver, site_addr: int) ->
         case Kind.VALUE:
             if not _is_number(type_) or type_.count is not None:
                 raise _NotPlain(f"a value of type {type_.name}")
-            part = value(fetch, _PARTS, resolve_data, file_addr)
-            if isinstance(part, Const) or part.name == "rip":  # the reader sets rip: the site
+            part = value(fetch, parts, resolve_data, file_addr)
+            # The reader sets an entry's rip to the site; a return's is captured (its caller).
+            if isinstance(part, Const) or (part.name == "rip" and not is_return):
                 word = part.value if isinstance(part, Const) else site_addr
                 src.lines.append(f"{out} = {src.constant(cut_to_type(type_, word))}")
             else:
@@ -254,7 +294,7 @@ def _arg(src: _Source, i: int, arg: Any, resolvers: Resolver, site_addr: int) ->
                 src.lines.append(f"{out} = {_cut(type_, field)}")
             return True
         case Kind.MEMORY:
-            base, off = address(fetch, _PARTS, resolve_data, file_addr)
+            base, off = address(fetch, parts, resolve_data, file_addr)
             if type_.is_string and type_.count is None:
                 _, status, body = src.capture(String(base, off, STRING_LIMIT))
                 src.lines.append(f"{out} = string({status}, {body})")
@@ -284,6 +324,7 @@ class DecoderPlan:
     spec: ProbeSpec
     source: _Source
     plain: tuple[bool, ...]
+    is_return: bool = False  # records of returns: each event's ``ip`` is its own (captured)
 
     def compile(
         self,
@@ -301,8 +342,12 @@ class DecoderPlan:
         if any(not name.startswith("o_") for name in line.names):
             raise InternalError("an output's names must start with o_")
         src = self.source
+        lines = src.lines
+        if self.is_return:  # the caller, where the trampoline returned to (the event's ip)
+            (rip,) = src.capture(Value(Reg("rip")))
+            lines = [f"ip = {rip}", *lines]
         fmt, fields = src.struct_format(slots)
-        body = "\n".join(f"        {statement}" for statement in src.lines)
+        body = "\n".join(f"        {statement}" for statement in lines)
         keep = f"        if not ({line.keep}):\n            continue\n" if line.keep else ""
         source = f"""\
 def decode(view, start, ns, per, end, ip, location):
@@ -341,22 +386,45 @@ def decode(view, start, ns, per, end, ip, location):
         decoder: Decoder = namespace["decode"]
         return decoder
 
-    def layout(self, group: str, event: str, pid: int, comm: Callable[[int], str]) -> RowLayout:
-        """What the output is told of the values (``LineFormat``'s ``v0``, ``v1``...)."""
+    def layout(
+        self,
+        group: str,
+        event: str,
+        pid: int,
+        comm: Callable[[int], str],
+        locate: Callable[[int], str] | None = None,
+        func_ip: int = 0,
+    ) -> RowLayout:
+        """What the output is told of the values (``LineFormat``'s ``v0``, ``v1``...); for
+        the records of returns, ``locate`` names an address as the reader's events do, and
+        ``func_ip`` is the function's entry (the site)."""
         spec = self.spec
         types = tuple(type_text(arg.effective_type) for arg in spec.args)
-        return RowLayout(group, event, pid, spec.arg_names, types, self.plain, comm)
+        if not self.is_return:
+            return RowLayout(group, event, pid, spec.arg_names, types, self.plain, comm)
+        if locate is None:
+            raise InternalError("the records of returns need their callers named")
+        func = locate(func_ip).split("+")[0]  # as reader.py's return events
+        return RowLayout(
+            group, event, pid, spec.arg_names, types, self.plain, comm,
+            is_return=True, func=func, func_ip=func_ip, locate=locate,
+        )  # fmt: skip
 
 
 def plan_decoder(
     spec: ProbeSpec, resolvers: Resolver, plan: CapturePlan, site_addr: int
 ) -> DecoderPlan | None:
     """How ``spec``'s values are read from the records of its site at ``site_addr``, which
-    captures ``plan``; None where the decoder could not give exactly the evaluator's values
-    (see the module docstring)."""
+    captures ``plan`` (a return spec's: the records its trampoline writes); None where the
+    decoder could not give exactly the evaluator's values (see the module docstring)."""
     src = _Source(plan)
+    is_return = spec.is_return
     try:
-        plain = tuple(_arg(src, i, arg, resolvers, site_addr) for i, arg in enumerate(spec.args))
+        plain = tuple(
+            _arg(src, i, arg, resolvers, site_addr, is_return) for i, arg in enumerate(spec.args)
+        )
+        if is_return:
+            src.capture(Value(Reg("rip")))  # the caller: the event's ip
     except _NotPlain:
         return None
-    return DecoderPlan(spec, src, plain)
+    return DecoderPlan(spec, src, plain, is_return)

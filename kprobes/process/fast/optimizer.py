@@ -49,8 +49,12 @@ from kprobes.errors import NotRelocatable, TargetError
 from kprobes.process.engine.breakpoints import JUMP_LEN
 from kprobes.process.engine.threads import ThreadState
 from kprobes.process.engine.trampoline import UnwindUnhook
-from kprobes.process.fast import returns
-from kprobes.process.fast.returns import FastReturns, return_probe_of
+from kprobes.process.fast.returns import (
+    FastReturns,
+    counter_blocks,
+    counters_needed,
+    return_probes_of,
+)
 from kprobes.process.inject import calls
 from kprobes.symbols.maps import read_maps
 from kprobes.symbols.parts import function_parts
@@ -70,11 +74,6 @@ if TYPE_CHECKING:
     from kprobes.process.inject.program import ProgramCalls
 
 _DETOUR_ALIGN: Final = 16
-
-
-def _members(site: ProbeSite) -> tuple[int, ...]:
-    """The probes a detour is built for, by identity."""
-    return tuple(id(p) for p in site.probes)
 
 
 def _writes_records(action: Action) -> bool:
@@ -174,7 +173,7 @@ class Optimizer:
         for addr in list(state.returns.seen):
             site, so = table.get(addr), state.sites.get(addr)
             if site is not None and so is not None and so.counter >= 0:
-                self._returns.collect(site, state.areas[so.area], so)
+                self._returns.collect(site, state.areas)
 
     # -- the sweep, at the end of every stop of the world --------------------------------
 
@@ -206,10 +205,10 @@ class Optimizer:
                 continue
             if so is None:
                 so = state.sites[site.addr] = SiteOpt()
-            if so.state is OptState.OPTIMIZED and so.members != _members(site):
-                # A probe joined or left: the detour's action was built for the others (the
-                # kernel unoptimizes an aggregate probe it changes, then optimizes it again).
-                self.unoptimize(site, rearm=site.is_armed)
+            if so.state is OptState.OPTIMIZED and so.probes != tuple(site.probes):
+                # Its detour was made for other probes (one came or went): made again. The
+                # frames hooked meanwhile keep their trampolines, which stay valid.
+                self.unoptimize(site, rearm=True, unhook=False)
             if so.state is OptState.TRAP:
                 self._optimize(site, so, threads)
 
@@ -247,15 +246,18 @@ class Optimizer:
             return
         # Step 4: the counter, the action, then the detour, written before the jump to it.
         try:
-            rp = return_probe_of(site)
-            if so.counter < 0:
-                need = 1 if rp is None else returns.counters_needed(rp)
+            rps = return_probes_of(site.probes)
+            need = max(1, sum(map(counters_needed, rps)))
+            # Return probes that came or went: a new block, whose places no other probe's
+            # trampoline counts into (the old trampolines keep their own: returns.py).
+            if so.counter < 0 or need > so.counters or return_probes_of(so.probes) != rps:
                 so.area = self._memory.area(addr, need)
                 area = self._state.areas[so.area]
                 so.counter, area.next_counter = area.next_counter, area.next_counter + need
+                so.counters = need
                 so.seen = sa.read_counter(area.view, so.counter)
             area = self._state.areas[so.area]
-            if rp is not None:
+            if rps:
                 action = self._return_action(site, area, so)
             elif any(isinstance(p.owner, UnwindUnhook) for p in site.probes):
                 action = self._returns.unhook_action(site, area, so)
@@ -285,20 +287,30 @@ class Optimizer:
         self._tracer.rescue.note_jump(spaces, addr, region.original[0], detour.patch)
         self._tracer.breakpoints.patch_jump(spaces, addr, detour.patch, region.original[:5])
         so.detour, so.region_len = at, region.length
-        so.members = _members(site)
+        so.probes = tuple(site.probes)
         so.to(OptState.OPTIMIZED)
 
     def _return_action(self, site: ProbeSite, area: SharedArea, so: SiteOpt) -> Action | str:
-        """A return probe's entry action, its trampoline writing a record of each return if
-        the probe has an asynchronous handler (recording.py), else aggregating."""
+        """The entry action of the return probes at ``site``: each one's hook, its
+        trampoline writing a record of each return if the probe has an asynchronous handler
+        (recording.py), else aggregating; an entry probe's record first if one shares the
+        site. Several return probes hook one after the other (returns.py)."""
         entry = self._recording.entry_record(site, area, so, counted=False)
-        record = self._recording.return_record(site, area, so)
-        if isinstance(entry, str) or isinstance(record, str):
-            return entry if isinstance(entry, str) else str(record)
-        hook = self._returns.action(site, area, so, *(record or ()))
+        if isinstance(entry, str):
+            return entry
+        actions: list[Action] = [] if entry is None else [entry]
+        self._returns.forget_hooks(site.addr)
+        for rp, counter in counter_blocks(site, so.counter):
+            record = self._recording.return_record(site, area, so, rp)
+            if isinstance(record, str):
+                return record
+            shared = (so.area, area)
+            hook = self._returns.action(site, shared, rp, counter, *(record or ()))
+            if isinstance(hook, str):
+                return hook
+            actions.append(hook)
         self._recording.tables.refresh()  # walks learn where the trampolines and stacks are
-        # An entry probe's record shares the site: first the record, then the hook.
-        return hook if entry is None or isinstance(hook, str) else Actions((entry, hook))
+        return actions[0] if len(actions) == 1 else Actions(tuple(actions))
 
     def _shield_site(self, addr: int, original: bytes) -> str | None:
         """Cover the jump's pages in every address space with a copy of the code (shield.py);
@@ -359,8 +371,10 @@ class Optimizer:
         ]
         return fragments, [bias + pad for pad in parts.pads]
 
-    def unoptimize(self, site: ProbeSite, *, rearm: bool) -> None:
-        """Put the original bytes back, then the int3 if ``rearm``. The world is held."""
+    def unoptimize(self, site: ProbeSite, *, rearm: bool, unhook: bool = True) -> None:
+        """Put the original bytes back, then the int3 if ``rearm``; with ``unhook``, the
+        real return address back in the frames its return probes hooked. The world is
+        held."""
         assert self._tracer.world.is_stopped, "unoptimizing needs the world stopped"
         so = self._state.sites[site.addr]
         self.collect_counts()
@@ -374,9 +388,9 @@ class Optimizer:
         so.to(OptState.TRAP)
         # A return probe's live frames get their real return addresses back (a thread that
         # was inside the entry detour hooks its frame still: the trampoline stays valid).
-        tramp = self._state.returns.current.get(site.addr, 0)
-        if tramp:
-            self._state.returns.unhook(self._tracer.threads.values(), only=tramp)
+        tramps = self._state.returns.current.get(site.addr)
+        if tramps and unhook:
+            self._state.returns.unhook(self._tracer.threads.values(), only=tramps)
 
     def unoptimize_around(self, addr: int) -> None:
         """A probe is being armed at ``addr``: an optimized region that covers it goes back to

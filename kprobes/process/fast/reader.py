@@ -10,7 +10,8 @@ Where the probe cannot be optimized the same handler runs at its trap, with an `
 built from the live thread: one handler, two tiers, the same values.
 
 **In batches.** A probe whose events are only printed (``FastProbe.batch``: ``trace``) and
-is alone at its site skips the ``Event``: the ring is read as one block (ring_block.py) and
+is alone at its site (a return probe: alone to take its site's records of returns) skips
+the ``Event``: the ring is read as one block (ring_block.py) and
 each run of its records goes through a decoder generated for its layout and its output's
 line (batch.py), the same bytes at twenty to forty times the pace; the other runs go to the
 handlers, in record order.
@@ -47,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from kprobes.arch.x86_64 import ring_block
 from kprobes.arch.x86_64 import shared_area as sa
-from kprobes.arch.x86_64.capture import ENTRY_ARG, ENTRY_TSC, Captured, CapturePlan
+from kprobes.arch.x86_64.capture import ENTRY_TSC, Captured, CapturePlan, entry_register_of
 from kprobes.arch.x86_64.record import THREAD_MASK, thread_salt
 from kprobes.arch.x86_64.regs import REG_INDEX, Regs
 from kprobes.arch.x86_64.stackwalk import WalkResult, read_walk
@@ -57,13 +58,12 @@ from kprobes.errors import ProbeError
 from kprobes.linux.tsc import TscClock
 from kprobes.model import ArgValue, Event, UserStack
 from kprobes.process.fast.batch import BatchOutput, Decoder, plan_decoder
-from kprobes.process.fetch.evaluate import ArgFetcher, CpuReader, Memory
-from kprobes.process.fetch.fast import Resolver, data_resolver, entry_register, file_resolver
+from kprobes.process.fetch.evaluate import ArgFetcher, Memory
+from kprobes.process.fetch.fast import Resolver, data_resolver, entry_registers, file_resolver
 from kprobes.spec import SymbolLocation, parse
 from kprobes.values import dataclass
 
 if TYPE_CHECKING:
-    from kprobes.core.retprobes import KretprobeInstance, RetHandler
     from kprobes.core.table import ProbeSite, ProbeTable
     from kprobes.spec import ProbeSpec
     from kprobes.symbols.resolve import SymbolResolver
@@ -104,66 +104,6 @@ class FastProbe:
             self.event = self.spec.effective_event
 
 
-def trap_delivery(fp: FastProbe, cpu: CpuReader) -> Callable[[Kprobe, Any], None]:
-    """The trap tier's pre handler for an asynchronous handler: the same ``Event``, built
-    from the live thread, handed over at once."""
-    group, event, pid, memory, fetch = fp.group, fp.event, fp.pid, fp.memory, fp.fetcher.fetch
-    comm, symbolize, with_regs = memory.comm, memory.symbolize, fp.with_regs
-    trap_stack = fp.trap_stack
-
-    def deliver(kp: Kprobe, regs: Any) -> None:
-        handler = kp.async_handler
-        assert handler is not None
-        tid = regs.tid
-        ip = regs.ip
-        handler(
-            kp,
-            Event(
-                group, event, pid, tid, comm(tid), cpu(tid), time.monotonic(), ip,
-                symbolize(ip), fetch(regs, memory),
-                regs=regs.frozen() if with_regs else None,
-                stack=None if trap_stack is None else trap_stack(regs),
-            ),
-        )  # fmt: skip
-
-    return deliver
-
-
-def return_trap_delivery(
-    rp: Kretprobe, fp: FastProbe, cpu: CpuReader, drain: Callable[[], None]
-) -> tuple[RetHandler, RetHandler]:
-    """The trap tier's entry handler and handler for a return probe's ``async_handler``:
-    the event a record of its return would give (``(caller <- func)``, the entry time, the
-    ``$argN`` taken at the entry), built from the live thread at the return, after the
-    records written before it (``drain``)."""
-    group, event, pid, memory, fetcher = fp.group, fp.event, fp.pid, fp.memory, fp.fetcher
-    comm, symbolize, with_regs = memory.comm, memory.symbolize, fp.with_regs
-    entered: dict[int, tuple[float, tuple[ArgValue, ...]]] = {}
-
-    def at_entry(ri: KretprobeInstance, regs: Any) -> None:
-        args = fetcher.entry(regs, memory) if fetcher.has_entry_args else ()
-        entered[id(ri)] = (time.monotonic(), args)
-
-    def at_return(ri: KretprobeInstance, regs: Any) -> None:
-        drain()
-        handler = rp.async_handler
-        start, args = entered.pop(id(ri), (0.0, ()))
-        if handler is None:
-            return
-        tid, ret, func_ip = regs.tid, ri.ret_addr, rp.addr or 0
-        handler(
-            rp,
-            Event(
-                group, event, pid, tid, comm(tid), cpu(tid), time.monotonic(), ret,
-                symbolize(ret), fetcher.fetch(regs, memory, args), is_return=True,
-                func=symbolize(func_ip).split("+")[0], func_ip=func_ip, entry_timestamp=start,
-                regs=regs.frozen() if with_regs else None,
-            ),
-        )  # fmt: skip
-
-    return at_entry, at_return
-
-
 def equip(
     kp: Kprobe | Kretprobe,
     symbols: Callable[[], SymbolResolver],
@@ -194,7 +134,7 @@ class Batcher:
     """How the runs of one record id are delivered in batches: for ``probe`` alone at its
     site, its decoder and its output's writer."""
 
-    probe: Kprobe
+    probe: Kprobe | Kretprobe
     decode: Decoder
     write: Callable[[str, int, int], None]  # a batch's text, its events, those left out
 
@@ -217,6 +157,9 @@ class RecordSite:
     # Written at the return, by the trampoline of the return probe whose entry the site is:
     # its plan ends with the real return address ("rip") and the entry time (ENTRY_TSC).
     is_return: bool = False
+    # That return probe, where the site has several (None: every return probe there; a
+    # record file's reader makes a site of each record id).
+    owner: Kretprobe | None = None
 
 
 class RingReader:
@@ -288,13 +231,16 @@ class RingReader:
         with_regs: bool,
         stack_depth: int = 0,
         *,
-        is_return: bool = False,
+        owner: Kretprobe | None = None,
     ) -> int:
-        """A new record id for ``site`` (never reused: old records may still be in a ring)."""
+        """A new record id for ``site`` (never reused: old records may still be in a ring):
+        of its entry, or of the returns of ``owner``, a return probe whose entry it is."""
         if self._clock is None:
             self._clock = TscClock()
         rid = len(self.sites) + 1
-        self.sites[rid] = RecordSite(site, plan, with_regs, stack_depth, is_return=is_return)
+        self.sites[rid] = RecordSite(
+            site, plan, with_regs, stack_depth, is_return=owner is not None, owner=owner
+        )
         return rid
 
     def note_thread(self, fs_base: int, tid: int, number: int = 0) -> None:
@@ -445,9 +391,9 @@ class RingReader:
         one probe with a handler and that probe takes batches (made once, and again when
         the site's probes change)."""
         rs = self.sites.get(rid)
-        if rs is None or rs.stack_depth or rs.is_return:  # stacks, returns: events, one by one
+        if rs is None or rs.stack_depth:  # stacks: events, one by one
             return None
-        active = [p for p in rs.site.active if p.async_handler is not None]
+        active = record_targets(rs)
         fp = self.fast_of(active[0]) if len(active) == 1 else None
         if fp is None or fp.batch is None:
             return None
@@ -460,7 +406,7 @@ class RingReader:
         return made
 
     def _make_batcher(
-        self, rs: RecordSite, kp: Kprobe, fp: FastProbe, slots: int
+        self, rs: RecordSite, kp: Kprobe | Kretprobe, fp: FastProbe, slots: int
     ) -> Batcher | None:
         assert self._clock is not None and fp.batch is not None
         try:
@@ -472,7 +418,8 @@ class RingReader:
             return None
         if plan is None:
             return None
-        line = fp.batch.writer(plan.layout(fp.group, fp.event, fp.pid, self.comm))
+        layout = plan.layout(fp.group, fp.event, fp.pid, self.comm, self.symbolize, rs.site.addr)
+        line = fp.batch.writer(layout)
         if line is None:
             return None
         decode = plan.compile(
@@ -500,7 +447,7 @@ class RingReader:
             for name, value in zip(sa.REG_ORDER, record.regs, strict=True):
                 words[REG_INDEX[name]] = value
         entered = captured.regs.pop(ENTRY_TSC, 0)
-        kept = captured.regs.pop(ENTRY_ARG, None)
+        kept = _entry_words(captured.regs) if rs.is_return else None
         for name, value in captured.regs.items():
             words[REG_INDEX[name]] = value
         ip = words[REG_INDEX["rip"]] if rs.is_return else rs.site.addr
@@ -527,7 +474,7 @@ class RingReader:
             fp = fast_of(target)
             if fp is None:
                 continue
-            at_entry = () if kept is None else _at_entry(fp, tid, kept, memory)
+            at_entry = () if not kept else _at_entry(fp, tid, kept, memory)
             args = fp.fetcher.fetch(regs, memory, at_entry)
             event = Event(
                 fp.group, fp.event, fp.pid, tid, name, cpu, when, ip, location, args,
@@ -549,10 +496,18 @@ def cut_stack(stack: UserStack | None, depth: int | None) -> UserStack | None:
     return UserStack(stack.frames[:depth], "depth limit")
 
 
-def _at_entry(fp: FastProbe, tid: int, kept: int, memory: Memory) -> tuple[ArgValue, ...]:
-    """A return record's ``$argN``: evaluated on the register its entry kept."""
+def _entry_words(regs: dict[str, int]) -> dict[str, int]:
+    """The words a return record's entry kept, taken out of its registers (by register)."""
+    return {reg: regs.pop(name) for name in list(regs) if (reg := entry_register_of(name))}
+
+
+def _at_entry(
+    fp: FastProbe, tid: int, kept: dict[str, int], memory: Memory
+) -> tuple[ArgValue, ...]:
+    """A return record's ``$argN``: evaluated on the registers its entry kept."""
     regs = Regs(tid)
-    regs.words[REG_INDEX[entry_register(fp.spec)]] = kept
+    for reg in entry_registers(fp.spec):
+        regs.words[REG_INDEX[reg]] = kept[reg]
     return fp.fetcher.entry(regs, memory)
 
 
@@ -562,6 +517,8 @@ def record_targets(rs: RecordSite) -> list[Kprobe | Kretprobe]:
     out: list[Kprobe | Kretprobe] = []
     for probe in rs.site.active:
         target = probe.owner if rs.is_return else probe
+        if rs.owner is not None and target is not rs.owner:
+            continue  # another return probe's records
         if isinstance(target, Kprobe | Kretprobe) and target.async_handler is not None:
             out.append(target)
     return out

@@ -28,15 +28,13 @@ from kprobes.process.fast.reader import (
     FastProbe,
     RingReader,
     equip,
-    return_trap_delivery,
-    trap_delivery,
 )
-from kprobes.process.fast.returns import return_probe_of
 from kprobes.process.fast.stackcounts import StackTally
+from kprobes.process.fast.trapevents import return_trap_delivery, trap_delivery
 from kprobes.process.fetch.evaluate import CommCache, CpuReader, Memory, Symbolizer
 from kprobes.process.fetch.fast import (
     NotCapturable,
-    entry_register,
+    entry_registers,
     plan_captures,
     plan_return_captures,
 )
@@ -408,14 +406,13 @@ class Recording:
         return self._record_action(site, area, so, plan, with_regs, counted=counted, depth=depth)
 
     def return_record(
-        self, site: ProbeSite, area: SharedArea, so: SiteOpt
-    ) -> tuple[RecordAction, str] | str | None:
-        """The record the trampoline of the return probe whose entry is ``site`` writes of
-        each return, and the register its entry keeps for it ("": none), or None (it
+        self, site: ProbeSite, area: SharedArea, so: SiteOpt, rp: Kretprobe
+    ) -> tuple[RecordAction, tuple[str, ...]] | str | None:
+        """The record the trampoline of return probe ``rp`` (whose entry is ``site``) writes
+        of each return, and the registers its entry keeps for it, or None (it
         writes none, it aggregates), or why the site cannot be optimized: the return's
         fetch-args, its caller, its entry time, its ``$argN``."""
-        rp = return_probe_of(site)
-        if rp is None or rp.async_handler is None or not rp.optimize:
+        if rp.async_handler is None or not rp.optimize:
             return None
         entry = self._returns.get(id(rp))
         if entry is None:
@@ -423,12 +420,12 @@ class Recording:
         fp = entry[1]
         try:
             plan = plan_return_captures(fp.spec, fp.resolvers)
-            keeps = entry_register(fp.spec)
+            keeps = entry_registers(fp.spec)
         except NotCapturable as exc:
             return str(exc)
         # The caller's stack, walked by the trampoline from the real return address.
         depth = fp.stack_depth or 0
-        record = self._record_action(site, area, so, plan, fp.with_regs, returns=True, depth=depth)
+        record = self._record_action(site, area, so, plan, fp.with_regs, returns=rp, depth=depth)
         return record if isinstance(record, str) else (record, keeps)
 
     def _record_action(
@@ -439,13 +436,13 @@ class Recording:
         plan: CapturePlan,
         with_regs: bool,
         *,
-        returns: bool = False,
+        returns: Kretprobe | None = None,
         counted: bool = True,
         depth: int = 0,
     ) -> RecordAction | str:
-        """A record action of ``plan`` for ``site`` (at its entry, or ``returns``: at its
-        return, which its trampoline counts), its record id kept while the plan holds; it
-        counts the hit too if ``counted`` (and not ``returns``)."""
+        """A record action of ``plan`` for ``site`` (at its entry, or at the return of the
+        return probe ``returns``, which its trampoline counts), its record id kept while the
+        plan holds; it counts the hit too if ``counted`` (and not ``returns``)."""
         if plan.reads_memory:
             # A bad pointer must give (fault): the tracer fixes such faults, and the rescue
             # once the tool is gone (faults.py). Without a rescue (seccomp) the program
@@ -467,7 +464,10 @@ class Recording:
             self._hold_lease()
         if not reader.is_active:
             self._learn_all_threads(reader)
-        rid, held = (so.return_id, so.return_plan) if returns else (so.record_id, so.plan)
+        if returns is None:
+            rid, held = so.record_id, so.plan
+        else:
+            rid, held = so.returns.get(returns, (0, None))
         known = reader.sites.get(rid)
         if (
             known is None
@@ -475,9 +475,9 @@ class Recording:
             or known.with_regs != with_regs
             or known.stack_depth != depth
         ):
-            rid = reader.add_site(site, plan, with_regs, depth, is_return=returns)
-            if returns:
-                so.return_id, so.return_plan = rid, plan
+            rid = reader.add_site(site, plan, with_regs, depth, owner=returns)
+            if returns is not None:
+                so.returns[returns] = rid, plan
             else:
                 so.record_id, so.plan = rid, plan
         try:
@@ -487,7 +487,7 @@ class Recording:
                 with_regs=with_regs,
                 plan=plan,
                 cpu_id=_cpu_id(),
-                counter=area.counter_addr(so.counter) if counted and not returns else None,
+                counter=area.counter_addr(so.counter) if counted and returns is None else None,
                 may_wait=self._state.waits_when_full,
                 stack=stack,
             )

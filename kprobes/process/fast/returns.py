@@ -21,7 +21,7 @@ import mmap
 import os
 import struct
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import field
 from typing import TYPE_CHECKING, Final
 
@@ -31,7 +31,7 @@ from kprobes.arch.x86_64.detour import Action
 from kprobes.arch.x86_64.record import SALT_SIZE, RecordAction, ThreadId
 from kprobes.arch.x86_64.shadow import LOST, SHADOW_SIZE
 from kprobes.core.retprobes import Kretprobe
-from kprobes.errors import InternalError, TargetError
+from kprobes.errors import TargetError
 from kprobes.linux.syscalls import NR_MMAP
 from kprobes.linux.tsc import read_tsc
 from kprobes.process.engine.xol import MARK_SIZE
@@ -41,6 +41,7 @@ from kprobes.values import dataclass
 
 if TYPE_CHECKING:
     from kprobes.core.optimizer import SiteOpt
+    from kprobes.core.probes import Kprobe
     from kprobes.core.table import ProbeSite
     from kprobes.process.engine.attachment import Attachment
     from kprobes.process.engine.threads import Thread
@@ -69,12 +70,19 @@ _Q2 = struct.Struct("<QQ")
 _Q = struct.Struct("<Q")
 
 
-def return_probe_of(site: ProbeSite) -> Kretprobe | None:
-    """The return probe whose entry ``site`` is, if the site's probe is one."""
-    for p in site.probes:
-        if isinstance(p.owner, Kretprobe):
-            return p.owner
-    return None
+def return_probes_of(probes: Iterable[Kprobe]) -> list[Kretprobe]:
+    """The return probes whose entries are among ``probes`` (a site's), in their order."""
+    return [p.owner for p in probes if isinstance(p.owner, Kretprobe)]
+
+
+def counter_blocks(site: ProbeSite, first: int) -> list[tuple[Kretprobe, int]]:
+    """Each return probe at ``site`` with the index of its counters: one block after the
+    other from ``first`` (the first probe's hits are the site's: ``SiteOpt.counter``)."""
+    blocks = []
+    for rp in return_probes_of(site.probes):
+        blocks.append((rp, first))
+        first += counters_needed(rp)
+    return blocks
 
 
 def tsc_mult() -> int:
@@ -92,10 +100,18 @@ def tsc_mult() -> int:
 _MULT: int | None = None
 
 
+# What a trampoline's code holds (``ReturnStacks.trampolines``).
+_TrampolineKey = tuple[int, int, int, int, int, tuple[str, ...], tuple[int, int, int] | None]
+
+
 @dataclass(slots=True)
 class _Seen:
-    """A probe's counters as last added to it."""
+    """A block of a probe's counters (in shared area ``area``, at index ``counter``) as
+    last added to the probe ``rp``."""
 
+    rp: Kretprobe
+    area: int
+    counter: int
     returns: int = 0
     missed: int = 0
     abandoned: int = 0
@@ -109,13 +125,14 @@ class ReturnStacks:
     tramp_start: int = 0  # the trampolines' page
     tramp_used: int = 0
     # Trampolines by what their code holds: (site address, its counters, unit, value bits,
-    # the id of the record it writes, the entry's register for it, its linear buckets);
-    # the one each site's current detour writes (for ``unhook``).
-    trampolines: dict[tuple[int, int, int, int, int, str, tuple[int, int, int] | None], int] = (
-        field(default_factory=dict)
-    )
-    current: dict[int, int] = field(default_factory=dict)
-    seen: dict[int, _Seen] = field(default_factory=dict)  # site address → its counters read
+    # the id of the record it writes, the entry's registers for it, its linear buckets);
+    # the ones each site's current detour hooks to (for ``unhook``).
+    trampolines: dict[_TrampolineKey, int] = field(default_factory=dict)
+    current: dict[int, set[int]] = field(default_factory=dict)
+    # Site address → every block of counters its probes' trampolines count into (by the
+    # block's address), as last read: a probe may have several, its trampolines of before
+    # a change of the site's probes still counting for the frames they hooked.
+    seen: dict[int, dict[int, _Seen]] = field(default_factory=dict)
 
     def forget(self) -> None:
         """The address space was replaced (exec): none of it is there any more (in place:
@@ -128,9 +145,9 @@ class ReturnStacks:
     def tramp_range(self) -> tuple[int, int]:
         return self.tramp_start, self.tramp_start + TRAMP_SPAN
 
-    def unhook(self, threads: Iterable[Thread], only: int = 0) -> int:
+    def unhook(self, threads: Iterable[Thread], only: Collection[int] = ()) -> int:
         """Put the real return address back in every frame of ``threads`` hooked to one of
-        our trampolines (``only``: that trampoline alone); how many. The threads are held.
+        our trampolines (``only``: those alone); how many. The threads are held.
         Entries stay: the frames return straight home and the entries are released later as
         vanished (a thread inside a trampoline still pops its own)."""
         if not self.shadow:
@@ -163,7 +180,7 @@ class ReturnStacks:
                     now = t.tracee.read_word(stack)
                 except TargetError:
                     continue
-                if start <= now < end and (not only or now == only):
+                if start <= now < end and (not only or now in only):
                     t.tracee.write_word(stack, ret)
                     done += 1
         return done
@@ -203,24 +220,27 @@ class FastReturns:
     def action(
         self,
         site: ProbeSite,
-        area: SharedArea,
-        so: SiteOpt,
+        area: tuple[int, SharedArea],
+        rp: Kretprobe,
+        counter: int,
         record: RecordAction | None = None,
-        entry_reg: str = "",
+        entry_regs: tuple[str, ...] = (),
     ) -> Action | str:
-        """The entry action of a return site (its trampoline made once), or why none; with
-        ``record``, its trampoline writes that record of each return (and the entry keeps
-        ``entry_reg`` for it)."""
-        rp = return_probe_of(site)
-        if rp is None:
-            raise InternalError(f"{site.addr:#x} is no return probe's entry")
+        """The entry action of return probe ``rp`` at ``site``, its counters at index
+        ``counter`` of the shared area ``area`` (its index, and it), its trampoline made
+        once; or why none. With ``record``, its trampoline
+        writes that record of each return (and the entry keeps ``entry_regs`` for it).
+        Several return probes at one site hook one after the other: the later one's entry
+        keeps the earlier one's trampoline as the return address (a chain, as a tail call
+        makes), so the returns run newest first, as the trap tier reports them."""
         why = rp.why_on_traps()
         if why is not None:
             return why
         stacks = self._stacks
         self._ensure_memory(site.addr)
         cap = sh.CAPACITY if rp.maxactive <= 0 else min(rp.maxactive, sh.CAPACITY)
-        counters = area.counter_addr(so.counter)
+        index, shared = area
+        counters = shared.counter_addr(counter)
         # A probe registered again at the site has new counters: a new trampoline (the old
         # one stays, for the frames still hooked to it).
         key = (
@@ -229,7 +249,7 @@ class FastReturns:
             rp.duration_unit,
             rp.value_bits,
             record.probe_id if record else 0,
-            entry_reg,
+            entry_regs,
             rp.linear,
         )
         tramp = stacks.trampolines.get(key, 0)
@@ -244,7 +264,7 @@ class FastReturns:
             thread_id=self._thread_id,
             value_bits=rp.value_bits,
             record=record,
-            entry_reg=entry_reg,
+            entry_regs=entry_regs,
             linear=linear_of(rp),
             thread_salt=self._memory.salt_of(stacks.tramp_start),
         )
@@ -257,9 +277,16 @@ class FastReturns:
                 space.write(ret_site.trampoline, code)
             stacks.trampolines[key] = ret_site.trampoline
             stacks.tramp_used += size
-            stacks.seen[site.addr] = _Seen(*self._read(area, so, rp)[1:4])
-        stacks.current[site.addr] = ret_site.trampoline
+            seen = stacks.seen.setdefault(site.addr, {})
+            counted = self._read(shared, counter, rp)[1:4]
+            seen.setdefault(counters, _Seen(rp, index, counter, *counted))
+        stacks.current.setdefault(site.addr, set()).add(ret_site.trampoline)
         return rs.RetEntryAction(ret_site)
+
+    def forget_hooks(self, addr: int) -> None:
+        """The site at ``addr`` gets a new detour: the trampolines it hooks to are its
+        ``action``s' from now on."""
+        self._stacks.current.pop(addr, None)
 
     def unhook_action(self, site: ProbeSite, area: SharedArea, so: SiteOpt) -> Action:
         """The action of the in-program unhook on an entry point of the unwinder
@@ -292,10 +319,10 @@ class FastReturns:
         stacks.shadow = result
 
     @staticmethod
-    def _read(area: SharedArea, so: SiteOpt, rp: Kretprobe) -> tuple[int, ...]:
+    def _read(area: SharedArea, counter: int, rp: Kretprobe) -> tuple[int, ...]:
         """(hits, returns, missed, abandoned, sum of ns, then the histogram's slots: the
-        65 log2 ones, or ``rp``'s linear ones)."""
-        base = area.layout.counter_offset(so.counter)
+        65 log2 ones, or ``rp``'s linear ones) of the counters at index ``counter``."""
+        base = area.layout.counter_offset(counter)
         view = area.view
         linear = linear_of(rp)
         try:
@@ -308,18 +335,25 @@ class FastReturns:
             view.release()
         return head + hist
 
-    def collect(self, site: ProbeSite, area: SharedArea, so: SiteOpt) -> None:
-        """Add what the program counted for this return site since the last call to its
-        probe: returns (``nhit``), misses, abandoned frames, the durations."""
-        rp = return_probe_of(site)
-        seen = self._stacks.seen.get(site.addr)
-        if rp is None or seen is None:
-            return
-        values = self._read(area, so, rp)
-        _, returns, missed, abandoned, total = values[:5]
-        rp.nhit += returns - seen.returns
-        rp.nmissed += missed - seen.missed
-        rp.nabandoned += abandoned - seen.abandoned
-        seen.returns, seen.missed, seen.abandoned = returns, missed, abandoned
-        if rp.async_handler is None:  # a record probe's returns are its records
-            rp.note_hist(values[5:], total)
+    def collect(self, site: ProbeSite, areas: Sequence[SharedArea]) -> None:
+        """Add what the program counted for each return probe at this site since the last
+        call to the probe, in each block of counters it has had here: returns (``nhit``),
+        misses, abandoned frames, the durations (their histogram: the blocks' sum)."""
+        placed = {id(rp) for rp in return_probes_of(site.probes)}
+        hists: dict[int, tuple[Kretprobe, list[int]]] = {}
+        for seen in self._stacks.seen.get(site.addr, {}).values():
+            rp = seen.rp
+            if id(rp) not in placed:
+                continue  # unregistered: what its trampolines still count is nobody's
+            values = self._read(areas[seen.area], seen.counter, rp)
+            _, returns, missed, abandoned, total = values[:5]
+            rp.nhit += returns - seen.returns
+            rp.nmissed += missed - seen.missed
+            rp.nabandoned += abandoned - seen.abandoned
+            seen.returns, seen.missed, seen.abandoned = returns, missed, abandoned
+            _, hist = hists.setdefault(id(rp), (rp, [0] * (len(values) - 4)))
+            for i, value in enumerate((total, *values[5:])):
+                hist[i] += value
+        for rp, (total, *slots) in hists.values():
+            if rp.async_handler is None:  # a record probe's returns are its records
+                rp.note_hist(tuple(slots), total)

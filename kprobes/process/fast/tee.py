@@ -169,8 +169,7 @@ class RecordTee:
             data, files = _Recorded(fp.resolvers[0]), _Recorded(fp.resolvers[1])
             try:  # what the decoders ask of the symbols, asked now
                 ArgFetcher(fp.spec, data, files)
-                if not rs.is_return:  # a return's records are not decoded in batches
-                    plan_decoder(fp.spec, (data, files), rs.plan, rs.site.addr)
+                plan_decoder(fp.spec, (data, files), rs.plan, rs.site.addr)
             except (ProbeError, OSError):
                 pass  # a reader of the file will find it missing, and say so
             probes.append(

@@ -22,7 +22,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final
 
 from kprobes.arch.x86_64.capture import (
-    ENTRY_ARG,
     ENTRY_TSC,
     REGISTERS,
     Bytes,
@@ -33,7 +32,9 @@ from kprobes.arch.x86_64.capture import (
     String,
     Value,
     Word,
+    entry_word,
 )
+from kprobes.arch.x86_64.shadow import ENTRY_REGS_MAX
 from kprobes.errors import ProbeRejected, SymbolNotFound
 from kprobes.process.fetch.tree import (
     ARG_REGS,
@@ -158,24 +159,25 @@ def plan_captures(specs: Sequence[tuple[ProbeSpec, Resolver]]) -> CapturePlan:
 def plan_return_captures(spec: ProbeSpec, resolvers: Resolver) -> CapturePlan:
     """What a return spec's fetch-args read at the return, captured by its trampoline, then
     the real return address ("rip") and the call's entry time (``ENTRY_TSC``), which make
-    the event's ``(caller <- func)`` and its ``entry_timestamp``, and the register its
-    ``$argN`` names, which the entry kept (``ENTRY_ARG``, see ``entry_register``)."""
-    keeps = entry_register(spec)
+    the event's ``(caller <- func)`` and its ``entry_timestamp``, and the registers its
+    ``$argN`` name, which the entry kept (``entry_word``, see ``entry_registers``)."""
+    keeps = entry_registers(spec)
     planner = _ReturnPlanner()
     _plan_args(planner, spec, resolvers, at_return=True)
     planner.plan.add(Value(Reg("rip")))
     planner.plan.add(Value(Reg(ENTRY_TSC)))
-    if keeps:
-        planner.plan.add(Value(Reg(ENTRY_ARG)))
+    for reg in keeps:
+        planner.plan.add(Value(Reg(entry_word(reg))))
     return planner.plan
 
 
-def entry_register(spec: ProbeSpec) -> str:
-    """The argument register a return spec's ``$argN`` read at the entry, which its entry
-    keeps in the shadow stack for the return's record ("" if it has none); NotCapturable
-    for more than one register's worth: memory read at the entry (``+0($arg1)``), an
-    argument on the stack, two arguments."""
-    kept = set()
+def entry_registers(spec: ProbeSpec) -> tuple[str, ...]:
+    """The argument registers a return spec's ``$argN`` read at the entry, in the order of
+    the arguments, which its entry keeps in the shadow stack for the return's record (none:
+    ``()``); NotCapturable for what registers alone cannot give: memory read at the entry
+    (``+0($arg1)``), an argument on the stack, more registers than a shadow entry holds
+    (``retstack.ENTRY_REGS_MAX``)."""
+    kept: dict[str, None] = {}
     for arg in spec.args:
         fetch = arg.fetch
         if not reads_function_args(fetch):
@@ -185,10 +187,12 @@ def entry_register(spec: ProbeSpec) -> str:
             raise NotCapturable(
                 "a fetch-arg reads $argN's memory or stack at the entry, which is a trap"
             )
-        kept.add(ARG_REGS[fetch.index - 1])
-    if len(kept) > 1:
-        raise NotCapturable("its $argN name two registers; the entry keeps one, others trap")
-    return kept.pop() if kept else ""
+        kept[ARG_REGS[fetch.index - 1]] = None
+    if len(kept) > ENTRY_REGS_MAX:
+        raise NotCapturable(
+            f"its $argN name {len(kept)} registers; the entry keeps {ENTRY_REGS_MAX}, more trap"
+        )
+    return tuple(kept)
 
 
 def _plan_args(
@@ -198,7 +202,7 @@ def _plan_args(
     for arg in spec.args:
         fetch = arg.fetch
         if at_return and reads_function_args(fetch):
-            continue  # taken at the entry (entry_register)
+            continue  # taken at the entry (entry_registers)
         match kind_of(fetch):
             case Kind.MEMORY:
                 base, off = address(fetch, planner, resolve_data, file_addr)
