@@ -5,7 +5,7 @@ The program ``stacks`` (tests/programs/stacks.c) calls ``leaf`` by three known p
 number of times (main → a → leaf 3, main → b → leaf 5, main → stk_through → leaf 2, the
 last through libstk.so); rbp is an ordinary register there, so only the unwind tables can
 walk its frames. The references are the program's own counts and objdump (the return
-address after each call). ``stacks-nocfi`` is the same program without unwind tables for its
+address after each call), and GDB's ``bt`` at the same hits. ``stacks-nocfi`` is the same program without unwind tables for its
 own functions: the walk must stop there and say so. A real program, zstd, must be unwound
 from libc's malloc through zstd up to its main, libc's start and ``_start`` (a worker
 thread's up to libc's ``clone3``).
@@ -256,3 +256,71 @@ def test_the_flame_graph_opens_in_a_browser(program: Path, tmp_path) -> None:
     colours = set(pixels)
     assert len(colours) > 10  # not blank: frames of many colours, text
     assert any(r > 200 and g < 150 and bl < 80 for r, g, bl in colours)  # a warm frame
+
+
+GDB_BT = r"""
+import gdb
+gdb.execute("set pagination off")
+gdb.execute("set confirm off")
+gdb.execute("starti")  # relocated: leaf's address is its run-time one, kept as a number
+gdb.execute(f"break *{int(gdb.parse_and_eval('(long) &leaf')):#x}")
+gdb.execute("continue")
+while True:
+    try:
+        frame = gdb.newest_frame()
+    except gdb.error:
+        break  # the program has exited
+    names = []
+    while frame is not None:
+        where = gdb.execute(f"info symbol {frame.pc():#x}", to_string=True)
+        names.append(where.split(" in section")[0].strip())
+        if frame.name() == "main":
+            break
+        frame = frame.older()
+    print("BT " + "|".join(names), flush=True)
+    try:
+        gdb.execute("continue")
+    except gdb.error:
+        break
+"""
+
+
+def _our_frames(out: str) -> list[list[str]]:
+    """Each event's stack in ``trace -U``'s text, from the hit to ``main``, as GDB's ``info
+    symbol`` names an address: ``func + OFF`` (``func`` alone at its start)."""
+    stacks = []
+    for block in re.split(r"\n(?=\s+stacks-\d+ )", out):
+        lines = block.splitlines()
+        if not lines or not lines[0].endswith("<user stack trace>"):
+            continue
+        names = []
+        for line in lines[1:]:
+            m = re.fullmatch(r" => (\w+)\+0x([0-9a-f]+)/0x[0-9a-f]+(?: \[.*\])?", line)
+            assert m is not None, line
+            offset = int(m[2], 16)
+            names.append(m[1] if offset == 0 else f"{m[1]} + {offset}")
+            if m[1] == "main":
+                break
+        stacks.append(names)
+    return stacks
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="needs gdb (apt install gdb)")
+@pytest.mark.parametrize("tier", [["--no-optimize"], []], ids=["traps", "jumps"])
+def test_stacks_are_gdb_s_backtraces(program: Path, tier: list[str], tmp_path: Path) -> None:
+    """The same ten hits of ``leaf`` under GDB (a breakpoint at its first instruction,
+    ``bt`` at each) and under ``trace -U``, on the trap tier and the optimized one: frame for
+    frame from the hit to ``main``, the same functions at the same return addresses."""
+    script = tmp_path / "bt.py"
+    script.write_text(GDB_BT)
+    gdb = subprocess.run(
+        ["gdb", "-nx", "-batch", "-x", str(script), str(program)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    theirs = [line[3:].split("|") for line in gdb.stdout.splitlines() if line.startswith("BT ")]
+    assert len(theirs) == sum(COUNTS.values()), gdb.stdout + gdb.stderr
+    out, err = kprobes("trace", *tier, "-U", "-c", program, "leaf")
+    assert tier or "uses a breakpoint" not in err, err  # the jumps' walk, in the program
+    assert _our_frames(out) == theirs, err
