@@ -2,13 +2,13 @@
 on our own backend, on code built at -O2 without frame pointers.
 
 The program ``stacks`` (tests/programs/stacks.c) calls ``leaf`` by three known paths a known
-number of times (main → a → leaf 3, main → b → leaf 5, main → stk_through → leaf 2, the
-last through libstk.so); rbp is an ordinary register there, so only the unwind tables can
-walk its frames. The references are the program's own counts and objdump (the return
-address after each call), and GDB's ``bt`` at the same hits. ``stacks-nocfi`` is the same program without unwind tables for its
-own functions: the walk must stop there and say so. A real program, zstd, must be unwound
-from libc's malloc through zstd up to its main, libc's start and ``_start`` (a worker
-thread's up to libc's ``clone3``).
+number of times (main → a → leaf 3, main → b → leaf 5, main → stk_through → leaf 2, the last
+through libstk.so); rbp is an ordinary register there, so only the unwind tables can walk its
+frames. The references are the program's own counts and objdump (the return address after each
+call), and GDB's ``bt`` at the same hits. ``stacks-nocfi`` is the same program without unwind
+tables for its own functions: the walk must stop there and say so. A real program, zstd, must
+be unwound from libc's malloc through zstd up to its main, libc's start and ``_start`` (a
+worker thread's up to libc's ``clone3``).
 
 The flame graph is opened in a real browser (Chromium, headless): the frames' names must be
 in the document it renders, its script must have run (it lays the frames out, zooms and
