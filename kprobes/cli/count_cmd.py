@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     session.prepare = tally.prepare
     session.patterns = patterns
     session.handle = tally.handle
-    session.refresh = tally.take_hits  # the status line's and the summary's events are the hits
+    session.refresh = tally.refresh  # the status line's and the summary's events are the hits
     if args.interval:
         session.interval = args.interval
         session.on_interval = tally.tick
@@ -145,6 +145,7 @@ class _Tally:
         # Hits of in-place counters already counted, by placed probe (a followed child's copy of
         # a spec has the same name as the root's).
         self.shown: Counter[int] = Counter()
+        self.hits = 0  # of every probe, when the rows were last brought up to date
 
     def prepare(self, backend: Backend) -> None:
         self.expand(backend)
@@ -211,15 +212,20 @@ class _Tally:
     def handle(self, ev: Event) -> None:
         self.counts[self.label.get(ev.event, ev.event)] += 1
 
-    def take_hits(self) -> None:
-        """Probes that make no events (count_only): add their hits since the last call."""
+    def take_hits(self) -> int:
+        """Probes that make no events (count_only): add their hits since the last call. The
+        hits of every probe, read once for this (what the rows count)."""
         shown = self.shown
+        total = 0
         for p in self.session.placed:
+            hits = p.hits
+            total += hits
             if getattr(p, "counts_in_place", False):
-                new, shown[id(p)] = p.hits - shown[id(p)], p.hits
+                new, shown[id(p)] = hits - shown[id(p)], hits
                 event = p.name.rpartition("/")[2]
                 self.counts[self.label.get(event, event)] += new
                 self.session.events += new  # each hit is an event counted
+        return total
 
     def table(self, when: datetime | None = None) -> str:
         """The rows of now: the busiest ``--top``, every placed probe with ``--zeros``."""
@@ -235,8 +241,11 @@ class _Tally:
             )
         return format_counts(self.counts, top=top, zeros=self.args.zeros)
 
+    def refresh(self) -> None:
+        self.hits = self.take_hits()
+
     def tick(self) -> None:
-        self.take_hits()
+        self.hits = self.take_hits()
         now = datetime.now()
         if not self.args.json:
             sys.stdout.write("\n" + format_interval_header(now) + "\n")
@@ -248,7 +257,7 @@ class _Tally:
         """The end: the skipped functions (and with -v the rows of several names), then the
         last table."""
         if not self.args.interval:
-            self.take_hits()
+            self.hits = self.take_hits()
         verbose = self.args.verbose
         for line in summarise(
             list(self.skipped.items()), one="skipped", many="skipped", verbose=verbose
@@ -261,6 +270,7 @@ class _Tally:
             self.tick()
         else:
             sys.stdout.write(self.table())
+        self.session.frozen_hits = self.hits  # what the rows counted: the summary's too
 
 
 def _file_named(spec: ProbeSpec) -> str | None:

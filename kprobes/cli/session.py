@@ -251,6 +251,9 @@ class Session:
         # Called before the status line and the summary: brings ``events`` up to date
         # (count's in-place counters).
         self.refresh: Callable[[], None] = lambda: None
+        # The hits a result counted (count's last table): the summary says the same, not the
+        # hits the program made while the probes were taken out, which are past the end.
+        self.frozen_hits: int | None = None
         self.started = time.monotonic()
         self.ended: float | None = None  # when the run ended (the probes' removal is not in it)
         self.program_ended = False  # the traced program ended by itself (not -d, -n, a signal)
@@ -500,6 +503,8 @@ class Session:
 
     @property
     def hits(self) -> int:
+        if self.frozen_hits is not None:
+            return self.frozen_hits
         return sum(p.hits for p in self.placed)
 
     @property
@@ -515,7 +520,8 @@ class Session:
         return self.backend.unread if self.backend is not None else 0
 
     def summary(self) -> str:
-        self.refresh()
+        if self.frozen_hits is None:
+            self.refresh()
         text = format_summary(
             events=self.events,
             hits=self.hits,
