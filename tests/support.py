@@ -710,3 +710,14 @@ def run_main(*args: object) -> tuple[str, str]:
         code = cli_main.main([str(a) for a in args])
     assert code == 0, err.getvalue()
     return out.getvalue(), err.getvalue()
+
+
+def read_then_close(popen: Any, argv: list[Any], n: int) -> tuple[list[bytes], str, int]:
+    """``argv | head -n``: its first ``n`` lines, then its stdout closed as head closes it;
+    (those lines, its stderr, its exit status)."""
+    tool = popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert tool.stdout is not None and tool.stderr is not None
+    lines = [tool.stdout.readline() for _ in range(n)]
+    tool.stdout.close()
+    err = tool.stderr.read().decode()
+    return lines, err, tool.wait(timeout=120)

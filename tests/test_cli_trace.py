@@ -314,15 +314,8 @@ def test_a_reader_that_stops_reading_ends_the_trace_quietly(build, popen, extra)
     """``kprobes trace ... | head -2``: the run ends as after ``-n`` once the pipe closes,
     the probes removed and the summary said, with no traceback and status 0."""
     target = build("target")
-    tool = popen(
-        [KPROBES, "trace", *extra, "-c", f"{target} 3000000", "p work i=%di"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    assert tool.stdout is not None and tool.stderr is not None
-    lines = [tool.stdout.readline() for _ in range(2)]
-    tool.stdout.close()  # as head does once it has its lines
-    err = tool.stderr.read().decode()
-    assert tool.wait(timeout=120) == 0, err
+    argv = [KPROBES, "trace", *extra, "-c", f"{target} 3000000", "p work i=%di"]
+    lines, err, status = support.read_then_close(popen, argv, 2)
+    assert status == 0, err
     assert all(b"p_work_0:" in line for line in lines), lines
     assert "Traceback" not in err and "(its output closed)" in err, err

@@ -21,7 +21,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -361,15 +360,8 @@ def test_script_into_a_reader_that_stops_reading_ends_quietly(
     with status 0 and no traceback (a batch write raised OutputClosed out of it)."""
     data = tmp_path / "run.data"
     kprobes("record", "-o", data, "-c", f"{target} 200000", "p work i=%di")
-    tool = popen(
-        [support.KPROBES, "script", *extra, str(data)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    assert tool.stdout is not None and tool.stderr is not None
-    lines = [tool.stdout.readline() for _ in range(2)]
-    tool.stdout.close()  # as head does once it has its lines
-    err = tool.stderr.read().decode()
-    assert tool.wait(timeout=120) == 0, err
+    argv = [support.KPROBES, "script", *extra, str(data)]
+    lines, err, status = support.read_then_close(popen, argv, 2)
+    assert status == 0, err
     assert all(b"p_work_0" in line for line in lines), lines
     assert "Traceback" not in err, err

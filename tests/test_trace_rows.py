@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,35 @@ SPECS = (
 )
 
 
+def tee_blocks(monkeypatch: pytest.MonkeyPatch, record: Callable[[Any, Any], None]) -> list[int]:
+    """Each block the reader takes is also handed, record by record, to the per-event path,
+    whose events go to ``record`` (the probes taking the records lend it their handler); the
+    list's one item counts the runs the batch path took."""
+    batched_runs = [0]
+    deliver_block = RingReader._deliver_block
+
+    def both(self: RingReader, block: Any) -> None:
+        saved = {}
+        for rs in self.sites.values():
+            for probe in reader_mod.record_targets(rs):  # a return probe takes its returns'
+                saved[probe] = probe.async_handler
+                probe.async_handler = record
+        try:
+            for one in block.records():
+                self._deliver(one)
+        finally:
+            for probe, handler in saved.items():
+                probe.async_handler = handler
+        batched_runs[0] += sum(
+            not run.has_regs and self._batcher(run.probe, run.slots) is not None
+            for run in block.runs
+        )
+        deliver_block(self, block)
+
+    monkeypatch.setattr(RingReader, "_deliver_block", both)
+    return batched_runs
+
+
 def both_paths(
     target: Path, monkeypatch: pytest.MonkeyPatch, as_json: bool, *extra: str
 ) -> tuple[str, str, list[str], int]:
@@ -77,8 +107,6 @@ def both_paths(
     record by record, to the per-event path (its lines, filtered as the session's sink
     would, kept apart): (stdout, stderr, the per-event lines, runs the batch path took)."""
     per_event: list[str] = []
-    batched_runs = 0
-    deliver_block = RingReader._deliver_block
     fmt = format_json if as_json else format_event
     keep = Session._compile_filter(extra[1] if extra else None, [parse_spec(t) for t in SPECS])
 
@@ -86,29 +114,10 @@ def both_paths(
         if keep is None or keep(event_fields(ev)):
             per_event.append(fmt(ev) + "\n")
 
-    def both(self: RingReader, block: Any) -> None:
-        nonlocal batched_runs
-        saved = {}
-        for rs in self.sites.values():
-            for kp in rs.site.active:
-                saved[kp] = kp.async_handler
-                kp.async_handler = record
-        try:
-            for one in block.records():
-                self._deliver(one)
-        finally:
-            for kp, handler in saved.items():
-                kp.async_handler = handler
-        batched_runs += sum(
-            not run.has_regs and self._batcher(run.probe, run.slots) is not None
-            for run in block.runs
-        )
-        deliver_block(self, block)
-
-    monkeypatch.setattr(RingReader, "_deliver_block", both)
+    batched_runs = tee_blocks(monkeypatch, record)
     json_flag = ["--json"] if as_json else []
     out, err = kprobes("trace", *json_flag, *extra, "-c", f"{target} 3000", *SPECS)
-    return out, err, per_event, batched_runs
+    return out, err, per_event, batched_runs[0]
 
 
 @pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
@@ -175,38 +184,17 @@ def both_paths_of_returns(
     the per-event path (``Event`` values, ``format_event``/``format_json``): (the trace's
     lines, the per-event lines, runs the batch path took)."""
     per_event: list[str] = []
-    batched_runs = 0
-    deliver_block = RingReader._deliver_block
     fmt = format_json if as_json else format_event
 
     def record(_rp: Any, ev: Any) -> None:
         per_event.append(fmt(ev) + "\n")
 
-    def both(self: RingReader, block: Any) -> None:
-        nonlocal batched_runs
-        saved = {}
-        for rs in self.sites.values():
-            for rp in reader_mod.record_targets(rs):  # the return probes take the records
-                saved[rp] = rp.async_handler
-                rp.async_handler = record
-        try:
-            for one in block.records():
-                self._deliver(one)
-        finally:
-            for rp, handler in saved.items():
-                rp.async_handler = handler
-        batched_runs += sum(
-            not run.has_regs and self._batcher(run.probe, run.slots) is not None
-            for run in block.runs
-        )
-        deliver_block(self, block)
-
-    monkeypatch.setattr(RingReader, "_deliver_block", both)
+    batched_runs = tee_blocks(monkeypatch, record)
     json_flag = ["--json"] if as_json else []
     spec = RETURN_SPECS[command]
     out, err = kprobes("trace", *json_flag, "-c", f"{rets} {command}", spec)
     assert "uses a breakpoint" not in err  # the entry took its jump: returns are records
-    return out, per_event, batched_runs
+    return out, per_event, batched_runs[0]
 
 
 @pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
