@@ -106,9 +106,10 @@ class World:
         self.inbox: list[tuple[int, int]] = []
         self.has_pending = False
 
-    def held_thread(self) -> Thread:
-        """A thread of the program held still, for injection (prefer one no handler holds)."""
-        main = self._host.main
+    def held_thread(self, space: Tracee | None = None) -> Thread:
+        """A thread of the program (of ``space``, a followed fork child's, if given) held
+        still, for injection (prefer one no handler holds)."""
+        main = self._host.main if space is None else space
         if main is None:
             raise TargetError("the program has exited")
         best: Thread | None = None

@@ -104,19 +104,13 @@ class ProgramCalls:
         for tracee in self._tracer.own_memories():
             if tracee is self._tracer.main:
                 continue
-            thread = next(
-                (
-                    t
-                    for t in tracee.threads.values()
-                    if t.state is ThreadState.STOPPED and t.pending is None and not t.busy
-                ),
-                None,
-            )
-            if thread is None:
+            try:
+                thread = self._tracer.world.held_thread(tracee)
+            except InternalError as exc:
                 raise TargetError(
                     f"followed child {tracee.pid} has no thread held still to map a page of "
                     "ours in (each fork child needs its own copy of the probe's page)"
-                )
+                ) from exc
             # On the rescue's stub where the child has its copy of the rescue (mapped before
             # the fork), else on the program's syscall instruction, the same in its copy.
             has_rescue = rescue.is_installed and _is_mapped(tracee, rescue.area)
