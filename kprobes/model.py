@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 from kprobes.values import dataclass
@@ -105,6 +106,41 @@ class EventArg(NamedTuple):
     value: ArgValue
 
 
+class EntryData(Mapping[str, "ArgValue"]):
+    """``event.data`` of a return event whose probe declares an entry action
+    (``Kretprobe(entry_args=...)``): what those fetch-args read at the call's entry, by
+    name, read-only: the counterpart of the C API's ``ri->data``, which an entry handler
+    fills by hand. ``args`` keeps their types, as ``Event.args`` does."""
+
+    __slots__ = ("args",)
+
+    def __init__(self, args: tuple[EventArg, ...]) -> None:
+        self.args = args
+
+    def __getitem__(self, name: str) -> ArgValue:
+        for a in self.args:
+            if a.name == name:
+                return a.value
+        raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return (a.name for a in self.args)
+
+    def __len__(self) -> int:
+        return len(self.args)
+
+    def __hash__(self) -> int:
+        return hash(self.args)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, EntryData):
+            return self.args == other.args
+        return isinstance(other, Mapping) and dict(self) == dict(other)
+
+    def __repr__(self) -> str:
+        return f"EntryData({dict(self)!r})"
+
+
 @dataclass(frozen=True, slots=True)
 class StackFrame:
     """One frame of a user stack, innermost first: where it is, named as the kernel's
@@ -189,6 +225,9 @@ class Event(NamedTuple):
     # The thread's user stack at the hit, when the session asked for stacks (``trace -U``,
     # ``stackcount``); None otherwise.
     stack: UserStack | None = None
+    # A return event's entry action's values (``Kretprobe(entry_args=...)``: ``ri.data``);
+    # None without one, or when its entry's record was lost (a full ring).
+    data: EntryData | None = None
 
     @property
     def name(self) -> str:

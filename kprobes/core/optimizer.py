@@ -54,6 +54,8 @@ class SiteOpt:
     plan: Any = None  # the captures that id's records hold (the target's)
     # The same, of the records each return probe's trampoline writes, by return probe.
     returns: dict[Any, tuple[int, Any]] = field(default_factory=dict)
+    # And of the records each return probe's entry action writes, by return probe.
+    entry_data: dict[Any, tuple[int, Any]] = field(default_factory=dict)
 
     def to(self, state: OptState, reason: str = "") -> None:
         if state not in _ALLOWED[self.state]:

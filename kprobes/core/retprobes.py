@@ -129,7 +129,12 @@ class Kretprobe(EntryProbed):
     event is made at the return's trap. ``$arg1``..``$arg6`` are the argument registers
     the entry kept for the return (memory read through them, or an argument on the stack,
     keeps the probe on traps); ``entry_handler`` and ``data_size`` do not go with an
-    ``async_handler``.
+    ``async_handler``. Its entry action is declared instead: ``entry_args`` are fetch-args
+    read at the call's entry (``"len=+8($arg1):u32 name=+0(+16($arg1)):string"``: memory,
+    strings, registers), which the return's event carries as ``event.data`` (``ri.data``'s
+    counterpart, a read-only mapping by name); on the fast tier the entry writes them as a
+    record of their own, paired exactly with the return's. An entry record lost to a full
+    ring leaves that event's ``data`` None, counted in ``nmissed_data``.
     """
 
     kind = "r"
@@ -148,6 +153,7 @@ class Kretprobe(EntryProbed):
         async_handler: Callable[[Kretprobe, Any], Any] | None = None,
         args: str | Sequence[str] = (),
         with_regs: bool = False,
+        entry_args: str | Sequence[str] = (),
     ) -> None:
         super().__init__(symbol, offset, addr, disabled)
         self.kp.optimize = optimize
@@ -156,6 +162,13 @@ class Kretprobe(EntryProbed):
             ((args,) if args else ()) if isinstance(args, str) else tuple(args)
         )
         self.with_regs = with_regs  # the async_handler's Event carries the registers
+        # The entry action: fetch-args read at the entry, handed over as ``Event.data``.
+        self.entry_args: tuple[str, ...] = (
+            ((entry_args,) if entry_args else ())
+            if isinstance(entry_args, str)
+            else tuple(entry_args)
+        )
+        self.nmissed_data = 0  # return events whose entry's record was lost (a full ring)
         self.handler = handler
         self.entry_handler = entry_handler
         self.maxactive = maxactive

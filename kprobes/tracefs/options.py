@@ -75,6 +75,15 @@ def _check_kretprobe(target: str, rp: Kretprobe, *, is_kernel: bool) -> None:
             f"an entry_handler runs at each call's entry, and {_NO_CODE_OF_OURS} (register "
             "a Kprobe at the function's entry as well, or use Process)",
         )
+    if rp.entry_args:
+        raise UnsupportedOption(
+            target,
+            f"entry_args={' '.join(rp.entry_args)!r}",
+            "Kretprobe",
+            "an entry action writes a record at each call's entry for its return's event, "
+            f"and {_NO_CODE_OF_OURS} (name the entry's arguments as $argN fetch-args of "
+            "the return, or use Process)",
+        )
     if rp.maxactive > 0 and not is_kernel:
         raise UnsupportedOption(
             target,

@@ -18,6 +18,9 @@
  *                      "three" (i % 4); prints the total length of the names
  *   rets mix N         mix(i, -i, 2i, i^5, 7, 1000 - i) for i < N: six arguments, each in its
  *                      register; prints the sum of the results
+ *   rets reqs T N      T threads, each calls handle(&req) N times, req = {id: t * 1000000 + i,
+ *                      len: i % 977, name: "t<t>-<i>"}; handle changes len and name and
+ *                      returns id + the len it was given; prints the sum of the results
  */
 #include <pthread.h>
 #include <setjmp.h>
@@ -92,6 +95,34 @@ __attribute__((noinline)) long mix(long a, long b, long c, long d, long e, long 
 {
 	SINK_ADD(a);
 	return a + 2 * b + 3 * c + 5 * d + 7 * e + 11 * f;
+}
+
+/* A request: handle() changes what it holds, so what it held at the entry is gone at the
+ * return (an entry action must read it at the entry). */
+struct req { long id; unsigned len; char name[20]; };
+
+__attribute__((noinline)) long handle(struct req *r)
+{
+	long before = r->len;
+	SINK_ADD(before);
+	r->len = r->len * 2 + 1;
+	memcpy(r->name, "done", 5);
+	return r->id + before;
+}
+
+struct reqs { long t, n, sum; };
+
+static void *requester(void *arg)
+{
+	struct reqs *job = arg;
+	struct req r;
+	for (long i = 0; i < job->n; i++) {
+		r.id = job->t * 1000000 + i;
+		r.len = (unsigned)(i % 977);
+		snprintf(r.name, sizeof r.name, "t%ld-%ld", job->t, i);
+		job->sum += handle(&r);
+	}
+	return NULL;
 }
 
 static void run_a(void) { co_a += co_work(3, 0); }
@@ -226,6 +257,20 @@ int main(int argc, char **argv)
 		for (long i = 0; i < n; i++)
 			sum += mix(i, -i, 2 * i, i ^ 5, 7, 1000 - i);
 		printf("mix sum=%ld\n", sum);
+	} else if (!strcmp(mode, "reqs")) {
+		long calls = argc > 3 ? atol(argv[3]) : 10;
+		pthread_t tids[64];
+		struct reqs jobs[64];
+		for (long i = 0; i < n && i < 64; i++) {
+			jobs[i] = (struct reqs){i, calls, 0};
+			pthread_create(&tids[i], NULL, requester, &jobs[i]);
+		}
+		long total = 0;
+		for (long i = 0; i < n && i < 64; i++) {
+			pthread_join(tids[i], NULL);
+			total += jobs[i].sum;
+		}
+		printf("reqs total=%ld\n", total);
 	} else if (!strcmp(mode, "fork")) {
 		long r = forker(1);
 		if (r == 100) {

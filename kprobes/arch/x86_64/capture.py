@@ -58,6 +58,8 @@ REGISTERS: Final = (*GPRS, "rip", "eflags")
 # A return trampoline's frame word: the call's entry time (rdtsc), which its record keeps
 # beside the registers at the return (retstack.py); no spec names it.
 ENTRY_TSC: Final = "entry_tsc"
+# And, with an entry action, the ticket + 1 of its entry's record (shadow.py's E_DATA).
+ENTRY_DATA: Final = "entry_data"
 # And the $argN registers its entry kept (retstack.py), a word each: ``entry_word("rdi")``.
 ENTRY_PREFIX: Final = "entry_"
 
@@ -82,7 +84,11 @@ class Reg:
 
     def __post_init__(self) -> None:
         name = self.name
-        if name not in REGISTERS and name != ENTRY_TSC and entry_register_of(name) is None:
+        if (
+            name not in REGISTERS
+            and name not in (ENTRY_TSC, ENTRY_DATA)
+            and entry_register_of(name) is None
+        ):
             raise InternalError(f"{self.name} cannot be captured")
 
 

@@ -97,6 +97,10 @@ class RecordAction:
     counter: int | None = None  # also count every hit there, recorded or dropped
     may_wait: bool = False  # a full ring is retried while the reader's lease holds
     stack: StackWalk | None = None  # walk the stack (stackwalk.py) after the captures
+    # After the commit, the record's ticket + 1 is stored at [register + displacement] (a
+    # return probe's entry action: its shadow entry's E_DATA, retstack.py); nothing is
+    # stored when the ring was full.
+    ticket_to: tuple[Register_, int] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.probe_id < 1 << 31:
@@ -170,6 +174,9 @@ class RecordAction:
         block.add(Instruction.create_reg_u64(Code.MOV_R64_IMM64, rcx, area.COMMIT_TAG + 1))
         block.add(Instruction.create_reg_reg(Code.ADD_R64_RM64, rcx, rsi))
         block.add(mov_store(rbx, area.REC_COMMIT, rcx))
+        if self.ticket_to is not None:
+            block.add(Instruction.create_reg_mem(Code.LEA_R64_M, rcx, at(rsi, 1)))
+            block.add(mov_store(self.ticket_to[0], self.ticket_to[1], rcx))
         block.branch(Code.JMP_REL32_64, "done")
         # Step 7: the ring is full: wait while the reader's lease holds (``may_wait``), else
         # count the drop and write nothing.

@@ -44,12 +44,13 @@ from typing import Final
 
 from iced_x86 import Code, Instruction, MemoryOperand, Register, Register_
 
-from kprobes.arch.x86_64.capture import ENTRY_TSC, entry_word
+from kprobes.arch.x86_64.capture import ENTRY_DATA, ENTRY_TSC, entry_word
 from kprobes.arch.x86_64.detour import EFLAGS, Block, Frame, at, mov_load, mov_store
 from kprobes.arch.x86_64.record import RecordAction, ThreadId
 from kprobes.arch.x86_64.shadow import (
     CAPACITY,
     E_ARGS,
+    E_DATA,
     E_RET,
     E_STACK,
     E_TSC,
@@ -124,6 +125,9 @@ RAX, RCX, RDX, RSI, RDI, R8, R9, R10, R11 = (
     Register.R8, Register.R9, Register.R10, Register.R11,
 )  # fmt: skip
 _SAVED: Final = (RAX, RCX, RDX, RSI, RDI, R8, R9, R10, R11)
+# Where an entry action's record leaves its ticket (``RecordAction.ticket_to``): the entry,
+# which r9 points at while that record is written.
+ENTRY_TICKET: Final = (R9, E_DATA)
 _SAVED_NAMES: Final = ("rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11")
 _WALK_SAVED: Final = (Register.RBP, Register.R12, Register.R13, Register.R14, Register.R15)
 _WALK_SAVED_NAMES: Final = ("rbp", "r12", "r13", "r14", "r15")
@@ -161,6 +165,9 @@ class ReturnSite:
     entry_regs: tuple[str, ...] = ()  # registers the entry keeps for the record (its $argN)
     linear: Linear | None = None  # linear slots (at C_LHIST) in place of the log2 ones
     thread_salt: int = 0  # where its record's thread salt is (record.py), 0: none
+    # The entry action's record (``Kretprobe(entry_args=...)``), written by the entry once the
+    # call is hooked; its ticket is kept in the entry (E_DATA) for the return's record.
+    entry_record: RecordAction | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.cap <= CAPACITY:
@@ -175,19 +182,23 @@ class ReturnSite:
             or not set(regs) <= set(_SAVED_NAMES)
         ):
             raise InternalError(f"entry registers {regs!r} (for a record, at most six)")
+        if self.entry_record is not None and (
+            self.record is None or self.entry_record.ticket_to != ENTRY_TICKET
+        ):
+            raise InternalError("an entry action's record with no return record to pair it")
 
 
-def _imm64(block: Block, reg: Register_, value: int) -> None:
+def imm64(block: Block, reg: Register_, value: int) -> None:
     block.add(Instruction.create_reg_u64(Code.MOV_R64_IMM64, reg, value))
 
 
 def _counter(block: Block, site: ReturnSite, field: int, scratch: Register_) -> None:
     """``lock inc`` of one of the probe's counters (absolute: no reach to check)."""
-    _imm64(block, scratch, site.counters + field)
+    imm64(block, scratch, site.counters + field)
     block.add(Instruction.create_mem(Code.INC_RM64, at(scratch, 0)), lock=True)
 
 
-def _emit_find(block: Block, site: ReturnSite, *, claim: bool, missing: str) -> None:
+def emit_find(block: Block, site: ReturnSite, *, claim: bool, missing: str) -> None:
     """rdi = this thread's slot (rcx = its thread pointer); jumps to ``missing`` when it has
     none (and ``claim`` is off, or the table is full). Clobbers rax, rdx, rsi."""
     if site.thread_id is ThreadId.FSBASE:
@@ -203,7 +214,7 @@ def _emit_find(block: Block, site: ReturnSite, *, claim: bool, missing: str) -> 
     block.add(Instruction.create_reg_u32(Code.MOV_R32_IMM32, Register.EDX, NTHREADS))
     block.label("look")
     block.add(Instruction.create_reg_reg_i32(Code.IMUL_R64_RM64_IMM32, RDI, RSI, SLOT_STRIDE))
-    _imm64(block, RAX, site.shadow)
+    imm64(block, RAX, site.shadow)
     block.add(Instruction.create_reg_reg(Code.ADD_R64_RM64, RDI, RAX))
     block.add(mov_load(RAX, RDI, T_OWNER))
     block.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, RAX, RCX))
@@ -229,7 +240,7 @@ def _emit_find(block: Block, site: ReturnSite, *, claim: bool, missing: str) -> 
     block.label("found")
 
 
-def _emit_top(block: Block) -> None:
+def emit_top(block: Block) -> None:
     """r10 = the entry below depth rsi (the newest live one); clobbers rax."""
     block.add(Instruction.create_reg_reg_i32(Code.IMUL_R64_RM64_IMM32, RAX, RSI, ENTRY))
     block.add(Instruction.create_reg_reg(Code.ADD_R64_RM64, RAX, RDI))
@@ -254,11 +265,11 @@ def _emit_release(block: Block, site: ReturnSite) -> None:
 
 
 def _emit_newest_vs_slot(block: Block, empty: str) -> None:
-    """The newest entry (r10, see ``_emit_top``) or a jump to ``empty`` if depth rsi is 0;
+    """The newest entry (r10, see ``emit_top``) or a jump to ``empty`` if depth rsi is 0;
     then its return slot compared with r8 (the flags say which is above)."""
     block.add(Instruction.create_reg_reg(Code.TEST_RM64_R64, RSI, RSI))
     block.branch(Code.JE_REL32_64, empty)
-    _emit_top(block)
+    emit_top(block)
     block.add(mov_load(RAX, R10, E_STACK))
     block.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, RAX, R8))
 
@@ -271,17 +282,20 @@ class RetEntryAction:
 
     @property
     def clobbers(self) -> tuple[str, ...]:
-        return ("rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11")
+        own = ("rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11")
+        entry = self.site.entry_record
+        return own if entry is None else (*own, *(r for r in entry.clobbers if r not in own))
 
     @property
     def reads_flags(self) -> bool:
-        return False
+        entry = self.site.entry_record
+        return entry is not None and entry.reads_flags
 
     def emit(self, block: Block, frame: Frame, probe_addr: int) -> None:
         site = self.site
         _counter(block, site, C_HITS, R11)
         # Step 1: the thread's shadow stack, unless a signal handler interrupted its use.
-        _emit_find(block, site, claim=True, missing="missed")
+        emit_find(block, site, claim=True, missing="missed")
         block.add(Instruction.create_mem_i32(Code.CMP_RM64_IMM8, at(RDI, T_BUSY), 0))
         block.branch(Code.JNE_REL32_64, "missed")
         block.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDI, T_BUSY), 1))
@@ -294,13 +308,13 @@ class RetEntryAction:
         _emit_newest_vs_slot(block, "push")
         block.branch(Code.JA_REL32_64, "push")
         block.branch(Code.JB_REL32_64, "drop")
-        _imm64(block, RAX, site.tramp_start)
+        imm64(block, RAX, site.tramp_start)
         block.add(Instruction.create_reg_reg(Code.MOV_R64_RM64, R11, R9))
         block.add(Instruction.create_reg_reg(Code.SUB_R64_RM64, R11, RAX))
         block.add(Instruction.create_reg_i32(Code.CMP_RM64_IMM32, R11, site.tramp_size))
         block.branch(Code.JB_REL32_64, "push")  # chained to one of our trampolines
         if site.trap_trampoline:
-            _imm64(block, RAX, site.trap_trampoline)
+            imm64(block, RAX, site.trap_trampoline)
             block.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, R9, RAX))
             block.branch(Code.JE_REL32_64, "push")  # chained to the trap tier's
         block.label("drop")
@@ -311,7 +325,7 @@ class RetEntryAction:
         block.add(Instruction.create_reg_i32(Code.CMP_RM64_IMM32, RSI, site.cap))
         block.branch(Code.JAE_REL32_64, "full")
         block.add(Instruction.create_reg(Code.INC_RM64, RSI))
-        _emit_top(block)
+        emit_top(block)
         block.add(mov_store(R10, E_RET, R9))
         block.add(mov_store(R10, E_STACK, R8))
         block.add(Instruction.create(Code.RDTSC))
@@ -321,10 +335,22 @@ class RetEntryAction:
         for i, reg in enumerate(site.entry_regs):  # the program's, saved in the frame
             block.add(mov_load(RAX, Register.RSP, frame.offset(reg)))
             block.add(mov_store(R10, E_ARGS + 8 * i, RAX))
+        if site.entry_record is not None:
+            block.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(R10, E_DATA), 0))
         block.add(mov_store(RDI, T_DEPTH, RSI))
-        _imm64(block, RAX, site.trampoline)
+        imm64(block, RAX, site.trampoline)
         block.add(mov_store(R8, 0, RAX))
         block.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDI, T_BUSY), 0))
+        if site.entry_record is not None:
+            # Step 4b: the entry action's record, its ticket into the entry (r9 = the entry:
+            # the record keeps r9; it reads the program's registers from the frame).
+            block.add(Instruction.create_reg_reg(Code.MOV_R64_RM64, R9, R10))
+            prefix = block.prefix
+            block.prefix = prefix + "data."
+            try:
+                site.entry_record.emit(block, frame, probe_addr)
+            finally:
+                block.prefix = prefix
         block.branch(Code.JMP_REL32_64, "done")
         # Step 5: not hooked: the depth the releases left, and a miss.
         block.label("full")
@@ -350,7 +376,7 @@ def _emit_measure(b: Block, site: ReturnSite, mult: int, saved_rax: int) -> None
     b.branch(Code.JNS_REL32_64, "positive")
     b.add(Instruction.create_reg_reg(Code.XOR_R32_RM32, Register.EAX, Register.EAX))
     b.label("positive")
-    _imm64(b, RCX, mult)
+    imm64(b, RCX, mult)
     b.add(Instruction.create_reg(Code.MUL_RM64, RCX))
     b.add(Instruction.create_reg_reg_i32(Code.SHRD_RM64_R64_IMM8, RAX, RDX, 32))
 
@@ -366,7 +392,10 @@ def record_frame(site: ReturnSite) -> Frame:
     and, with a record, rbx (the record's pointer), the flags, the call's entry time, where
     its ``ret`` goes (``RETURN_TO``) and the registers its entry kept (``entry_word``); a
     record's stack walk saves callee-saved registers of its own after the others."""
-    extra = ("rbx", EFLAGS, ENTRY_TSC, RETURN_TO) if site.record is not None else ()
+    extra: tuple[str, ...] = ()
+    if site.record is not None:
+        extra = ("rbx", EFLAGS, ENTRY_TSC, RETURN_TO)
+        extra += (ENTRY_DATA,) if site.entry_record is not None else ()
     kept = tuple(entry_word(reg) for reg in site.entry_regs)
     return Frame(("rip", *_SAVED_NAMES, *_walk_names(site), *extra, *kept), below=0)
 
@@ -398,7 +427,7 @@ def build_trampoline(site: ReturnSite, mult: int) -> bytes:
         for _ in range(len(frame.words) - 1 - len(_SAVED) - len(walk) - 2):  # the entry's words
             b.add(Instruction.create_reg(Code.PUSH_R64, RAX))
     # Step 2: the thread's stack; r8 = the return slot R, rsi = the depth.
-    _emit_find(b, site, claim=False, missing="nowhere")
+    emit_find(b, site, claim=False, missing="nowhere")
     b.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDI, T_BUSY), 1))
     b.add(Instruction.create_reg_mem(Code.LEA_R64_M, R8, at(Register.RSP, 8 * nsaved)))
     b.add(mov_load(RSI, RDI, T_DEPTH))
@@ -416,7 +445,7 @@ def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     b.add(mov_store(R8, 0, RAX))  # where the final ret finds it
     if site.record is not None:
         _emit_entry_words(b, site, frame)
-    _imm64(b, R11, site.counters)
+    imm64(b, R11, site.counters)
     b.add(Instruction.create_mem(Code.INC_RM64, at(R11, C_RETURNS)), lock=True)
     if site.record is not None:
         # Step 4: the record of this return (its events are the tool's to aggregate), the
@@ -464,6 +493,9 @@ def _emit_entry_words(b: Block, site: ReturnSite, frame: Frame) -> None:
     the registers the entry kept, where the ``ret`` goes and the caller."""
     b.add(mov_load(RAX, R10, E_TSC))
     b.add(mov_store(Register.RSP, frame.offset(ENTRY_TSC), RAX))
+    if site.entry_record is not None:
+        b.add(mov_load(RAX, R10, E_DATA))
+        b.add(mov_store(Register.RSP, frame.offset(ENTRY_DATA), RAX))
     for i, name in enumerate(site.entry_regs):
         b.add(mov_load(RAX, R10, E_ARGS + 8 * i))
         b.add(mov_store(Register.RSP, frame.offset(entry_word(name)), RAX))
@@ -480,7 +512,7 @@ def _emit_caller(b: Block, site: ReturnSite, frame: Frame) -> None:
     b.add(mov_store(Register.RSP, frame.offset(RETURN_TO), RAX))
     b.add(Instruction.create_reg_reg(Code.MOV_R64_RM64, R11, R10))
     b.label("caller")
-    _imm64(b, RCX, site.tramp_start)
+    imm64(b, RCX, site.tramp_start)
     b.add(Instruction.create_reg_reg(Code.SUB_R64_RM64, RCX, RAX))
     b.add(Instruction.create_reg(Code.NEG_RM64, RCX))  # rax - tramp_start
     b.add(Instruction.create_reg_i32(Code.CMP_RM64_IMM32, RCX, site.tramp_size))
@@ -501,15 +533,15 @@ def _emit_caller(b: Block, site: ReturnSite, frame: Frame) -> None:
 def _emit_linear_slot(b: Block, linear: Linear) -> None:
     """rcx = the linear slot of the value in rax (unsigned): 0 below ``low``, ``nslots - 1``
     from ``high`` on, else ``(value - low) // step + 1``. Clobbers rax and rdx."""
-    _imm64(b, RDX, linear.low)
+    imm64(b, RDX, linear.low)
     b.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, RAX, RDX))
     b.branch(Code.JB_REL32_64, "lin_below")
-    _imm64(b, RCX, linear.high)
+    imm64(b, RCX, linear.high)
     b.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, RAX, RCX))
     b.branch(Code.JAE_REL32_64, "lin_above")
     b.add(Instruction.create_reg_reg(Code.SUB_R64_RM64, RAX, RDX))
     b.add(Instruction.create_reg_reg(Code.XOR_R32_RM32, Register.EDX, Register.EDX))
-    _imm64(b, RCX, linear.step)
+    imm64(b, RCX, linear.step)
     b.add(Instruction.create_reg(Code.DIV_RM64, RCX))
     b.add(Instruction.create_reg_mem(Code.LEA_R64_M, RCX, at(RAX, 1)))
     b.branch(Code.JMP_REL32_64, "lin_slot")
@@ -548,53 +580,3 @@ def _emit_lost(b: Block) -> None:
     b.branch(Code.JMP_REL32_64, "home")
     b.label("nowhere")
     b.add(Instruction.create(Code.INT3))
-
-
-@dataclass(frozen=True, slots=True)
-class UnhookAction:
-    """The action on an entry point of the C++ unwinder: the real return address back in
-    every frame of this thread still hooked to one of our trampolines, newest first (in a
-    tail-call chain the newer entry's address is the older one's trampoline). Only frames
-    above the stack pointer are live (and surely mapped); the entries stay, released later
-    as vanished. With ``counter``, the hits are counted there."""
-
-    shadow: int
-    tramp_start: int
-    tramp_size: int
-    counter: int
-    thread_id: ThreadId = ThreadId.FSBASE
-
-    @property
-    def clobbers(self) -> tuple[str, ...]:
-        return ("rax", "rcx", "rdx", "rsi", "rdi", "r8", "r10", "r11")
-
-    @property
-    def reads_flags(self) -> bool:
-        return False
-
-    def emit(self, block: Block, frame: Frame, probe_addr: int) -> None:
-        site = ReturnSite(
-            self.shadow, 0, self.tramp_start, self.tramp_size, 0, 0, 1, self.thread_id
-        )
-        _imm64(block, R11, self.counter)
-        block.add(Instruction.create_mem(Code.INC_RM64, at(R11, 0)), lock=True)
-        _emit_find(block, site, claim=False, missing="done")
-        block.add(Instruction.create_reg_mem(Code.LEA_R64_M, R8, at(Register.RSP, frame.probe_rsp)))
-        block.add(mov_load(RSI, RDI, T_DEPTH))
-        block.label("loop")
-        block.add(Instruction.create_reg_reg(Code.TEST_RM64_R64, RSI, RSI))
-        block.branch(Code.JE_REL32_64, "done")
-        _emit_top(block)
-        block.add(Instruction.create_reg(Code.DEC_RM64, RSI))
-        block.add(mov_load(RAX, R10, E_STACK))
-        block.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, RAX, R8))
-        block.branch(Code.JB_REL32_64, "loop")  # below the stack pointer: a vanished frame
-        block.add(mov_load(RDX, RAX, 0))
-        _imm64(block, RCX, self.tramp_start)
-        block.add(Instruction.create_reg_reg(Code.SUB_R64_RM64, RDX, RCX))
-        block.add(Instruction.create_reg_i32(Code.CMP_RM64_IMM32, RDX, self.tramp_size))
-        block.branch(Code.JAE_REL32_64, "loop")  # not hooked (any more)
-        block.add(mov_load(RDX, R10, E_RET))
-        block.add(mov_store(RAX, 0, RDX))
-        block.branch(Code.JMP_REL32_64, "loop")
-        block.label("done")

@@ -27,7 +27,11 @@ E_STACK: Final = 8
 E_TSC: Final = 16
 E_ARGS: Final = 24
 ENTRY_REGS_MAX: Final = 6  # every argument register of the SysV ABI
-ENTRY: Final = E_ARGS + 8 * ENTRY_REGS_MAX  # 72 bytes
+# And, for a probe with an entry action (``Kretprobe(entry_args=...)``), the ticket + 1 of
+# the record the entry wrote of it (0: none, the ring was full), which the return's record
+# carries so that the tool pairs the two exactly.
+E_DATA: Final = E_ARGS + 8 * ENTRY_REGS_MAX
+ENTRY: Final = E_DATA + 8  # 80 bytes
 # Then the released entries' (return slot, return address), the last LOST_MAX, so that a
 # frame released wrongly (a stack switched under it: coroutines, a signal stack above the
 # thread's) still finds its way home, as the trap tier's ``Thread.lost`` does.

@@ -48,7 +48,13 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from kprobes.arch.x86_64 import ring_block
 from kprobes.arch.x86_64 import shared_area as sa
-from kprobes.arch.x86_64.capture import ENTRY_TSC, Captured, CapturePlan, entry_register_of
+from kprobes.arch.x86_64.capture import (
+    ENTRY_DATA,
+    ENTRY_TSC,
+    Captured,
+    CapturePlan,
+    entry_register_of,
+)
 from kprobes.arch.x86_64.record import THREAD_MASK, thread_salt
 from kprobes.arch.x86_64.regs import REG_INDEX, Regs
 from kprobes.arch.x86_64.stackwalk import WalkResult, read_walk
@@ -56,7 +62,7 @@ from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe
 from kprobes.errors import ProbeError
 from kprobes.linux.tsc import TscClock
-from kprobes.model import ArgValue, Event, UserStack
+from kprobes.model import ArgValue, EntryData, Event, UserStack
 from kprobes.process.fast.batch import BatchOutput, Decoder, plan_decoder
 from kprobes.process.fetch.evaluate import ArgFetcher, Memory
 from kprobes.process.fetch.fast import Resolver, data_resolver, entry_registers, file_resolver
@@ -72,6 +78,7 @@ _U64: Final = struct.Struct("<Q").unpack_from
 BATCH: Final = 16384  # records read by a poll: run(timeout) returns between batches
 CHECK_EVERY: Final = 32  # records delivered between two looks at the clock (``until``)
 SLICE: Final = 1024  # records copied at a time, then handed over
+ENTRY_DATA_KEPT: Final = 1 << 20  # entry actions' values waiting for their returns, at most
 TEE_SLICE: Final = 1 << 16  # records copied at a time for a tee (4 MiB of one-slot records)
 
 
@@ -98,6 +105,9 @@ class FastProbe:
     # Hits counted by stack in the program, no record each (stackcounts.py): each stack's
     # new hits as one event and their count; at a trap, the handler still gets the event.
     count_sink: Callable[[Event, int], None] | None = None
+    # A return probe's entry action (``Kretprobe(entry_args=...)``): an entry spec of those
+    # fetch-args, evaluated at the entry (a record of its own on the fast tier).
+    entry: EntryAction | None = None
 
     def __post_init__(self) -> None:
         if not self.event:
@@ -126,7 +136,26 @@ def equip(
     path = loc.module if isinstance(loc, SymbolLocation) and loc.module else "/proc/self"
     file_addr = file_resolver(symbols, path)
     fetcher = ArgFetcher(spec, resolve_data, file_addr)
-    return FastProbe(spec, fetcher, kp.with_regs, memory, (resolve_data, file_addr), pid)
+    entry = None
+    if isinstance(kp, Kretprobe) and kp.entry_args:
+        at_entry = parse(" ".join(("p", where, *kp.entry_args)))
+        entry = EntryAction(at_entry, ArgFetcher(at_entry, resolve_data, file_addr))
+    return FastProbe(
+        spec, fetcher, kp.with_regs, memory, (resolve_data, file_addr), pid, entry=entry
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class EntryAction:
+    """A return probe's entry action: fetch-args read at each call's entry, handed to its
+    return's event as ``Event.data`` (on the fast tier, a record the entry writes: the
+    return's record names it by its ticket, ``ENTRY_DATA``)."""
+
+    spec: ProbeSpec
+    fetcher: ArgFetcher
+
+    def data(self, regs: Any, memory: Memory) -> EntryData:
+        return EntryData(self.fetcher.fetch(regs, memory))
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +189,9 @@ class RecordSite:
     # That return probe, where the site has several (None: every return probe there; a
     # record file's reader makes a site of each record id).
     owner: Kretprobe | None = None
+    # Written at the entry by ``owner``'s entry action (its values wait for the return's
+    # record, by ticket: ``RingReader.entry_data``).
+    is_entry_data: bool = False
 
 
 class RingReader:
@@ -198,6 +230,8 @@ class RingReader:
         self._batchers: dict[tuple[int, int], Batcher | None] = {}
         # Takes the records as they lie in place of the handlers (``kprobes record``).
         self.tee: RingTee | None = None
+        # The values of entry actions' records whose return is not read yet, by ticket + 1.
+        self.entry_data: dict[int, EntryData] = {}
         self.after_drain: Callable[[], None] = lambda: None  # stackcounts.py's tables
 
     @property
@@ -232,14 +266,17 @@ class RingReader:
         stack_depth: int = 0,
         *,
         owner: Kretprobe | None = None,
+        entry_data: bool = False,
     ) -> int:
         """A new record id for ``site`` (never reused: old records may still be in a ring):
-        of its entry, or of the returns of ``owner``, a return probe whose entry it is."""
+        of its entry, or of the returns of ``owner``, a return probe whose entry it is, or
+        (``entry_data``) of ``owner``'s entry action."""
         if self._clock is None:
             self._clock = TscClock()
         rid = len(self.sites) + 1
+        is_return = owner is not None and not entry_data
         self.sites[rid] = RecordSite(
-            site, plan, with_regs, stack_depth, is_return=owner is not None, owner=owner
+            site, plan, with_regs, stack_depth, is_return, owner, is_entry_data=entry_data
         )
         return rid
 
@@ -391,7 +428,7 @@ class RingReader:
         one probe with a handler and that probe takes batches (made once, and again when
         the site's probes change)."""
         rs = self.sites.get(rid)
-        if rs is None or rs.stack_depth:  # stacks: events, one by one
+        if rs is None or rs.stack_depth or rs.is_entry_data:  # stacks: events, one by one
             return None
         active = record_targets(rs)
         fp = self.fast_of(active[0]) if len(active) == 1 else None
@@ -447,6 +484,7 @@ class RingReader:
             for name, value in zip(sa.REG_ORDER, record.regs, strict=True):
                 words[REG_INDEX[name]] = value
         entered = captured.regs.pop(ENTRY_TSC, 0)
+        ticket = captured.regs.pop(ENTRY_DATA, 0)
         kept = _entry_words(captured.regs) if rs.is_return else None
         for name, value in captured.regs.items():
             words[REG_INDEX[name]] = value
@@ -454,6 +492,9 @@ class RingReader:
         words[REG_INDEX["rip"]] = ip
         words[REG_INDEX["fs_base"]] = record.thread & THREAD_MASK
         memory = Memory(captured.read, captured.read_string, self.symbolize, self.comm)
+        if rs.is_entry_data:
+            self._keep_entry_data(rs, record.ticket, regs, memory)
+            return
         cpu = -1 if record.cpu == sa.META_CPU_MASK else record.cpu
         when = self._clock.seconds(record.tsc)
         snapshot = regs.frozen() if rs.with_regs else None
@@ -467,6 +508,7 @@ class RingReader:
         returned = _return_fields(
             rs, self.symbolize, self._clock.seconds(entered) if entered else 0.0
         )
+        data = self.entry_data.pop(ticket, None) if ticket else None
         for target in record_targets(rs):
             handler: Callable[[Any, Event], Any] | None = target.async_handler
             if handler is None:
@@ -480,13 +522,28 @@ class RingReader:
                 fp.group, fp.event, fp.pid, tid, name, cpu, when, ip, location, args,
                 regs=snapshot if fp.with_regs else None,
                 stack=None if fp.stack_depth is None else cut_stack(stack, fp.stack_depth),
+                data=data if fp.entry is not None else None,
                 **returned,
             )  # fmt: skip
+            if fp.entry is not None and data is None and isinstance(target, Kretprobe):
+                target.nmissed_data += 1
             self.delivered += 1
             try:
                 handler(target, event)
             except Exception as exc:  # raised from run(), as a trap handler's would be
                 self.table.park(exc)
+
+    def _keep_entry_data(self, rs: RecordSite, ticket: int, regs: Regs, memory: Memory) -> None:
+        """An entry action's record: its values, kept for the return's record, which names
+        it by ``ticket`` + 1 (the oldest are let go past ``ENTRY_DATA_KEPT``: frames that
+        never return, left by a ``longjmp``)."""
+        fp = None if rs.owner is None else self.fast_of(rs.owner)
+        if fp is None or fp.entry is None:
+            return
+        kept = self.entry_data
+        kept[ticket + 1] = fp.entry.data(regs, memory)
+        if len(kept) > ENTRY_DATA_KEPT:
+            del kept[next(iter(kept))]
 
 
 def cut_stack(stack: UserStack | None, depth: int | None) -> UserStack | None:

@@ -18,6 +18,7 @@ from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64.capture import CapturePlan
 from kprobes.arch.x86_64.detour import Action, CountAction
 from kprobes.arch.x86_64.record import CpuId, RecordAction
+from kprobes.arch.x86_64.retstack import ENTRY_TICKET
 from kprobes.arch.x86_64.stackids import StackCountAction, StackTable, stride_for
 from kprobes.core.probes import check_handlers
 from kprobes.errors import InternalError, TargetError, UnsupportedOption
@@ -180,14 +181,16 @@ class Recording:
         same event, made by its handler."""
         for rp in rps:
             if rp.async_handler is None:
-                if rp.args or rp in events or rp.with_regs:
+                if rp.args or rp in events or rp.with_regs or rp.entry_args:
                     raise UnsupportedOption(
                         "Process",
                         f"args={' '.join(rp.args)!r}"
                         if rp.args
                         else f"event={events[rp]!r}"
                         if rp in events
-                        else "with_regs=True",
+                        else "with_regs=True"
+                        if rp.with_regs
+                        else f"entry_args={' '.join(rp.entry_args)!r}",
                         "Kretprobe",
                         "its handler runs at the return with the live registers: read them "
                         "there (or give an async_handler)",
@@ -407,11 +410,12 @@ class Recording:
 
     def return_record(
         self, site: ProbeSite, area: SharedArea, so: SiteOpt, rp: Kretprobe
-    ) -> tuple[RecordAction, tuple[str, ...]] | str | None:
+    ) -> tuple[RecordAction, tuple[str, ...], RecordAction | None] | str | None:
         """The record the trampoline of return probe ``rp`` (whose entry is ``site``) writes
-        of each return, and the registers its entry keeps for it, or None (it
-        writes none, it aggregates), or why the site cannot be optimized: the return's
-        fetch-args, its caller, its entry time, its ``$argN``."""
+        of each return, the registers its entry keeps for it and the record of its entry
+        action (None: it has none), or None (it writes none, it aggregates), or why the
+        site cannot be optimized: the return's fetch-args, its caller, its entry time, its
+        ``$argN``, its entry action's fetch-args."""
         if rp.async_handler is None or not rp.optimize:
             return None
         entry = self._returns.get(id(rp))
@@ -419,14 +423,22 @@ class Recording:
             return "its asynchronous handler was not prepared"
         fp = entry[1]
         try:
-            plan = plan_return_captures(fp.spec, fp.resolvers)
+            plan = plan_return_captures(fp.spec, fp.resolvers, entry_data=fp.entry is not None)
             keeps = entry_registers(fp.spec)
+            data_plan = None
+            if fp.entry is not None:
+                data_plan = plan_captures([(fp.entry.spec, fp.resolvers)])
         except NotCapturable as exc:
             return str(exc)
         # The caller's stack, walked by the trampoline from the real return address.
         depth = fp.stack_depth or 0
         record = self._record_action(site, area, so, plan, fp.with_regs, returns=rp, depth=depth)
-        return record if isinstance(record, str) else (record, keeps)
+        if isinstance(record, str):
+            return record
+        if data_plan is None:
+            return record, keeps, None
+        data = self._record_action(site, area, so, data_plan, False, returns=rp, entry_data=True)
+        return data if isinstance(data, str) else (record, keeps, data)
 
     def _record_action(
         self,
@@ -439,10 +451,12 @@ class Recording:
         returns: Kretprobe | None = None,
         counted: bool = True,
         depth: int = 0,
+        entry_data: bool = False,
     ) -> RecordAction | str:
         """A record action of ``plan`` for ``site`` (at its entry, or at the return of the
-        return probe ``returns``, which its trampoline counts), its record id kept while the
-        plan holds; it counts the hit too if ``counted`` (and not ``returns``)."""
+        return probe ``returns``, which its trampoline counts, or, ``entry_data``, at the
+        entry for that probe's entry action), its record id kept while the plan holds; it
+        counts the hit too if ``counted`` (and not ``returns``)."""
         if plan.reads_memory:
             # A bad pointer must give (fault): the tracer fixes such faults, and the rescue
             # once the tool is gone (faults.py). Without a rescue (seccomp) the program
@@ -464,10 +478,11 @@ class Recording:
             self._hold_lease()
         if not reader.is_active:
             self._learn_all_threads(reader)
+        ids = so.entry_data if entry_data else so.returns
         if returns is None:
             rid, held = so.record_id, so.plan
         else:
-            rid, held = so.returns.get(returns, (0, None))
+            rid, held = ids.get(returns, (0, None))
         known = reader.sites.get(rid)
         if (
             known is None
@@ -475,9 +490,11 @@ class Recording:
             or known.with_regs != with_regs
             or known.stack_depth != depth
         ):
-            rid = reader.add_site(site, plan, with_regs, depth, owner=returns)
+            rid = reader.add_site(
+                site, plan, with_regs, depth, owner=returns, entry_data=entry_data
+            )
             if returns is not None:
-                so.returns[returns] = rid, plan
+                ids[returns] = rid, plan
             else:
                 so.record_id, so.plan = rid, plan
         try:
@@ -490,6 +507,7 @@ class Recording:
                 counter=area.counter_addr(so.counter) if counted and returns is None else None,
                 may_wait=self._state.waits_when_full,
                 stack=stack,
+                ticket_to=ENTRY_TICKET if entry_data else None,
             )
         except InternalError as exc:  # a record larger than the ring's mirror
             return f"its fetch-args need too large a record: {exc}"

@@ -30,6 +30,7 @@ from kprobes.arch.x86_64 import shadow as sh
 from kprobes.arch.x86_64.detour import Action
 from kprobes.arch.x86_64.record import SALT_SIZE, RecordAction, ThreadId
 from kprobes.arch.x86_64.shadow import LOST, SHADOW_SIZE
+from kprobes.arch.x86_64.unhook import UnhookAction
 from kprobes.core.retprobes import Kretprobe
 from kprobes.errors import TargetError
 from kprobes.linux.syscalls import NR_MMAP
@@ -101,7 +102,7 @@ _MULT: int | None = None
 
 
 # What a trampoline's code holds (``ReturnStacks.trampolines``).
-_TrampolineKey = tuple[int, int, int, int, int, tuple[str, ...], tuple[int, int, int] | None]
+_TrampolineKey = tuple[int, int, int, int, int, tuple[str, ...], tuple[int, int, int] | None, bool]
 
 
 @dataclass(slots=True)
@@ -225,11 +226,13 @@ class FastReturns:
         counter: int,
         record: RecordAction | None = None,
         entry_regs: tuple[str, ...] = (),
+        entry_record: RecordAction | None = None,
     ) -> Action | str:
         """The entry action of return probe ``rp`` at ``site``, its counters at index
         ``counter`` of the shared area ``area`` (its index, and it), its trampoline made
         once; or why none. With ``record``, its trampoline
-        writes that record of each return (and the entry keeps ``entry_regs`` for it).
+        writes that record of each return (and the entry keeps ``entry_regs`` for it, and
+        writes ``entry_record``, the probe's entry action, naming it in the entry).
         Several return probes at one site hook one after the other: the later one's entry
         keeps the earlier one's trampoline as the return address (a chain, as a tail call
         makes), so the returns run newest first, as the trap tier reports them."""
@@ -251,6 +254,7 @@ class FastReturns:
             record.probe_id if record else 0,
             entry_regs,
             rp.linear,
+            entry_record is not None,
         )
         tramp = stacks.trampolines.get(key, 0)
         ret_site = rs.ReturnSite(
@@ -267,6 +271,7 @@ class FastReturns:
             entry_regs=entry_regs,
             linear=linear_of(rp),
             thread_salt=self._memory.salt_of(stacks.tramp_start),
+            entry_record=entry_record,
         )
         if not tramp:
             code = rs.build_trampoline(ret_site, max(1, tsc_mult() // max(1, rp.duration_unit)))
@@ -293,7 +298,7 @@ class FastReturns:
         (engine/trampoline.py ``UnwindUnhook``)."""
         self._ensure_memory(site.addr)
         stacks = self._stacks
-        return rs.UnhookAction(
+        return UnhookAction(
             stacks.shadow,
             stacks.tramp_start,
             TRAMP_SPAN,

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kprobes.model import ArgValue, Event
+from kprobes.model import ArgValue, EntryData, Event
 
 if TYPE_CHECKING:
     from kprobes.core.probes import Kprobe
@@ -55,16 +55,18 @@ def return_trap_delivery(
     records written before it (``drain``)."""
     group, event, pid, memory, fetcher = fp.group, fp.event, fp.pid, fp.memory, fp.fetcher
     comm, symbolize, with_regs = memory.comm, memory.symbolize, fp.with_regs
-    entered: dict[int, tuple[float, tuple[ArgValue, ...]]] = {}
+    action = fp.entry
+    entered: dict[int, tuple[float, tuple[ArgValue, ...], EntryData | None]] = {}
 
     def at_entry(ri: KretprobeInstance, regs: Any) -> None:
         args = fetcher.entry(regs, memory) if fetcher.has_entry_args else ()
-        entered[id(ri)] = (time.monotonic(), args)
+        data = None if action is None else action.data(regs, memory)
+        entered[id(ri)] = (time.monotonic(), args, data)
 
     def at_return(ri: KretprobeInstance, regs: Any) -> None:
         drain()
         handler = rp.async_handler
-        start, args = entered.pop(id(ri), (0.0, ()))
+        start, args, data = entered.pop(id(ri), (0.0, (), None))
         if handler is None:
             return
         tid, ret, func_ip = regs.tid, ri.ret_addr, rp.addr or 0
@@ -74,7 +76,7 @@ def return_trap_delivery(
                 group, event, pid, tid, comm(tid), cpu(tid), time.monotonic(), ret,
                 symbolize(ret), fetcher.fetch(regs, memory, args), is_return=True,
                 func=symbolize(func_ip).split("+")[0], func_ip=func_ip, entry_timestamp=start,
-                regs=regs.frozen() if with_regs else None,
+                regs=regs.frozen() if with_regs else None, data=data,
             ),
         )  # fmt: skip
 

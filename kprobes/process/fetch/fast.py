@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final
 
 from kprobes.arch.x86_64.capture import (
+    ENTRY_DATA,
     ENTRY_TSC,
     REGISTERS,
     Bytes,
@@ -156,16 +157,21 @@ def plan_captures(specs: Sequence[tuple[ProbeSpec, Resolver]]) -> CapturePlan:
     return planner.plan
 
 
-def plan_return_captures(spec: ProbeSpec, resolvers: Resolver) -> CapturePlan:
+def plan_return_captures(
+    spec: ProbeSpec, resolvers: Resolver, *, entry_data: bool = False
+) -> CapturePlan:
     """What a return spec's fetch-args read at the return, captured by its trampoline, then
     the real return address ("rip") and the call's entry time (``ENTRY_TSC``), which make
     the event's ``(caller <- func)`` and its ``entry_timestamp``, and the registers its
-    ``$argN`` name, which the entry kept (``entry_word``, see ``entry_registers``)."""
+    ``$argN`` name, which the entry kept (``entry_word``, see ``entry_registers``); with
+    ``entry_data``, the ticket of the record its entry action wrote (``ENTRY_DATA``)."""
     keeps = entry_registers(spec)
     planner = _ReturnPlanner()
     _plan_args(planner, spec, resolvers, at_return=True)
     planner.plan.add(Value(Reg("rip")))
     planner.plan.add(Value(Reg(ENTRY_TSC)))
+    if entry_data:
+        planner.plan.add(Value(Reg(ENTRY_DATA)))
     for reg in keeps:
         planner.plan.add(Value(Reg(entry_word(reg))))
     return planner.plan
