@@ -143,8 +143,7 @@ def test_a_probe_leaving_a_shared_site_leaves_the_others_counts_their_own(spawn,
     proc = spawn([rets, "waitblock", depth], stdin=in_r, stdout=out_w)
     os.close(in_r)
     os.close(out_w)
-    # The one that goes hooks fewer frames (its cap: 5 entries deep in the thread's shadow
-    # stack, which holds both probes' entries), the one that stays all of them.
+    # The one that goes hooks fewer frames (its 5 instances), the one that stays all.
     gone = Kretprobe(symbol="rec_block", optimize=True, maxactive=5)
     kept = Kretprobe(symbol="rec_block", optimize=True)
     proc.register_kretprobes([gone, kept])

@@ -68,9 +68,9 @@ def add_parser(sub: Any, help: str) -> None:
         "--maxactive",
         type=int,
         default=0,
-        help="calls followed at once (default: as many as needed with the ptrace backend, "
-        "the kernel's default with --kernel); timed in the program, calls nested in one "
-        "thread (default 16384)",
+        help="calls followed at once, every thread's (default: as many as needed with the "
+        "ptrace backend, up to 16384 nested in each thread where the program times them; "
+        "the kernel's default with --kernel)",
     )
     add_linear_argument(p, "the durations (ns, or the unit -u or -m chooses)")
     add_interval_argument(p, "the histogram")

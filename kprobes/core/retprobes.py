@@ -118,7 +118,9 @@ class Kretprobe(EntryProbed):
     returns (``nhit``), the misses and the abandoned frames, and times each call into
     ``hist_slots`` (bcc's log2 slots, in ``duration_unit`` ns) and ``hist_total``,
     read when the user can see them, as an optimized kprobe's ``nhit`` is. ``maxactive``
-    then caps each thread's nesting. A probe with a handler stays on traps.
+    keeps its meaning there: the calls of this probe hooked at once, every thread's (0:
+    no cap but the 16,384 entries of each thread's shadow stack, which every probe
+    shares). A probe with a handler stays on traps.
 
     ``optimize=True`` with an ``async_handler`` (and no other handler) makes a *record* of
     each return, as an optimized kprobe does of each hit: the return trampoline writes the

@@ -30,7 +30,7 @@ For a uprobe with ``n=%di:s64 s=+0(%si):string`` the builder reads::
         comm = who[1]
         return new(Event, (group, event, who[0], tid, comm, cpu, ts / 1e9, ip, location,
                            (new(EventArg, (n0, t0, a0)), new(EventArg, (n1, t1, a1)), ),
-                           False, func, func_ip, 0.0, None, None))
+                           False, func, func_ip, 0.0, None, None, None))
 
 Builders are generated Python source, as ``collections.namedtuple`` and ``dataclasses`` make
 their ``__new__`` and ``__init__``. Only names chosen here and integer offsets are written into
@@ -236,7 +236,7 @@ def _event_lines(plan: EventPlan, arg_count: int) -> list[str]:
     args = "".join(f"new(EventArg, (n{k}, t{k}, a{k})), " for k in range(arg_count))
     lines.append(
         "    return new(Event, (group, event, who[0], tid, comm, cpu, ts / 1e9, ip, location, "
-        f"({args}), {plan.is_return}, func, func_ip, 0.0, None, None))"
+        f"({args}), {plan.is_return}, func, func_ip, 0.0, None, None, None))"
     )
     return lines
 

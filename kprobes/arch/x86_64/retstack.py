@@ -51,6 +51,7 @@ from kprobes.arch.x86_64.shadow import (
     CAPACITY,
     E_ARGS,
     E_DATA,
+    E_OWNER,
     E_RET,
     E_STACK,
     E_TSC,
@@ -79,6 +80,7 @@ C_RETURNS: Final = 8
 C_MISSED: Final = 16
 C_ABANDONED: Final = 24
 C_SUM_NS: Final = 32
+C_LIVE: Final = 40  # a probe with a maxactive: its calls hooked now, every thread's
 C_HIST: Final = 64
 HIST_SLOTS: Final = 65
 COUNTERS_SIZE: Final = C_HIST + 8 * HIST_SLOTS  # 584 bytes
@@ -158,7 +160,7 @@ class ReturnSite:
     tramp_size: int
     trap_trampoline: int
     counters: int
-    cap: int = CAPACITY
+    cap: int = CAPACITY  # entries a thread's shadow stack takes, every probe's
     thread_id: ThreadId = ThreadId.FSBASE
     value_bits: int = 0
     record: RecordAction | None = None
@@ -168,6 +170,9 @@ class ReturnSite:
     # The entry action's record (``Kretprobe(entry_args=...)``), written by the entry once the
     # call is hooked; its ticket is kept in the entry (E_DATA) for the return's record.
     entry_record: RecordAction | None = None
+    # The kernel's maxactive: calls of this probe hooked at once in the process, at most
+    # (its instances, every thread's: C_LIVE); 0: as many as the threads' stacks take.
+    maxactive: int = 0
 
     def __post_init__(self) -> None:
         if not 0 < self.cap <= CAPACITY:
@@ -247,9 +252,10 @@ def emit_top(block: Block) -> None:
     block.add(Instruction.create_reg_mem(Code.LEA_R64_M, R10, at(RAX, T_ENTRIES - ENTRY)))
 
 
-def _emit_release(block: Block, site: ReturnSite) -> None:
+def _emit_release(block: Block) -> None:
     """The newest entry (r10, at depth rsi) is released: remembered in the lost ring, the
-    depth one less, counted. Clobbers rcx, rdx, r11."""
+    depth one less, counted abandoned by the probe whose entry it is (``E_OWNER``), one
+    instance less in flight for it. Clobbers rcx, rdx."""
     block.add(mov_load(RCX, RDI, T_LOST_NEXT))
     block.add(Instruction.create_reg_mem(Code.LEA_R64_M, RDX, at(RCX, 1)))
     block.add(mov_store(RDI, T_LOST_NEXT, RDX))
@@ -261,7 +267,9 @@ def _emit_release(block: Block, site: ReturnSite) -> None:
     block.add(mov_load(RDX, R10, E_RET))
     block.add(mov_store(RCX, T_LOST + 8, RDX))
     block.add(Instruction.create_reg(Code.DEC_RM64, RSI))
-    _counter(block, site, C_ABANDONED, R11)
+    block.add(mov_load(RDX, R10, E_OWNER))
+    block.add(Instruction.create_mem(Code.INC_RM64, at(RDX, C_ABANDONED)), lock=True)
+    block.add(Instruction.create_mem(Code.DEC_RM64, at(RDX, C_LIVE)), lock=True)
 
 
 def _emit_newest_vs_slot(block: Block, empty: str) -> None:
@@ -318,16 +326,28 @@ class RetEntryAction:
             block.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, R9, RAX))
             block.branch(Code.JE_REL32_64, "push")  # chained to the trap tier's
         block.label("drop")
-        _emit_release(block, site)
+        _emit_release(block)
         block.branch(Code.JMP_REL32_64, "release")
         # Step 4: a new entry if the cap allows: its fields, the depth, then the hook.
         block.label("push")
         block.add(Instruction.create_reg_i32(Code.CMP_RM64_IMM32, RSI, site.cap))
         block.branch(Code.JAE_REL32_64, "full")
+        imm64(block, R11, site.counters)
+        if site.maxactive:  # one more instance in flight, if the probe has one left
+            block.add(Instruction.create_reg_u32(Code.MOV_R32_IMM32, Register.EAX, 1))
+            block.add(
+                Instruction.create_mem_reg(Code.XADD_RM64_R64, at(R11, C_LIVE), RAX), lock=True
+            )
+            block.add(Instruction.create_reg_i32(Code.CMP_RM64_IMM32, RAX, site.maxactive))
+            block.branch(Code.JB_REL32_64, "instance")
+            block.add(Instruction.create_mem(Code.DEC_RM64, at(R11, C_LIVE)), lock=True)
+            block.branch(Code.JMP_REL32_64, "full")
+            block.label("instance")
         block.add(Instruction.create_reg(Code.INC_RM64, RSI))
         emit_top(block)
         block.add(mov_store(R10, E_RET, R9))
         block.add(mov_store(R10, E_STACK, R8))
+        block.add(mov_store(R10, E_OWNER, R11))
         block.add(Instruction.create(Code.RDTSC))
         block.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, RDX, 32))
         block.add(Instruction.create_reg_reg(Code.OR_R64_RM64, RAX, RDX))
@@ -436,13 +456,16 @@ def build_trampoline(site: ReturnSite, mult: int) -> bytes:
     _emit_newest_vs_slot(b, "lost")
     b.branch(Code.JE_REL32_64, "match")
     b.branch(Code.JA_REL32_64, "lost")
-    _emit_release(b, site)
+    _emit_release(b)
     b.branch(Code.JMP_REL32_64, "pop")
     b.label("match")
     b.add(Instruction.create_reg(Code.DEC_RM64, RSI))
     b.add(mov_store(RDI, T_DEPTH, RSI))
     b.add(mov_load(RAX, R10, E_RET))
     b.add(mov_store(R8, 0, RAX))  # where the final ret finds it
+    if site.maxactive:  # its instance is free again
+        imm64(b, RDX, site.counters)
+        b.add(Instruction.create_mem(Code.DEC_RM64, at(RDX, C_LIVE)), lock=True)
     if site.record is not None:
         _emit_entry_words(b, site, frame)
     imm64(b, R11, site.counters)

@@ -31,7 +31,10 @@ ENTRY_REGS_MAX: Final = 6  # every argument register of the SysV ABI
 # the record the entry wrote of it (0: none, the ring was full), which the return's record
 # carries so that the tool pairs the two exactly.
 E_DATA: Final = E_ARGS + 8 * ENTRY_REGS_MAX
-ENTRY: Final = E_DATA + 8  # 80 bytes
+# And whose entry it is: the probe's counters (retstack.py), where a release counts the
+# frame abandoned and, for a probe with a ``maxactive``, one instance less in flight.
+E_OWNER: Final = E_DATA + 8
+ENTRY: Final = E_OWNER + 8  # 88 bytes
 # Then the released entries' (return slot, return address), the last LOST_MAX, so that a
 # frame released wrongly (a stack switched under it: coroutines, a signal stack above the
 # thread's) still finds its way home, as the trap tier's ``Thread.lost`` does.

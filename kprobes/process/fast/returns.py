@@ -241,7 +241,6 @@ class FastReturns:
             return why
         stacks = self._stacks
         self._ensure_memory(site.addr)
-        cap = sh.CAPACITY if rp.maxactive <= 0 else min(rp.maxactive, sh.CAPACITY)
         index, shared = area
         counters = shared.counter_addr(counter)
         # A probe registered again at the site has new counters: a new trampoline (the old
@@ -264,7 +263,7 @@ class FastReturns:
             tramp_size=TRAMP_SPAN,
             trap_trampoline=self._tracer.trampoline.addr,
             counters=counters,
-            cap=cap,
+            maxactive=max(0, rp.maxactive),
             thread_id=self._thread_id,
             value_bits=rp.value_bits,
             record=record,
