@@ -12,6 +12,7 @@ import pytest
 from iced_x86 import Code, Decoder, Formatter, FormatterSyntax, Instruction, OpKind, Register
 
 from kprobes.arch.x86_64 import retstack as rs
+from kprobes.arch.x86_64 import rettramp as rt
 from kprobes.arch.x86_64 import shadow
 from kprobes.arch.x86_64.detour import build_detour
 from kprobes.arch.x86_64.jumpopt import find_region
@@ -32,7 +33,7 @@ def text(instrs: list[Instruction]) -> list[str]:
 
 
 def test_trampoline_keeps_every_register_it_uses() -> None:
-    instrs = listing(rs.build_trampoline(SITE, 1 << 31), TRAMP)
+    instrs = listing(rt.build_trampoline(SITE, 1 << 31), TRAMP)
     pushes = [i.op0_register for i in instrs if i.code == Code.PUSH_R64]
     ret = next(n for n, i in enumerate(instrs) if i.code == Code.RETNQ)
     pops = [i.op0_register for i in instrs[:ret] if i.code == Code.POP_R64]
@@ -49,8 +50,8 @@ def test_trampoline_keeps_every_register_it_uses() -> None:
 @pytest.mark.parametrize("bits", [0, 32, 64])
 def test_trampoline_reaches_everything_by_absolute_address(bits: int) -> None:
     site = rs.ReturnSite(SHADOW, TRAMP, TRAMP, 0x10000, 0, COUNTERS, value_bits=bits)
-    code = rs.build_trampoline(site, 1 << 31)
-    assert len(code) <= rs.TRAMPOLINE_MAX
+    code = rt.build_trampoline(site, 1 << 31)
+    assert len(code) <= rt.TRAMPOLINE_MAX
     instrs = listing(code, TRAMP)
     assert not [i for i in instrs if i.is_ip_rel_memory_operand]
     imm64 = {i.immediate64 for i in instrs if i.code == Code.MOV_R64_IMM64}
@@ -65,7 +66,7 @@ def test_trampoline_reaches_everything_by_absolute_address(bits: int) -> None:
 def test_trampoline_aggregates_what_its_site_asks_for() -> None:
     def body(bits: int) -> list[str]:
         site = rs.ReturnSite(SHADOW, TRAMP, TRAMP, 0x10000, 0, COUNTERS, value_bits=bits)
-        return text(listing(rs.build_trampoline(site, 1 << 31), TRAMP))
+        return text(listing(rt.build_trampoline(site, 1 << 31), TRAMP))
 
     saved_rax = f"mov rax,[rsp+{8 * 8:X}h]"
     assert "rdtsc" in body(0) and "mul rcx" in body(0) and saved_rax not in body(0)
@@ -74,7 +75,7 @@ def test_trampoline_aggregates_what_its_site_asks_for() -> None:
 
 
 def test_the_code_hashes_the_thread_pointer_as_the_tool_does() -> None:
-    instrs = text(listing(rs.build_trampoline(SITE, 1 << 31), TRAMP))
+    instrs = text(listing(rt.build_trampoline(SITE, 1 << 31), TRAMP))
     start = instrs.index("rdfsbase rcx")
     assert instrs[start + 1 : start + 6] == [
         "mov rsi,rcx",
@@ -105,7 +106,7 @@ def test_bad_sites_are_refused() -> None:
     with pytest.raises(InternalError):
         rs.ReturnSite(SHADOW, TRAMP, TRAMP, 0x10000, 0, COUNTERS, value_bits=16)
     with pytest.raises(InternalError):
-        rs.build_trampoline(SITE, 0)
+        rt.build_trampoline(SITE, 0)
 
 
 def test_layouts_fit() -> None:
@@ -139,9 +140,9 @@ def test_a_recording_trampoline_gives_back_every_word_it_took(entry_regs: tuple[
     """Its frame: the return address's word, the nine registers, rbx, the flags, the entry
     time (and the entry's registers): all taken back before the ret, rbx popped."""
     site = _record_site(entry_regs)
-    frame = rs.record_frame(site)
+    frame = rt.record_frame(site)
     assert frame.words[0] == "rip" and frame.probe_rsp == 8 * len(frame.words)
-    instrs = listing(rs.build_trampoline(site, 1 << 31), TRAMP)
+    instrs = listing(rt.build_trampoline(site, 1 << 31), TRAMP)
     ret = next(n for n, i in enumerate(instrs) if i.code == Code.RETNQ)
     taken = 8 + 8 * sum(i.code in (Code.PUSH_R64, Code.PUSHFQ) for i in instrs[:ret])
     popped = 8 * sum(i.code == Code.POP_R64 for i in instrs[:ret])
@@ -163,8 +164,8 @@ def test_the_entry_keeps_the_registers_a_return_record_asks_for() -> None:
     instrs = text(listing(detour.code, 0x40_0000))
     stores = [line for line in instrs if line.startswith("mov [r10+") and line.endswith(",rax")]
     assert stores[-3:] == [f"mov [r10+{rs.E_ARGS + 8 * i:X}h],rax" for i in range(3)]
-    tramp = text(listing(rs.build_trampoline(site, 1 << 31), TRAMP))
-    frame = rs.record_frame(site)
+    tramp = text(listing(rt.build_trampoline(site, 1 << 31), TRAMP))
+    frame = rt.record_frame(site)
     for i, reg in enumerate(("rsi", "r9", "rdi")):
         assert f"mov rax,[r10+{rs.E_ARGS + 8 * i:X}h]" in tramp
         offset = frame.offset(entry_word(reg))  # iced's spelling: [rsp], [rsp+8], [rsp+10h]

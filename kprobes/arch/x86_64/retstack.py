@@ -1,9 +1,9 @@
-"""Return probes in the program: the shadow stacks, the entry action that hooks, the trampoline.
+"""Return probes in the program: the shadow stacks and the entry action that hooks.
 
 An optimized return probe hooks a call without a trap. Its entry detour runs ``RetEntryAction``:
 it finds the thread's shadow stack, keeps the real return address at ``[rsp]``, the stack
 pointer and ``rdtsc`` there, and writes the probe's return trampoline over ``[rsp]``. When the
-function returns it lands in the trampoline (``build_trampoline``), which pops the newest entry
+function returns it lands in the trampoline (rettramp.py), which pops the newest entry
 of its slot, adds the call's duration to the probe's log2 histogram and counters, and returns to
 the real caller with a plain ``ret``. This is the kernel's uretprobe (``prepare_uretprobe`` and
 ``handle_trampoline`` in kernel/events/uprobes.c) with the two traps taken out.
@@ -44,8 +44,7 @@ from typing import Final
 
 from iced_x86 import Code, Instruction, MemoryOperand, Register, Register_
 
-from kprobes.arch.x86_64.capture import ENTRY_DATA, ENTRY_TSC, entry_word
-from kprobes.arch.x86_64.detour import EFLAGS, Block, Frame, at, mov_load, mov_store
+from kprobes.arch.x86_64.detour import Block, Frame, at, mov_load, mov_store
 from kprobes.arch.x86_64.record import RecordAction, ThreadId
 from kprobes.arch.x86_64.shadow import (
     CAPACITY,
@@ -119,20 +118,15 @@ def counters_size(linear: Linear | None) -> int:
     return COUNTERS_SIZE + (8 * linear.nslots if linear is not None else 0)
 
 
-TRAMPOLINE_MAX: Final = 512  # bytes of one trampoline, with room to spare
-RECORD_TRAMPOLINE_MAX: Final = 8192  # one that also writes a record (its captures' code)
-
 RAX, RCX, RDX, RSI, RDI, R8, R9, R10, R11 = (
     Register.RAX, Register.RCX, Register.RDX, Register.RSI, Register.RDI,
     Register.R8, Register.R9, Register.R10, Register.R11,
 )  # fmt: skip
-_SAVED: Final = (RAX, RCX, RDX, RSI, RDI, R8, R9, R10, R11)
+SAVED: Final = (RAX, RCX, RDX, RSI, RDI, R8, R9, R10, R11)
 # Where an entry action's record leaves its ticket (``RecordAction.ticket_to``): the entry,
 # which r9 points at while that record is written.
 ENTRY_TICKET: Final = (R9, E_DATA)
-_SAVED_NAMES: Final = ("rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11")
-_WALK_SAVED: Final = (Register.RBP, Register.R12, Register.R13, Register.R14, Register.R15)
-_WALK_SAVED_NAMES: Final = ("rbp", "r12", "r13", "r14", "r15")
+SAVED_NAMES: Final = ("rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11")
 
 
 def thread_slot(shadow: int, fs_base: int, index: int) -> int:
@@ -184,7 +178,7 @@ class ReturnSite:
             self.record is None
             or len(regs) > ENTRY_REGS_MAX
             or len(set(regs)) < len(regs)
-            or not set(regs) <= set(_SAVED_NAMES)
+            or not set(regs) <= set(SAVED_NAMES)
         ):
             raise InternalError(f"entry registers {regs!r} (for a record, at most six)")
         if self.entry_record is not None and (
@@ -197,7 +191,7 @@ def imm64(block: Block, reg: Register_, value: int) -> None:
     block.add(Instruction.create_reg_u64(Code.MOV_R64_IMM64, reg, value))
 
 
-def _counter(block: Block, site: ReturnSite, field: int, scratch: Register_) -> None:
+def count(block: Block, site: ReturnSite, field: int, scratch: Register_) -> None:
     """``lock inc`` of one of the probe's counters (absolute: no reach to check)."""
     imm64(block, scratch, site.counters + field)
     block.add(Instruction.create_mem(Code.INC_RM64, at(scratch, 0)), lock=True)
@@ -252,7 +246,7 @@ def emit_top(block: Block) -> None:
     block.add(Instruction.create_reg_mem(Code.LEA_R64_M, R10, at(RAX, T_ENTRIES - ENTRY)))
 
 
-def _emit_release(block: Block) -> None:
+def emit_release(block: Block) -> None:
     """The newest entry (r10, at depth rsi) is released: remembered in the lost ring, the
     depth one less, counted abandoned by the probe whose entry it is (``E_OWNER``), one
     instance less in flight for it. Clobbers rcx, rdx."""
@@ -272,7 +266,7 @@ def _emit_release(block: Block) -> None:
     block.add(Instruction.create_mem(Code.DEC_RM64, at(RDX, C_LIVE)), lock=True)
 
 
-def _emit_newest_vs_slot(block: Block, empty: str) -> None:
+def emit_newest_vs_slot(block: Block, empty: str) -> None:
     """The newest entry (r10, see ``emit_top``) or a jump to ``empty`` if depth rsi is 0;
     then its return slot compared with r8 (the flags say which is above)."""
     block.add(Instruction.create_reg_reg(Code.TEST_RM64_R64, RSI, RSI))
@@ -301,7 +295,7 @@ class RetEntryAction:
 
     def emit(self, block: Block, frame: Frame, probe_addr: int) -> None:
         site = self.site
-        _counter(block, site, C_HITS, R11)
+        count(block, site, C_HITS, R11)
         # Step 1: the thread's shadow stack, unless a signal handler interrupted its use.
         emit_find(block, site, claim=True, missing="missed")
         block.add(Instruction.create_mem_i32(Code.CMP_RM64_IMM8, at(RDI, T_BUSY), 0))
@@ -313,7 +307,7 @@ class RetEntryAction:
         block.add(mov_load(RSI, RDI, T_DEPTH))
         # Step 3: release the entries of frames that vanished (below S, or at S unchained).
         block.label("release")
-        _emit_newest_vs_slot(block, "push")
+        emit_newest_vs_slot(block, "push")
         block.branch(Code.JA_REL32_64, "push")
         block.branch(Code.JB_REL32_64, "drop")
         imm64(block, RAX, site.tramp_start)
@@ -326,7 +320,7 @@ class RetEntryAction:
             block.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, R9, RAX))
             block.branch(Code.JE_REL32_64, "push")  # chained to the trap tier's
         block.label("drop")
-        _emit_release(block)
+        emit_release(block)
         block.branch(Code.JMP_REL32_64, "release")
         # Step 4: a new entry if the cap allows: its fields, the depth, then the hook.
         block.label("push")
@@ -377,229 +371,5 @@ class RetEntryAction:
         block.add(mov_store(RDI, T_DEPTH, RSI))
         block.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDI, T_BUSY), 0))
         block.label("missed")
-        _counter(block, site, C_MISSED, R11)
+        count(block, site, C_MISSED, R11)
         block.label("done")
-
-
-def _emit_measure(b: Block, site: ReturnSite, mult: int, saved_rax: int) -> None:
-    """rax = the return value the function left in rax (saved at ``[rsp + saved_rax]``), or
-    the call's duration (a negative one, TSCs of two CPUs, is 0), ``ticks * mult >> 32``."""
-    if site.value_bits:
-        b.add(mov_load(RAX, Register.RSP, saved_rax))
-        if site.value_bits == 32:
-            b.add(Instruction.create_reg_reg(Code.MOV_R32_RM32, Register.EAX, Register.EAX))
-        return
-    b.add(Instruction.create(Code.RDTSC))
-    b.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, RDX, 32))
-    b.add(Instruction.create_reg_reg(Code.OR_R64_RM64, RAX, RDX))
-    b.add(Instruction.create_reg_mem(Code.SUB_R64_RM64, RAX, at(R10, E_TSC)))
-    b.branch(Code.JNS_REL32_64, "positive")
-    b.add(Instruction.create_reg_reg(Code.XOR_R32_RM32, Register.EAX, Register.EAX))
-    b.label("positive")
-    imm64(b, RCX, mult)
-    b.add(Instruction.create_reg(Code.MUL_RM64, RCX))
-    b.add(Instruction.create_reg_reg_i32(Code.SHRD_RM64_R64_IMM8, RAX, RDX, 32))
-
-
-# A recording trampoline's frame word: where its ``ret`` goes, while the "rip" word holds
-# the caller for the record (they differ in a chain of trampolines: ``_emit_caller``).
-RETURN_TO: Final = "return_to"
-
-
-def record_frame(site: ReturnSite) -> Frame:
-    """The trampoline's words while its record is written, in push order: the real return
-    address (as "rip": the program's rip once the trampoline returns), the saved registers,
-    and, with a record, rbx (the record's pointer), the flags, the call's entry time, where
-    its ``ret`` goes (``RETURN_TO``) and the registers its entry kept (``entry_word``); a
-    record's stack walk saves callee-saved registers of its own after the others."""
-    extra: tuple[str, ...] = ()
-    if site.record is not None:
-        extra = ("rbx", EFLAGS, ENTRY_TSC, RETURN_TO)
-        extra += (ENTRY_DATA,) if site.entry_record is not None else ()
-    kept = tuple(entry_word(reg) for reg in site.entry_regs)
-    return Frame(("rip", *_SAVED_NAMES, *_walk_names(site), *extra, *kept), below=0)
-
-
-def _walk_names(site: ReturnSite) -> tuple[str, ...]:
-    """The callee-saved registers a record's stack walk uses, saved by its trampoline."""
-    if site.record is None or site.record.stack is None:
-        return ()
-    return _WALK_SAVED_NAMES
-
-
-def build_trampoline(site: ReturnSite, mult: int) -> bytes:
-    """The return trampoline of one probe, at ``site.trampoline``. ``mult`` turns TSC ticks
-    into ns: ``ns = ticks * mult >> 32``."""
-    if not 0 < mult < 1 << 63:
-        raise InternalError(f"tsc multiplier {mult}")
-    b = Block(site.thread_salt)
-    frame = record_frame(site)
-    nsaved = len(frame.words) - 1
-    # Step 1: a word for the real return address (the slot the ret just freed), the registers
-    # (and, to write a record, rbx, the flags and a word for the entry time).
-    b.add(Instruction.create_reg_mem(Code.LEA_R64_M, Register.RSP, at(Register.RSP, -8)))
-    walk = _WALK_SAVED if _walk_names(site) else ()
-    for reg in (*_SAVED, *walk):
-        b.add(Instruction.create_reg(Code.PUSH_R64, reg))
-    if site.record is not None:
-        b.add(Instruction.create_reg(Code.PUSH_R64, Register.RBX))
-        b.add(Instruction.create(Code.PUSHFQ))
-        for _ in range(len(frame.words) - 1 - len(_SAVED) - len(walk) - 2):  # the entry's words
-            b.add(Instruction.create_reg(Code.PUSH_R64, RAX))
-    # Step 2: the thread's stack; r8 = the return slot R, rsi = the depth.
-    emit_find(b, site, claim=False, missing="nowhere")
-    b.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDI, T_BUSY), 1))
-    b.add(Instruction.create_reg_mem(Code.LEA_R64_M, R8, at(Register.RSP, 8 * nsaved)))
-    b.add(mov_load(RSI, RDI, T_DEPTH))
-    # Step 3: entries below R vanished; the newest at R is this call.
-    b.label("pop")
-    _emit_newest_vs_slot(b, "lost")
-    b.branch(Code.JE_REL32_64, "match")
-    b.branch(Code.JA_REL32_64, "lost")
-    _emit_release(b)
-    b.branch(Code.JMP_REL32_64, "pop")
-    b.label("match")
-    b.add(Instruction.create_reg(Code.DEC_RM64, RSI))
-    b.add(mov_store(RDI, T_DEPTH, RSI))
-    b.add(mov_load(RAX, R10, E_RET))
-    b.add(mov_store(R8, 0, RAX))  # where the final ret finds it
-    if site.maxactive:  # its instance is free again
-        imm64(b, RDX, site.counters)
-        b.add(Instruction.create_mem(Code.DEC_RM64, at(RDX, C_LIVE)), lock=True)
-    if site.record is not None:
-        _emit_entry_words(b, site, frame)
-    imm64(b, R11, site.counters)
-    b.add(Instruction.create_mem(Code.INC_RM64, at(R11, C_RETURNS)), lock=True)
-    if site.record is not None:
-        # Step 4: the record of this return (its events are the tool's to aggregate), the
-        # thread's stack left first (a signal handler may call probed functions while the
-        # record waits for room: --block).
-        b.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDI, T_BUSY), 0))
-        site.record.emit(b, frame, 0)
-        b.branch(Code.JMP_REL32_64, "restore")
-    else:
-        # Step 4: what the probe aggregates, in rax.
-        _emit_measure(b, site, mult, frame.offset("rax"))
-        b.add(Instruction.create_mem_reg(Code.ADD_RM64_R64, at(R11, C_SUM_NS), RAX), lock=True)
-        if site.linear is not None:
-            _emit_linear_slot(b, site.linear)
-            hist = MemoryOperand(R11, RCX, 8, C_LHIST, 1)
-        else:
-            b.add(Instruction.create_reg_i32(Code.OR_RM64_IMM8, RAX, 1))
-            b.add(Instruction.create_reg_reg(Code.BSR_R64_RM64, RCX, RAX))
-            hist = MemoryOperand(R11, RCX, 8, C_HIST + 8, 1)  # slot bsr + 1: bcc's bit length
-        b.add(Instruction.create_mem(Code.INC_RM64, hist), lock=True)
-    b.label("home")
-    b.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDI, T_BUSY), 0))
-    # Step 5: the registers back, and home.
-    b.label("restore")
-    if site.record is not None:
-        b.add(mov_load(RAX, Register.RSP, frame.offset(RETURN_TO)))  # the ret's, once more
-        b.add(mov_store(Register.RSP, frame.offset("rip"), RAX))
-        # all but rbx above the walk's registers: the flags, the entry's time and words
-        kept = 8 * (len(frame.words) - 1 - len(_SAVED) - len(walk) - 1)
-        b.add(Instruction.create_reg_mem(Code.LEA_R64_M, Register.RSP, at(Register.RSP, kept)))
-        b.add(Instruction.create_reg(Code.POP_R64, Register.RBX))
-    for reg in reversed((*_SAVED, *walk)):
-        b.add(Instruction.create_reg(Code.POP_R64, reg))
-    b.add(Instruction.create(Code.RETNQ))
-    _emit_lost(b)
-    code = b.encode(site.trampoline)
-    limit = TRAMPOLINE_MAX if site.record is None else RECORD_TRAMPOLINE_MAX
-    if len(code) > limit:
-        raise InternalError(f"a trampoline of {len(code)} bytes")
-    return code
-
-
-def _emit_entry_words(b: Block, site: ReturnSite, frame: Frame) -> None:
-    """A recording trampoline's frame words from its call's entry (r10): the entry time,
-    the registers the entry kept, where the ``ret`` goes and the caller."""
-    b.add(mov_load(RAX, R10, E_TSC))
-    b.add(mov_store(Register.RSP, frame.offset(ENTRY_TSC), RAX))
-    if site.entry_record is not None:
-        b.add(mov_load(RAX, R10, E_DATA))
-        b.add(mov_store(Register.RSP, frame.offset(ENTRY_DATA), RAX))
-    for i, name in enumerate(site.entry_regs):
-        b.add(mov_load(RAX, R10, E_ARGS + 8 * i))
-        b.add(mov_store(Register.RSP, frame.offset(entry_word(name)), RAX))
-    _emit_caller(b, site, frame)
-
-
-def _emit_caller(b: Block, site: ReturnSite, frame: Frame) -> None:
-    """The record's "rip" is the caller: where this call's entry (r10) returns, unless that
-    is another of our trampolines (a later return probe's hook at one site, or a tail
-    call, chains the calls at one slot r8), then the oldest entry of the chain's; the
-    ``ret`` still goes to the next trampoline (``RETURN_TO``). As the trap tier, which
-    gives each instance of a chain the real address. Clobbers rax, rcx, r11."""
-    b.add(mov_load(RAX, R10, E_RET))
-    b.add(mov_store(Register.RSP, frame.offset(RETURN_TO), RAX))
-    b.add(Instruction.create_reg_reg(Code.MOV_R64_RM64, R11, R10))
-    b.label("caller")
-    imm64(b, RCX, site.tramp_start)
-    b.add(Instruction.create_reg_reg(Code.SUB_R64_RM64, RCX, RAX))
-    b.add(Instruction.create_reg(Code.NEG_RM64, RCX))  # rax - tramp_start
-    b.add(Instruction.create_reg_i32(Code.CMP_RM64_IMM32, RCX, site.tramp_size))
-    b.branch(Code.JAE_REL32_64, "caller_found")  # not one of ours: the caller
-    b.add(Instruction.create_reg_mem(Code.LEA_R64_M, R11, at(R11, -ENTRY)))
-    b.add(Instruction.create_reg_mem(Code.LEA_R64_M, RCX, at(RDI, T_ENTRIES)))
-    b.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, R11, RCX))
-    b.branch(Code.JB_REL32_64, "caller_found")  # no older entry: the trampoline it is
-    b.add(mov_load(RCX, R11, E_STACK))
-    b.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, RCX, R8))
-    b.branch(Code.JNE_REL32_64, "caller_found")  # not of this slot: the same
-    b.add(mov_load(RAX, R11, E_RET))
-    b.branch(Code.JMP_REL32_64, "caller")
-    b.label("caller_found")
-    b.add(mov_store(R8, 0, RAX))
-
-
-def _emit_linear_slot(b: Block, linear: Linear) -> None:
-    """rcx = the linear slot of the value in rax (unsigned): 0 below ``low``, ``nslots - 1``
-    from ``high`` on, else ``(value - low) // step + 1``. Clobbers rax and rdx."""
-    imm64(b, RDX, linear.low)
-    b.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, RAX, RDX))
-    b.branch(Code.JB_REL32_64, "lin_below")
-    imm64(b, RCX, linear.high)
-    b.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, RAX, RCX))
-    b.branch(Code.JAE_REL32_64, "lin_above")
-    b.add(Instruction.create_reg_reg(Code.SUB_R64_RM64, RAX, RDX))
-    b.add(Instruction.create_reg_reg(Code.XOR_R32_RM32, Register.EDX, Register.EDX))
-    imm64(b, RCX, linear.step)
-    b.add(Instruction.create_reg(Code.DIV_RM64, RCX))
-    b.add(Instruction.create_reg_mem(Code.LEA_R64_M, RCX, at(RAX, 1)))
-    b.branch(Code.JMP_REL32_64, "lin_slot")
-    b.label("lin_below")
-    b.add(Instruction.create_reg_reg(Code.XOR_R32_RM32, Register.ECX, Register.ECX))
-    b.branch(Code.JMP_REL32_64, "lin_slot")
-    b.label("lin_above")
-    b.add(Instruction.create_reg_u32(Code.MOV_R32_IMM32, Register.ECX, linear.nslots - 1))
-    b.label("lin_slot")
-
-
-def _emit_lost(b: Block) -> None:
-    """No live entry at R: a frame released wrongly (its stack was switched under it) finds
-    its return address in the lost ring (taken out, not counted); none there, or no slot
-    for the thread at all: where it should go is unknown. Stop rather than guess."""
-    b.label("lost")
-    b.add(mov_store(RDI, T_DEPTH, RSI))
-    b.add(mov_load(RCX, RDI, T_LOST_NEXT))
-    b.add(Instruction.create_reg_u32(Code.MOV_R32_IMM32, Register.R9D, LOST_MAX))
-    b.label("search")  # newest first: an older release of the same slot is a dead frame's
-    b.add(Instruction.create_reg(Code.DEC_RM64, RCX))
-    b.add(Instruction.create_reg_reg(Code.MOV_R64_RM64, RDX, RCX))
-    b.add(Instruction.create_reg_u32(Code.AND_RM32_IMM32, Register.EDX, LOST_MAX - 1))
-    b.add(Instruction.create_reg_i32(Code.SHL_RM64_IMM8, RDX, 4))  # * LOST
-    b.add(Instruction.create_reg_reg(Code.ADD_R64_RM64, RDX, RDI))
-    b.add(mov_load(RAX, RDX, T_LOST))
-    b.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, RAX, R8))
-    b.branch(Code.JE_REL32_64, "recovered")
-    b.add(Instruction.create_reg(Code.DEC_RM32, Register.R9D))
-    b.branch(Code.JNE_REL32_64, "search")
-    b.branch(Code.JMP_REL32_64, "nowhere")
-    b.label("recovered")
-    b.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDX, T_LOST), 0))
-    b.add(mov_load(RAX, RDX, T_LOST + 8))
-    b.add(mov_store(R8, 0, RAX))
-    b.branch(Code.JMP_REL32_64, "home")
-    b.label("nowhere")
-    b.add(Instruction.create(Code.INT3))

@@ -26,6 +26,7 @@ from dataclasses import field
 from typing import TYPE_CHECKING, Final
 
 from kprobes.arch.x86_64 import retstack as rs
+from kprobes.arch.x86_64 import rettramp as rt
 from kprobes.arch.x86_64 import shadow as sh
 from kprobes.arch.x86_64.detour import Action
 from kprobes.arch.x86_64.record import SALT_SIZE, RecordAction, ThreadId
@@ -273,8 +274,8 @@ class FastReturns:
             entry_record=entry_record,
         )
         if not tramp:
-            code = rs.build_trampoline(ret_site, max(1, tsc_mult() // max(1, rp.duration_unit)))
-            size = max(rs.TRAMPOLINE_MAX, -(-len(code) // 64) * 64)
+            code = rt.build_trampoline(ret_site, max(1, tsc_mult() // max(1, rp.duration_unit)))
+            size = max(rt.TRAMPOLINE_MAX, -(-len(code) // 64) * 64)
             if stacks.tramp_used + size > TRAMP_SPAN - MARK_SIZE:
                 return "no room left for another return trampoline (64 KiB of them per process)"
             for space in self._tracer.own_memories():
