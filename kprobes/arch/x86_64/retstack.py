@@ -53,6 +53,7 @@ from kprobes.arch.x86_64.shadow import (
     E_OWNER,
     E_RET,
     E_STACK,
+    E_TRAMP,
     E_TSC,
     ENTRY,
     ENTRY_REGS_MAX,
@@ -276,6 +277,18 @@ def emit_newest_vs_slot(block: Block, empty: str) -> None:
     block.add(Instruction.create_reg_reg(Code.CMP_R64_RM64, RAX, R8))
 
 
+def _emit_take_instance(block: Block, maxactive: int, none_left: str) -> None:
+    """One more of the probe's calls in flight (its counters at r11), or a jump to
+    ``none_left`` if ``maxactive`` are. Clobbers rax."""
+    block.add(Instruction.create_reg_u32(Code.MOV_R32_IMM32, Register.EAX, 1))
+    block.add(Instruction.create_mem_reg(Code.XADD_RM64_R64, at(R11, C_LIVE), RAX), lock=True)
+    block.add(Instruction.create_reg_i32(Code.CMP_RM64_IMM32, RAX, maxactive))
+    block.branch(Code.JB_REL32_64, "instance")
+    block.add(Instruction.create_mem(Code.DEC_RM64, at(R11, C_LIVE)), lock=True)
+    block.branch(Code.JMP_REL32_64, none_left)
+    block.label("instance")
+
+
 @dataclass(frozen=True, slots=True)
 class RetEntryAction:
     """The entry detour's action of an optimized return probe (see the module docstring)."""
@@ -327,16 +340,8 @@ class RetEntryAction:
         block.add(Instruction.create_reg_i32(Code.CMP_RM64_IMM32, RSI, site.cap))
         block.branch(Code.JAE_REL32_64, "full")
         imm64(block, R11, site.counters)
-        if site.maxactive:  # one more instance in flight, if the probe has one left
-            block.add(Instruction.create_reg_u32(Code.MOV_R32_IMM32, Register.EAX, 1))
-            block.add(
-                Instruction.create_mem_reg(Code.XADD_RM64_R64, at(R11, C_LIVE), RAX), lock=True
-            )
-            block.add(Instruction.create_reg_i32(Code.CMP_RM64_IMM32, RAX, site.maxactive))
-            block.branch(Code.JB_REL32_64, "instance")
-            block.add(Instruction.create_mem(Code.DEC_RM64, at(R11, C_LIVE)), lock=True)
-            block.branch(Code.JMP_REL32_64, "full")
-            block.label("instance")
+        if site.maxactive:
+            _emit_take_instance(block, site.maxactive, "full")
         block.add(Instruction.create_reg(Code.INC_RM64, RSI))
         emit_top(block)
         block.add(mov_store(R10, E_RET, R9))
@@ -353,6 +358,7 @@ class RetEntryAction:
             block.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(R10, E_DATA), 0))
         block.add(mov_store(RDI, T_DEPTH, RSI))
         imm64(block, RAX, site.trampoline)
+        block.add(mov_store(R10, E_TRAMP, RAX))
         block.add(mov_store(R8, 0, RAX))
         block.add(Instruction.create_mem_i32(Code.MOV_RM64_IMM32, at(RDI, T_BUSY), 0))
         if site.entry_record is not None:

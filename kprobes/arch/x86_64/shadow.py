@@ -34,7 +34,10 @@ E_DATA: Final = E_ARGS + 8 * ENTRY_REGS_MAX
 # And whose entry it is: the probe's counters (retstack.py), where a release counts the
 # frame abandoned and, for a probe with a ``maxactive``, one instance less in flight.
 E_OWNER: Final = E_DATA + 8
-ENTRY: Final = E_OWNER + 8  # 88 bytes
+# And the trampoline it hooked its frame to, which the tool writes back over a frame that
+# survived a C++ exception (the unwinder saw the real return address).
+E_TRAMP: Final = E_OWNER + 8
+ENTRY: Final = E_TRAMP + 8  # 96 bytes
 # Then the released entries' (return slot, return address), the last LOST_MAX, so that a
 # frame released wrongly (a stack switched under it: coroutines, a signal stack above the
 # thread's) still finds its way home, as the trap tier's ``Thread.lost`` does.

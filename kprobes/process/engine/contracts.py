@@ -111,6 +111,11 @@ class FastTier(Protocol):
         trampolines hooked (the threads are held)."""
         ...
 
+    def rehook_returns(self, t: Thread, sp: int) -> None:
+        """A catch block begins in held thread ``t`` at ``sp``: the frames above it the
+        tier's trampolines had hooked are hooked again."""
+        ...
+
     def fork_child(self, child: Tracee) -> None:
         """A followed fork child (``child.number`` its own), held before it runs a single
         instruction: its copy of the tier's private pages becomes its own."""

@@ -110,6 +110,8 @@ class Trampoline:
                 self._abandon(t, rets.pop())
         if t.unhooked:
             self._rehook(t)
+        if self.tracer.fast is not None:  # and the optimized tier's frames that survived
+            self.tracer.fast.rehook_returns(t, sp)
         # Step 2: an instance from the pool, or a miss (and no entry handler).
         pool = rp.pool
         assert pool is not None
@@ -240,6 +242,8 @@ class Trampoline:
             self._abandon(t, rets.pop())
         if t.unhooked:
             self._rehook(t)
+        if self.tracer.fast is not None:  # and the optimized tier's frames that survived
+            self.tracer.fast.rehook_returns(t, sp)
 
     def _rehook(self, t: Thread) -> None:
         mem = t.tracee

@@ -187,6 +187,36 @@ class ReturnStacks:
                     done += 1
         return done
 
+    def rehook(self, t: Thread, sp: int) -> int:
+        """A C++ exception was caught (``__cxa_begin_catch``) below the stack pointer
+        ``sp`` of held thread ``t``: the frames our trampolines had hooked above it survived
+        the unwinding, which ``unhook`` gave their real return addresses; each is hooked to
+        its trampoline again, oldest first (a tail-call chain's newer entry then finds its
+        older one's trampoline in the slot, as when it hooked). How many."""
+        if not self.shadow:
+            return 0
+        try:
+            slot = _find_slot(t.tracee, self.shadow, t.regs.fs_base)
+            if slot is None:
+                return 0
+            depth = min(_Q.unpack(t.tracee.read(slot + sh.T_DEPTH, 8))[0], sh.CAPACITY)
+            raw = t.tracee.read(slot + sh.T_ENTRIES, depth * sh.ENTRY) if depth else b""
+        except (TargetError, OSError):
+            return 0
+        done = 0
+        for i in range(depth):
+            ret, stack = _Q2.unpack_from(raw, i * sh.ENTRY)
+            if stack <= sp:
+                break  # this one and the newer ones are frames the exception ended
+            tramp = _Q.unpack_from(raw, i * sh.ENTRY + sh.E_TRAMP)[0]
+            try:
+                if t.tracee.read_word(stack) == ret:
+                    t.tracee.write_word(stack, tramp)
+                    done += 1
+            except TargetError:
+                continue
+        return done
+
 
 def _find_slot(mem: Tracee, shadow: int, fs_base: int) -> int | None:
     """The thread slot of ``fs_base``, searched as the program's code searches."""

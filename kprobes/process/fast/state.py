@@ -127,6 +127,11 @@ class JumpState:
         (returns.py): the threads are held, and about to be unwound or let go."""
         self.returns.unhook(threads)
 
+    def rehook_returns(self, t: Thread, sp: int) -> None:
+        """A catch block begins in held thread ``t`` at ``sp``: the frames above it that our
+        trampolines hooked are hooked again (returns.py)."""
+        self.returns.rehook(t, sp)
+
     def forget_site(self, addr: int) -> None:
         """The site at ``addr`` left the probe table: its counter goes with it."""
         self.sites.pop(addr, None)
