@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import support
-from test_fast_returns import optimized
+from test_fast_returns import optimized, register_on_tier
 from test_retprobes import run_to_exit, start
 
 from kprobes import Kretprobe
@@ -48,13 +48,7 @@ def traced(
         maxactive=probe.pop("maxactive", 256),  # on traps: the default would miss nested calls
         **probe,
     )
-    if not fast:
-        proc.optimization = False
-    proc.register_kretprobe(rp)
-    if fast:
-        assert optimized(proc, rp)
-    else:
-        assert not [e for e in proc.list() if e.is_optimized]
+    register_on_tier(proc, rp, fast=fast)
     run_to_exit(proc, timeout=120)
     assert out.read_bytes() == support.reference_output(argv)  # the program unchanged
     return rp, events

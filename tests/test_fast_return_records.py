@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import support
-from test_fast_returns import optimized, probed_by_a_driver
+from test_fast_returns import optimized, probed_by_a_driver, register_on_tier
 from test_retprobes import run_to_exit, start
 
 from kprobes import Kretprobe
@@ -157,13 +157,7 @@ def returns_of(spawn: Any, rets: Path, tmp_path: Path, *, fast: bool) -> tuple[K
         with_regs=True,
         maxactive=64,  # on traps the default is the document's max(10, 2 * threads)
     )
-    if not fast:
-        proc.optimization = False
-    proc.register_kretprobe(rp)
-    if fast:
-        assert optimized(proc, rp)
-    else:
-        assert not [e for e in proc.list() if e.is_optimized]
+    register_on_tier(proc, rp, fast=fast)
     run_to_exit(proc)
     assert out.read_bytes() == support.reference_output(argv)
     return rp, events

@@ -40,6 +40,18 @@ def optimized(proc: Any, rp: Kretprobe) -> bool:
     return "[OPTIMIZED]" in str(entry)
 
 
+def register_on_tier(proc: Any, rp: Kretprobe, *, fast: bool) -> None:
+    """``rp`` registered on the fast tier (its entry takes the jump) or on traps (the
+    optimization off), and checked so."""
+    if not fast:
+        proc.optimization = False
+    proc.register_kretprobe(rp)
+    if fast:
+        assert optimized(proc, rp)
+    else:
+        assert not [e for e in proc.list() if e.is_optimized]
+
+
 def probed_run(
     spawn: Any, tmp_path: Path, argv: list[Any], *symbols: str, **kw: Any
 ) -> list[Kretprobe]:

@@ -97,6 +97,9 @@ __attribute__((noinline)) long mix(long a, long b, long c, long d, long e, long 
 	return a + 2 * b + 3 * c + 5 * d + 7 * e + 11 * f;
 }
 
+/* A thread's work: its index t, N calls (of rec(depth), or of handle), the sum of results. */
+struct job { long t, n, depth, sum; };
+
 /* A request: handle() changes what it holds, so what it held at the entry is gone at the
  * return (an entry action must read it at the entry). */
 struct req { long id; unsigned len; char name[20]; };
@@ -110,11 +113,9 @@ __attribute__((noinline)) long handle(struct req *r)
 	return r->id + before;
 }
 
-struct reqs { long t, n, sum; };
-
 static void *requester(void *arg)
 {
-	struct reqs *job = arg;
+	struct job *job = arg;
 	struct req r;
 	for (long i = 0; i < job->n; i++) {
 		r.id = job->t * 1000000 + i;
@@ -162,14 +163,29 @@ __attribute__((noinline)) long deep(long n)
 	return deep(n - 1) + 1;
 }
 
-struct job { long n, depth, sum; };
-
 static void *worker(void *arg)
 {
 	struct job *job = arg;
 	for (long i = 0; i < job->n; i++)
 		job->sum += rec(job->depth);
 	return NULL;
+}
+
+/* T threads (at most 64) running fn on jobs of N calls each: the sum of their sums. */
+static long run_threads(long t, long n, long depth, void *(*fn)(void *))
+{
+	pthread_t tids[64];
+	struct job jobs[64];
+	for (long i = 0; i < t && i < 64; i++) {
+		jobs[i] = (struct job){i, n, depth, 0};
+		pthread_create(&tids[i], NULL, fn, &jobs[i]);
+	}
+	long total = 0;
+	for (long i = 0; i < t && i < 64; i++) {
+		pthread_join(tids[i], NULL);
+		total += jobs[i].sum;
+	}
+	return total;
 }
 
 __attribute__((noinline)) long forker(long x)
@@ -213,19 +229,8 @@ int main(int argc, char **argv)
 				deep(6);
 		printf("jumps=%ld leaf=%ld\n", jumps, leaf(1));
 	} else if (!strcmp(mode, "threads")) {
-		long t = n, calls = argc > 3 ? atol(argv[3]) : 10, depth = argc > 4 ? atol(argv[4]) : 5;
-		pthread_t tids[64];
-		struct job jobs[64];
-		for (long i = 0; i < t && i < 64; i++) {
-			jobs[i] = (struct job){calls, depth, 0};
-			pthread_create(&tids[i], NULL, worker, &jobs[i]);
-		}
-		long total = 0;
-		for (long i = 0; i < t && i < 64; i++) {
-			pthread_join(tids[i], NULL);
-			total += jobs[i].sum;
-		}
-		printf("threads total=%ld\n", total);
+		long calls = argc > 3 ? atol(argv[3]) : 10, depth = argc > 4 ? atol(argv[4]) : 5;
+		printf("threads total=%ld\n", run_threads(n, calls, depth, worker));
 	} else if (!strcmp(mode, "block")) {
 		printf("block=%ld\n", rec_block(n));
 	} else if (!strcmp(mode, "coro")) {
@@ -259,18 +264,7 @@ int main(int argc, char **argv)
 		printf("mix sum=%ld\n", sum);
 	} else if (!strcmp(mode, "reqs")) {
 		long calls = argc > 3 ? atol(argv[3]) : 10;
-		pthread_t tids[64];
-		struct reqs jobs[64];
-		for (long i = 0; i < n && i < 64; i++) {
-			jobs[i] = (struct reqs){i, calls, 0};
-			pthread_create(&tids[i], NULL, requester, &jobs[i]);
-		}
-		long total = 0;
-		for (long i = 0; i < n && i < 64; i++) {
-			pthread_join(tids[i], NULL);
-			total += jobs[i].sum;
-		}
-		printf("reqs total=%ld\n", total);
+		printf("reqs total=%ld\n", run_threads(n, calls, 0, requester));
 	} else if (!strcmp(mode, "fork")) {
 		long r = forker(1);
 		if (r == 100) {
