@@ -4,33 +4,31 @@ The file header, the program headers, the section headers and the symbol tables 
 fixed-size little-endian records, decoded here with ``struct`` (pyelftools, which reads
 DWARF elsewhere, is not imported for this: it costs the command ~50 ms to import and builds
 one parsed container per entry, ~60 ms for libc's ``.dynsym``, where unpacking the same
-3000 ``Elf64_Sym`` records as tuples takes a few milliseconds). Everything is decoded once
-per file and kept in plain dicts and sorted tuples.
+3000 ``Elf64_Sym`` records as tuples takes a few milliseconds). The symbol tables
+themselves are symtab.py's.
 
 Images are cached by file identity (real path, device, inode, modification time), so every
 process that maps libc shares one ``ElfImage``, and a file rewritten in place is read again.
-Opening reads only the headers and the raw bytes of the symbol sections; the tables are
-decoded on the first query, because a process maps dozens of libraries and most of them are
-never asked about.
+Opening reads only the headers and the raw bytes of the symbol sections, because a process
+maps dozens of libraries and most of them are never asked about. A name or an address is
+answered from those bytes, decoding only the entries that answer (``NameIndex``); what needs
+every symbol (a glob, a listing, a "did you mean") decodes the tables once.
 """
 
 from __future__ import annotations
 
-import array
-import bisect
-import difflib
 import errno as _errno
 import os
 import stat
 import struct
-import sys
 import threading
 from collections.abc import Iterator
-from enum import Enum
-from operator import itemgetter
 from typing import Any, BinaryIO, Final
 
 from kprobes.errors import TargetError
+from kprobes.symbols.symtab import TABLE_NAMES, NameIndex, RawTable, Tables, build_tables, holder
+from kprobes.symbols.symtab import Symbol as Symbol
+from kprobes.symbols.symtab import SymbolKind as SymbolKind
 from kprobes.values import dataclass
 
 # Elf64_Ehdr after e_ident: e_type e_machine e_version e_entry e_phoff e_shoff e_flags
@@ -47,59 +45,11 @@ _SHT_NOBITS: Final = 8
 _PN_XNUM: Final = 0xFFFF  # e_phnum overflowed: the count is section 0's sh_info
 _SHN_XINDEX: Final = 0xFFFF  # e_shstrndx overflowed: the index is section 0's sh_link
 
-_SYM_FORMAT: Final = "<IBBHQQ"  # Elf64_Sym: st_name st_info st_other st_shndx st_value st_size
-_SYM_SIZE: Final = struct.calcsize(_SYM_FORMAT)
-
-# st_info: type in the low nibble, binding in the high nibble (elf.h).
-_STT_OBJECT: Final = 1
-_STT_FUNC: Final = 2
-_STT_SECTION: Final = 3
-_STT_FILE: Final = 4
-_STT_GNU_IFUNC: Final = 10
-_STB_LOCAL: Final = 0
-_STB_GLOBAL: Final = 1
-_STB_WEAK: Final = 2
-_SHN_UNDEF: Final = 0
-_VERSYM_HIDDEN: Final = 0x8000  # .gnu.version: this entry is not the default version
-
-_TABLE_NAMES: Final = (".symtab", ".dynsym")
-
 # A "did you mean" compares the missing name with at most this many names of a similar
 # length (difflib is about 2 us a name): an error path, but one that must stay quick on a
 # file with a million symbols.
 _HINT_CANDIDATES: Final = 50_000
 _HINT_COUNT: Final = 3
-
-
-class SymbolKind(Enum):
-    """What a symbol names, reduced to the distinctions probing cares about."""
-
-    FUNC = "func"
-    IFUNC = "ifunc"  # STT_GNU_IFUNC: the value is a resolver that returns the implementation
-    OBJECT = "object"
-    OTHER = "other"
-
-    @property
-    def is_function(self) -> bool:
-        return self is SymbolKind.FUNC or self is SymbolKind.IFUNC
-
-
-_KIND_OF_TYPE: Final = {
-    _STT_FUNC: SymbolKind.FUNC,
-    _STT_GNU_IFUNC: SymbolKind.IFUNC,
-    _STT_OBJECT: SymbolKind.OBJECT,
-}
-
-
-@dataclass(frozen=True, slots=True)
-class Symbol:
-    """A defined symbol; ``value`` is the link-time address, before any load bias."""
-
-    name: str  # without the version suffix
-    value: int
-    size: int
-    kind: SymbolKind
-    table: str  # ".symtab" or ".dynsym"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,123 +61,6 @@ class Segment:
     filesz: int
     memsz: int
     flags: int  # PF_X = 1, PF_W = 2, PF_R = 4
-
-
-# A decoded entry with the facts used to choose among same-named symbols, best first:
-# functions before data, default versions before hidden ones, global before weak before
-# local, .symtab before .dynsym. Plain tuples sort and compare without any Python code.
-_Ranked = tuple[tuple[int, int, int, int], Symbol]
-
-_BINDING_RANK: Final = {_STB_GLOBAL: 0, _STB_WEAK: 1, _STB_LOCAL: 2}
-
-
-@dataclass(frozen=True, slots=True)
-class _RawTable:
-    """The undecoded bytes of one symbol table, its string table and its version table."""
-
-    name: str
-    symbols: bytes
-    strings: bytes
-    versions: bytes  # .gnu.version for .dynsym, b"" otherwise
-
-
-@dataclass(frozen=True, slots=True)
-class _Tables:
-    """Everything derived from the symbol tables, built once per image."""
-
-    by_name: dict[str, tuple[Symbol, ...]]  # best first
-    functions: tuple[Symbol, ...]  # FUNC/IFUNC, value != 0, unique by (name, value), by address
-    starts: tuple[int, ...]  # sorted start addresses, one per entry of ``at_start``
-    at_start: tuple[Symbol, ...]  # the preferred function at each start address
-
-
-def _decode(raw: _RawTable) -> list[_Ranked]:
-    """Every defined symbol of one table with its rank, skipping the null entry 0.
-
-    The loop runs once per symbol of the file (libc's .dynsym: 3,000; a program's .symtab
-    can hold a million): what does not depend on the entry is looked up before it."""
-    strings = raw.strings
-    n_strings = len(strings)
-    versions = array.array("H", raw.versions[: len(raw.versions) // 2 * 2])
-    if sys.byteorder != "little":
-        versions.byteswap()
-    n_versions = len(versions)
-    table_rank = _TABLE_NAMES.index(raw.name)
-    kind_of, binding_rank, table = _KIND_OF_TYPE.get, _BINDING_RANK.get, raw.name
-    other, func, ifunc = SymbolKind.OTHER, SymbolKind.FUNC, SymbolKind.IFUNC
-    skipped_types = (_STT_SECTION, _STT_FILE)
-    find = strings.find
-    usable = len(raw.symbols) - len(raw.symbols) % _SYM_SIZE
-    out: list[_Ranked] = []
-    index = -1
-    for st_name, st_info, _other, st_shndx, st_value, st_size in struct.iter_unpack(
-        _SYM_FORMAT, raw.symbols[:usable]
-    ):
-        index += 1
-        if index == 0 or st_shndx == _SHN_UNDEF or st_name >= n_strings:
-            continue
-        if st_info & 0xF in skipped_types:
-            continue
-        end = find(b"\0", st_name)
-        full = strings[st_name : end if end >= 0 else n_strings].decode("utf-8", "replace")
-        if not full:
-            continue
-        name, at, version = full.partition("@")
-        if at:  # .symtab spells versions into the name: "memcpy@GLIBC_2.2.5" is not the default
-            is_hidden = not version.startswith("@")
-        elif index < n_versions:
-            is_hidden = bool(versions[index] & _VERSYM_HIDDEN)
-        else:
-            is_hidden = False
-        kind = kind_of(st_info & 0xF, other)
-        rank = (
-            0 if kind is func or kind is ifunc else 1,
-            int(is_hidden),
-            binding_rank(st_info >> 4, 3),
-            table_rank,
-        )
-        out.append((rank, Symbol(name, st_value, st_size, kind, table)))
-    return out
-
-
-def _display_rank(symbol: Symbol) -> tuple[int, int, int, str]:
-    """Order aliases at one address for display: sized, fewest leading underscores, shortest."""
-    stripped = symbol.name.lstrip("_")
-    return (
-        0 if symbol.size else 1,
-        len(symbol.name) - len(stripped),
-        len(symbol.name),
-        symbol.name,
-    )
-
-
-def _build(raw_tables: tuple[_RawTable, ...]) -> _Tables:
-    ranked: list[_Ranked] = [item for raw in raw_tables for item in _decode(raw)]
-    ranked.sort(key=itemgetter(0))  # stable: equal ranks keep table order
-    by_name: dict[str, list[Symbol]] = {}
-    functions: dict[tuple[str, int], Symbol] = {}
-    for _rank, symbol in ranked:
-        same_name = by_name.get(symbol.name)
-        if same_name is None:
-            by_name[symbol.name] = [symbol]
-        elif all(other.value != symbol.value for other in same_name):  # .symtab repeats .dynsym
-            same_name.append(symbol)
-        if _rank[0] == 0 and symbol.value != 0:  # a function
-            functions.setdefault((symbol.name, symbol.value), symbol)
-    # Step 1: one symbol per start address, the one a reader would want to see.
-    best_at: dict[int, Symbol] = {}
-    for symbol in functions.values():
-        current = best_at.get(symbol.value)
-        if current is None or _display_rank(symbol) < _display_rank(current):
-            best_at[symbol.value] = symbol
-    # Step 2: sort by start for bisection.
-    starts = tuple(sorted(best_at))
-    return _Tables(
-        by_name={name: tuple(symbols) for name, symbols in by_name.items()},
-        functions=tuple(sorted(functions.values(), key=lambda s: (s.value, s.name))),
-        starts=starts,
-        at_start=tuple(best_at[start] for start in starts),
-    )
 
 
 _Section = tuple[int, int, int, int, int, int, int, int, int, int]  # an Elf64_Shdr
@@ -323,10 +156,6 @@ def build_id(path: str) -> str | None:
     return data[start : start + descsz].hex()
 
 
-# How many earlier functions function_at() examines when the nearest one ends before the
-# address: enough to step over zero-sized labels placed inside a function.
-_LOOKBEHIND: Final = 8
-
 _CacheKey = tuple[str, int, int, int, int]
 _cache: dict[_CacheKey, ElfImage] = {}
 # Files known not to be x86-64 ELF (locale archives, fonts, caches): a maps refresh skips
@@ -338,7 +167,7 @@ _cache_lock = threading.Lock()
 class ElfImage:
     """A parsed x86-64 ELF file; one instance per file identity, shared through a cache."""
 
-    __slots__ = ("_lock", "_raw", "_tables", "is_dyn", "path", "segments", "tables")
+    __slots__ = ("_index", "_lock", "_raw", "_tables", "is_dyn", "path", "segments", "tables")
 
     def __init__(
         self,
@@ -346,14 +175,15 @@ class ElfImage:
         *,
         is_dyn: bool,
         segments: tuple[Segment, ...],
-        raw_tables: tuple[_RawTable, ...],
+        raw_tables: tuple[RawTable, ...],
     ) -> None:
         self.path = path
         self.is_dyn = is_dyn
         self.segments = segments
         self.tables: tuple[str, ...] = tuple(raw.name for raw in raw_tables)
-        self._raw: tuple[_RawTable, ...] | None = raw_tables
-        self._tables: _Tables | None = None
+        self._raw: tuple[RawTable, ...] | None = raw_tables
+        self._tables: Tables | None = None
+        self._index: NameIndex | None = None  # answers for one name or address until then
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -422,8 +252,8 @@ class ElfImage:
             for ph in file.records(_PHDR, phoff, phentsize, phnum)
             if ph[0] == _PT_LOAD
         )
-        raw_tables: list[_RawTable] = []
-        for name in _TABLE_NAMES:
+        raw_tables: list[RawTable] = []
+        for name in TABLE_NAMES:
             index = names.get(name)
             if index is None or sections[index][1] == _SHT_NOBITS:
                 continue
@@ -434,7 +264,7 @@ class ElfImage:
             if name == ".dynsym" and ".gnu.version" in names:
                 versions = file.section_data(sections[names[".gnu.version"]])
             raw_tables.append(
-                _RawTable(
+                RawTable(
                     name,
                     file.section_data(sections[index]),
                     file.section_data(sections[link]),
@@ -443,24 +273,39 @@ class ElfImage:
             )
         return cls(path, is_dyn=e_type == _ET_DYN, segments=segments, raw_tables=tuple(raw_tables))
 
-    def _symbols(self) -> _Tables:
+    def _symbols(self) -> Tables:
+        """The full tables, decoded on first use (a glob, a listing, a "did you mean")."""
         tables = self._tables
         if tables is None:
             with self._lock:
                 if self._tables is None:
                     raw = self._raw
                     assert raw is not None, "raw tables are dropped only after decoding"
-                    self._tables = _build(raw)
-                    self._raw = None
+                    self._tables = build_tables(raw)
+                    self._raw = self._index = None
                 tables = self._tables
         return tables
+
+    def _answers(self) -> Tables | NameIndex:
+        """The full tables if they are decoded, else the index that decodes only what is
+        asked (symtab.py): a name or an address asked first does not decode the file."""
+        tables = self._tables
+        if tables is not None:
+            return tables
+        with self._lock:
+            if self._tables is not None:
+                return self._tables
+            if self._index is None:
+                assert self._raw is not None, "raw tables are dropped only after decoding"
+                self._index = NameIndex(self._raw)
+            return self._index
 
     def lookup(self, name: str) -> Symbol | None:
         """The best symbol called ``name``: a function, the default version, global, .symtab.
 
         ``name`` may carry a version suffix ("memcpy@@GLIBC_2.14"); it is ignored.
         """
-        candidates = self._symbols().by_name.get(name.partition("@")[0])
+        candidates = self.lookup_all(name)
         return candidates[0] if candidates else None
 
     def lookup_all(self, name: str) -> tuple[Symbol, ...]:
@@ -469,7 +314,11 @@ class ElfImage:
         More than one means the name is ambiguous (static functions of the same name in
         several source files, or several versions of one libc function).
         """
-        return self._symbols().by_name.get(name.partition("@")[0], ())
+        answers = self._answers()
+        want = name.partition("@")[0]
+        if isinstance(answers, NameIndex):
+            return answers.lookup_all(want)
+        return answers.by_name.get(want, ())
 
     def closest_names(self, name: str, *, functions_only: bool = True) -> list[str]:
         """The names nearest ``name`` (at most three, nearest first), for a "did you mean".
@@ -477,6 +326,8 @@ class ElfImage:
         Only names within a third of its length (at least 3 characters) are compared, and
         at most ``_HINT_CANDIDATES`` of them, so a large ``.symtab`` still answers at once.
         """
+        import difflib  # an error's hint alone needs it
+
         tables = self._symbols()
         pool = {s.name for s in tables.functions} if functions_only else set(tables.by_name)
         want = name.partition("@")[0]
@@ -493,13 +344,10 @@ class ElfImage:
 
     def function_at(self, vaddr: int) -> tuple[Symbol, int] | None:
         """The function whose [value, value + max(size, 1)) holds ``vaddr``, and the offset."""
-        tables = self._symbols()
-        index = bisect.bisect_right(tables.starts, vaddr) - 1
-        for candidate in range(index, max(index - _LOOKBEHIND, -1), -1):
-            symbol = tables.at_start[candidate]
-            if vaddr < symbol.value + max(symbol.size, 1):
-                return symbol, vaddr - symbol.value
-        return None
+        answers = self._answers()
+        if isinstance(answers, NameIndex):
+            return answers.function_at(vaddr)
+        return holder(answers.starts, answers.at_start.__getitem__, vaddr)
 
     def offset_to_vaddr(self, off: int) -> int | None:
         """The link-time address at which file offset ``off`` is loaded, if it is loaded."""
