@@ -17,8 +17,7 @@ import os
 import sys
 from collections import Counter
 from collections.abc import Iterable
-from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kprobes.cli.backends import Backend, Glob, Placed
 from kprobes.cli.notes import Progress, summarise
@@ -33,6 +32,9 @@ from kprobes.cli.session import (
 from kprobes.cli.spellings import read_glob
 from kprobes.errors import NotMapped, ProbeError, SpecError
 from kprobes.model import Event
+
+if TYPE_CHECKING:  # imported by the first interval (-i) alone: a count starts without it
+    from datetime import datetime
 from kprobes.output.counts import format_counts, format_counts_json, format_interval_header
 from kprobes.spec import FileOffsetLocation, ProbeSpec, SymbolLocation
 
@@ -246,6 +248,8 @@ class _Tally:
 
     def tick(self) -> None:
         self.hits = self.take_hits()
+        from datetime import datetime
+
         now = datetime.now()
         if not self.args.json:
             sys.stdout.write("\n" + format_interval_header(now) + "\n")

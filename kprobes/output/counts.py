@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a count's start does not import datetime (docs/performance.md)
+    from datetime import datetime
 
 
 def _ascending(counts: Mapping[str, int]) -> list[tuple[str, int]]:

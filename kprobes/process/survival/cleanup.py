@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -48,7 +47,11 @@ def forget(proc: Traced) -> None:
 
 
 def state_dir() -> str:
-    for base in ("/run/kprobes", os.path.join(tempfile.gettempdir(), f"kprobes-{os.getuid()}")):
+    for base in ("/run/kprobes", None):
+        if base is None:  # /run is not ours: tempfile (~4 ms of imports) only then
+            import tempfile
+
+            base = os.path.join(tempfile.gettempdir(), f"kprobes-{os.getuid()}")
         try:
             os.makedirs(base, mode=0o755, exist_ok=True)
             if os.access(base, os.W_OK):
