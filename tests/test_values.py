@@ -7,13 +7,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 
-from kprobes import values
+from kprobes import initcode, values
 
 Decorator = Callable[..., Any]
 
@@ -259,3 +263,51 @@ def test_every_value_of_the_package_is_a_dataclass_made_here() -> None:
                     standard.append(obj.__qualname__)
     assert made >= 140
     assert standard == []
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_compiled_templates_are_the_package_shapes(tmp_path: Path) -> None:
+    """initcode.py is what scripts/build-inits writes now: one template of every shape of
+    the package's classes (a shape missing would be compiled at every start)."""
+    out = tmp_path / "initcode.py"
+    subprocess.run(
+        ["sh", str(REPO / "scripts" / "build-inits"), str(out)],
+        check=True,
+        cwd=REPO,
+        capture_output=True,
+        timeout=120,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+    assert out.read_text() == (REPO / "kprobes" / "initcode.py").read_text(), (
+        "a dataclass of a new shape: run scripts/build-inits"
+    )
+
+
+def test_each_compiled_template_is_the_text_it_was_made_from() -> None:
+    """The template loaded from initcode.py makes the same ``__init__`` code as the text
+    values.py compiles for that shape (only the file and the line differ)."""
+    assert len(initcode.TEMPLATES) > 20
+    for (frozen, post_init, kinds), loaded in initcode.TEMPLATES.items():
+        assert values.init_template(frozen, post_init, kinds) is loaded
+        scope: dict[str, Any] = {}
+        exec(values.template_source(frozen, post_init, kinds), {}, scope)
+        args = [object, object(), *(object() for _ in kinds)]
+        ours, theirs = loaded(*args).__code__, scope["__create_fn__"](*args).__code__
+        for attribute in ("co_code", "co_varnames", "co_names", "co_consts", "co_argcount"):
+            assert getattr(ours, attribute) == getattr(theirs, attribute), (kinds, attribute)
+
+
+def test_a_shape_not_compiled_ahead_is_compiled_here() -> None:
+    kinds = "p" * 40  # no class of the package has 40 fields
+    assert (True, False, kinds) not in initcode.TEMPLATES
+    made = values.dataclass(
+        type("Wide", (), {"__annotations__": {f"f{i}": "int" for i in range(40)}}),
+        frozen=True,
+        slots=True,
+    )
+    wide = made(*range(40))
+    assert (wide.f0, wide.f39) == (0, 39)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        wide.f0 = 1
