@@ -30,7 +30,8 @@ from kprobes.values import dataclass
 _SYM_FORMAT: Final = "<IBBHQQ"  # Elf64_Sym: st_name st_info st_other st_shndx st_value st_size
 _SYM: Final = struct.Struct(_SYM_FORMAT)
 _SYM_SIZE: Final = _SYM.size
-_SYM_NAME: Final = struct.Struct("<I20x")  # an Elf64_Sym's st_name alone
+_SYM_NAME: Final = struct.Struct("<I")  # an Elf64_Sym's st_name, at its offset 0
+_SYM_VALUE: Final = struct.Struct("<Q")  # its st_value, at offset 8
 
 # st_info: type in the low nibble, binding in the high nibble (elf.h).
 _STT_OBJECT: Final = 1
@@ -200,6 +201,40 @@ def entries(raw: RawTable) -> Iterator[_Entry]:
     return struct.iter_unpack(_SYM_FORMAT, raw.symbols[:usable])
 
 
+def _columns(raw: RawTable) -> Iterable[tuple[int, int, int, int]]:
+    """(st_value, st_info, st_shndx, st_name) of every entry: read in place through
+    memoryviews, no tuple of six unpacked per entry, on a little-endian host (the file's)."""
+    usable = len(raw.symbols) - len(raw.symbols) % _SYM_SIZE
+    if sys.byteorder != "little":
+        return ((e[4], e[1], e[3], e[0]) for e in entries(raw))
+    view = memoryview(raw.symbols)[:usable]
+    return zip(
+        view.cast("Q")[1::3], view[4::24], view.cast("H")[3::12], view.cast("I")[::6], strict=True
+    )
+
+
+def _entries_named(raw: RawTable, offset: int) -> Iterator[int]:
+    """The index of each entry whose st_name is ``offset``."""
+    return _entries_with(raw, _SYM_NAME.pack(offset), 0)
+
+
+def _entries_valued(raw: RawTable, value: int) -> Iterator[int]:
+    """The index of each entry whose st_value is ``value``."""
+    return _entries_with(raw, _SYM_VALUE.pack(value), 8)
+
+
+def _entries_with(raw: RawTable, key: bytes, field: int) -> Iterator[int]:
+    """The index of each entry whose bytes at ``field`` are ``key``: found by a search in C
+    of the table's bytes, kept where the field of an entry is, not by a loop over entries."""
+    symbols = raw.symbols
+    usable = len(symbols) - len(symbols) % _SYM_SIZE
+    at = symbols.find(key, field, usable)
+    while at >= 0:
+        if at % _SYM_SIZE == field:
+            yield at // _SYM_SIZE
+        at = symbols.find(key, at + 1, usable)
+
+
 # How many earlier functions function_at() examines when the nearest one ends before the
 # address: enough to step over zero-sized labels placed inside a function.
 _LOOKBEHIND: Final = 8
@@ -229,9 +264,7 @@ class NameIndex:
     def __init__(self, raw_tables: tuple[RawTable, ...]) -> None:
         self._raw = raw_tables
         self._named: dict[str, tuple[Symbol, ...]] = {}
-        self._by_offset: dict[int, dict[int, list[int]]] = {}  # table → st_name → indices
         self._starts: tuple[int, ...] | None = None  # every function's start, sorted
-        self._entries_at: dict[int, list[tuple[int, int]]] = {}  # start → (table, index)
         self._best: dict[int, Symbol] = {}  # start → the preferred function there
 
     def lookup_all(self, name: str) -> tuple[Symbol, ...]:
@@ -277,54 +310,40 @@ class NameIndex:
             if after == len(strings) or strings[after] in b"\0@":
                 offsets.append(at)
             at = strings.find(want, at + 1)
-        by_offset = self._offsets(table)
-        indices = sorted(index for at in offsets for index in by_offset.get(at, ()))
+        indices = sorted(index for at in offsets for index in _entries_named(raw, at))
         return ((i, _SYM.unpack_from(raw.symbols, i * _SYM_SIZE)) for i in indices)
 
-    def _offsets(self, table: int) -> dict[int, list[int]]:
-        """Each st_name of ``table`` and the indices of the entries that have it."""
-        by_offset = self._by_offset.get(table)
-        if by_offset is None:
-            raw = self._raw[table]
-            usable = len(raw.symbols) - len(raw.symbols) % _SYM_SIZE
-            by_offset = {}
-            for index, (offset,) in enumerate(_SYM_NAME.iter_unpack(raw.symbols[:usable])):
-                by_offset.setdefault(offset, []).append(index)
-            self._by_offset[table] = by_offset
-        return by_offset
-
     def _function_starts(self) -> tuple[int, ...]:
-        """Where the functions of ``build_tables`` start, each entry that starts one noted:
-        the entries ``decode`` keeps whose type is FUNC or IFUNC and value is not 0."""
-        at = self._entries_at
-        for table, raw in enumerate(self._raw):
+        """Where the functions of ``build_tables`` start: the values of the entries
+        ``decode`` keeps whose type is FUNC or IFUNC and value is not 0."""
+        starts: set[int] = set()
+        for raw in self._raw:
             strings = raw.strings
             n_strings = len(strings)
-            for index, (st_name, st_info, _o, st_shndx, st_value, _s) in enumerate(entries(raw)):
-                if (
-                    st_value
-                    and st_info & 0xF in _FUNCTION_TYPES
-                    and st_shndx != _SHN_UNDEF
-                    and index
-                    and st_name < n_strings
-                    and strings[st_name]
-                ):
-                    at.setdefault(st_value, []).append((table, index))
-        return tuple(sorted(at))
+            starts.update(
+                st_value
+                for index, (st_value, st_info, st_shndx, st_name) in enumerate(_columns(raw))
+                if st_value
+                and st_info & 0xF in _FUNCTION_TYPES
+                and st_shndx != _SHN_UNDEF
+                and index
+                and st_name < n_strings
+                and strings[st_name]
+            )
+        return tuple(sorted(starts))
 
     def _best_at(self, start: int) -> Symbol:
-        """The function ``build_tables`` shows at ``start``: of its entries, the best ranked
-        of each name, then the first by ``display_rank``."""
+        """The function ``build_tables`` shows at ``start``: of the functions there, the
+        best ranked of each name, then the first by ``display_rank``."""
         best = self._best.get(start)
         if best is None:
             ranked: list[_Ranked] = []
-            for table, raw in enumerate(self._raw):
+            for raw in self._raw:
                 records = (
                     (i, _SYM.unpack_from(raw.symbols, i * _SYM_SIZE))
-                    for t, i in self._entries_at[start]
-                    if t == table
+                    for i in _entries_valued(raw, start)
                 )
-                ranked += decode(raw, records)
+                ranked += (item for item in decode(raw, records) if item[0][0] == 0)
             ranked.sort(key=itemgetter(0))
             functions: dict[str, Symbol] = {}
             for _rank, symbol in ranked:
