@@ -10,8 +10,10 @@ The last row is the tool's start-up as a user of ``-c`` waits for it: from the c
 given to the program's ``main`` running with its probe in (``count -c 'date +%s%N'
 libc:malloc``: ``date`` prints the time it starts, after the loader mapped libc and the
 tool placed the probe; the program's own start is in it, ~1 ms).
-The package's bytecode is compiled first, as ``pip install`` does (an environment with
-``PYTHONDONTWRITEBYTECODE`` set would otherwise compile every module on every start).
+``--against CHECKOUT`` runs each case alternately with this checkout and another (the way
+to compare two on a loaded machine). The package's bytecode is compiled first, as ``pip
+install`` does (an environment with ``PYTHONDONTWRITEBYTECODE`` set would otherwise compile
+every module on every start).
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ CASES = (
 )
 
 
-def once(argv: list[str]) -> float:
+def once(argv: list[str], env: dict[str, str] | None = None) -> float:
     start = time.perf_counter()
-    subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, env=env)
     return time.perf_counter() - start
 
 
@@ -48,19 +50,55 @@ STARTS = (
 )
 
 
-def to_start(argv: list[str]) -> float:
+def to_start(argv: list[str], env: dict[str, str] | None = None) -> float:
     """Seconds from starting ``argv`` to the time its program printed (its first line of
     digits on stdout)."""
     start = time.time_ns()
-    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, env=env).stdout
     printed = next(int(line) for line in out.splitlines() if line.strip().isdigit())
     return (printed - start) / 1e9
+
+
+def row(label: str, times: list[float], width: int = 42) -> str:
+    times = sorted(times)
+    return (
+        f"{label:{width}} median {statistics.median(times):6.0f}  "
+        f"min {times[0]:6.0f}  max {times[-1]:6.0f}"
+    )
+
+
+def interleaved(runs: int, against: str) -> None:
+    """Each case run alternately with this checkout and ``against`` first on PYTHONPATH
+    (the order swapped every run): two checkouts compared on a loaded machine."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = {"this": here, "other": os.path.abspath(against)}
+    envs = {name: {**os.environ, "PYTHONPATH": tree} for name, tree in trees.items()}
+    for tree in trees.values():
+        compileall.compile_dir(os.path.join(tree, "kprobes"), quiet=1)
+    print(f"this = {here}, other = {trees['other']}; {runs} runs each, interleaved, wall ms")
+    cases = [(label, argv, once) for label, argv in CASES[1:]]
+    cases.append(("count -c 'date +%s%N' libc:malloc, to main", STARTS[1], to_start))
+    for label, argv, measure in cases:
+        times: dict[str, list[float]] = {name: [] for name in trees}
+        for name in trees:
+            measure(argv, envs[name])  # warm the page cache
+        for run in range(runs):
+            for name in sorted(trees, reverse=run % 2 == 1):
+                times[name].append(measure(argv, envs[name]) * 1000)
+        for name in trees:
+            print(row(f"{name:5} {label}", times[name], width=50))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=11)
+    parser.add_argument(
+        "--against", metavar="CHECKOUT", help="compare with another checkout, runs interleaved"
+    )
     args = parser.parse_args()
+    if args.against:
+        interleaved(args.runs, args.against)
+        return
     import kprobes
 
     compileall.compile_dir(os.path.dirname(kprobes.__file__), quiet=1)
@@ -68,18 +106,11 @@ def main() -> None:
     print(f"PYTHONPATH={env_path or '(unset)'}; {args.runs} runs each, wall ms")
     for label, argv in CASES:
         once(argv)  # warm the page cache
-        times = sorted(once(argv) * 1000 for _ in range(args.runs))
-        print(
-            f"{label:42} median {statistics.median(times):6.0f}  "
-            f"min {times[0]:6.0f}  max {times[-1]:6.0f}"
-        )
+        print(row(label, [once(argv) * 1000 for _ in range(args.runs)]))
     label, argv = STARTS
     to_start(argv)
-    times = sorted(to_start(argv) * 1000 for _ in range(args.runs))
-    print(
-        f"{label}\n{'':42} median {statistics.median(times):6.0f}  "
-        f"min {times[0]:6.0f}  max {times[-1]:6.0f}"
-    )
+    times = [to_start(argv) * 1000 for _ in range(args.runs)]
+    print(f"{label}\n{row('', times)}")
 
 
 if __name__ == "__main__":
