@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 CASES = (
     ("python -c pass", [sys.executable, "-c", "pass"]),
@@ -38,9 +39,11 @@ CASES = (
 )
 
 
-def once(argv: list[str], env: dict[str, str] | None = None) -> float:
+def once(argv: list[str], tree: str | None = None) -> float:
     start = time.perf_counter()
-    subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, env=env)
+    subprocess.run(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, **where(tree)
+    )
     return time.perf_counter() - start
 
 
@@ -50,13 +53,21 @@ STARTS = (
 )
 
 
-def to_start(argv: list[str], env: dict[str, str] | None = None) -> float:
+def to_start(argv: list[str], tree: str | None = None) -> float:
     """Seconds from starting ``argv`` to the time its program printed (its first line of
     digits on stdout)."""
     start = time.time_ns()
-    out = subprocess.run(argv, capture_output=True, text=True, check=True, env=env).stdout
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, **where(tree)).stdout
     printed = next(int(line) for line in out.splitlines() if line.strip().isdigit())
     return (printed - start) / 1e9
+
+
+def where(tree: str | None) -> dict[str, Any]:
+    """How to run a command with the checkout ``tree`` imported (None: as this process):
+    first on PYTHONPATH, and the current directory, which ``python -m`` puts before it."""
+    if tree is None:
+        return {}
+    return {"cwd": tree, "env": {**os.environ, "PYTHONPATH": tree}}
 
 
 def row(label: str, times: list[float], width: int = 42) -> str:
@@ -72,7 +83,6 @@ def interleaved(runs: int, against: str) -> None:
     (the order swapped every run): two checkouts compared on a loaded machine."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     trees = {"this": here, "other": os.path.abspath(against)}
-    envs = {name: {**os.environ, "PYTHONPATH": tree} for name, tree in trees.items()}
     for tree in trees.values():
         compileall.compile_dir(os.path.join(tree, "kprobes"), quiet=1)
     print(f"this = {here}, other = {trees['other']}; {runs} runs each, interleaved, wall ms")
@@ -81,10 +91,10 @@ def interleaved(runs: int, against: str) -> None:
     for label, argv, measure in cases:
         times: dict[str, list[float]] = {name: [] for name in trees}
         for name in trees:
-            measure(argv, envs[name])  # warm the page cache
+            measure(argv, trees[name])  # warm the page cache
         for run in range(runs):
             for name in sorted(trees, reverse=run % 2 == 1):
-                times[name].append(measure(argv, envs[name]) * 1000)
+                times[name].append(measure(argv, trees[name]) * 1000)
         for name in trees:
             print(row(f"{name:5} {label}", times[name], width=50))
 
