@@ -67,3 +67,49 @@ def test_a_hot_probes_block_is_one_run_whatever_its_cpus() -> None:
     block = ring_block.read_block(buf)
     assert len(block.runs) == 1 and block.count == 300
     assert [r.cpu for r in block.records()] == [i % 3 for i in range(300)]
+
+
+class _Counted:
+    """The ring's words, counting the words read (a slice's, or one)."""
+
+    def __init__(self, words: memoryview) -> None:
+        self.words, self.read = words, 0
+
+    def __getitem__(self, key: int | slice) -> object:
+        got = self.words[key]
+        self.read += len(got) if isinstance(key, slice) else 1
+        return got
+
+
+def test_a_run_costs_in_proportion_to_its_length() -> None:
+    """Records of two slots (a stack walked in the program) have no one-slot run: finding
+    that reads a few commit words, not a stretch of 4096 each (~60 µs a record); a run of
+    one-slot records is read in stretches that grow with it."""
+    capacity = 64 * CAP
+    buf, layout, p = make(capacity)
+    for i in range(2000):  # 2000 two-slot records
+        t = p.reserve(2)
+        assert t is not None
+        _hit(p, t, 2, i, False, 100, 1, 5)
+    for i in range(300):  # then a run of 300 one-slot records, and one of two slots
+        t = p.reserve(1)
+        assert t is not None
+        _hit(p, t, 1, i, False, 8, 1, 6)
+    t = p.reserve(2)
+    assert t is not None
+    _hit(p, t, 2, 0, False, 100, 1, 5)
+    head = p.word(sa.OFF_HEAD)
+    words = _Counted(memoryview(buf).cast("Q"))
+    ring = layout.ring_offset // 8
+    for ticket in range(0, 4000, 2):
+        assert ring_block._one_slot_run(words, ring, capacity, ticket, head) == (ticket, 0)  # type: ignore[arg-type]
+    assert words.read <= 8 * 2000
+    words.read = 0
+    assert ring_block._one_slot_run(words, ring, capacity, 4000, head) == (4300, 300)  # type: ignore[arg-type]
+    assert words.read <= 4 * 300
+    block = ring_block.read_block(buf)
+    assert [(r.probe, r.count, r.slots) for r in block.runs] == [
+        (5, 2000, 2),
+        (6, 300, 1),
+        (5, 1, 2),
+    ]

@@ -49,6 +49,7 @@ from kprobes.arch.x86_64.stackwalk import (
     build_walk_function,
     pack_directory,
     read_walk,
+    read_walk_at,
 )
 from kprobes.errors import InternalError, TargetError
 from kprobes.symbols import tablewalk
@@ -118,6 +119,20 @@ def test_the_output_read_back() -> None:
     assert read_walk(struct.pack("<Q", WalkStop.UNREADABLE << 32)) == WalkResult(
         (), WalkStop.UNREADABLE
     )
+
+
+def test_a_record_s_walk_is_decoded_once() -> None:
+    """The reader's decoding (``read_walk_at``): the walk after a record's captures, the
+    same value for the same walk whatever the unused slots after it hold (an older
+    record's), and another for another walk."""
+    walk = struct.pack("<3Q", 2 | WalkStop.OUTERMOST << 32, 0x401234, 0x401567)
+    first = b"\x11" * 16 + walk + struct.pack("<2Q", 0xDEAD, 0xBEEF)
+    second = b"\x22" * 16 + walk + bytes(16)
+    got = read_walk_at(first, 16)
+    assert got == read_walk(walk) == WalkResult((0x401234, 0x401567), WalkStop.OUTERMOST)
+    assert read_walk_at(second, 16) is got
+    other = b"\x11" * 16 + struct.pack("<2Q", 1 | WalkStop.MAX_FRAMES << 32, 0x401234)
+    assert read_walk_at(other, 16) == WalkResult((0x401234,), WalkStop.MAX_FRAMES)
 
 
 def test_the_code_uses_the_fault_convention_and_no_call() -> None:

@@ -65,6 +65,7 @@ the -O2 code distributions ship).
 from __future__ import annotations
 
 import bisect
+import functools
 import struct
 from collections.abc import Sequence
 from enum import IntEnum
@@ -191,6 +192,20 @@ def read_walk(data: bytes | memoryview) -> WalkResult:
     count = status & 0xFFFF_FFFF
     returns = struct.unpack_from(f"<{count}Q", data, STATUS)
     return WalkResult(returns, WalkStop((status >> STOP_SHIFT) & 0xFF))
+
+
+def read_walk_at(data: bytes, at: int) -> WalkResult:
+    """``read_walk`` of the output at byte ``at`` of a record, each walk decoded once (a busy
+    probe's repeat): the same value each time, which the naming of stacks (stacks.py) then
+    finds by identity. Only the output's used bytes are the key (the slots past its last
+    return address hold what an older record left there)."""
+    count = int.from_bytes(data[at : at + 4], "little")
+    return _read_walk_once(data[at : at + STATUS + 8 * count])
+
+
+@functools.lru_cache(maxsize=4096)
+def _read_walk_once(data: bytes) -> WalkResult:
+    return read_walk(data)
 
 
 # The walker's registers: the frame's pc, sp and rbp; the lookup address; the output. rbx

@@ -57,7 +57,7 @@ from kprobes.arch.x86_64.capture import (
 )
 from kprobes.arch.x86_64.record import THREAD_MASK, thread_salt
 from kprobes.arch.x86_64.regs import REG_INDEX, Regs
-from kprobes.arch.x86_64.stackwalk import WalkResult, read_walk
+from kprobes.arch.x86_64.stackwalk import WalkResult, read_walk_at
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe
 from kprobes.errors import ProbeError
@@ -502,7 +502,7 @@ class RingReader:
         location = self.symbolize(ip)
         stack = None
         if rs.stack_depth and self.name_stack is not None:
-            walk = read_walk(record.data[rs.plan.size :])
+            walk = read_walk_at(record.data, rs.plan.size)
             stack = self.name_stack(ip, walk)
         fast_of = self.fast_of
         returned = _return_fields(
