@@ -22,7 +22,8 @@ a user sees it.
 
 ``--in-process`` measures the decoding and formatting alone, in this process: the decoder
 ``trace`` generates for ``p work i=%di`` with its text and JSON lines, called on a block of
-1,024 packed records 150 ns apart (min of 60 passes), ns an event.
+1,024 packed records 150 ns apart (min of 60 passes), ns an event: batch.py's per-event
+loop, and the columns (process/fast/columns.py) that ``trace`` takes for such a line.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def in_process() -> None:
     from kprobes.arch.x86_64.capture import CapturePlan, Reg, Value
     from kprobes.output.rows import json_line, text_line
     from kprobes.process.fast.batch import LineFormat, plan_decoder
+    from kprobes.process.fast.columns import ColumnFormat
     from kprobes.spec import parse
 
     n, tid, thread = 1024, 1234, 0x7F00_0000_1000
@@ -82,17 +84,22 @@ def in_process() -> None:
         ("text", text_line("p_work_0", *args)),
         ("json", json_line("kprobes/p_work_0", 99, *args)),
     ):
-        assert line is not None
-        fmt = LineFormat(line.expr, line.setup, line.context, line.names, lambda *_: None)
-        decode = decoder.compile(
-            fmt, 1, {thread: tid}, lambda _t: 0, lambda t: t / 1e9, layout.comm
-        )
-        best = float("inf")
-        for _ in range(60):
-            started = time.perf_counter()
-            decode(block, 10**12, 83000e9, 1.0, float("inf"), 0x5555, "work+0x0/0x19")
-            best = min(best, time.perf_counter() - started)
-        print(f"{name}: {best / n * 1e9:,.0f} ns an event ({n / best:,.0f}/s)")
+        assert line is not None and line.template is not None
+        t = line.template
+        as_columns = ColumnFormat(t.line, t.show, t.stamp)
+        for path, columns in (("per event", None), ("columns", as_columns)):
+            fmt = LineFormat(
+                line.expr, line.setup, line.context, line.names, lambda *_: None, "", columns
+            )
+            decode = decoder.compile(
+                fmt, 1, {thread: tid}, lambda _t: 0, lambda t: t / 1e9, layout.comm
+            )
+            best = float("inf")
+            for _ in range(60):
+                started = time.perf_counter()
+                decode(block, 10**12, 83000e9, 1.0, float("inf"), 0x5555, "work+0x0/0x19")
+                best = min(best, time.perf_counter() - started)
+            print(f"{name} ({path}): {best / n * 1e9:,.0f} ns an event ({n / best:,.0f}/s)")
 
 
 SPECS = {False: "p work_push i=%di", True: "r work_push ret=$retval"}

@@ -11,7 +11,9 @@ the test program's hot loop, its probes jump-optimized (record probes):
   whole, over many fetch types (registers cut to s64/u32/x64/s8/char/bitfield, an immediate,
   ``$comm``, a string, a byte array, a faulting read);
 - ``--filter`` on the batch path keeps what the sink keeps, and counts the rest;
-- options the batch path does not cover (``-n``) still print through the handlers.
+- options the batch path does not cover (``-n``) still print through the handlers;
+- lines of plain values are read as columns (process/fast/columns.py) where they can be, with
+  the same bytes: one thread's dense runs, and four threads' runs interleaved in the ring.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from support import run_main as kprobes
 from kprobes.cli.session import Session, event_fields, parse_spec
 from kprobes.output.jsonl import format_json
 from kprobes.output.text import format_event
+from kprobes.process.fast import columns as columns_mod
 from kprobes.process.fast import reader as reader_mod
 from kprobes.process.fast.reader import RingReader
 
@@ -214,3 +217,74 @@ def test_batches_of_returns_print_the_bytes_the_handlers_print(
         assert '"three"' in out
     else:  # mix(299, -299, 598, 299 ^ 5, 7, 701)
         assert "f=701" in out or '"f": 701' in out
+
+
+# -- lines of plain values, read as columns ---------------------------------------------------
+
+PLAIN_SPECS = {  # every value a register's word cut to a type, or a constant
+    False: r"p work a=%di:s64 b=%di:u32 c=%di d=%di:s8 e=%di:char h=%di:x16 k=\7 w=%ip x=%di:s32",
+    True: r"p work a=%di:s64 b=%di:u32 c=%di d=%di:s8 h=%di:x16 k=\7 w=%ip x=%di:s32 y=%si:u8",
+}  # (JSON prints a char through its formatter: not a plain column)
+
+
+def count_columns(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """[records read as columns, records columns.py handed to batch.py's decoder]."""
+    counts = [0, 0]
+    piece = columns_mod.ColumnDecoder._piece
+
+    def spy(self: Any, view: Any, n: int, *args: Any) -> Any:
+        text = piece(self, view, n, *args)
+        counts[text is None] += n
+        return text
+
+    monkeypatch.setattr(columns_mod.ColumnDecoder, "_piece", spy)
+    return counts
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_columns_print_the_bytes_the_handlers_print(
+    target: Path, as_json: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    per_event: list[str] = []
+    fmt = format_json if as_json else format_event
+    tee_blocks(monkeypatch, lambda _kp, ev: per_event.append(fmt(ev) + "\n"))
+    counts = count_columns(monkeypatch)
+    json_flag = ["--json"] if as_json else []
+    out, _ = kprobes("trace", *json_flag, "-c", f"{target} 20000", PLAIN_SPECS[as_json])
+    assert len(per_event) == 20000 and out == "".join(per_event)
+    assert counts[0] >= 10000  # most of the hot loop's records were read as columns
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_columns_of_threads_print_the_bytes_the_handlers_print(
+    build: Any, as_json: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four threads' records interleave in the ring: each thread's run is its own piece
+    (its tid and CPU in its lines), short runs go to the per-event decoder."""
+    per_event: list[str] = []
+    fmt = format_json if as_json else format_event
+    tee_blocks(monkeypatch, lambda _kp, ev: per_event.append(fmt(ev) + "\n"))
+    counts = count_columns(monkeypatch)
+    json_flag = ["--json"] if as_json else []
+    spec = "p hammer t=%di i=%si:u32"
+    out, _ = kprobes("trace", *json_flag, "-c", f"{build('threads')} 4 20000", spec)
+    assert len(per_event) == 80000 and out == "".join(per_event)
+    assert counts[0] > 0
+    lines = out.splitlines()
+    assert len({line.split('"tid": ')[1][:8] if as_json else line[:24] for line in lines}) >= 4
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_columns_of_returns_print_the_bytes_the_handlers_print(
+    build: Any, as_json: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records of returns: each event's caller is read as a column too."""
+    per_event: list[str] = []
+    fmt = format_json if as_json else format_event
+    tee_blocks(monkeypatch, lambda _kp, ev: per_event.append(fmt(ev) + "\n"))
+    counts = count_columns(monkeypatch)
+    json_flag = ["--json"] if as_json else []
+    spec = r"r rec a=$retval:s64 b=$retval:u32 c=%ax d=$retval:s8 h=%bx:x16 k=\7 m=$arg1:s16 w=%ip"
+    out, _ = kprobes("trace", *json_flag, "-c", f"{build('rets')} rec 3000", spec)
+    assert out == "".join(per_event) and len(per_event) >= 3000
+    assert counts[0] > 0

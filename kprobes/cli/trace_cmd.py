@@ -152,9 +152,14 @@ class TraceRows:
             except BrokenPipeError:  # | head: it has what it wanted
                 raise output_closed(out) from None
 
-        from kprobes.process.fast.batch import LineFormat  # the ptrace backend's, when it runs
+        # the ptrace backend's, when it runs
+        from kprobes.process.fast.batch import LineFormat
+        from kprobes.process.fast.columns import ColumnFormat
 
-        return LineFormat(line.expr, line.setup, line.context, names, write_lines, keep)
+        t, columns = line.template, None
+        if t is not None and not keep:  # the same line, for a reader of columns
+            columns = ColumnFormat(t.line, t.show, t.stamp)
+        return LineFormat(line.expr, line.setup, line.context, names, write_lines, keep, columns)
 
 
 def parse_specs(texts: Sequence[str], *, as_json: bool) -> TracedSpecs:

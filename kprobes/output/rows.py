@@ -11,6 +11,9 @@ and the CPU are made once per thread and CPU, the timestamp once per microsecond
 A value the producer says is plain (an int already cut to its type) is printed inline; any
 other goes through ``argtypes``, as the per-event formatters do, so a fault, a string or an
 array prints the same. ``compile_rows`` makes a line a function over rows, on its own.
+Where every value is plain, the line is also given as a template (``LineTemplate``): its
+texts and, between them, the names of its fields, for a reader that fills the fields a
+column at a time (process/fast/columns.py).
 
 Text from the probe (names, the place) enters through the namespace unless it is plain
 identifier text. Rejected: building ``Event`` values and calling the per-event formatters
@@ -56,24 +59,46 @@ class ReturnHead:
 
 
 @dataclass(frozen=True, slots=True)
+class LineTemplate:
+    """One probe's line for a reader of columns: ``line(tid, cpu, ip, location)`` is the
+    line of the events of thread ``tid`` on ``cpu`` at ``ip`` (the site, or a return's
+    caller) named ``location``, as its texts with the names of its fields between them:
+    ``(text, name, text, ..., text)``. A name is ``stamp`` (the text ``stamp`` gives of
+    the event's microsecond, as ``format_timestamp`` rounds: at most once, before any other
+    field), ``ts`` (the timestamp, seconds) or ``v0``, ``v1``... (the values, ints), each
+    printed by ``show[name]``."""
+
+    line: Callable[[int, int, int, str], tuple[str, ...]]
+    show: dict[str, Callable[[Any], str]]
+    stamp: Callable[[int], str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class LineSource:
     """One probe's line, as source for a loop over its events: ``expr`` is an expression
     (an f-string, newline included) over ``ts``, the values ``v0``, ``v1``... and
     ``o_context``; ``setup`` is a statement run once a batch, over ``ip`` and ``location``;
     ``context`` one run when the thread or the CPU changes, over ``tid`` and ``cpu`` (it
     sets ``o_context``, the columns they decide); ``names`` is what they read besides (every
-    name starts with ``o_``)."""
+    name starts with ``o_``); ``template`` the same line for a reader of columns, where
+    every value is plain."""
 
     expr: str
     setup: str
     context: str
     names: dict[str, Any]
+    template: LineTemplate | None = None
 
 
 def _stamp(usecs: int) -> str:
     """``format_timestamp``'s ``f"{secs:5d}.{usec_rem:06d}"``, without format specs."""
     secs, usec_rem = divmod(usecs, 1_000_000)
     return f"{str(secs).rjust(5)}.{str(usec_rem + 1_000_000)[1:]}"
+
+
+def _stamp_text(usecs: int) -> str:
+    """The same as ``_stamp``, by ``%`` (its spec is ``format_timestamp``'s)."""
+    return "%5d.%06d" % divmod(usecs, 1_000_000)  # noqa: UP031 - half the f-string's time
 
 
 class _PerKey(dict[int, str]):
@@ -108,10 +133,10 @@ class _Source:
         self.names[name] = fn
         return name
 
-    def line(self, line: str, head: str) -> LineSource:
+    def line(self, line: str, head: str, template: LineTemplate | None = None) -> LineSource:
         setup = f"o_head = {head}; o_last = -1; o_text = ''"
         context = "o_context = o_who[tid] + o_cpus[cpu]"
-        return LineSource(f'f"{line}\\n"', setup, context, self.names)
+        return LineSource(f'f"{line}\\n"', setup, context, self.names, template)
 
 
 def compile_rows(line: LineSource, count: int, *, each_ip: bool = False) -> RowsFormatter:
@@ -163,13 +188,71 @@ def text_line(
         for i, (name, t, p) in enumerate(zip(names, types, plain, strict=True))
     )
     head = "{o_head}"
+    place: Place = _entry_place
     if returns is not None:  # ``format_location`` of a return, made once per caller
         func = returns.func or f"0x{returns.func_ip:x}"
         locate = returns.locate
-        src.names["o_heads"] = _PerKey(lambda ip: f"{locate(ip) or f'0x{ip:x}'} <- {func}")
+        heads = src.names["o_heads"] = _PerKey(lambda ip: f"{locate(ip) or f'0x{ip:x}'} <- {func}")
         head = "{o_heads[ip]}"
+        place = _caller_place(heads)
     line = f"{{o_context}} {_TS}: {src.literal(event)}: ({head}){args}"
-    return src.line(line, "location or f'0x{ip:x}'")
+    template = _text_template(event, names, types, plain, src.names, place)
+    return src.line(line, "location or f'0x{ip:x}'", template)
+
+
+Place = Callable[[int, str], str]  # (ip, location) → the place as the line prints it
+
+
+def _entry_place(ip: int, location: str) -> str:
+    return location or f"0x{ip:x}"
+
+
+def _caller_place(heads: dict[int, str]) -> Place:
+    return lambda ip, _location: heads[ip]
+
+
+_TEXT_SHOWS: Final[dict[Kind, Callable[[Any], str]]] = {
+    Kind.UNSIGNED: int.__repr__,
+    Kind.SIGNED: int.__repr__,
+    Kind.HEX: hex,  # an unsigned int: 0x and lowercase digits, as 0x%x
+    Kind.CHAR: chr,  # in quotes
+}
+
+
+def _fields(texts: Sequence[str]) -> tuple[str, ...]:
+    """``v0``, the text after it, ``v1``... for the texts after each value."""
+    return tuple(part for i, text in enumerate(texts) for part in (f"v{i}", text))
+
+
+def _text_template(
+    event: str,
+    names: Sequence[str],
+    types: Sequence[str],
+    plain: Sequence[bool],
+    columns: dict[str, Any],
+    place: Place,
+) -> LineTemplate | None:
+    """``text_line``'s line as a template (the thread's and CPU's columns ``columns``'
+    ``o_who`` and ``o_cpus``); None unless every value is a plain int."""
+    show: dict[str, Callable[[Any], str]] = {}
+    texts = [""]  # before each value, then the line's end
+    for i, (name, t, p) in enumerate(zip(names, types, plain, strict=True)):
+        fn = _TEXT_SHOWS.get(parse_type(t).kind) if p else None
+        if fn is None:
+            return None
+        quote = "'" if fn is chr else ""
+        texts[-1] += f" {name}={quote}"
+        texts.append(quote)
+        show[f"v{i}"] = fn
+    texts[-1] += "\n"
+    rest = _fields(texts[1:])
+    who, cpus, first = columns["o_who"], columns["o_cpus"], texts[0]
+
+    def line(tid: int, cpu: int, ip: int, location: str) -> tuple[str, ...]:
+        head = f": {event}: ({place(ip, location)}){first}"
+        return (f"{who[tid]}{cpus[cpu]} ", "stamp", head, *rest)
+
+    return LineTemplate(line, show, _stamp_text)
 
 
 def _json_value(src: _Source, i: int, type_text: str, plain: bool) -> str:
@@ -206,12 +289,45 @@ def json_line(
     head = 'f\', "ip": {ip}, "location": {o_dumps(location)}, "args": {{\''
     if returns is None:
         line = '{o_start}{o_context}, "timestamp": {ts!r}{o_head}' + args + "}}}}"
-        return src.line(line.replace('"', '\\"'), head)
+        template = _json_template(names, types, plain, src.names, _json_place, "}}")
+        return src.line(line.replace('"', '\\"'), head, template)
     locate = returns.locate  # each caller's head made once; the function's tail is fixed
-    src.names["o_heads"] = _PerKey(
+    heads = src.names["o_heads"] = _PerKey(
         lambda ip: f', "ip": {ip}, "location": {dumps(locate(ip))}, "args": {{'
     )
     tail = f'}}, "return": true, "func": {dumps(returns.func)}, "func_ip": {returns.func_ip}}}'
     src.names["o_tail"] = tail
+    template = _json_template(names, types, plain, src.names, _caller_place(heads), tail)
     line = '{o_start}{o_context}, "timestamp": {ts!r}{o_heads[ip]}' + args + "{o_tail}"
-    return src.line(line.replace('"', '\\"'), head)
+    return src.line(line.replace('"', '\\"'), head, template)
+
+
+def _json_place(ip: int, location: str) -> str:
+    return f', "ip": {ip}, "location": {json.dumps(location)}, "args": {{'
+
+
+def _json_template(
+    names: Sequence[str],
+    types: Sequence[str],
+    plain: Sequence[bool],
+    columns: dict[str, Any],
+    place: Place,
+    tail: str,
+) -> LineTemplate | None:
+    """``json_line``'s line as a template (``place`` the text from the ip to the arguments,
+    ``tail`` the text after them); None unless every value is a plain int."""
+    show: dict[str, Callable[[Any], str]] = {"ts": float.__repr__}
+    for i, (t, p) in enumerate(zip(types, plain, strict=True)):
+        if not p or parse_type(t).kind not in (Kind.UNSIGNED, Kind.SIGNED, Kind.HEX):
+            return None
+        show[f"v{i}"] = int.__repr__
+    keys = [f"{json.dumps(n)}: " for n in names]
+    rest = _fields([f", {key}" for key in keys[1:]] + [tail + "\n"]) if names else ()
+    first = keys[0] if names else tail + "\n"
+    start, who, cpus = columns["o_start"], columns["o_who"], columns["o_cpus"]
+
+    def line(tid: int, cpu: int, ip: int, location: str) -> tuple[str, ...]:
+        head = f'{start}{who[tid]}{cpus[cpu]}, "timestamp": '
+        return (head, "ts", place(ip, location) + first, *rest)
+
+    return LineTemplate(line, show, None)

@@ -54,6 +54,8 @@ from kprobes.arch.x86_64.capture import (
     entry_word,
 )
 from kprobes.errors import InternalError
+from kprobes.process.fast.columns import Code, Column, ColumnDecoder, ColumnFormat
+from kprobes.process.fast.columns import Decoder as Decoder  # reader.py's
 from kprobes.process.fetch.evaluate import MASK64, cut_to_type, type_text
 from kprobes.process.fetch.fast import STRING_LIMIT, Resolver
 from kprobes.process.fetch.tree import (
@@ -67,12 +69,16 @@ from kprobes.process.fetch.tree import (
 from kprobes.spec import FetchArg, FunctionArg, ImmediateString, ProbeSpec, TypeSpec
 from kprobes.values import dataclass
 
-# (a block's run of records, a segment of the clock: its start tick, its ns, ticks per ns,
-# the next one's start, the site's address and its location) → the events' text, and how
-# many of the run's events it holds (the others were left out: ``LineFormat.keep``)
-Decoder = Callable[[memoryview, int, float, float, float, int, str], tuple[str, int]]
-
 _ELEMENT: Final = {1: "B", 2: "H", 4: "I", 8: "Q"}
+# A register's word cut to an integer type, as a ``memoryview`` reads it (little-endian:
+# the type's bytes are the word's first): columns.py's ``Column.code``.
+_CODES: Final[dict[str, Code]] = {
+    **dict.fromkeys(("u8", "x8", "char"), "B"),
+    **dict.fromkeys(("u16", "x16"), "H"),
+    **dict.fromkeys(("u32", "x32"), "I"),
+    **dict.fromkeys(("u64", "x64"), "Q"),
+    **{"s8": "b", "s16": "h", "s32": "i", "s64": "q"},
+}
 _INTEGERS: Final = frozenset(f"{p}{w}" for p in "usx" for w in (8, 16, 32, 64))
 
 
@@ -108,7 +114,8 @@ class LineFormat:
     they read besides (each name, and each variable they set, starting with ``o_``).
     ``keep``, if not empty, is a condition over the same values: an event for which it is
     false is left out (a filter). ``write(text, printed, left_out)`` takes a batch's text
-    and its counts."""
+    and its counts. ``columns``, if given, is the same line for columns.py, which the
+    decoder takes where every value is a register's word or a constant (and no ``keep``)."""
 
     expr: str
     setup: str
@@ -116,6 +123,7 @@ class LineFormat:
     names: dict[str, Any]
     write: Callable[[str, int, int], None]
     keep: str = ""
+    columns: ColumnFormat | None = None
 
 
 class BatchOutput(Protocol):
@@ -207,6 +215,7 @@ class _Source:
     def __init__(self, plan: CapturePlan) -> None:
         self.plan = plan
         self.fields: dict[int, list[str]] = {}  # capture index → its field names
+        self.columns: dict[int, Column] = {}  # value index → its column, where it has one
         self.lines: list[str] = []
         self.names: dict[str, Any] = {}
 
@@ -229,6 +238,16 @@ class _Source:
                 elements = [f"c{index}e{j}" for j in range(n)]
                 self.fields[index] = [f"c{index}a", f"c{index}s", *elements]
         return self.fields[index]
+
+    def offset(self, c: Capture) -> int:
+        """The byte offset of capture ``c`` in a record without the registers."""
+        index = self.plan.captures.index(c)
+        return sa.REC_HEADER + sum(map(capture_size, self.plan.captures[:index]))
+
+    def word_column(self, i: int, c: Value, type_: TypeSpec) -> None:
+        """Value ``i`` is the word of ``c`` cut to ``type_``: a column, unless a bitfield."""
+        if type_.bitfield is None:
+            self.columns[i] = Column(_CODES[type_.name], self.offset(c))
 
     def constant(self, v: object) -> str:
         name = f"k{len(self.names)}"
@@ -270,8 +289,10 @@ def _arg(
         # ``$argN`` of a return: the register its entry kept (``ArgFetcher.entry`` on it).
         if not isinstance(fetch, FunctionArg) or not _is_number(type_) or type_.count:
             raise _NotPlain("a return's $argN read other than as a number")
-        (field,) = src.capture(Value(Reg(entry_word(ARG_REGS[fetch.index - 1]))))
+        kept = Value(Reg(entry_word(ARG_REGS[fetch.index - 1])))
+        (field,) = src.capture(kept)
         src.lines.append(f"{out} = {_cut(type_, field)}")
+        src.word_column(i, kept, type_)
         return True
     match kind_of(fetch):
         case Kind.COMM:
@@ -288,10 +309,13 @@ def _arg(
             # The reader sets an entry's rip to the site; a return's is captured (its caller).
             if isinstance(part, Const) or (part.name == "rip" and not is_return):
                 word = part.value if isinstance(part, Const) else site_addr
-                src.lines.append(f"{out} = {src.constant(cut_to_type(type_, word))}")
+                cut = cut_to_type(type_, word)
+                src.lines.append(f"{out} = {src.constant(cut)}")
+                src.columns[i] = Column(constant=cut)
             else:
                 (field,) = src.capture(Value(part))
                 src.lines.append(f"{out} = {_cut(type_, field)}")
+                src.word_column(i, Value(part), type_)
             return True
         case Kind.MEMORY:
             base, off = address(fetch, parts, resolve_data, file_addr)
@@ -384,7 +408,16 @@ def decode(view, start, ns, per, end, ip, location):
         }
         exec(compile(source, f"<decoder of {self.spec.effective_event}>", "exec"), namespace)
         decoder: Decoder = namespace["decode"]
-        return decoder
+        if line.columns is None or line.keep or len(src.columns) < len(self.spec.args):
+            return decoder
+
+        def tid_of(thread: int) -> int:
+            tid = threads.get(thread)
+            return thread_miss(thread) if tid is None else tid
+
+        columns = tuple(src.columns[i] for i in range(len(self.spec.args)))
+        caller = src.offset(Value(Reg("rip"))) if self.is_return else None
+        return ColumnDecoder(line.columns, columns, slots * sa.SLOT, caller, decoder, tid_of)
 
     def layout(
         self,
