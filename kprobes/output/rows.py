@@ -63,14 +63,14 @@ class LineTemplate:
     """One probe's line for a reader of columns: ``line(tid, cpu, ip, location)`` is the
     line of the events of thread ``tid`` on ``cpu`` at ``ip`` (the site, or a return's
     caller) named ``location``, as its texts with the names of its fields between them:
-    ``(text, name, text, ..., text)``. A name is ``stamp`` (the text ``stamp`` gives of
-    the event's microsecond, as ``format_timestamp`` rounds: at most once, before any other
-    field), ``ts`` (the timestamp, seconds) or ``v0``, ``v1``... (the values, ints), each
-    printed by ``show[name]``."""
+    ``(text, name, text, ..., text)``. A name is ``stamp`` (the event's microsecond, as
+    ``format_timestamp`` rounds it, printed by the ``%`` format ``stamp`` over its seconds
+    and microseconds: at most once, before any other field), ``ts`` (the timestamp,
+    seconds) or ``v0``, ``v1``... (the values, ints), each printed by ``show[name]``."""
 
     line: Callable[[int, int, int, str], tuple[str, ...]]
     show: dict[str, Callable[[Any], str]]
-    stamp: Callable[[int], str] | None = None
+    stamp: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,9 +96,7 @@ def _stamp(usecs: int) -> str:
     return f"{str(secs).rjust(5)}.{str(usec_rem + 1_000_000)[1:]}"
 
 
-def _stamp_text(usecs: int) -> str:
-    """The same as ``_stamp``, by ``%`` (its spec is ``format_timestamp``'s)."""
-    return "%5d.%06d" % divmod(usecs, 1_000_000)  # noqa: UP031 - half the f-string's time
+STAMP: Final = "%5d.%06d"  # ``format_timestamp``'s (the kernel's ``%5lu.%06lu``), by ``%``
 
 
 class _PerKey(dict[int, str]):
@@ -252,7 +250,7 @@ def _text_template(
         head = f": {event}: ({place(ip, location)}){first}"
         return (f"{who[tid]}{cpus[cpu]} ", "stamp", head, *rest)
 
-    return LineTemplate(line, show, _stamp_text)
+    return LineTemplate(line, show, STAMP)
 
 
 def _json_value(src: _Source, i: int, type_text: str, plain: bool) -> str:

@@ -9,7 +9,10 @@ read from the ring (arch/x86_64/ring_block.py) the reader then calls one functio
 for the probe's record layout and its output: one ``struct.iter_unpack`` of exactly the
 fields it needs, each fetch-arg's value computed inline as ``v0``, ``v1``..., and the
 output's line (``LineFormat``, an expression the output gives as source: output/rows.py)
-appended for each event; the batch's text is written at once.
+appended for each event; the batch's text is written at once. Where every value is a
+register's word or a constant and the output gives its line as a template too
+(``LineFormat.columns``), the decoder is columns.py's, which reads a run as columns and
+hands what it cannot read plainly to this one.
 
 **Exact or not at all.** The values are the very values the evaluator would give for the
 same record: the same cut to the type (``evaluate.cut_to_type``'s rules, written as

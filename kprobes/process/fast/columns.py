@@ -68,14 +68,14 @@ class ColumnFormat:
     """How an output prints a probe's events as columns: ``line(tid, cpu, ip, location)``
     is the line of the events of thread ``tid`` on ``cpu`` at ``ip`` (the site, or a
     return's caller) named ``location``, as texts with the names of its fields between
-    them (``(text, name, text, ..., text)``); a name is ``stamp`` (the text ``stamp``
-    gives of the event's microsecond: at most one, before any other), ``ts`` (the
-    timestamp, seconds) or ``v0``, ``v1``... (the values, ints), printed by ``show[name]``.
-    """
+    them (``(text, name, text, ..., text)``); a name is ``stamp`` (the event's
+    microsecond, printed by the ``%`` format ``stamp`` over its seconds and microseconds:
+    at most once, before any other), ``ts`` (the timestamp, seconds) or ``v0``, ``v1``...
+    (the values, ints), printed by ``show[name]``."""
 
     line: Callable[[int, int, int, str], tuple[str, ...]]
     show: dict[str, Callable[[Any], str]]
-    stamp: Callable[[int], str] | None = None
+    stamp: str | None = None
 
 
 class ColumnDecoder:
@@ -219,14 +219,11 @@ def _spans(keys: list[tuple[int, int, int]]) -> list[tuple[int, int, bool]]:
 
 
 def _stamps(
-    ticks: list[int],
-    clock: tuple[int, float, float, float],
-    stamp: Callable[[int], str],
-    before: str,
-    after: str,
+    ticks: list[int], clock: tuple[int, float, float, float], stamp: str, before: str, after: str
 ) -> list[str] | None:
-    """The text of each event's microsecond, between ``before`` and ``after``, its ticks
-    ``ticks`` in order in ``clock``'s segment; None if they are too sparse."""
+    """The text of each event's microsecond (the ``%`` format ``stamp``), between ``before``
+    and ``after``, its ticks ``ticks`` in order in ``clock``'s segment; None if they are
+    too sparse."""
     start, ns, per, _ = clock
     n = len(ticks)
     fround = float.__round__  # a timestamp is a float: ``round`` without its look-up
@@ -237,18 +234,20 @@ def _stamps(
     first, last = micro(ticks[0]), micro(ticks[-1])
     if n < DENSE * (last - first + 1):
         return None
+    form = before.replace("%", "%%") + stamp + after.replace("%", "%%")
+    edge, ticks_per_us = start + (499.5 - ns) * per, 1000 * per  # where u + 1 starts: guessed
     texts, counts = [], []
     i, u = 0, first
     while i < n:
         # Step 1: guess the first tick of the next microsecond (its ns are u * 1000 + 500).
-        j = bisect_left(ticks, int(start + (u * 1000 + 499.5 - ns) * per), i + 1)
+        j = bisect_left(ticks, int(edge + u * ticks_per_us), i + 1)
         # Step 2: check the guess on both sides (one microsecond: a slice, ticks in order).
         while j > i + 1 and micro(ticks[j - 1]) != u:
             j -= 1
         following = u
         while j < n and (following := micro(ticks[j])) == u:
             j += 1
-        texts.append(before + stamp(u) + after)
+        texts.append(form % divmod(u, 1000000))
         counts.append(j - i)
         i, u = j, following
     return list(chain.from_iterable(map(repeat, texts, counts)))
