@@ -2,7 +2,7 @@
 
     python -m bench.trace_rate [--calls N] [--runs R] [--per-event] [--return]
                                [--only text-null,...]
-    python -m bench.trace_rate --in-process
+    python -m bench.trace_rate --in-process [--gap NS]
 
 runs ``kprobes trace -c 'bench/bin/target work_push N' 'p work_push i=%di'`` (a tight loop
 calling a 5-instruction function, jump-optimized: each call writes a record into the ring)
@@ -22,8 +22,9 @@ a user sees it.
 
 ``--in-process`` measures the decoding and formatting alone, in this process: the decoder
 ``trace`` generates for ``p work i=%di`` with its text and JSON lines, called on a block of
-1,024 packed records 150 ns apart (min of 60 passes), ns an event: batch.py's per-event
-loop, and the columns (process/fast/columns.py) that ``trace`` takes for such a line.
+1,024 packed records 150 ns apart (``--gap NS``: another spacing; the bench's loop calls
+every 15-30 ns) (min of 60 passes), ns an event: batch.py's per-event loop, and the columns
+(process/fast/columns.py) that ``trace`` takes for such a line.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def child(argv: list[str]) -> int:
     return main(argv)
 
 
-def in_process() -> None:
+def in_process(gap: int = 150) -> None:
     """The batch path's decoding and formatting alone (see the module docstring)."""
     from kprobes.arch.x86_64 import shared_area as sa
     from kprobes.arch.x86_64.capture import CapturePlan, Reg, Value
@@ -76,7 +77,7 @@ def in_process() -> None:
     meta = 1 | 1 << sa.META_SLOTS_SHIFT | 1 << sa.META_CPU_SHIFT
     block = memoryview(
         b"".join(
-            record.pack(sa.COMMIT_TAG | t + 1, meta, thread, 10**12 + 150 * t, t) for t in range(n)
+            record.pack(sa.COMMIT_TAG | t + 1, meta, thread, 10**12 + gap * t, t) for t in range(n)
         )
     )
     args = (layout.names, layout.types, layout.plain, layout.comm)
@@ -138,7 +139,7 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         return child(sys.argv[2:])
     if len(sys.argv) > 1 and sys.argv[1] == "--in-process":
-        in_process()
+        in_process(int(sys.argv[3]) if sys.argv[2:3] == ["--gap"] else 150)
         return 0
     p = argparse.ArgumentParser(prog="python -m bench.trace_rate", description=__doc__)
     p.add_argument("--calls", type=int, default=500_000)
