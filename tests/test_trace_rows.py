@@ -13,7 +13,8 @@ the test program's hot loop, its probes jump-optimized (record probes):
 - ``--filter`` on the batch path keeps what the sink keeps, and counts the rest;
 - options the batch path does not cover (``-n``) still print through the handlers;
 - lines of plain values are read as columns (process/fast/columns.py) where they can be, with
-  the same bytes: one thread's dense runs, and four threads' runs interleaved in the ring.
+  the same bytes: one thread's dense runs, four threads' runs interleaved in the ring,
+  returns, and ``script`` of a record file.
 """
 
 from __future__ import annotations
@@ -288,3 +289,20 @@ def test_columns_of_returns_print_the_bytes_the_handlers_print(
     out, _ = kprobes("trace", *json_flag, "-c", f"{build('rets')} rec 3000", spec)
     assert out == "".join(per_event) and len(per_event) >= 3000
     assert counts[0] > 0
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_script_prints_columns_as_the_handlers_print(
+    target: Path, as_json: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``script`` reads a record file's blocks through the same reader: the columns' bytes
+    there are the per-event path's too."""
+    data = tmp_path / "plain.data"
+    kprobes("record", "-o", data, "-c", f"{target} 20000", PLAIN_SPECS[as_json])
+    per_event: list[str] = []
+    fmt = format_json if as_json else format_event
+    tee_blocks(monkeypatch, lambda _kp, ev: per_event.append(fmt(ev) + "\n"))
+    counts = count_columns(monkeypatch)
+    out, _ = kprobes("script", *(["--json"] if as_json else []), data)
+    assert len(per_event) == 20000 and out == "".join(per_event)
+    assert counts[0] >= 10000
