@@ -45,7 +45,7 @@ Decoder = Callable[[memoryview, int, float, float, float, int, str], tuple[str, 
 
 Code = Literal["B", "b", "H", "h", "I", "i", "Q", "q"]  # a ``memoryview`` format
 Parts = tuple[tuple[str, ...], tuple[str, ...]]  # a line's texts, and its fields between them
-DENSE: Final = 2  # events a microsecond, at least, for a piece to be stepped by microsecond
+DENSE: Final = 3  # events a microsecond, at least, for a piece to be stepped by microsecond
 MIN_SPAN: Final = 16  # records of one thread, CPU and caller, at least, to take as columns
 _THREAD: Final = sa.REC_THREAD // 8
 _META: Final = sa.REC_META // 8
