@@ -26,7 +26,8 @@ than ``DENSE`` events a microsecond (the step per microsecond would cost more th
 loop per event), a thread, CPU or caller held for fewer than ``MIN_SPAN`` records.
 
 Rejected: one ``%`` template repeated over a run (``(line * n) % values``): the format is
-parsed again for every event, ~40% slower than the join here; numpy, not a dependency.
+parsed again for every event, 1.5 times the join's time (133 against 87 ns an event for
+``i=%di``'s line); numpy, not a dependency.
 """
 
 from __future__ import annotations
