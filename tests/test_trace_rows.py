@@ -33,6 +33,7 @@ from kprobes.output.jsonl import format_json
 from kprobes.output.text import format_event
 from kprobes.process.fast import columns as columns_mod
 from kprobes.process.fast import reader as reader_mod
+from kprobes.process.fast.interleave import Interleaved
 from kprobes.process.fast.reader import RingReader
 
 pytestmark = pytest.mark.ptrace
@@ -182,11 +183,12 @@ RETURN_SPECS = {
 
 
 def both_paths_of_returns(
-    rets: Path, command: str, monkeypatch: pytest.MonkeyPatch, as_json: bool
+    rets: Path, command: str, monkeypatch: pytest.MonkeyPatch, as_json: bool, *specs: str
 ) -> tuple[str, list[str], int]:
-    """``trace`` of ``command``'s return spec, each block also handed, record by record, to
-    the per-event path (``Event`` values, ``format_event``/``format_json``): (the trace's
-    lines, the per-event lines, runs the batch path took)."""
+    """``trace`` of ``command``'s return spec (or of ``specs``), each block also handed,
+    record by record, to the per-event path (``Event`` values,
+    ``format_event``/``format_json``): (the trace's lines, the per-event lines, runs the
+    batch path took)."""
     per_event: list[str] = []
     fmt = format_json if as_json else format_event
 
@@ -195,8 +197,8 @@ def both_paths_of_returns(
 
     batched_runs = tee_blocks(monkeypatch, record)
     json_flag = ["--json"] if as_json else []
-    spec = RETURN_SPECS[command]
-    out, err = kprobes("trace", *json_flag, "-c", f"{rets} {command}", spec)
+    specs = specs or (RETURN_SPECS[command],)
+    out, err = kprobes("trace", *json_flag, "-c", f"{rets} {command}", *specs)
     assert "uses a breakpoint" not in err  # the entry took its jump: returns are records
     return out, per_event, batched_runs[0]
 
@@ -306,3 +308,28 @@ def test_script_prints_columns_as_the_handlers_print(
     out, _ = kprobes("script", *(["--json"] if as_json else []), data)
     assert len(per_event) == 20000 and out == "".join(per_event)
     assert counts[0] >= 10000
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_two_probes_whose_records_alternate_are_decoded_a_probe_at_a_time(
+    build: Any, as_json: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An entry and a return probe of one function: their records alternate in the ring
+    (runs of one record). Each block's runs of each probe are decoded with one call
+    (process/fast/interleave.py) and handed back run by run: the per-event path's bytes,
+    in the ring's order."""
+    gathered: list[int] = []
+    keep = Interleaved.keep
+
+    def spy(self: Interleaved, key: tuple[int, int], lines: list[str]) -> None:
+        gathered.append(len(lines))
+        keep(self, key, lines)
+
+    monkeypatch.setattr(Interleaved, "keep", spy)
+    specs = ("p leaf x=%di:s32 n=$comm", "r leaf ret=$retval:u64 a=$arg1")
+    out, per_event, batched_runs = both_paths_of_returns(
+        build("rets"), "leaf 3000", monkeypatch, as_json, *specs
+    )
+    assert len(per_event) == 6000 and out == "".join(per_event)
+    assert batched_runs >= 2
+    assert sum(gathered) > 3000  # most records decoded with their probe's others

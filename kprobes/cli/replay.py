@@ -49,7 +49,8 @@ from kprobes.output.recfile import (
     site_of,
 )
 from kprobes.process.fast.batch import BatchOutput
-from kprobes.process.fast.reader import FastProbe, RecordSite, RingReader
+from kprobes.process.fast.probe import FastProbe
+from kprobes.process.fast.reader import RecordSite, RingReader
 from kprobes.process.fast.tee import ModuleInfo, SiteInfo
 from kprobes.process.fetch.evaluate import ArgFetcher, Memory
 from kprobes.process.stacks import STOP_MARKERS

@@ -159,7 +159,9 @@ class TraceRows:
         t, columns = line.template, None
         if t is not None and not keep:  # the same line, for a reader of columns
             columns = ColumnFormat(t.line, t.show, t.stamp)
-        return LineFormat(line.expr, line.setup, line.context, names, write_lines, keep, columns)
+        return LineFormat(
+            line.expr, line.setup, line.context, names, write_lines, keep, columns, not keep
+        )
 
 
 def parse_specs(texts: Sequence[str], *, as_json: bool) -> TracedSpecs:

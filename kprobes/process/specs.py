@@ -28,7 +28,7 @@ from kprobes.core.retprobes import Kretprobe, KretprobeInstance
 from kprobes.errors import InternalError, ProbeRejected, SpecError, TargetError
 from kprobes.model import ArgValue, Event
 from kprobes.process.fast.batch import BatchOutput
-from kprobes.process.fast.reader import FastProbe
+from kprobes.process.fast.probe import FastProbe
 from kprobes.process.fetch.evaluate import ArgFetcher, CommCache, CpuReader, Memory, Symbolizer
 from kprobes.process.fetch.fast import data_resolver, file_resolver
 from kprobes.spec import AddressLocation, FileOffsetLocation, ProbeSpec, SymbolLocation, parse

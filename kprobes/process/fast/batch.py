@@ -118,7 +118,10 @@ class LineFormat:
     ``keep``, if not empty, is a condition over the same values: an event for which it is
     false is left out (a filter). ``write(text, printed, left_out)`` takes a batch's text
     and its counts. ``columns``, if given, is the same line for columns.py, which the
-    decoder takes where every value is a register's word or a constant (and no ``keep``)."""
+    decoder takes where every value is a register's word or a constant (and no ``keep``).
+    ``lines``: each event is one line of text that ends in a newline, and decoding does
+    nothing but make the text (no filter, no count of its own): the reader may then decode
+    a probe's runs together and hand their lines back run by run (interleave.py)."""
 
     expr: str
     setup: str
@@ -127,6 +130,7 @@ class LineFormat:
     write: Callable[[str, int, int], None]
     keep: str = ""
     columns: ColumnFormat | None = None
+    lines: bool = False
 
 
 class BatchOutput(Protocol):

@@ -44,6 +44,7 @@ import struct
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from kprobes.arch.x86_64 import ring_block
@@ -63,16 +64,15 @@ from kprobes.core.retprobes import Kretprobe
 from kprobes.errors import ProbeError
 from kprobes.linux.tsc import TscClock
 from kprobes.model import ArgValue, EntryData, Event, UserStack
-from kprobes.process.fast.batch import BatchOutput, Decoder, plan_decoder
-from kprobes.process.fetch.evaluate import ArgFetcher, Memory
-from kprobes.process.fetch.fast import Resolver, data_resolver, entry_registers, file_resolver
-from kprobes.spec import SymbolLocation, parse
+from kprobes.process.fast.batch import Decoder, plan_decoder
+from kprobes.process.fast.interleave import decode_interleaved
+from kprobes.process.fast.probe import FastProbe
+from kprobes.process.fetch.evaluate import Memory
+from kprobes.process.fetch.fast import entry_registers
 from kprobes.values import dataclass
 
 if TYPE_CHECKING:
     from kprobes.core.table import ProbeSite, ProbeTable
-    from kprobes.spec import ProbeSpec
-    from kprobes.symbols.resolve import SymbolResolver
 
 _U64: Final = struct.Struct("<Q").unpack_from
 BATCH: Final = 16384  # records read by a poll: run(timeout) returns between batches
@@ -80,82 +80,6 @@ CHECK_EVERY: Final = 32  # records delivered between two looks at the clock (``u
 SLICE: Final = 1024  # records copied at a time, then handed over
 ENTRY_DATA_KEPT: Final = 1 << 20  # entry actions' values waiting for their returns, at most
 TEE_SLICE: Final = 1 << 16  # records copied at a time for a tee (4 MiB of one-slot records)
-
-
-@dataclass(slots=True)
-class FastProbe:
-    """What a probe with an asynchronous handler needs on both tiers (kept by
-    ``Recording``, by probe: the core's ``Kprobe`` carries nothing of the process target)."""
-
-    spec: ProbeSpec
-    fetcher: ArgFetcher
-    with_regs: bool
-    memory: Memory  # the live program's, for the trap tier
-    resolvers: Resolver  # the spec's @symbol and file offsets, for the captures
-    pid: int  # the process the events are of
-    group: str = "kprobes"  # the events' names (``Event.group``/``Event.event``)
-    event: str = ""
-    # Prints the events of the probe's records a batch at a time, where the probe is alone
-    # at its site (batch.py); None: every event goes to the handler.
-    batch: BatchOutput | None = None
-    # The user stack of each event, this many frames at most (None: no stack): walked in
-    # the detour on the fast tier (frametables.py), by ``trap_stack`` at a trap.
-    stack_depth: int | None = None
-    trap_stack: Callable[[Any], UserStack] | None = None
-    # Hits counted by stack in the program, no record each (stackcounts.py): each stack's
-    # new hits as one event and their count; at a trap, the handler still gets the event.
-    count_sink: Callable[[Event, int], None] | None = None
-    # A return probe's entry action (``Kretprobe(entry_args=...)``): an entry spec of those
-    # fetch-args, evaluated at the entry (a record of its own on the fast tier).
-    entry: EntryAction | None = None
-
-    def __post_init__(self) -> None:
-        if not self.event:
-            self.event = self.spec.effective_event
-
-
-def equip(
-    kp: Kprobe | Kretprobe,
-    symbols: Callable[[], SymbolResolver],
-    memory: Memory,
-    *,
-    pid: int,
-    event: str = "",
-) -> FastProbe:
-    """Prepare a probe of the API with an ``async_handler``: its ``args`` parsed (a
-    SpecError names the column) and how its fetch-args are evaluated on both tiers. Its
-    events are named ``kprobes/EVENT``: ``event``, else the kernel's default for the place
-    (``p_work_0``)."""
-    where = kp.symbol or f"{kp.addr or 0:#x}"
-    if kp.symbol and kp.offset:
-        where += f"+{kp.offset:#x}"
-    kind = "r" if isinstance(kp, Kretprobe) else "p"
-    spec = parse(" ".join((f"{kind}:kprobes/{event}" if event else kind, where, *kp.args)))
-    resolve_data = data_resolver(symbols)
-    loc = spec.location
-    path = loc.module if isinstance(loc, SymbolLocation) and loc.module else "/proc/self"
-    file_addr = file_resolver(symbols, path)
-    fetcher = ArgFetcher(spec, resolve_data, file_addr)
-    entry = None
-    if isinstance(kp, Kretprobe) and kp.entry_args:
-        at_entry = parse(" ".join(("p", where, *kp.entry_args)))
-        entry = EntryAction(at_entry, ArgFetcher(at_entry, resolve_data, file_addr))
-    return FastProbe(
-        spec, fetcher, kp.with_regs, memory, (resolve_data, file_addr), pid, entry=entry
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class EntryAction:
-    """A return probe's entry action: fetch-args read at each call's entry, handed to its
-    return's event as ``Event.data`` (on the fast tier, a record the entry writes: the
-    return's record names it by its ticket, ``ENTRY_DATA``)."""
-
-    spec: ProbeSpec
-    fetcher: ArgFetcher
-
-    def data(self, regs: Any, memory: Memory) -> EntryData:
-        return EntryData(self.fetcher.fetch(regs, memory))
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +90,10 @@ class Batcher:
     probe: Kprobe | Kretprobe
     decode: Decoder
     write: Callable[[str, int, int], None]  # a batch's text, its events, those left out
+    addr: int  # the site, and its name: what the decoder is given
+    location: str
+    active: tuple[Kprobe, ...]  # the site's probes it was made for
+    lines: bool  # a line an event, decoded with no other effect (``LineFormat.lines``)
 
 
 class RingTee(Protocol):
@@ -400,28 +328,45 @@ class RingReader:
         assert self._clock is not None
         runs = block.runs
         view = memoryview(block.data)
+        batcher_of = self._run_batcher
+        together = decode_interleaved(block, batcher_of, self._clock.segment_of)
         for i, run in enumerate(runs):
             if self._is_late() or self.table.pending_error is not None:
                 self._kept.extend(block.records(runs[i:]))
                 return
-            batcher = None if run.has_regs else self._batcher(run.probe, run.slots)
+            batcher = batcher_of(run)
             if batcher is None:
                 self._kept.extend(block.records((run,)))
                 if not self._deliver_kept():
                     self._kept.extend(block.records(runs[i + 1 :]))
                     return
                 continue
-            first_tsc = _U64(block.data, run.start + sa.REC_TSC)[0]
-            segment = self._clock.segment_of(first_tsc)
-            addr = self.sites[run.probe].site.addr
-            text, printed = batcher.decode(
-                view[run.start : run.end], *segment, addr, self.symbolize(addr)
-            )
+            text = None if together is None else together.take(run)
+            printed = run.count
+            if text is None:
+                first_tsc = _U64(block.data, run.start + sa.REC_TSC)[0]
+                segment = self._clock.segment_of(first_tsc)
+                text, printed = batcher.decode(
+                    view[run.start : run.end], *segment, batcher.addr, batcher.location
+                )
             self.delivered += run.count
             try:
                 batcher.write(text, printed, run.count - printed)
             except Exception as exc:  # raised from run(), as a handler's would be
                 self.table.park(exc)
+
+    def _run_batcher(self, run: ring_block.Run) -> Batcher | None:
+        """``run``'s batch path (``_batcher``), looked up once while its site's probes stay
+        the same."""
+        if run.has_regs:
+            return None
+        key = (run.probe, run.slots)
+        known = self._batchers.get(key)
+        if known is not None:
+            rs = self.sites.get(run.probe)
+            if rs is not None and rs.site.active is known.active:
+                return known
+        return self._batcher(*key)
 
     def _batcher(self, rid: int, slots: int) -> Batcher | None:
         """The batch path of record id ``rid``'s runs of ``slots`` slots, if its site has
@@ -438,6 +383,8 @@ class RingReader:
         if key in self._batchers:
             known = self._batchers[key]
             if known is None or known.probe is active[0]:
+                if known is not None and known.active is not rs.site.active:
+                    self._batchers[key] = known = replace(known, active=rs.site.active)
                 return known
         self._batchers[key] = made = self._make_batcher(rs, active[0], fp, slots)
         return made
@@ -462,7 +409,10 @@ class RingReader:
         decode = plan.compile(
             line, slots, self.threads, self._thread_miss, self._clock.seconds, self.comm
         )
-        return Batcher(kp, decode, line.write)
+        addr = rs.site.addr
+        return Batcher(
+            kp, decode, line.write, addr, self.symbolize(addr), rs.site.active, line.lines
+        )
 
     def _thread_miss(self, thread: int) -> int:
         """A thread pointer not known yet: look at every thread again (``relearn``)."""

@@ -25,11 +25,8 @@ from kprobes.errors import InternalError, TargetError, UnsupportedOption
 from kprobes.process.engine.threads import ThreadState
 from kprobes.process.fast.frametables import FrameTables
 from kprobes.process.fast.lease import Lease
-from kprobes.process.fast.reader import (
-    FastProbe,
-    RingReader,
-    equip,
-)
+from kprobes.process.fast.probe import FastProbe, equip
+from kprobes.process.fast.reader import RingReader
 from kprobes.process.fast.stackcounts import StackTally
 from kprobes.process.fast.trapevents import return_trap_delivery, trap_delivery
 from kprobes.process.fetch.evaluate import CommCache, CpuReader, Memory, Symbolizer

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from kprobes.arch.x86_64.stackwalk import WalkResult
     from kprobes.core.probes import Kprobe
     from kprobes.core.retprobes import Kretprobe
-    from kprobes.process.fast.reader import FastProbe, RecordSite, RingReader
+    from kprobes.process.fast.probe import FastProbe
+    from kprobes.process.fast.reader import RecordSite, RingReader
     from kprobes.process.fast.state import SharedArea
 
 # One area's entries read before: (the area, kept alive so that its id names it alone;

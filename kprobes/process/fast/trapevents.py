@@ -17,7 +17,7 @@ from kprobes.model import ArgValue, EntryData, Event
 if TYPE_CHECKING:
     from kprobes.core.probes import Kprobe
     from kprobes.core.retprobes import Kretprobe, KretprobeInstance, RetHandler
-    from kprobes.process.fast.reader import FastProbe
+    from kprobes.process.fast.probe import FastProbe
     from kprobes.process.fetch.evaluate import CpuReader
 
 
