@@ -72,147 +72,151 @@ def _t16(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY):
  def __init__(self): pass
  return __init__
 
-def _t17(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4):
+def _t17(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2):
+ def __init__(self, _kp_field0_=_kp_default0, _kp_field1_=_kp_default1, _kp_field2_=_kp_default2): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_)
+ return __init__
+
+def _t18(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4):
  def __init__(self, _kp_field0_=_kp_default0, _kp_field1_=_kp_default1, _kp_field2_=_kp_default2, _kp_field3_=_kp_default3, _kp_field4_=_kp_default4): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_); __dataclass_builtins_object__.__setattr__(self,'_kp_field4_',_kp_field4_)
  return __init__
 
-def _t18(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0):
+def _t19(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0):
  def __init__(self, _kp_field0_): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_)
  return __init__
 
-def _t19(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1):
+def _t20(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1):
  def __init__(self, _kp_field0_, _kp_field1_=_kp_default1): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_)
  return __init__
 
-def _t20(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2):
+def _t21(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2):
  def __init__(self, _kp_field0_, _kp_field1_=_kp_default1, _kp_field2_=_kp_default2): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_)
  return __init__
 
-def _t21(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3):
+def _t22(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3):
  def __init__(self, _kp_field0_, _kp_field1_=_kp_default1, _kp_field2_=_kp_default2, _kp_field3_=_kp_default3): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_)
  return __init__
 
-def _t22(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4):
+def _t23(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4):
  def __init__(self, _kp_field0_, _kp_field1_=_kp_default1, _kp_field2_=_kp_default2, _kp_field3_=_kp_default3, _kp_field4_=_kp_default4): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_); __dataclass_builtins_object__.__setattr__(self,'_kp_field4_',_kp_field4_)
  return __init__
 
-def _t23(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6):
+def _t24(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6):
  def __init__(self, _kp_field0_, _kp_field1_=_kp_default1, _kp_field2_=_kp_default2, _kp_field3_=_kp_default3, _kp_field4_=_kp_default4, _kp_field5_=_kp_default5, _kp_field6_=_kp_default6): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_); __dataclass_builtins_object__.__setattr__(self,'_kp_field4_',_kp_field4_); __dataclass_builtins_object__.__setattr__(self,'_kp_field5_',_kp_field5_); __dataclass_builtins_object__.__setattr__(self,'_kp_field6_',_kp_field6_)
  return __init__
 
-def _t24(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1):
+def _t25(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1):
  def __init__(self, _kp_field0_, _kp_field1_): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_)
  return __init__
 
-def _t25(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2):
+def _t26(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_=_kp_default2): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_)
  return __init__
 
-def _t26(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4):
+def _t27(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_=_kp_default2, _kp_field3_=_kp_default3, _kp_field4_=_kp_default4): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_); __dataclass_builtins_object__.__setattr__(self,'_kp_field4_',_kp_field4_)
  return __init__
 
-def _t27(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2):
+def _t28(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_)
  return __init__
 
-def _t28(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3):
+def _t29(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_, _kp_field3_=_kp_default3): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_)
  return __init__
 
-def _t29(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6, _kp_default7, _kp_default8):
+def _t30(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6, _kp_default7, _kp_default8):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_, _kp_field3_=_kp_default3, _kp_field4_=_kp_default4, _kp_field5_=_kp_default5, _kp_field6_=_kp_default6, _kp_field7_=_kp_default7, _kp_field8_=_kp_default8): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_); __dataclass_builtins_object__.__setattr__(self,'_kp_field4_',_kp_field4_); __dataclass_builtins_object__.__setattr__(self,'_kp_field5_',_kp_field5_); __dataclass_builtins_object__.__setattr__(self,'_kp_field6_',_kp_field6_); __dataclass_builtins_object__.__setattr__(self,'_kp_field7_',_kp_field7_); __dataclass_builtins_object__.__setattr__(self,'_kp_field8_',_kp_field8_)
  return __init__
 
-def _t30(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3):
+def _t31(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_, _kp_field3_): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_)
  return __init__
 
-def _t31(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4):
+def _t32(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_, _kp_field3_, _kp_field4_=_kp_default4): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_); __dataclass_builtins_object__.__setattr__(self,'_kp_field4_',_kp_field4_)
  return __init__
 
-def _t32(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5):
+def _t33(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_, _kp_field3_, _kp_field4_=_kp_default4, _kp_field5_=_kp_default5): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_); __dataclass_builtins_object__.__setattr__(self,'_kp_field4_',_kp_field4_); __dataclass_builtins_object__.__setattr__(self,'_kp_field5_',_kp_field5_)
  return __init__
 
-def _t33(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6, _kp_default7, _kp_default8, _kp_default9, _kp_default10, _kp_default11, _kp_default12, _kp_default13):
+def _t34(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6, _kp_default7, _kp_default8, _kp_default9, _kp_default10, _kp_default11, _kp_default12, _kp_default13):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_, _kp_field3_, _kp_field4_=_kp_default4, _kp_field5_=_kp_default5, _kp_field6_=_kp_default6, _kp_field7_=_kp_default7, _kp_field8_=_kp_default8, _kp_field9_=_kp_default9, _kp_field10_=_kp_default10, _kp_field11_=_kp_default11, _kp_field12_=_kp_default12, _kp_field13_=_kp_default13): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_); __dataclass_builtins_object__.__setattr__(self,'_kp_field4_',_kp_field4_); __dataclass_builtins_object__.__setattr__(self,'_kp_field5_',_kp_field5_); __dataclass_builtins_object__.__setattr__(self,'_kp_field6_',_kp_field6_); __dataclass_builtins_object__.__setattr__(self,'_kp_field7_',_kp_field7_); __dataclass_builtins_object__.__setattr__(self,'_kp_field8_',_kp_field8_); __dataclass_builtins_object__.__setattr__(self,'_kp_field9_',_kp_field9_); __dataclass_builtins_object__.__setattr__(self,'_kp_field10_',_kp_field10_); __dataclass_builtins_object__.__setattr__(self,'_kp_field11_',_kp_field11_); __dataclass_builtins_object__.__setattr__(self,'_kp_field12_',_kp_field12_); __dataclass_builtins_object__.__setattr__(self,'_kp_field13_',_kp_field13_)
  return __init__
 
-def _t34(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6, _kp_default7, _kp_default8):
+def _t35(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6, _kp_default7, _kp_default8):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_, _kp_field3_, _kp_field4_=_kp_default4, _kp_field5_=_kp_default5, _kp_field6_=_kp_default6, _kp_field7_=_HAS_DEFAULT_FACTORY, _kp_field8_=_HAS_DEFAULT_FACTORY): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_); __dataclass_builtins_object__.__setattr__(self,'_kp_field4_',_kp_field4_); __dataclass_builtins_object__.__setattr__(self,'_kp_field5_',_kp_field5_); __dataclass_builtins_object__.__setattr__(self,'_kp_field6_',_kp_field6_); __dataclass_builtins_object__.__setattr__(self,'_kp_field7_',_kp_default7() if _kp_field7_ is _HAS_DEFAULT_FACTORY else _kp_field7_); __dataclass_builtins_object__.__setattr__(self,'_kp_field8_',_kp_default8() if _kp_field8_ is _HAS_DEFAULT_FACTORY else _kp_field8_)
  return __init__
 
-def _t35(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4):
+def _t36(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_, _kp_field3_, _kp_field4_): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_); __dataclass_builtins_object__.__setattr__(self,'_kp_field4_',_kp_field4_)
- return __init__
-
-def _t36(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5):
- def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_, _kp_field3_, _kp_field4_, _kp_field5_=_kp_default5): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_); __dataclass_builtins_object__.__setattr__(self,'_kp_field4_',_kp_field4_); __dataclass_builtins_object__.__setattr__(self,'_kp_field5_',_kp_field5_)
  return __init__
 
 def _t37(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_, _kp_field3_, _kp_field4_, _kp_field5_=_kp_default5, _kp_field6_=_kp_default6): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_); __dataclass_builtins_object__.__setattr__(self,'_kp_field4_',_kp_field4_); __dataclass_builtins_object__.__setattr__(self,'_kp_field5_',_kp_field5_); __dataclass_builtins_object__.__setattr__(self,'_kp_field6_',_kp_field6_)
  return __init__
 
-def _t38(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5):
+def _t38(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6, _kp_default7):
+ def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_, _kp_field3_, _kp_field4_, _kp_field5_=_kp_default5, _kp_field6_=_kp_default6, _kp_field7_=_kp_default7): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_); __dataclass_builtins_object__.__setattr__(self,'_kp_field4_',_kp_field4_); __dataclass_builtins_object__.__setattr__(self,'_kp_field5_',_kp_field5_); __dataclass_builtins_object__.__setattr__(self,'_kp_field6_',_kp_field6_); __dataclass_builtins_object__.__setattr__(self,'_kp_field7_',_kp_field7_)
+ return __init__
+
+def _t39(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_, _kp_field3_, _kp_field4_, _kp_field5_): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_); __dataclass_builtins_object__.__setattr__(self,'_kp_field4_',_kp_field4_); __dataclass_builtins_object__.__setattr__(self,'_kp_field5_',_kp_field5_)
  return __init__
 
-def _t39(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6):
+def _t40(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_, _kp_field3_, _kp_field4_, _kp_field5_, _kp_field6_=_kp_default6): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_); __dataclass_builtins_object__.__setattr__(self,'_kp_field4_',_kp_field4_); __dataclass_builtins_object__.__setattr__(self,'_kp_field5_',_kp_field5_); __dataclass_builtins_object__.__setattr__(self,'_kp_field6_',_kp_field6_)
  return __init__
 
-def _t40(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6, _kp_default7):
+def _t41(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6, _kp_default7):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_, _kp_field3_, _kp_field4_, _kp_field5_, _kp_field6_=_kp_default6, _kp_field7_=_kp_default7): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_); __dataclass_builtins_object__.__setattr__(self,'_kp_field4_',_kp_field4_); __dataclass_builtins_object__.__setattr__(self,'_kp_field5_',_kp_field5_); __dataclass_builtins_object__.__setattr__(self,'_kp_field6_',_kp_field6_); __dataclass_builtins_object__.__setattr__(self,'_kp_field7_',_kp_field7_)
  return __init__
 
-def _t41(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6):
+def _t42(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_, _kp_field3_, _kp_field4_, _kp_field5_, _kp_field6_): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_); __dataclass_builtins_object__.__setattr__(self,'_kp_field4_',_kp_field4_); __dataclass_builtins_object__.__setattr__(self,'_kp_field5_',_kp_field5_); __dataclass_builtins_object__.__setattr__(self,'_kp_field6_',_kp_field6_)
  return __init__
 
-def _t42(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6, _kp_default7):
+def _t43(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6, _kp_default7):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_, _kp_field3_, _kp_field4_, _kp_field5_, _kp_field6_, _kp_field7_=_kp_default7): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_); __dataclass_builtins_object__.__setattr__(self,'_kp_field4_',_kp_field4_); __dataclass_builtins_object__.__setattr__(self,'_kp_field5_',_kp_field5_); __dataclass_builtins_object__.__setattr__(self,'_kp_field6_',_kp_field6_); __dataclass_builtins_object__.__setattr__(self,'_kp_field7_',_kp_field7_)
  return __init__
 
-def _t43(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6, _kp_default7, _kp_default8):
+def _t44(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6, _kp_default7, _kp_default8):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_, _kp_field3_, _kp_field4_, _kp_field5_, _kp_field6_, _kp_field7_=_kp_default7, _kp_field8_=_kp_default8): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_); __dataclass_builtins_object__.__setattr__(self,'_kp_field4_',_kp_field4_); __dataclass_builtins_object__.__setattr__(self,'_kp_field5_',_kp_field5_); __dataclass_builtins_object__.__setattr__(self,'_kp_field6_',_kp_field6_); __dataclass_builtins_object__.__setattr__(self,'_kp_field7_',_kp_field7_); __dataclass_builtins_object__.__setattr__(self,'_kp_field8_',_kp_field8_)
  return __init__
 
-def _t44(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6, _kp_default7, _kp_default8, _kp_default9, _kp_default10):
+def _t45(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6, _kp_default7, _kp_default8, _kp_default9, _kp_default10):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_, _kp_field3_, _kp_field4_, _kp_field5_, _kp_field6_, _kp_field7_=_kp_default7, _kp_field8_=_kp_default8, _kp_field9_=_kp_default9, _kp_field10_=_kp_default10): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_); __dataclass_builtins_object__.__setattr__(self,'_kp_field4_',_kp_field4_); __dataclass_builtins_object__.__setattr__(self,'_kp_field5_',_kp_field5_); __dataclass_builtins_object__.__setattr__(self,'_kp_field6_',_kp_field6_); __dataclass_builtins_object__.__setattr__(self,'_kp_field7_',_kp_field7_); __dataclass_builtins_object__.__setattr__(self,'_kp_field8_',_kp_field8_); __dataclass_builtins_object__.__setattr__(self,'_kp_field9_',_kp_field9_); __dataclass_builtins_object__.__setattr__(self,'_kp_field10_',_kp_field10_)
  return __init__
 
-def _t45(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0):
+def _t46(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0):
  def __init__(self, _kp_field0_): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); self.__post_init__()
  return __init__
 
-def _t46(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2):
+def _t47(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_=_kp_default2): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); self.__post_init__()
  return __init__
 
-def _t47(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3):
+def _t48(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_=_kp_default2, _kp_field3_=_kp_default3): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_); self.__post_init__()
  return __init__
 
-def _t48(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6, _kp_default7, _kp_default8, _kp_default9):
+def _t49(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6, _kp_default7, _kp_default8, _kp_default9):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_=_kp_default2, _kp_field3_=_kp_default3, _kp_field4_=_HAS_DEFAULT_FACTORY, _kp_field5_=_kp_default5, _kp_field6_=_kp_default6, _kp_field7_=_kp_default7, _kp_field8_=_kp_default8, _kp_field9_=_kp_default9): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_); __dataclass_builtins_object__.__setattr__(self,'_kp_field4_',_kp_default4() if _kp_field4_ is _HAS_DEFAULT_FACTORY else _kp_field4_); __dataclass_builtins_object__.__setattr__(self,'_kp_field5_',_kp_field5_); __dataclass_builtins_object__.__setattr__(self,'_kp_field6_',_kp_field6_); __dataclass_builtins_object__.__setattr__(self,'_kp_field7_',_kp_field7_); __dataclass_builtins_object__.__setattr__(self,'_kp_field8_',_kp_field8_); __dataclass_builtins_object__.__setattr__(self,'_kp_field9_',_kp_field9_); self.__post_init__()
  return __init__
 
-def _t49(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2):
+def _t50(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); self.__post_init__()
  return __init__
 
-def _t50(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3):
+def _t51(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_, _kp_field3_): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_); self.__post_init__()
  return __init__
 
-def _t51(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4):
+def _t52(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_, _kp_field3_, _kp_field4_): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_); __dataclass_builtins_object__.__setattr__(self,'_kp_field4_',_kp_field4_); self.__post_init__()
  return __init__
 
-def _t52(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6, _kp_default7, _kp_default8, _kp_default9, _kp_default10, _kp_default11, _kp_default12, _kp_default13, _kp_default14):
+def _t53(__dataclass_builtins_object__, _HAS_DEFAULT_FACTORY, _kp_default0, _kp_default1, _kp_default2, _kp_default3, _kp_default4, _kp_default5, _kp_default6, _kp_default7, _kp_default8, _kp_default9, _kp_default10, _kp_default11, _kp_default12, _kp_default13, _kp_default14):
  def __init__(self, _kp_field0_, _kp_field1_, _kp_field2_, _kp_field3_, _kp_field4_, _kp_field5_, _kp_field6_=_kp_default6, _kp_field7_=_kp_default7, _kp_field8_=_kp_default8, _kp_field9_=_kp_default9, _kp_field10_=_kp_default10, _kp_field11_=_kp_default11, _kp_field12_=_kp_default12, _kp_field13_=_kp_default13, _kp_field14_=_kp_default14): __dataclass_builtins_object__.__setattr__(self,'_kp_field0_',_kp_field0_); __dataclass_builtins_object__.__setattr__(self,'_kp_field1_',_kp_field1_); __dataclass_builtins_object__.__setattr__(self,'_kp_field2_',_kp_field2_); __dataclass_builtins_object__.__setattr__(self,'_kp_field3_',_kp_field3_); __dataclass_builtins_object__.__setattr__(self,'_kp_field4_',_kp_field4_); __dataclass_builtins_object__.__setattr__(self,'_kp_field5_',_kp_field5_); __dataclass_builtins_object__.__setattr__(self,'_kp_field6_',_kp_field6_); __dataclass_builtins_object__.__setattr__(self,'_kp_field7_',_kp_field7_); __dataclass_builtins_object__.__setattr__(self,'_kp_field8_',_kp_field8_); __dataclass_builtins_object__.__setattr__(self,'_kp_field9_',_kp_field9_); __dataclass_builtins_object__.__setattr__(self,'_kp_field10_',_kp_field10_); __dataclass_builtins_object__.__setattr__(self,'_kp_field11_',_kp_field11_); __dataclass_builtins_object__.__setattr__(self,'_kp_field12_',_kp_field12_); __dataclass_builtins_object__.__setattr__(self,'_kp_field13_',_kp_field13_); __dataclass_builtins_object__.__setattr__(self,'_kp_field14_',_kp_field14_); self.__post_init__()
  return __init__
 
@@ -235,40 +239,41 @@ TEMPLATES: dict[tuple[bool, bool, str], object] = {
     (False, False, 'ppppfdd'): _t14,
     (False, True, 'ppppppddddddd'): _t15,
     (True, False, ''): _t16,
-    (True, False, 'ddddd'): _t17,
-    (True, False, 'p'): _t18,
-    (True, False, 'pd'): _t19,
-    (True, False, 'pdd'): _t20,
-    (True, False, 'pddd'): _t21,
-    (True, False, 'pdddd'): _t22,
-    (True, False, 'pdddddd'): _t23,
-    (True, False, 'pp'): _t24,
-    (True, False, 'ppd'): _t25,
-    (True, False, 'ppddd'): _t26,
-    (True, False, 'ppp'): _t27,
-    (True, False, 'pppd'): _t28,
-    (True, False, 'pppdddddd'): _t29,
-    (True, False, 'pppp'): _t30,
-    (True, False, 'ppppd'): _t31,
-    (True, False, 'ppppdd'): _t32,
-    (True, False, 'ppppdddddddddd'): _t33,
-    (True, False, 'ppppdddff'): _t34,
-    (True, False, 'ppppp'): _t35,
-    (True, False, 'pppppd'): _t36,
+    (True, False, 'ddd'): _t17,
+    (True, False, 'ddddd'): _t18,
+    (True, False, 'p'): _t19,
+    (True, False, 'pd'): _t20,
+    (True, False, 'pdd'): _t21,
+    (True, False, 'pddd'): _t22,
+    (True, False, 'pdddd'): _t23,
+    (True, False, 'pdddddd'): _t24,
+    (True, False, 'pp'): _t25,
+    (True, False, 'ppd'): _t26,
+    (True, False, 'ppddd'): _t27,
+    (True, False, 'ppp'): _t28,
+    (True, False, 'pppd'): _t29,
+    (True, False, 'pppdddddd'): _t30,
+    (True, False, 'pppp'): _t31,
+    (True, False, 'ppppd'): _t32,
+    (True, False, 'ppppdd'): _t33,
+    (True, False, 'ppppdddddddddd'): _t34,
+    (True, False, 'ppppdddff'): _t35,
+    (True, False, 'ppppp'): _t36,
     (True, False, 'pppppdd'): _t37,
-    (True, False, 'pppppp'): _t38,
-    (True, False, 'ppppppd'): _t39,
-    (True, False, 'ppppppdd'): _t40,
-    (True, False, 'ppppppp'): _t41,
-    (True, False, 'pppppppd'): _t42,
-    (True, False, 'pppppppdd'): _t43,
-    (True, False, 'pppppppdddd'): _t44,
-    (True, True, 'p'): _t45,
-    (True, True, 'ppd'): _t46,
-    (True, True, 'ppdd'): _t47,
-    (True, True, 'ppddfddddd'): _t48,
-    (True, True, 'ppp'): _t49,
-    (True, True, 'pppp'): _t50,
-    (True, True, 'ppppp'): _t51,
-    (True, True, 'ppppppddddddddd'): _t52,
+    (True, False, 'pppppddd'): _t38,
+    (True, False, 'pppppp'): _t39,
+    (True, False, 'ppppppd'): _t40,
+    (True, False, 'ppppppdd'): _t41,
+    (True, False, 'ppppppp'): _t42,
+    (True, False, 'pppppppd'): _t43,
+    (True, False, 'pppppppdd'): _t44,
+    (True, False, 'pppppppdddd'): _t45,
+    (True, True, 'p'): _t46,
+    (True, True, 'ppd'): _t47,
+    (True, True, 'ppdd'): _t48,
+    (True, True, 'ppddfddddd'): _t49,
+    (True, True, 'ppp'): _t50,
+    (True, True, 'pppp'): _t51,
+    (True, True, 'ppppp'): _t52,
+    (True, True, 'ppppppddddddddd'): _t53,
 }
