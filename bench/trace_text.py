@@ -126,7 +126,7 @@ class TextParser:
                     for n, t, convert in zip(names, types, converters, strict=True)
                 )
                 fields = (group, name, pid, tid, comm, int(cpu), float(ts), ip, location, args)
-                append(new(Event, (*fields, False, "", 0, 0.0, None, None)))
+                append(new(Event, (*fields, False, "", 0, 0.0, None, None, None)))
         finally:
             if collecting:
                 gc.enable()

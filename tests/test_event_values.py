@@ -80,7 +80,8 @@ def test_repr_names_every_field() -> None:
     assert text.startswith("Event(group='kprobes', event='open', pid=10, tid=11, comm='cat'")
     assert "EventArg(name='dfd', type='s32', value=-100)" in text
     assert text.endswith(
-        "is_return=False, func='', func_ip=0, entry_timestamp=0.0, regs=None, stack=None)"
+        "is_return=False, func='', func_ip=0, entry_timestamp=0.0, regs=None, stack=None, "
+        "data=None)"
     )
 
 
