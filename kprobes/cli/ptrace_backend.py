@@ -385,8 +385,8 @@ class PtraceBackend(Backend):
 
     def left_behind(self) -> list[str]:
         return [
-            f"{len(proc.kept)} mapping(s) of ours stay in process {proc.pid}, given back by "
-            f"the next clean end: a thread may still return into them ({'; '.join(proc.kept)})"
+            f"mapping(s) of ours stay in process {proc.pid} ({'; '.join(proc.kept)}); a page "
+            "a thread may still return into is given back by the next clean end"
             for proc in self._procs()
             if proc.kept
         ]

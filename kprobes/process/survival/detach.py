@@ -81,6 +81,7 @@ def detach_all(tracer: Tracer, jumps: JumpState) -> list[str]:
         last: Thread | None = None
         _free_one(tracer)  # Step 4a
         unmapping = Unmapping(tracer, jumps)
+        had_threads = bool(tracer.threads)
         inside = False  # a thread was let go in detour code that may still fault on a fetch
         while tracer.threads:
             for thread in list(tracer.threads.values()):
@@ -106,6 +107,18 @@ def detach_all(tracer: Tracer, jumps: JumpState) -> list[str]:
                 _let_go(last, 0)
                 tracer.drop_thread(last)
         why_kept = unmapping.why_kept
+        main = tracer.main
+        if (  # said, never silent (stress_commands.py)
+            last is None
+            and had_threads
+            and unmapping.pages
+            and main is not None
+            and os.path.exists(f"/proc/{main.pid}")
+        ):
+            why_kept.append(
+                "every page of ours: no thread could be lent to unmap them (each had a "
+                "stop of its own pending)"
+            )
     finally:
         for tracee in list(tracer.tracees.values()):
             tracer.drop_tracee(tracee)
