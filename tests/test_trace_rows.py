@@ -244,16 +244,27 @@ def count_columns(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return counts
 
 
-@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
-def test_columns_print_the_bytes_the_handlers_print(
-    target: Path, as_json: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def traced_as_columns(
+    monkeypatch: pytest.MonkeyPatch, as_json: bool, command: str, spec: str
+) -> tuple[str, list[str], list[int]]:
+    """``trace`` of ``spec`` on ``command``, each block also handed to the per-event path:
+    (the trace's output, the per-event lines, records read as columns and not)."""
     per_event: list[str] = []
     fmt = format_json if as_json else format_event
     tee_blocks(monkeypatch, lambda _kp, ev: per_event.append(fmt(ev) + "\n"))
     counts = count_columns(monkeypatch)
     json_flag = ["--json"] if as_json else []
-    out, _ = kprobes("trace", *json_flag, "-c", f"{target} 20000", PLAIN_SPECS[as_json])
+    out, _ = kprobes("trace", *json_flag, "-c", command, spec)
+    return out, per_event, counts
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_columns_print_the_bytes_the_handlers_print(
+    target: Path, as_json: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out, per_event, counts = traced_as_columns(
+        monkeypatch, as_json, f"{target} 20000", PLAIN_SPECS[as_json]
+    )
     assert len(per_event) == 20000 and out == "".join(per_event)
     assert counts[0] >= 10000  # most of the hot loop's records were read as columns
 
@@ -264,13 +275,10 @@ def test_columns_of_threads_print_the_bytes_the_handlers_print(
 ) -> None:
     """Four threads' records interleave in the ring: each thread's run is its own piece
     (its tid and CPU in its lines), short runs go to the per-event decoder."""
-    per_event: list[str] = []
-    fmt = format_json if as_json else format_event
-    tee_blocks(monkeypatch, lambda _kp, ev: per_event.append(fmt(ev) + "\n"))
-    counts = count_columns(monkeypatch)
-    json_flag = ["--json"] if as_json else []
     spec = "p hammer t=%di i=%si:u32"
-    out, _ = kprobes("trace", *json_flag, "-c", f"{build('threads')} 4 20000", spec)
+    out, per_event, counts = traced_as_columns(
+        monkeypatch, as_json, f"{build('threads')} 4 20000", spec
+    )
     assert len(per_event) == 80000 and out == "".join(per_event)
     assert counts[0] > 0
     lines = out.splitlines()
@@ -282,13 +290,10 @@ def test_columns_of_returns_print_the_bytes_the_handlers_print(
     build: Any, as_json: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Records of returns: each event's caller is read as a column too."""
-    per_event: list[str] = []
-    fmt = format_json if as_json else format_event
-    tee_blocks(monkeypatch, lambda _kp, ev: per_event.append(fmt(ev) + "\n"))
-    counts = count_columns(monkeypatch)
-    json_flag = ["--json"] if as_json else []
     spec = r"r rec a=$retval:s64 b=$retval:u32 c=%ax d=$retval:s8 h=%bx:x16 k=\7 m=$arg1:s16 w=%ip"
-    out, _ = kprobes("trace", *json_flag, "-c", f"{build('rets')} rec 3000", spec)
+    out, per_event, counts = traced_as_columns(
+        monkeypatch, as_json, f"{build('rets')} rec 3000", spec
+    )
     assert out == "".join(per_event) and len(per_event) >= 3000
     assert counts[0] > 0
 
