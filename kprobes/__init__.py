@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from kprobes.arch.x86_64.regs import Regs
     from kprobes.core.probes import TRAP_HANDLER_EXCEPTION, Kprobe, ProbeFlags
     from kprobes.core.retprobes import Jprobe, Kretprobe, KretprobeInstance, Task
-    from kprobes.model import BlacklistEntry, Event, EventArg, ProbeListing
+    from kprobes.model import BlacklistEntry, EntryData, Event, EventArg, ProbeListing
     from kprobes.process.following.pending import ProbeNotice
     from kprobes.process.launch import attach, spawn
     from kprobes.process.target import Process
@@ -53,6 +53,7 @@ _WHERE = {
     "KretprobeInstance": "kprobes.core.retprobes",
     "Task": "kprobes.core.retprobes",
     "BlacklistEntry": "kprobes.model",
+    "EntryData": "kprobes.model",
     "Event": "kprobes.model",
     "Hit": "kprobes.model",  # what an async_handler receives: Event, by its old name
     "EventArg": "kprobes.model",
@@ -85,6 +86,7 @@ __version__ = "0.1.0"
 __all__ = [
     "TRAP_HANDLER_EXCEPTION",
     "BlacklistEntry",
+    "EntryData",
     "Event",
     "EventArg",
     "Hit",
