@@ -154,6 +154,15 @@ def test_forked_child_returns_through_its_own_copy_of_the_shadow_stack(spawn, re
     assert rp.kp.nhit == 1 and rp.nhit == 2 and rp.nabandoned == 0
 
 
+def test_maxactive_after_forks_keeps_hooking(spawn, rets, tmp_path):
+    """forker(1) forks inside, and both processes return through the hooked frame: each
+    gives the instance back (the counters are shared), so the count goes below zero. The
+    next calls must still be hooked (an unsigned compare refused every one after)."""
+    (rp,) = probed_run(spawn, tmp_path, [rets, "forks", 3], "forker", maxactive=1)
+    assert rp.kp.nhit == 3 and rp.nmissed == 0
+    assert rp.nhit == 6  # each call returns twice: in the parent and in its child
+
+
 def test_cxx_exceptions_through_optimized_return_probes(spawn, build, tmp_path):
     prog = build("rets_cxx")
     n = 8

@@ -203,3 +203,20 @@ def test_an_entry_record_and_the_hook_share_one_detour() -> None:
     commit = next(i for i, t in enumerate(instrs) if t.startswith("lock cmpxchg"))
     hook = instrs.index(f"mov rax,{TRAMP:X}h")
     assert commit < hook
+
+
+def test_an_instance_is_taken_by_a_signed_compare() -> None:
+    """A fork child gives back the instances of the frames it inherited, as its parent
+    does: the shared count may go below zero, which must admit calls, not refuse them all
+    (an unsigned compare would)."""
+    code = bytes.fromhex("554889e54883ec10c9c3")
+    region = find_region(code, 0x40_1000, 0x40_1000, len(code))
+    assert not isinstance(region, str)
+    site = rs.ReturnSite(SHADOW, TRAMP, TRAMP, 0x10000, 0, COUNTERS, maxactive=3)
+    detour = build_detour(0x40_0000, region, rs.RetEntryAction(site))  # type: ignore[arg-type]
+    instrs = listing(detour.code, 0x40_0000)
+    body = text(instrs)
+    at = body.index(f"lock xadd [r11+{rs.C_LIVE:X}h],rax")
+    assert body[at + 1] == "cmp rax,3"
+    assert body[at + 2].startswith("jl ")  # not jb
+

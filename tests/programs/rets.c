@@ -18,6 +18,8 @@
  *                      "three" (i % 4); prints the total length of the names
  *   rets mix N         mix(i, -i, 2i, i^5, 7, 1000 - i) for i < N: six arguments, each in its
  *                      register; prints the sum of the results
+ *   rets forks N       forker(1) N times, each child _exits(7) once back from it; prints
+ *                      how many children exited so
  *   rets reqs T N      T threads, each calls handle(&req) N times, req = {id: t * 1000000 + i,
  *                      len: i % 977, name: "t<t>-<i>"}; handle changes len and name and
  *                      returns id + the len it was given; prints the sum of the results
@@ -265,6 +267,15 @@ int main(int argc, char **argv)
 	} else if (!strcmp(mode, "reqs")) {
 		long calls = argc > 3 ? atol(argv[3]) : 10;
 		printf("reqs total=%ld\n", run_threads(n, calls, 0, requester));
+	} else if (!strcmp(mode, "forks")) {
+		long back = 0;
+		for (long i = 0; i < n; i++) {
+			long r = forker(1);
+			if (r == 100)
+				_exit(7); /* the child, back from forker */
+			back += r;
+		}
+		printf("forks children=%ld\n", back / 7);
 	} else if (!strcmp(mode, "fork")) {
 		long r = forker(1);
 		if (r == 100) {

@@ -279,11 +279,14 @@ def emit_newest_vs_slot(block: Block, empty: str) -> None:
 
 def _emit_take_instance(block: Block, maxactive: int, none_left: str) -> None:
     """One more of the probe's calls in flight (its counters at r11), or a jump to
-    ``none_left`` if ``maxactive`` are. Clobbers rax."""
+    ``none_left`` if ``maxactive`` are. The compare is signed: a fork child returns
+    through its copies of the hooked frames, and both processes give back each of those
+    instances (the counters are shared), so the count may go below zero; it then admits
+    a few calls too many, never none again. Clobbers rax."""
     block.add(Instruction.create_reg_u32(Code.MOV_R32_IMM32, Register.EAX, 1))
     block.add(Instruction.create_mem_reg(Code.XADD_RM64_R64, at(R11, C_LIVE), RAX), lock=True)
     block.add(Instruction.create_reg_i32(Code.CMP_RM64_IMM32, RAX, maxactive))
-    block.branch(Code.JB_REL32_64, "instance")
+    block.branch(Code.JL_REL32_64, "instance")
     block.add(Instruction.create_mem(Code.DEC_RM64, at(R11, C_LIVE)), lock=True)
     block.branch(Code.JMP_REL32_64, none_left)
     block.label("instance")
