@@ -5,6 +5,7 @@ import kprobes
 EXPECTED = {
     "TRAP_HANDLER_EXCEPTION",
     "BlacklistEntry",
+    "EntryData",
     "Event",
     "Hit",
     "EventArg",
