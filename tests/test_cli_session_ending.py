@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 
 import pytest
@@ -101,3 +103,86 @@ def test_a_signal_handled_at_the_first_call_of_the_ending_is_only_noted(
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
     assert backend.steps == ["stop", "close"]
     assert session.ended_by == signum.name
+
+
+# -- a signal just after the tracer resumed a thread --------------------------------------------
+
+# The tool, with a trace hook that sends it ``SIGTERM`` at the ``HIT``-th line where the
+# tracer marks a thread running after resuming it from a hit: the instant the stress runs met
+# once in ~100 rounds. There the thread is in no ptrace stop (/proc says running), but the
+# tracer's books still say stopped.
+AFTER_RESUME = r"""
+import inspect, os, signal, sys
+from kprobes.cli.main import main
+from kprobes.process.engine.tracer import Tracer
+
+HIT = int(os.environ["KPT_HIT"])
+lines = {}
+for fn in (Tracer._hit, Tracer._after_handler):
+    src, first = inspect.getsourcelines(fn)
+    lines[fn.__code__] = {first + i for i, s in enumerate(src) if s.strip() == "t.state = _RUNNING"}
+assert all(lines.values()), lines
+seen = 0
+
+def local(frame, event, arg):
+    global seen
+    if event == "line" and frame.f_lineno in lines[frame.f_code]:
+        seen += 1
+        if seen == HIT:
+            print("signal sent", file=sys.stderr, flush=True)
+            signal.raise_signal(signal.SIGTERM)  # its handler runs here, at once
+    return local
+
+if os.environ.get("KPT_UNGUARDED"):  # the signal raised there: the books mended later
+    from kprobes.process.target import Process
+    Process.is_mid_stop = property(lambda self: False)
+sys.settrace(lambda frame, event, arg: local if frame.f_code in lines else None)
+sys.argv[0] = "kprobes"
+sys.exit(main())
+"""
+
+
+def our_mappings(pid: int) -> list[str]:
+    """Executable anonymous mappings and the shared areas: what of ours a program can hold."""
+    found = []
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        name = fields[5] if len(fields) > 5 else ""
+        if "kprobes" in name or ("x" in fields[1] and not name):
+            found.append(line)
+    return found
+
+
+@pytest.mark.ptrace
+@pytest.mark.parametrize("guard", ["deferred", "raised"])
+def test_a_signal_just_after_a_thread_was_resumed_loses_no_thread(build, popen, tmp_path, guard):
+    """Before, the signal's ``KeyboardInterrupt`` came between the resume and the books: the
+    next stop of the world could not resume the thread (ESRCH), dropped it, and the detach
+    had no thread to unmap our pages with (they stayed, said nowhere). Now the signal waits
+    for the tracer's wait (``Process.is_mid_stop``); and raised there anyway ("raised": as
+    after half a second, sigint.py's GIVE_UP), the thread that ESRCH says runs is marked
+    running, not dropped (world.py)."""
+    prog = popen([build("ticker"), 1_000_000, 2000], stdout=subprocess.PIPE)
+    assert prog.stdout is not None
+    prog.stdout.readline()  # it runs
+    assert our_mappings(prog.pid) == []
+    err = tmp_path / "err"
+    env = dict(os.environ, KPT_HIT="20", KPT_UNGUARDED="1" if guard == "raised" else "")
+    with err.open("wb") as e:
+        tool = popen(
+            [sys.executable, "-c", AFTER_RESUME, "count", "-p", prog.pid, "work", "--no-optimize"],
+            stdout=subprocess.PIPE,
+            stderr=e,
+            env=env,
+        )
+    out, _ = tool.communicate(timeout=120)
+    assert b"work" in out, out
+    stderr = err.read_text()
+    assert "signal sent" in stderr, stderr
+    assert tool.returncode == 0, stderr
+    assert " hits" in stderr and "stay in process" not in stderr, stderr
+    assert "TracerPid:\t0" in Path(f"/proc/{prog.pid}/status").read_text()
+    assert our_mappings(prog.pid) == [], stderr
+    for _ in range(3):  # it goes on, right
+        i, v = (int(x) for x in prog.stdout.readline().split()[1:])
+        assert v == i * i + 1

@@ -59,12 +59,14 @@ def test_detach_inside_the_programs_own_sigtrap_handler(popen, attach, owntraps)
     place of the rescue's); each ends on a trap the kernel forces on the blocked signal,
     resetting the action to SIG_DFL: the program then died of its next own int3 (rc 133).
     """
-    p = popen([owntraps, 40, 10], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    p = popen([owntraps, 40, 10, 1], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert p.stdout is not None and p.stdin is not None
     assert p.stdout.readline() == b"ready\n"
     proc = attach(p.pid)
     work = kprobes.Kprobe(symbol="work")
     proc.register_kprobe(work)
+    p.stdin.write(b"g")  # the loop starts once the probe is there (the first attach in a
+    p.stdin.flush()  # process imports the engine: 10 turns of the loop took less)
     assert _run_until_line(proc, p.stdout, 60) == b"held\n"
     assert 1 <= work.nhit <= 10  # work(9) ran last; the 10th int3's handler waits
     proc.detach()

@@ -456,7 +456,8 @@ class PtraceBackend(Backend):
     def is_mid_hit(self) -> bool:
         """A stop being handled, or a record of the rings (an exception would lose it)."""
         return any(
-            proc.records.is_reading_records or is_in_trace_stop(proc.pid) for proc in self._procs()
+            proc.records.is_reading_records or proc.is_mid_stop or is_in_trace_stop(proc.pid)
+            for proc in self._procs()
         )
 
     def close(self) -> None:

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     set_params(module, args.params)
     proc = open_target(args, follow_forks=args.follow_forks)
     exit_fn = getattr(module, "exit", None)
-    interrupt = SafeInterrupt(proc.end_run, lambda: is_in_trace_stop(proc.pid))
+    interrupt = SafeInterrupt(proc.end_run, lambda: proc.is_mid_stop or is_in_trace_stop(proc.pid))
     try:
         with interrupt.installed():
             module.init(proc)

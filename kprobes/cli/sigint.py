@@ -18,9 +18,12 @@ middle of an instruction). So while probes are live, SIGINT (``SafeInterrupt``):
   ``RunInterrupted`` out of ``run()`` once it has finished the stop it is handling, or the
   next one, never in the middle of one;
 * and raises ``KeyboardInterrupt`` itself only when no thread of the program is in a ptrace
-  stop (no stop to finish: the tracer is waiting in ``waitpid``, which an exception
-  interrupts without loss, or is between two stops), looked at again every few milliseconds
-  by a timer, and after half a second anyway (a thread may stay stopped for good).
+  stop and the tracer is waiting (``Process.is_mid_stop`` is false: it is in ``waitpid``,
+  which an exception interrupts without loss, or outside ``run()``), looked at again every
+  few milliseconds by a timer, and after half a second anyway (a thread may stay stopped
+  for good). /proc alone is not enough: a thread just resumed is in no stop, and an
+  exception before the tracer marks it running left it marked stopped, then dropped by the
+  next stop of the world (the detach lent no thread, and our pages stayed, said nowhere).
 
 SIGTERM and SIGHUP (``timeout 3 kprobes ...``, a closed terminal) end a run exactly as SIGINT
 does, with the summary and the table: their default action would kill the tool with its

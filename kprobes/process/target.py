@@ -130,8 +130,7 @@ class Process:
 
     @property
     def threads(self) -> list[int]:
-        main = self._tracer.main
-        return sorted(main.threads) if main else []
+        return sorted(self._tracer.main.threads) if self._tracer.main else []
 
     def run(self, timeout: float | None = None) -> bool:
         """Dispatch hits until the program exits (True) or ``timeout`` seconds pass (False)."""
@@ -139,6 +138,7 @@ class Process:
             raise TargetError(f"process {self.pid} is detached")
         self._state_file.flush()
         is_root = self.family.root is self  # members that exited have left the family
+        self._tracer.is_dispatching = True
         try:
             done = self._tracer.run(timeout)
             exc = None
@@ -147,14 +147,20 @@ class Process:
                 exc = exc or proc._manager.table.take_error()  # an asynchronous handler's
             if exc is not None:
                 raise exc
+            if not done:
+                self._optimizer.retry_optimizing()
         finally:
             for proc in [self, *(self.members if is_root else ())]:
                 proc._optimizer.collect_counts()
-        if not done:
-            self._optimizer.retry_optimizing()
+            self._tracer.is_dispatching = False
         if done:
             self._finish()
         return done
+
+    @property
+    def is_mid_stop(self) -> bool:
+        """In ``run()`` and not in its wait: an exception now could lose a stop (sigint.py)."""
+        return self._tracer.is_dispatching
 
     def end_run(self, exc: BaseException) -> None:
         """Make ``run()`` raise ``exc`` once it has finished the stop it handles: a way out
@@ -399,12 +405,8 @@ class Process:
     def list(self) -> builtins.list[ProbeListing]:
         """Appendix A's list: every probe placed here, then the pending ones (listing.py)."""
         self._optimizer.collect_counts()
-        return listing.list_probes(
-            self._manager.table,
-            self.iter_pending(),
-            self._optimizer.plan_of,
-            self._manager.requested_addr,
-        )
+        m, plan_of = self._manager, self._optimizer.plan_of
+        return listing.list_probes(m.table, self.iter_pending(), plan_of, m.requested_addr)
 
     def blacklist(self) -> builtins.list[BlacklistEntry]:
         """What may not be probed: our own pages, and what ``add_blacklist`` added."""
@@ -423,8 +425,7 @@ class Process:
         return self._program.symbols().function_names(pattern)
 
     def iter_probes(self) -> Iterator[Kprobe]:
-        """Every probe registered here, placed or pending (a return probe's entry probe for
-        it), not those kprobes placed for itself."""
+        """Every probe registered here, placed or pending, not those kprobes placed itself."""
         return (p for p in self._manager.iter_probes() if not listing.is_ours(p))
 
     # -- the parts' own knobs, handed on ---------------------------------------------------
@@ -472,8 +473,6 @@ class Process:
     def backtrace(self, regs: Any, max_frames: int = 64) -> builtins.list[tuple[int, str]]:
         """The call stack of the thread whose registers are ``regs`` (stacks.py)."""
         return self.stacks.backtrace(regs, max_frames)
-
-    # Record probes' rings and their reader (fast/recording.py says what each one means).
 
     @property
     def dropped(self) -> int:
@@ -544,8 +543,7 @@ class Process:
         return True
 
     def _member_gone(self) -> None:
-        """A member's probes are gone: it exec'd again (published anew), or it exited
-        (finished: nothing of it is traced any more)."""
+        """A member's probes are gone: it exec'd again (published anew), or it exited."""
         if self._tracer.main is None:
             self._finish()
             self.family.leave(self)
@@ -577,9 +575,8 @@ class Process:
 
     @contextmanager
     def batch(self) -> Iterator[None]:
-        """Registrations in one stop of the world. Only the outermost batch sweeps: the
-        program's counts before, the jumps and the published state after (each nested one
-        did it again: placing N probes one by one in a batch cost O(N**2))."""
+        """Registrations in one stop of the world. Only the outermost batch sweeps (counts
+        before, jumps and state after): each nested one did, and N probes cost O(N**2)."""
         tracer = self._tracer
         if self._is_batching or not (self._program.is_attached and tracer.main is not None):
             yield

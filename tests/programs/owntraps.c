@@ -1,12 +1,13 @@
 /*
  * The program's own int3s, caught by its own SIGTRAP handler, while work() may be probed.
  *
- *   owntraps N [HOLD]   a loop of work(i); int3; usleep(1000), N times (N = 0: until SIGTERM).
+ *   owntraps N [HOLD [GO]]  a loop of work(i); int3; usleep(1000), N times (N = 0: until SIGTERM).
  *                       The handler counts its own int3s (si_code SI_KERNEL, rip right after
  *                       the int3); with HOLD = K, the K-th trap's handler writes "held" on
  *                       stdout and waits, inside the handler (SIGTRAP blocked), for a byte on
  *                       stdin. stdout at the end: "traps=K calls=K sum=S"; the exit status is
- *                       0 only when every int3 was caught exactly once, 2 otherwise.
+ *                       0 only when every int3 was caught exactly once, 2 otherwise. With
+ *                       GO = 1 the loop starts at a byte on stdin, once "ready" is written.
  */
 #define _GNU_SOURCE
 #include <signal.h>
@@ -67,6 +68,7 @@ int main(int argc, char **argv)
 	struct sigaction sa;
 
 	hold = argc > 2 ? atol(argv[2]) : 0;
+	long go = argc > 3 ? atol(argv[3]) : 0;
 	memset(&sa, 0, sizeof sa);
 	sa.sa_sigaction = on_trap;
 	sa.sa_flags = SA_SIGINFO;
@@ -77,6 +79,12 @@ int main(int argc, char **argv)
 	sigaction(SIGTERM, &sa, NULL);
 	printf("ready\n");
 	fflush(stdout);
+	if (go) {
+		char c;
+
+		if (read(0, &c, 1) != 1)
+			return 2;
+	}
 	for (i = 0; (n == 0 || i < n) && !stop; i++) {
 		work(i);
 		own_int3();

@@ -76,6 +76,11 @@ class Tracer:
         self.hold_all = False  # spawned and not yet run(): keep every thread stopped
         self.exit_code: int | None = None
         self.live = 0  # tracees that keep run() going (the program and followed children)
+        # Set by Process.run(), cleared while run() waits: stops are being handled, threads
+        # resumed (no safe point for SIGINT, cli/sigint.py: a thread resumed and not yet
+        # marked running is in no ptrace stop, and /proc cannot tell that an exception
+        # there would leave it marked stopped, lost to every later stop of the world).
+        self.is_dispatching = False
         self.forks = 0  # fork children followed so far: each address space its number
         self.on_gone: Callable[[], None] = lambda: None
         # Followed children that exec'd, driven by this loop (family.py); and who adopts one.
@@ -182,9 +187,8 @@ class Tracer:
         RUNNING = _RUNNING
         STOPPED = _STOPPED
         # `while True` and a break, not `while self.live`: CPython 3.11 specialises a function
-        # called once (as this one is) only from an unconditional backward jump, and the
-        # conditional one that `while self.live:` compiles to is not one. Written the other
-        # way, every hit ran unspecialised bytecode: a third more instructions per hit.
+        # called once (as this one is) only from an unconditional backward jump, which
+        # `while self.live:` does not compile to: every hit ran a third more instructions.
         # Likewise a bound request is read into a local, then called: `req.cont()` compiles
         # to LOAD_METHOD, which 3.11 cannot specialise for a callable held in a slot.
         while True:
@@ -199,6 +203,7 @@ class Tracer:
             poll = self.ring_poll
             if self.family and (poll is not None or any(m.ring_poll for m in self.family)):
                 poll = self.lifecycle.poll_family  # the members' rings are read here too
+            self.is_dispatching = False  # an exception in the wait loses nothing
             if poll is not None:
                 tid, status = world.wait_polling(deadline, poll)
             elif deadline is None and not inbox:
@@ -208,6 +213,7 @@ class Tracer:
                     tid = status = 0
             else:
                 tid, status = world.wait(deadline)
+            self.is_dispatching = True
             if tid == 0:
                 if deadline is not None and time.monotonic() >= deadline:
                     return False

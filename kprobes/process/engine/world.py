@@ -398,7 +398,10 @@ class World:
                 try:
                     t.resume()
                 except ProcessLookupError:
-                    host.drop_thread(t)
+                    if procfs.task_state(t.tracee.pid, t.tid) in ("", "Z", "X"):
+                        host.drop_thread(t)
+                    else:  # in no ptrace stop: it runs (or dies), and its next stop comes
+                        t.state = S.STEPPING if t.step_site is not None else S.RUNNING
 
 
 def put_back(t: Thread, addr: int, marked: bool) -> None:

@@ -110,15 +110,12 @@ def detach_all(tracer: Tracer, jumps: JumpState) -> list[str]:
         main = tracer.main
         if (  # said, never silent (stress_commands.py)
             last is None
-            and had_threads
             and unmapping.pages
             and main is not None
             and os.path.exists(f"/proc/{main.pid}")
         ):
-            why_kept.append(
-                "every page of ours: no thread could be lent to unmap them (each had a "
-                "stop of its own pending)"
-            )
+            why = "each had a stop of its own pending" if had_threads else "none was held"
+            why_kept.append(f"every page of ours: no thread could be lent to unmap them ({why})")
     finally:
         for tracee in list(tracer.tracees.values()):
             tracer.drop_tracee(tracee)
