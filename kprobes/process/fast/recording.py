@@ -24,6 +24,7 @@ from kprobes.core.probes import check_handlers
 from kprobes.errors import InternalError, TargetError, UnsupportedOption
 from kprobes.process.engine.threads import ThreadState
 from kprobes.process.fast.frametables import FrameTables
+from kprobes.process.fast.giveway import GiveWay
 from kprobes.process.fast.lease import Lease
 from kprobes.process.fast.probe import FastProbe, equip
 from kprobes.process.fast.reader import RingReader
@@ -102,6 +103,7 @@ class Recording:
         # at the return, by its trampoline: fast/returns.py).
         self._returns: dict[int, tuple[Kretprobe, FastProbe]] = {}
         self._cpu: CpuReader | None = None
+        self._give_way = GiveWay()
         self.tables = FrameTables(program, injector, state)  # for records with a stack
         self.stack_tally: StackTally | None = (
             None  # stacks counted in the program (with the reader)
@@ -361,10 +363,11 @@ class Recording:
             reader.discard()
 
     def poll_rings(self) -> None:
-        """One batch of records, while ``run()`` waits for stops."""
+        """One batch of records, while ``run()`` waits for stops, giving way to the program
+        (giveway.py) unless its threads wait for the reader (``--block``)."""
         reader = self._state.reader
         if reader is not None:
-            reader.drain(everything=False)
+            self._give_way.poll(reader, may=not self._state.waits_when_full)
 
     def learn_thread(self, t: Thread) -> None:
         """A new thread's first stop: its thread pointer names it in records from now on
