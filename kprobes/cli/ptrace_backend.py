@@ -106,9 +106,11 @@ class PtraceBackend(Backend):
         sink: Sink,
         batch: BatchOutputs | None = None,
         stack_counts: StackSink | None = None,
+        flush: Callable[[], None] = lambda: None,
     ) -> None:
         super().__init__()
         self.batch = batch  # the sink's events as rows, where they can be (specs.py)
+        self.flush = flush  # after each poll of a process's rings
         # stackcount: hits counted by stack in the program, each stack's count to this.
         self.stack_counts = stack_counts
         self.max_stacks: int = getattr(args, "max_stacks", 0) if stack_counts else 0
@@ -155,6 +157,7 @@ class PtraceBackend(Backend):
 
     def _spec_tracer(self, proc: Process) -> SpecTracer:
         proc.records.block_when_full = self.block
+        proc.records.after_poll = self.flush
         return SpecTracer(
             proc,
             self.sink,

@@ -285,6 +285,8 @@ class Session:
         # counts hits by stack in the program (``stackcount``: process/fast/stackcounts.py);
         # never with -n or --filter, which need each hit as an event.
         self.handle_counted: StackSink | None = None
+        # Called after each poll of our own backend's rings: the events' stream flushed.
+        self.flush: Callable[[], None] = lambda: None
         self._interrupt = SafeInterrupt()
 
     @staticmethod
@@ -331,6 +333,7 @@ class Session:
                 patterns=self.patterns,
                 batch=self.batch if self._max is None else None,
                 stack_counts=self._sink_counted if self.handle_counted is not None else None,
+                flush=self.flush,
             )
             interrupt.end_run = backend.end_run
             interrupt.is_mid_hit = backend.is_mid_hit
@@ -564,11 +567,13 @@ def open_backend(
     patterns: Sequence[str] = (),
     batch: BatchOutputs | None = None,
     stack_counts: StackSink | None = None,
+    flush: Callable[[], None] = lambda: None,
 ) -> Backend:
     """The backend the options ask for (``--backend``/``--kernel``, ``-p``/``-c``);
     ``patterns`` are the globs that will be placed too (``count``); ``batch``, the outputs
     that take a spec's events as rows (our own backend's records: ``Session.batch``);
-    ``stack_counts``, what takes the stacks our own backend counts in the program."""
+    ``stack_counts``, what takes the stacks our own backend counts in the program; ``flush``,
+    called after each poll of our own backend's rings."""
     if args.backend == "ptrace":
         if args.pids is None and args.command is None:
             raise TargetError(
@@ -581,7 +586,7 @@ def open_backend(
         from kprobes.cli.ptrace_backend import PtraceBackend
 
         startup.settled()
-        return PtraceBackend(args, sink, batch, stack_counts)
+        return PtraceBackend(args, sink, batch, stack_counts, flush)
     from kprobes.cli.tracefs_backend import TraceFsBackend
 
     startup.settled()

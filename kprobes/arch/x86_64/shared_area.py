@@ -362,6 +362,13 @@ def read_records(buffer: memoryview | bytearray, *, limit: int | None = None) ->
     return Batch(tuple(records), dropped, pending)
 
 
+def fill(buffer: memoryview | bytearray) -> float:
+    """The share of the ring written and not read yet (1.0: full, the next record drops)."""
+    words = memoryview(buffer).cast("B").cast("Q")
+    cap = layout_of(buffer).capacity
+    return min(int(words[OFF_HEAD // 8]) - int(words[OFF_TAIL // 8]), cap) / cap
+
+
 def skip_records(buffer: memoryview | bytearray) -> int:
     """Release the committed records unread (the reader no longer wants them), as
     ``read_records`` would, without copying them; how many. It stops, as the reader does, at

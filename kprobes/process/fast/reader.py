@@ -227,10 +227,12 @@ class RingReader:
 
     # -- reading --------------------------------------------------------------------------
 
-    def drain(self, *, everything: bool = True) -> None:
+    def drain(self, *, everything: bool = True, below: float | None = None) -> None:
         """Read the rings and hand each record to its probes' handlers: a batch, or
         ``everything`` written so far (at most one ring's worth more, were the program to
-        keep writing as fast as we read); either way no later than ``until``."""
+        keep writing as fast as we read); either way no later than ``until``, looked at
+        between slices. ``below``: a poll that gives way (giveway.py), in slices of
+        ``SLICE`` records, while no ring's ``fill()`` has reached it."""
         if self._clock is None or self._draining:
             return
         if self.is_muted:
@@ -247,6 +249,8 @@ class RingReader:
             piece = SLICE if self.tee is None else TEE_SLICE
             for _ in range(1 + most // piece):
                 if self._is_late() or self.table.pending_error is not None:
+                    break
+                if below is not None and self.fill() >= below:
                     break
                 if self._drain(piece) < piece:
                     break
@@ -275,6 +279,10 @@ class RingReader:
 
     def _is_late(self) -> bool:
         return self.until is not None and time.monotonic() >= self.until
+
+    def fill(self) -> float:
+        """The fullest ring's share written and not read yet (giveway.py)."""
+        return max((sa.fill(view) for view in self._areas()), default=0.0)
 
     def _capacities(self) -> Iterable[int]:
         return (sa.layout_of(view).capacity for view in self._areas())

@@ -104,6 +104,7 @@ class Recording:
         self._returns: dict[int, tuple[Kretprobe, FastProbe]] = {}
         self._cpu: CpuReader | None = None
         self._give_way = GiveWay()
+        self.after_poll: Callable[[], None] = lambda: None  # a stream's flush (cli/trace_cmd.py)
         self.tables = FrameTables(program, injector, state)  # for records with a stack
         self.stack_tally: StackTally | None = (
             None  # stacks counted in the program (with the reader)
@@ -364,10 +365,13 @@ class Recording:
 
     def poll_rings(self) -> None:
         """One batch of records, while ``run()`` waits for stops, giving way to the program
-        (giveway.py) unless its threads wait for the reader (``--block``)."""
+        (giveway.py) unless its threads wait for the reader (``--block``) or the records
+        are only copied (``record``'s tee)."""
         reader = self._state.reader
         if reader is not None:
-            self._give_way.poll(reader, may=not self._state.waits_when_full)
+            may = not self._state.waits_when_full and reader.tee is None
+            self._give_way.poll(reader, may=may)
+            self.after_poll()
 
     def learn_thread(self, t: Thread) -> None:
         """A new thread's first stop: its thread pointer names it in records from now on
