@@ -12,13 +12,13 @@ poll of the rings runs at the lowest priority (``LOWEST``, nice 19), for at most
 1.5% of it (the scheduler's weights, 15 against 1024), the ring holds what the reader has
 not read yet, and what overflows it is dropped and counted, as the kernel's own rings do.
 But only while every ring is less than half full (``HALF``, looked at before each slice of
-1,024 records): past that, the reader takes its full share again,
-as the peers' readers do, rather than let the ring overflow. The tool's priority is its own
+1,024 records): past that, the reader takes its full share again, as the peers' readers
+do, rather than let the ring overflow. The tool's priority is its own
 again before it looks at stops (a trap-tier hit waits for the tool) and for every read that
 is not a poll (the end of a run reads the rest at full speed).
 
 Only where the priority can be put back: lowering it is always allowed, raising it again
-needs ``CAP_SYS_NICE`` or an ``RLIMIT_NICE`` that allows it (root has both); without, the
+needs ``CAP_SYS_NICE`` (root's) or an ``RLIMIT_NICE`` that allows it; without either, the
 reader reads at the tool's priority as before. Never with ``--block``: there the program's
 threads spin in their detours until the reader makes room, and a reader that gives way to
 them would hardly ever run. Nor for ``record``'s tee, which only copies the records to its
@@ -80,12 +80,13 @@ class GiveWay:
             return
         until = reader.until
         soon = time.monotonic() + FOR_AT_MOST
-        reader.until = soon if until is None else min(until, soon)
+        reader.until = ours = soon if until is None else min(until, soon)
         os.setpriority(os.PRIO_PROCESS, 0, LOWEST)
         try:
             reader.drain(everything=False, below=HALF)
         finally:
-            reader.until = until
+            if reader.until == ours:  # else a deadline set meanwhile stands
+                reader.until = until
             try:
                 os.setpriority(os.PRIO_PROCESS, 0, self._own)
             except OSError:
