@@ -62,3 +62,23 @@ def test_python_unbuffered_does_not_write_each_event_by_itself(build, tmp_path):
     assert events == 2 * calls, done.stderr.decode()[-2000:]
     writes = sum(1 for line in log.read_text().splitlines() if line.startswith("write(1,"))
     assert 0 < writes < events // 100, writes
+
+
+def test_script_prints_a_recording_through_the_same_buffer(build, tmp_path):
+    """``script`` prints a ``record`` file through trace's output: the same writes."""
+    calls = 20_000
+    data, out, log = tmp_path / "alt.data", tmp_path / "out", tmp_path / "strace"
+    recorded = subprocess.run(
+        [*KPROBES, "record", "-o", data, "-c", f"{build('target')} {calls}", "p work i=%di",
+         "r work ret=$retval"], capture_output=True,
+    )  # fmt: skip
+    assert recorded.returncode == 0, recorded.stderr.decode()
+    argv = ["strace", "-o", log, "-e", "trace=write", "-e", "signal=none", *KPROBES, "script", data]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with out.open("wb") as f:
+        done = subprocess.run([str(a) for a in argv], stdout=f, stderr=subprocess.PIPE, env=env)
+    assert done.returncode == 0, done.stderr.decode()
+    events = sum(1 for line in out.read_text().splitlines() if "_work_0: (" in line)
+    assert events == 2 * calls
+    writes = sum(1 for line in log.read_text().splitlines() if line.startswith("write(1,"))
+    assert 0 < writes < events // 100, writes

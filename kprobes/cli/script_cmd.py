@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from kprobes.cli.record_cmd import DEFAULT_FILE
 from kprobes.cli.session import OutputClosed, compile_event_filter, event_fields
-from kprobes.cli.trace_cmd import TraceOutput, add_output_arguments, parse_specs
+from kprobes.cli.trace_cmd import TraceOutput, add_output_arguments, event_stream, parse_specs
 from kprobes.errors import RecordFileError
 from kprobes.model import Event
 
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         meta, chunks = open_file(f)
         traced = parse_specs(meta["specs"], as_json=args.json)
         args.stack = bool(meta.get("stack"))
-        out = sys.stdout
+        out = event_stream()  # as trace's: PYTHONUNBUFFERED wrote each run by itself
         if meta.get("header") and not args.json:
             out.write(meta["header"])
         wall = meta.get("wall_offset_ns") if args.timestamp else None
