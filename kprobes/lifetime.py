@@ -68,12 +68,13 @@ def _raise_exit(signum: int, frame: FrameType | None) -> None:
 
 
 def hold_exit_signals(holder: object) -> None:
-    """``holder`` has state to undo: SIGTERM/SIGHUP become SystemExit (if they were default)."""
+    """``holder`` has state to undo: SIGTERM/SIGHUP become SystemExit (if they are default,
+    also if someone set them back to it while another holder held them)."""
     _holders.add(id(holder))
     if threading.current_thread() is threading.main_thread():
         for sig in CAUGHT:
-            if sig not in _saved_handlers and _handler_of(sig) is signal.SIG_DFL:
-                _saved_handlers[sig] = _set_handler(sig, _raise_exit)
+            if _handler_of(sig) is signal.SIG_DFL:
+                _saved_handlers.setdefault(sig, _set_handler(sig, _raise_exit))
 
 
 def release_exit_signals(holder: object) -> None:

@@ -199,6 +199,21 @@ def thread_ids(pid: int) -> set[int]:
     return {int(t) for t in os.listdir(f"/proc/{pid}/task")}
 
 
+def threads_of(proc: Any) -> str:
+    """A traced process's threads as our books hold them and as the kernel shows them: what
+    a test that timed out says of where each thread was."""
+    said = [f"live {proc._tracer.live}, inbox {proc._tracer.world.inbox}"]
+    for tid, t in sorted(proc._tracer.threads.items()):
+        said.append(f"{tid}: {t.state.name} pending {t.pending} busy {t.busy}")
+    with contextlib.suppress(OSError):
+        for tid in sorted(os.listdir(f"/proc/{proc.pid}/task"), key=int):
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{proc.pid}/task/{tid}/stat").read_text()
+                wchan = Path(f"/proc/{proc.pid}/task/{tid}/wchan").read_text()
+                said.append(f"/proc {tid}: {stat.rsplit(')', 1)[1].split()[0]} {wchan}")
+    return "; ".join(said)
+
+
 def is_alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
     try:
@@ -213,11 +228,15 @@ def is_alive(pid: int) -> bool:
 # Bounded waits and cleanup
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+def wait_until(
+    predicate: Callable[[], bool], timeout: float, what: str | Callable[[], str]
+) -> None:
+    """``what`` names what was awaited; a callable says it at the time out (a state then)."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+            said = what if isinstance(what, str) else what()
+            raise AssertionError(f"timed out after {timeout} s waiting for {said}")
         time.sleep(0.01)
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 from support import run_main as kprobes
+from support import threads_of
 
 from kprobes import Kretprobe
 from kprobes.model import Event, UserStack
@@ -327,18 +328,17 @@ def test_a_process_attached_to_while_it_runs(build: Build) -> None:
                                 stdout=subprocess.DEVNULL)  # fmt: skip
         assert prog.stdin is not None
         try:
-            proc = api.attach(prog.pid)
-            events: list[Event] = []
-            tracer = SpecTracer(
-                proc, events.append, optimize=fast, stack_depth=DEPTH, fast_stacks=fast
-            )
-            tracer.place([parse("p leaf")])
-            prog.stdin.write(b"go\n")
-            prog.stdin.close()
-            assert proc.run(timeout=120)
-            proc.records.read_records()
-            tracer.close()
-            proc.close()
+            with api.attach(prog.pid) as proc:
+                events: list[Event] = []
+                tracer = SpecTracer(
+                    proc, events.append, optimize=fast, stack_depth=DEPTH, fast_stacks=fast
+                )
+                tracer.place([parse("p leaf")])
+                prog.stdin.write(b"go\n")
+                prog.stdin.close()
+                assert proc.run(timeout=120), threads_of(proc)
+                proc.records.read_records()
+                tracer.close()
         finally:
             if prog.poll() is None:
                 prog.kill()

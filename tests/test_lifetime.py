@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from kprobes import lifetime
 from kprobes.lifetime import hold_exit_signals, release_exit_signals, uninterrupted
 
 
@@ -62,7 +63,33 @@ def _handler_inside():
         return signal.getsignal(signal.SIGINT)
 
 
-def test_exit_signals_let_go_in_the_block_stay_let_go_after_it():
+@pytest.fixture
+def no_holder(monkeypatch):
+    """No other holder of the exit signals (one a failed test left unclosed, say)."""
+    monkeypatch.setattr(lifetime, "_holders", set())
+    monkeypatch.setattr(lifetime, "_saved_handlers", {})
+
+
+def test_a_holder_puts_its_handler_back_where_another_holder_lost_it(no_holder):
+    """SIGTERM set back to its default while a holder holds it: the next holder installs the
+    SystemExit handler again, and the last one out leaves the default."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    first, second = object(), object()
+    try:
+        hold_exit_signals(first)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        hold_exit_signals(second)
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        release_exit_signals(first)
+        release_exit_signals(second)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        release_exit_signals(first)
+        release_exit_signals(second)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_exit_signals_let_go_in_the_block_stay_let_go_after_it(no_holder):
     """A detach (uninterrupted) that lets go of the last holder: SIGTERM goes back to its
     default after the block, not to the SystemExit handler the block had swapped out."""
     previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)

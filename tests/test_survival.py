@@ -264,6 +264,18 @@ def blocked_in(pid: int) -> int:
     return int(first) if first.lstrip("-").isdigit() else -1
 
 
+def thread_state(pid: int) -> str:
+    """What a test says of a thread that is not where it should be."""
+    said = []
+    for name in ("stat", "syscall", "wchan"):
+        try:
+            with open(f"/proc/{pid}/{name}") as f:
+                said.append(f"{name}: {f.read().strip()}")
+        except OSError as e:
+            said.append(f"{name}: {e}")
+    return "; ".join(said)
+
+
 @pytest.mark.parametrize(("mode", "nr"), [("read", 0), ("poll", 7)])
 def test_tool_killed_inside_an_injection_into_a_blocked_syscall(popen, build, mode, nr):
     """The thread the tool borrows is blocked in ``read`` (restarted by the kernel from its
@@ -310,7 +322,11 @@ def test_tool_killed_inside_an_injection_into_a_blocked_syscall(popen, build, mo
             continue
         # poll goes on in restart_syscall (219) where the rescue finished it
         again = {nr, 219} if mode == "poll" else {nr}
-        support.wait_until(lambda p=prog, a=again: blocked_in(p.pid) in a, 20, f"{mode} again")
+        support.wait_until(
+            lambda p=prog, a=again: blocked_in(p.pid) in a,
+            20,
+            lambda p=prog, k=stall_at, s=said: f"{mode} again ({k}, {s!r}): {thread_state(p.pid)}",
+        )
         out, err = prog.communicate(b"hello\n", timeout=30)
         assert (prog.returncode, out) == (0, want), (stall_at, out, err.decode()[-2000:])
         if not stalled:  # every injection was tried
