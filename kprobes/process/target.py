@@ -581,7 +581,7 @@ class Process:
         if self._is_batching or not (self._program.is_attached and tracer.main is not None):
             yield
             return
-        tracer.world.stop()
+        tracer.world.stop(land_exec=True)
         self._is_batching = True
         try:
             self._optimizer.collect_counts()

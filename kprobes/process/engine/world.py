@@ -60,7 +60,8 @@ class WorldHost(Protocol):
     tracer owns) and to change the set of threads (``add_thread``, ``drop_thread``, a
     child's ``lifecycle``). It may assume that the tracer never resumes a thread while the
     world is stopped (``Tracer.resume_if_free``) and that ``dispatch`` of a stop that came
-    while stopping the world is left to ``drain_pending``.
+    while stopping the world is left to ``drain_pending`` (but an exit, and the program's
+    exec in a stop that asks for it: ``stop(land_exec=True)``).
     """
 
     @property
@@ -105,6 +106,7 @@ class World:
         self._depth = 0
         self.inbox: list[tuple[int, int]] = []
         self.has_pending = False
+        self._lands_exec = False  # this stop of the world handles an exec (``stop``)
 
     def held_thread(self, space: Tracee | None = None) -> Thread:
         """A thread of the program (of ``space``, a followed fork child's, if given) held
@@ -200,11 +202,15 @@ class World:
         """Every thread is held (inside a ``stop``/``resume`` pair)."""
         return self._depth > 0
 
-    def stop(self) -> None:
-        """Hold every thread of every tracee; nested calls only count."""
+    def stop(self, *, land_exec: bool = False) -> None:
+        """Hold every thread of every tracee; nested calls only count. ``land_exec``: an
+        exec of the program found meanwhile is handled here (``_land_exec``): for a stop
+        whose caller has computed nothing of the image yet (a registration's batch, the
+        detach); any other caller finds it held back as before."""
         self._depth += 1
         if self._depth > 1:
             return
+        self._lands_exec = land_exec
         threads = self._host.threads
         for t in list(threads.values()):
             if t.state in RUNNING_STATES and not t.interrupt_sent:
@@ -249,6 +255,14 @@ class World:
             host.dispatch(t, status)
             return
         event = (status >> 16) & 0xFF
+        if (
+            event == ptrace.PTRACE_EVENT_EXEC
+            and t.tracee.kind is TraceeKind.MAIN
+            and self._lands_exec
+        ):
+            t.interrupt_sent = False  # the exec's stop took our interrupt's place
+            self._land_exec(t, status)
+            return
         is_event_stop = event == ptrace.PTRACE_EVENT_STOP and os.WSTOPSIG(status) == signal.SIGTRAP
         # Any stop of a thread ends our interrupt's claim on it: the kernel clears a pending
         # PTRACE_INTERRUPT at every ptrace-stop ("any trap clears pending STOP trap").
@@ -300,6 +314,34 @@ class World:
         t.pending = status
         self.has_pending = True
         t.state = S.STOPPED
+
+    def _land_exec(self, t: Thread, status: int) -> None:
+        """The program exec'd before our interrupt could stop it: seized inside its
+        ``execve`` (``Popen`` returns there, once the kernel has closed the child's
+        close-on-exec pipe), or exec'ing as we stopped it. What this stop of the world is
+        for (a registration, a detach) is about the new image, which our books do not
+        describe yet, and a thread in an exec stop cannot be lent for an injection. So the
+        exec is handled now as ``run()`` would handle it: the old image forgotten
+        (``on_exec``), the thread taken on to the exit of ``execve`` (the next stop: the
+        kernel reports it before any signal), and the new image's probes placed there
+        (``on_syscall``), the thread held. Rejected: leaving the exec to ``drain_pending``
+        (the registration failed with no thread to inject with, or resolved its symbols in
+        the image gone)."""
+        host = self._host
+        host.dispatch(t, status)
+        if t.tracee.kind is not TraceeKind.MAIN or t.tid not in host.threads:
+            return
+        try:
+            ptrace.syscall_cont(t.tid, 0)
+            status = ptrace.wait(t.tid, ptrace.WALL)[1]
+        except (ProcessLookupError, ChildProcessError):
+            host.drop_thread(t)
+            return
+        t.state = S.RUNNING
+        if os.WIFSTOPPED(status) and status >> 8 == ev.SYSCALL_TRAP:
+            host.dispatch(t, status)  # held: the world is stopped
+        else:
+            self._hold(t, status)  # killed meanwhile, say
 
     def rewind_own_trap(self, t: Thread) -> bool:
         """A thread that trapped on an int3 of ours while we stop the world: put it back on

@@ -232,7 +232,13 @@ class ProgramCalls:
                 "and try again",
                 errno=errno.EAGAIN,
             )
-        raise InternalError("no held thread to run code in: every thread is in an event stop")
+        stops = ", ".join(
+            f"{t.tid}: {t.state.name} {'-' if t.pending is None else hex(t.pending)}"
+            for t in threads
+        )
+        raise InternalError(
+            f"no held thread to run code in: every thread is in an event stop ({stops})"
+        )
 
     def ensure_rescue(self) -> None:
         """Give the program its rescue before anything of ours goes in (``rescue.py``)."""

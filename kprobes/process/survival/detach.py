@@ -47,7 +47,7 @@ _STOPPED = ThreadState.STOPPED
 
 def detach_all(tracer: Tracer, jumps: JumpState) -> list[str]:
     """Steps 1-6 (above); what kept pages of ours in the program, one line each."""
-    tracer.world.stop()
+    tracer.world.stop(land_exec=True)
     why_kept: list[str] = []
     try:
         # Step 1b: no thread waits for room in a ring any more (--block: shared_area.py); one

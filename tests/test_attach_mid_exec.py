@@ -1,0 +1,105 @@
+"""A process attached to in the middle of its ``execve``: the kernel reports the exec to us
+(``PTRACE_EVENT_EXEC``) after we seized it, and a registration's stop of the world finds
+that report first.
+
+That is what ``subprocess.Popen`` then ``attach`` does on a busy machine (Popen returns
+once the kernel has closed the child's close-on-exec pipe, inside ``execve``, before the
+exec's end), and what ``prog & kprobes count -p $!`` does. Made exact here: the process is
+seized while a shell waits to ``exec`` the program, then let go on to its exec stop, and
+only then is the probe registered. The new image must be the one probed: the exec handled
+first (our books of the old image forgotten), then the probe placed with its rescue, and
+every call counted, on the trap tier and the jump.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import support
+from support import threads_of
+from test_survival import blocked_in
+
+import kprobes
+
+Build = Callable[[str], Path]
+
+
+def stopped_at_exec(pid: int) -> bool:
+    """The thread sits in a ptrace-stop ('t'), and the exec is done (its exe is ``stacks``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        state = f.read().rsplit(")", 1)[1].split()[0]
+    return state == "t" and Path(f"/proc/{pid}/exe").resolve().name == "stacks"
+
+
+def same_as_file(pid: int, m: support.Mapping) -> bool:
+    """The code of mapping ``m`` is its file's (an anonymous one, ours say, is not)."""
+    if not m.path.startswith("/"):
+        return m.path in ("[vdso]", "[vsyscall]")
+    with open(m.path, "rb") as f:
+        f.seek(m.offset)
+        want = f.read(m.end - m.start)
+    return support.raw_read(pid, m.start, len(want)) == want
+
+
+@pytest.mark.parametrize("optimize", [False, True], ids=["trap", "jump"])
+def test_a_registration_after_an_exec_not_yet_handled(
+    attach: Any, popen: Any, build: Build, optimize: bool
+) -> None:
+    stacks = build("stacks")
+    shell = popen(
+        ["sh", "-c", f'read line && exec "{stacks}" gated'],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert shell.stdin is not None and shell.stdout is not None
+    support.wait_until(lambda: blocked_in(shell.pid) == 0, 20, "the shell's read")
+    proc = attach(shell.pid)
+    proc.optimization = optimize
+    shell.stdin.write(b"exec\n")
+    shell.stdin.flush()
+    support.wait_until(
+        lambda: stopped_at_exec(shell.pid), 20, lambda: f"the exec stop: {threads_of(proc)}"
+    )
+    hits: list[int] = []
+    probe = kprobes.Kprobe(symbol="leaf", pre_handler=lambda p, regs: hits.append(regs.rdi))
+    proc.register_kprobe(probe)
+    shell.stdin.write(b"go\n")
+    shell.stdin.close()
+    assert proc.run(timeout=60), threads_of(proc)
+    assert proc.exit_code == 0
+    out = shell.stdout.read()
+    assert out.startswith(b"stacks "), out
+    assert hits == [1, 2, 3, 0, 2, 4, 6, 8, 1, 2], hits  # a(0..2), b(0..4), stk_through(0..1)
+    assert probe.nhit == 10
+
+
+def test_a_detach_after_an_exec_not_yet_handled(attach: Any, popen: Any, build: Build) -> None:
+    """Probes of the shell's image, then its exec, then the detach: nothing of the old image
+    is written into the new one (libc's ``abort`` was probed in the shell: at the exec stop
+    the new image has no libc yet), and the program runs on to its end, its output whole."""
+    stacks = build("stacks")
+    shell = popen(
+        ["sh", "-c", f'read line && exec "{stacks}" gated'],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert shell.stdin is not None and shell.stdout is not None
+    support.wait_until(lambda: blocked_in(shell.pid) == 0, 20, "the shell's read")
+    proc = attach(shell.pid, pending=True)
+    proc.register_kprobe(kprobes.Kprobe(symbol="libc:abort"))
+    shell.stdin.write(b"exec\n")
+    shell.stdin.flush()
+    support.wait_until(
+        lambda: stopped_at_exec(shell.pid), 20, lambda: f"the exec stop: {threads_of(proc)}"
+    )
+    proc.detach()
+    changed = [
+        m.path for m in support.maps(shell.pid) if "x" in m.perms and not same_as_file(shell.pid, m)
+    ]
+    assert changed == [], changed
+    out, _ = shell.communicate(b"go\n", timeout=30)
+    assert shell.returncode == 0 and out.startswith(b"stacks "), (shell.returncode, out)
