@@ -23,11 +23,11 @@ def run(argv: list[str]) -> int:
     since = 0.0
     stop, resume = World.stop, World.resume
 
-    def stopping(world: World) -> None:
+    def stopping(world: World, **kw: bool) -> None:
         nonlocal since
         if not world.is_stopped:
             since = time.monotonic()
-        stop(world)
+        stop(world, **kw)
 
     def resuming(world: World) -> None:
         resume(world)

@@ -69,10 +69,10 @@ class Stops:
         self._count = 0
         stop, resume, register = World.stop, World.resume, Process.register_kprobes
 
-        def stopping(world: World) -> None:
+        def stopping(world: World, **kw: bool) -> None:
             if not world.is_stopped:
                 self._since, self._count = time.monotonic(), 0
-            stop(world)
+            stop(world, **kw)
 
         def resuming(world: World) -> None:
             resume(world)
