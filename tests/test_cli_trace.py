@@ -317,5 +317,7 @@ def test_a_reader_that_stops_reading_ends_the_trace_quietly(build, popen, extra)
     argv = [KPROBES, "trace", *extra, "-c", f"{target} 3000000", "p work i=%di"]
     lines, err, status = support.read_then_close(popen, argv, 2)
     assert status == 0, err
-    assert all(b"p_work_0:" in line for line in lines), lines
+    # The program writes to the same pipe: on a busy machine its lines may come first.
+    own = (b"sum=", b"compute=", b"show ", b"asm1=")
+    assert all(b"p_work_0:" in line or line.startswith(own) for line in lines), lines
     assert "Traceback" not in err and "(its output closed)" in err, err

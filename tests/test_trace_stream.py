@@ -1,5 +1,6 @@
 """``trace``'s stream of events on stdout (cli/trace_cmd.py, ``event_stream``): a buffer of
-our own for a file or a pipe, flushed after each poll of the rings and at the end.
+our own for a file or a pipe, flushed after each poll of the rings, by an event that comes
+a while after the last flush, and at the end.
 
 Before, a pipe's reader saw nothing until 8 KiB of events had come (Python's buffer), and
 with ``PYTHONUNBUFFERED`` set (``python -u``, these machines' environment) every event of a
@@ -23,12 +24,15 @@ pytestmark = pytest.mark.ptrace
 KPROBES = [support.KPROBES]
 
 
-def test_a_pipes_reader_gets_each_event_as_it_comes(build, popen):
-    """One call of ``work`` every half second: 8 KiB of lines would take ~40 s to come."""
+@pytest.mark.parametrize("tier", [[], ["--no-optimize"]], ids=["jump", "trap"])
+def test_a_pipes_reader_gets_each_event_as_it_comes(build, popen, tier):
+    """One call of ``work`` every half second: 8 KiB of lines would take ~40 s to come. On
+    the trap tier alone there is no poll of the rings to flush after: an event written at
+    least ``FLUSH_EVERY`` after the last flush flushes."""
     prog = popen([build("ticker"), 100_000, 500_000], stdout=subprocess.DEVNULL)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     tool = popen(
-        [*KPROBES, "trace", "-p", prog.pid, "work i=%di:s64"],
+        [*KPROBES, "trace", *tier, "-p", prog.pid, "work i=%di:s64"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,

@@ -29,6 +29,7 @@ import argparse
 import errno
 import io
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
@@ -181,6 +182,11 @@ def parse_specs(texts: Sequence[str], *, as_json: bool) -> TracedSpecs:
 
 
 TracedSpecs = tuple[list[ProbeSpec], dict[str, Printer]]
+# Seconds after a flush from which the next event written flushes too: where no poll of the
+# rings flushes (every probe on the trap tier), a slow stream's lines still come one by one
+# and a fast one's in blocks. Left: the last events of a burst wait for the next event (or
+# the end): the tracer sleeps in waitpid, and a timed wait would cost every hit syscalls.
+FLUSH_EVERY = 0.05
 
 
 class TraceOutput:
@@ -214,10 +220,14 @@ class TraceOutput:
         # Events that need nothing but their line: our own backend's records, as rows.
         plain = not (args.timestamp or args.stack or self.perfetto is not None)
         self.rows = TraceRows(counts, out, json=args.json) if plain else None
+        self._flush_due = 0.0  # an event written from then on flushes (``handle``)
 
     def handle(self, ev: Event) -> None:
         try:
             self._write(ev)
+            if time.monotonic() >= self._flush_due:  # no poll flushes (the trap tier alone)
+                self.out.flush()
+                self._flush_due = time.monotonic() + FLUSH_EVERY
         except BrokenPipeError:  # | head: it has what it wanted
             raise output_closed(self.out) from None
 
@@ -247,6 +257,7 @@ class TraceOutput:
             self.out.flush()
         except BrokenPipeError:
             raise output_closed(self.out) from None
+        self._flush_due = time.monotonic() + FLUSH_EVERY
 
     def close(self) -> None:
         try:
