@@ -99,6 +99,7 @@ BUILDS: dict[str, Build] = {
     "plughost": Build("plughost.c", libs=("-ldl",)),
     # Stacks without frame pointers (tests/test_stacks.py): -O2, rbp an ordinary register.
     "libstk.so": Build("libstk.c", flags=("-O2", "-fomit-frame-pointer", "-fPIC", "-shared")),
+    "libaudit_gate.so": Build("libaudit_gate.c", flags=("-O1", *DEBUG, "-fPIC", "-shared")),
     "stacks": Build(
         "stacks.c",
         flags=("-O2", "-fomit-frame-pointer", "-Wall"),

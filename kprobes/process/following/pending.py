@@ -147,6 +147,21 @@ class Following:
         self._r_debug = module.bias + r_debug.value
         self._watch_probe = probe
         self._watch = _Watch.PLACED
+        if not self.is_starting and not self._loader_is_done():
+            # Attached in the first milliseconds of the program's life: the loader is still
+            # mapping and relocating its libraries, and no ifunc resolver may run before the
+            # rendezvous says RT_CONSISTENT (an injected call of libc's faulted there).
+            self.is_starting = True
+
+    def _loader_is_done(self) -> bool:
+        """The rendezvous says the startup's libraries are in and relocated (``r_version``
+        set by the loader, ``r_state`` RT_CONSISTENT)."""
+        try:
+            head = self._program.memory().read(self._r_debug, _R_STATE + 4)
+        except TargetError:
+            return True  # unreadable: as before, nothing waits for it
+        version = int.from_bytes(head[:4], "little")
+        return version != 0 and int.from_bytes(head[_R_STATE:], "little") == RT_CONSISTENT
 
     def _on_loader_hit(self, _probe: Kprobe, _regs: Any) -> None:
         data = self._program.memory().read(self._r_debug + _R_STATE, 4)

@@ -1,4 +1,6 @@
-"""A process attached to in the middle of its ``execve``: the kernel reports the exec to us
+"""A process attached to early in its life: in its ``execve``, or inside its dynamic loader.
+
+In the middle of its ``execve``, the kernel reports the exec to us
 (``PTRACE_EVENT_EXEC``) after we seized it, and a registration's stop of the world finds
 that report first.
 
@@ -13,6 +15,7 @@ every call counted, on the trap tier and the jump.
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +27,7 @@ from support import threads_of
 from test_survival import blocked_in
 
 import kprobes
+from kprobes import errors
 
 Build = Callable[[str], Path]
 
@@ -103,3 +107,60 @@ def test_a_detach_after_an_exec_not_yet_handled(attach: Any, popen: Any, build: 
     assert changed == [], changed
     out, _ = shell.communicate(b"go\n", timeout=30)
     assert shell.returncode == 0 and out.startswith(b"stacks "), (shell.returncode, out)
+
+
+MARKER_LEN = len("ifunc marker!")
+
+
+def held_in_its_loader(popen: Any, build: Build, calls: int) -> subprocess.Popen[bytes]:
+    """``ifunc`` held by an audit library where its loader has mapped libc, before it
+    relocated it."""
+    env = dict(os.environ, LD_AUDIT=str(build("libaudit_gate.so")))
+    prog = popen(
+        [build("ifunc"), calls],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    assert prog.stderr is not None
+    assert support.read_line(prog.stderr.fileno(), timeout=20) == b"libc mapped\n"
+    return prog
+
+
+def test_an_ifunc_is_refused_while_the_loader_has_not_relocated_libc(
+    attach: Any, popen: Any, build: Build
+) -> None:
+    """libc's ``strlen`` is an ifunc: placing it runs its resolver in the program, which
+    faulted in a libc not relocated yet ("injected code faulted ... signal 11"). Now the
+    registration says why it cannot be placed yet, and the program runs on unharmed."""
+    prog = held_in_its_loader(popen, build, 100)
+    proc = attach(prog.pid)
+    with pytest.raises(errors.NotMapped) as info:
+        proc.register_kprobe(kprobes.Kprobe(symbol="libc:strlen"))
+    assert "GNU ifunc" in str(info.value) and "relocated libc" in str(info.value), info.value
+    proc.detach()
+    out, err = prog.communicate(b"go\n", timeout=30)
+    assert prog.returncode == 0 and out.endswith(f"total={100 * MARKER_LEN}\n".encode()), err
+
+
+def test_a_pending_ifunc_is_placed_once_the_loader_has_relocated_libc(
+    attach: Any, popen: Any, build: Build
+) -> None:
+    """With ``pending``, the same probe waits for the loader's rendezvous and then counts
+    every call the program makes through the implementation the resolver picked."""
+    calls = 300
+    prog = held_in_its_loader(popen, build, calls)
+    proc = attach(prog.pid, pending=True)
+    seen: list[int] = []
+    proc.register_kprobe(
+        kprobes.Kprobe(symbol="libc:strlen", pre_handler=lambda p, regs: seen.append(regs.rdi))
+    )
+    assert prog.stdin is not None and prog.stdout is not None
+    prog.stdin.write(b"go\n")
+    prog.stdin.close()
+    assert proc.run(timeout=60), threads_of(proc)
+    out = prog.stdout.read().decode()
+    assert proc.exit_code == 0 and out.endswith(f"total={calls * MARKER_LEN}\n"), out
+    marker = int(out.split("marker=")[1].split()[0], 16)
+    assert seen.count(marker) == calls, (len(seen), seen[:5])
