@@ -49,25 +49,37 @@ def same_as_file(pid: int, m: support.Mapping) -> bool:
     return support.raw_read(pid, m.start, len(want)) == want
 
 
-@pytest.mark.parametrize("optimize", [False, True], ids=["trap", "jump"])
-def test_a_registration_after_an_exec_not_yet_handled(
-    attach: Any, popen: Any, build: Build, optimize: bool
-) -> None:
+def shell_before_its_exec(popen: Any, build: Build) -> subprocess.Popen[bytes]:
+    """A shell that waits for a line, then execs ``stacks gated``; returned in its read."""
     stacks = build("stacks")
     shell = popen(
         ["sh", "-c", f'read line && exec "{stacks}" gated'],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
     )
-    assert shell.stdin is not None and shell.stdout is not None
     support.wait_until(lambda: blocked_in(shell.pid) == 0, 20, "the shell's read")
-    proc = attach(shell.pid)
-    proc.optimization = optimize
+    return shell
+
+
+def to_its_exec_stop(shell: subprocess.Popen[bytes], proc: Any) -> None:
+    """The (attached) shell let go on to its exec, whose report the tool has not read."""
+    assert shell.stdin is not None
     shell.stdin.write(b"exec\n")
     shell.stdin.flush()
     support.wait_until(
         lambda: stopped_at_exec(shell.pid), 20, lambda: f"the exec stop: {threads_of(proc)}"
     )
+
+
+@pytest.mark.parametrize("optimize", [False, True], ids=["trap", "jump"])
+def test_a_registration_after_an_exec_not_yet_handled(
+    attach: Any, popen: Any, build: Build, optimize: bool
+) -> None:
+    shell = shell_before_its_exec(popen, build)
+    assert shell.stdin is not None and shell.stdout is not None
+    proc = attach(shell.pid)
+    proc.optimization = optimize
+    to_its_exec_stop(shell, proc)
     hits: list[int] = []
     probe = kprobes.Kprobe(symbol="leaf", pre_handler=lambda p, regs: hits.append(regs.rdi))
     proc.register_kprobe(probe)
@@ -85,21 +97,11 @@ def test_a_detach_after_an_exec_not_yet_handled(attach: Any, popen: Any, build: 
     """Probes of the shell's image, then its exec, then the detach: nothing of the old image
     is written into the new one (libc's ``abort`` was probed in the shell: at the exec stop
     the new image has no libc yet), and the program runs on to its end, its output whole."""
-    stacks = build("stacks")
-    shell = popen(
-        ["sh", "-c", f'read line && exec "{stacks}" gated'],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
+    shell = shell_before_its_exec(popen, build)
     assert shell.stdin is not None and shell.stdout is not None
-    support.wait_until(lambda: blocked_in(shell.pid) == 0, 20, "the shell's read")
     proc = attach(shell.pid, pending=True)
     proc.register_kprobe(kprobes.Kprobe(symbol="libc:abort"))
-    shell.stdin.write(b"exec\n")
-    shell.stdin.flush()
-    support.wait_until(
-        lambda: stopped_at_exec(shell.pid), 20, lambda: f"the exec stop: {threads_of(proc)}"
-    )
+    to_its_exec_stop(shell, proc)
     proc.detach()
     changed = [
         m.path for m in support.maps(shell.pid) if "x" in m.perms and not same_as_file(shell.pid, m)
