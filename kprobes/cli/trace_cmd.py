@@ -225,11 +225,10 @@ class TraceOutput:
     def handle(self, ev: Event) -> None:
         try:
             self._write(ev)
-            if time.monotonic() >= self._flush_due:  # no poll flushes (the trap tier alone)
-                self.out.flush()
-                self._flush_due = time.monotonic() + FLUSH_EVERY
         except BrokenPipeError:  # | head: it has what it wanted
             raise output_closed(self.out) from None
+        if time.monotonic() >= self._flush_due:  # no poll flushes (the trap tier alone)
+            self.flush()
 
     def _write(self, ev: Event) -> None:
         out, wall = self.out, self.wall()
