@@ -241,6 +241,48 @@ def test_the_standard_error_for_a_default_before_a_field_without() -> None:
     assert make(values.dataclass)[0] == "raised"
 
 
+BAD_CLASSES: dict[str, dict[str, Any]] = {
+    "a mutable default": {"__annotations__": {"a": "list[int]"}, "a": []},
+    "a field with no annotation": {"__annotations__": {"a": "int"}, "b": field(default=1)},
+    "a ClassVar with a factory": {
+        "__annotations__": {"a": "ClassVar[list[int]]"},
+        "a": field(default_factory=list),
+    },
+    "a slotted class with slots": {"__annotations__": {"a": "int"}, "__slots__": ("a",)},
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_CLASSES))
+def test_the_standard_errors_of_a_bad_class(name: str) -> None:
+    """What the fields are made of here (``own_fields``, ``slotted``) refuses what the
+    standard decorator refuses, with its words."""
+
+    def make(dataclass: Decorator) -> tuple[str, Any]:
+        space = {"__module__": __name__, **BAD_CLASSES[name]}
+        return outcome(lambda: dataclass(frozen=True, slots=True)(type("Bad", (), space)))
+
+    assert make(values.dataclass) == make(dataclasses.dataclass)
+    assert make(values.dataclass)[0] == "raised"
+
+
+def test_the_fields_made_here_are_the_standard_ones() -> None:
+    """Every field attribute, the ClassVar kept out, the class attributes as the standard
+    decorator leaves them (a slot, or a plain default on a class without slots)."""
+    for name in STANDARD:
+        standard, ours = both(name)
+        assert [repr(f) for f in ours.__dataclass_fields__.values()] == [  # type: ignore[attr-defined]
+            repr(f)
+            for f in standard.__dataclass_fields__.values()  # type: ignore[attr-defined]
+        ]
+        assert {k: type(v) for k, v in vars(ours).items() if k in ours.__dataclass_fields__} == {  # type: ignore[attr-defined]
+            k: type(v)
+            for k, v in vars(standard).items()
+            if k in standard.__dataclass_fields__  # type: ignore[attr-defined]
+        }
+    assert [f.name for f in dataclasses.fields(OURS["Point"])] == ["x", "y", "label"]
+    assert OURS["Point"].unit == "px"  # type: ignore[attr-defined]
+
+
 def test_every_value_of_the_package_is_a_dataclass_made_here() -> None:
     """The package's classes: made here unless the module docstring says why not."""
     import importlib
