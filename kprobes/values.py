@@ -30,9 +30,7 @@ builds the same classes with both decorators and compares what they do.
 from __future__ import annotations
 
 import abc
-import dataclasses
 import functools
-import inspect  # imported by dataclasses itself
 import reprlib
 import sys
 import types
@@ -41,11 +39,16 @@ from collections.abc import Callable
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
+from kprobes import fields as fs
 from kprobes.initcode import TEMPLATES
 
 if TYPE_CHECKING:
     from dataclasses import dataclass as dataclass
+    from dataclasses import field as field
+    from dataclasses import fields as fields
+    from dataclasses import replace as replace
 else:
+    field, fields, replace = fs.field, fs.fields, fs.replace
 
     def dataclass(
         cls: type | None = None,
@@ -60,13 +63,15 @@ else:
 
         def wrap(cls: type) -> type:
             if options or not made_here(cls, frozen):
-                return dataclasses.dataclass(cls, frozen=frozen, slots=slots, eq=eq, **options)
+                fs.to_standard(cls)
+                decorate = fs.standard().dataclass
+                return decorate(cls, frozen=frozen, slots=slots, eq=eq, **options)  # type: ignore[no-any-return]
             return make(cls, frozen=frozen, slots=slots, eq=eq)
 
         return wrap if cls is None else wrap(cls)
 
 
-FieldTuple = tuple[dataclasses.Field[Any], ...]
+FieldTuple = tuple[fs.Field, ...]
 
 
 def made_here(cls: type, frozen: bool) -> bool:
@@ -75,10 +80,11 @@ def made_here(cls: type, frozen: bool) -> bool:
         return False
     if frozen and ("__setattr__" in cls.__dict__ or "__delattr__" in cls.__dict__):
         return False
-    if any(dataclasses.is_dataclass(base) for base in cls.__mro__[1:]):
+    if any(fs.is_dataclass(base) for base in cls.__mro__[1:]):
         return False
     for name, value in cls.__dict__.items():
-        if isinstance(value, dataclasses.Field) and (not value.init or value.kw_only is True):
+        is_field = isinstance(value, fs.Field) or fs.is_standard_field(value)
+        if is_field and (not value.init or value.kw_only is True):
             return False
         if name == "__annotations__":
             if "self" in value:
@@ -93,10 +99,8 @@ def made_here(cls: type, frozen: bool) -> bool:
 def make(cls: type, *, frozen: bool, slots: bool, eq: bool) -> type:
     """The dataclass: the standard decorator's fields and class, this module's methods."""
     documented = bool(cls.__doc__)
-    if not documented:
-        cls.__doc__ = "-"  # the standard decorator would spend an inspect.signature on it
     made = dataclass_class(cls, frozen=frozen, eq=eq, slots=slots)
-    fields = dataclasses.fields(made)
+    fields = fs.fields(made)
     hashing = hash_action(made, frozen=frozen, eq=eq)
     methods: dict[str, Callable[..., Any]] = {
         "__init__": init_method(made, fields, frozen),
@@ -125,21 +129,15 @@ def make(cls: type, *, frozen: bool, slots: bool, eq: bool) -> type:
 def dataclass_class(cls: type, *, frozen: bool, eq: bool, slots: bool) -> type[Any]:
     """The class as ``dataclasses.dataclass(cls, init=False, repr=False, eq=False,
     slots=slots)`` makes it -- its fields, parameters, ``__match_args__``, the slotted class
-    -- without the standard decorator's own passes over each annotation (three regular
-    expressions a field, to tell ``ClassVar``, ``InitVar`` and ``KW_ONLY`` apart): 12.7 ms
-    for the 122 classes a ``count`` imports, 5.0 here (this project's machine). ``made_here`` has sent the classes with
-    ``InitVar``, ``KW_ONLY`` or a dataclass base to the standard decorator; a ``ClassVar``
-    is told as it tells it. On Python 3.12, whose parameters have more fields, the
-    standard decorator makes it."""
-    if sys.version_info[:2] != (3, 11):
-        made: type[Any] = dataclasses.dataclass(cls, init=False, repr=False, eq=False, slots=slots)
-        return made
+    -- by its rules, with fields.py's ``Field`` objects, and without the standard
+    decorator's passes over each annotation (three regular expressions a field, to tell
+    ``ClassVar``, ``InitVar`` and ``KW_ONLY`` apart): 12.7 ms for the 122 classes a
+    ``count`` imports, 5.0 here (this project's machine). ``made_here`` has sent the
+    classes with ``InitVar``, ``KW_ONLY`` or a dataclass base to the standard decorator."""
     fields = own_fields(cls)
-    cls.__dataclass_params__ = dataclasses._DataclassParams(  # type: ignore[attr-defined]
-        True, True, eq, False, False, frozen
-    )
+    cls.__dataclass_params__ = fs.Params(eq=eq, frozen=frozen, slots=slots)  # type: ignore[attr-defined]
     cls.__dataclass_fields__ = fields  # type: ignore[attr-defined]
-    names = tuple(f.name for f in fields.values() if f._field_type is _FIELD)  # type: ignore[attr-defined]
+    names = tuple(f.name for f in fields.values() if f.kind == fs.FIELD)
     if "__match_args__" not in cls.__dict__:
         cls.__match_args__ = names  # type: ignore[attr-defined,misc]
     if slots:
@@ -148,67 +146,64 @@ def dataclass_class(cls: type, *, frozen: bool, eq: bool, slots: bool) -> type[A
     return cls
 
 
-_FIELD = dataclasses._FIELD  # type: ignore[attr-defined]
-
-
-def own_fields(cls: type) -> dict[str, dataclasses.Field[Any]]:
+def own_fields(cls: type) -> dict[str, fs.Field]:
     """``cls``'s fields, by the standard library's rules (``_get_field``) for what
     ``made_here`` lets through: a default or a ``field()`` in the class, a ``ClassVar``
     left out of the fields the methods see, a mutable default refused."""
-    fields: dict[str, dataclasses.Field[Any]] = {}
-    annotations = inspect.get_annotations(cls)  # the class's own, as they were written
+    fields: dict[str, fs.Field] = {}
+    annotations = cls.__dict__.get("__annotations__", {})  # noqa: RUF063  # its own, as written
     for name, kind in annotations.items():
-        default = getattr(cls, name, dataclasses.MISSING)
-        if isinstance(default, dataclasses.Field):
+        default = getattr(cls, name, fs.MISSING)
+        if fs.is_standard_field(default):
+            default = fs.from_standard(default)
+            setattr(cls, name, default)
+        if isinstance(default, fs.Field):
             f = default
         else:
             if isinstance(default, types.MemberDescriptorType):
-                default = dataclasses.MISSING
-            f = dataclasses.field(default=default)  # type: ignore[arg-type]  # or MISSING
+                default = fs.MISSING
+            f = fs.field(default=default)
         f.name, f.type = name, kind
         if is_classvar(cls, kind):
-            f._field_type = dataclasses._FIELD_CLASSVAR  # type: ignore[attr-defined]
-            if f.default_factory is not dataclasses.MISSING:
+            f.kind = fs.CLASSVAR
+            if f.own_factory is not fs.MISSING:
                 raise TypeError(f"field {name} cannot have a default factory")
-            if f.kw_only is not dataclasses.MISSING:
+            if f.kw_only is not fs.MISSING:
                 raise TypeError(f"field {name} is a ClassVar but specifies kw_only")
         else:
-            f._field_type = _FIELD  # type: ignore[attr-defined]
-            if f.kw_only is dataclasses.MISSING:
+            f.kind = fs.FIELD
+            if f.kw_only is fs.MISSING:
                 f.kw_only = False
-            if f.default.__class__.__hash__ is None:
+            if f.own_default.__class__.__hash__ is None:
                 raise ValueError(
-                    f"mutable default {type(f.default)} for field {name} is not allowed: "
+                    f"mutable default {type(f.own_default)} for field {name} is not allowed: "
                     "use default_factory"
                 )
         fields[name] = f
-        if isinstance(getattr(cls, name, None), dataclasses.Field):
-            if f.default is dataclasses.MISSING:
+        if isinstance(getattr(cls, name, None), fs.Field):
+            if f.own_default is fs.MISSING:
                 delattr(cls, name)
             else:
-                setattr(cls, name, f.default)
+                setattr(cls, name, f.own_default)
     for name, value in cls.__dict__.items():
-        if isinstance(value, dataclasses.Field) and name not in annotations:
+        is_field = isinstance(value, fs.Field) or fs.is_standard_field(value)
+        if is_field and name not in annotations:
             raise TypeError(f"{name!r} is a field but has no type annotation")
     return fields
 
 
 def is_classvar(cls: type, kind: Any) -> bool:
-    """Whether annotation ``kind`` is a ``ClassVar``: the standard library's test, run only
-    on a text that names one."""
+    """Whether annotation ``kind`` is a ``ClassVar``: the standard library's test (for a
+    text, run only on one that names it)."""
     if not isinstance(kind, str):
-        return bool(dataclasses._is_classvar(kind, typing))  # type: ignore[attr-defined]
+        return kind is typing.ClassVar or (
+            type(kind) is typing._GenericAlias  # type: ignore[attr-defined]
+            and kind.__origin__ is typing.ClassVar
+        )
     if "ClassVar" not in kind:
         return False
-    return bool(
-        dataclasses._is_type(  # type: ignore[attr-defined]
-            kind,
-            cls,
-            typing,
-            typing.ClassVar,
-            dataclasses._is_classvar,  # type: ignore[attr-defined]
-        )
-    )
+    dataclasses: Any = fs.standard()
+    return bool(dataclasses._is_type(kind, cls, typing, typing.ClassVar, dataclasses._is_classvar))
 
 
 def slotted(cls: type[Any], names: tuple[str, ...]) -> type[Any]:
@@ -217,11 +212,7 @@ def slotted(cls: type[Any], names: tuple[str, ...]) -> type[Any]:
     if "__slots__" in cls.__dict__:
         raise TypeError(f"{cls.__name__} already specifies __slots__")
     space = dict(cls.__dict__)
-    inherited = {
-        slot
-        for base in cls.__mro__[1:-1]
-        for slot in dataclasses._get_slots(base)  # type: ignore[attr-defined]
-    }
+    inherited = {slot for base in cls.__mro__[1:-1] for slot in fs.slots_of(base)}
     space["__slots__"] = tuple(name for name in names if name not in inherited)
     for name in names:
         space.pop(name, None)
@@ -244,21 +235,14 @@ def init_method(cls: type, fields: FieldTuple, frozen: bool) -> Callable[..., An
     in (``CodeType.replace``), its defaults and factories bound by the template's
     closure."""
     kinds = "".join(
-        "f"
-        if f.default_factory is not dataclasses.MISSING
-        else "d"
-        if f.default is not dataclasses.MISSING
-        else "p"
+        "f" if f.own_factory is not fs.MISSING else "d" if f.own_default is not fs.MISSING else "p"
         for f in fields
     )
     if "dp" in kinds or "fp" in kinds:
         at = kinds.index("p", min(i for i in (kinds.find("d"), kinds.find("f")) if i >= 0))
         raise TypeError(f"non-default argument {fields[at].name!r} follows default argument")
     bind = init_template(frozen, hasattr(cls, "__post_init__"), kinds)
-    defaults = [
-        f.default_factory if f.default_factory is not dataclasses.MISSING else f.default
-        for f in fields
-    ]
+    defaults = [f.own_factory if f.own_factory is not fs.MISSING else f.own_default for f in fields]
     template = bind(object, _HAS_DEFAULT_FACTORY, *defaults)
     rename = {placeholder(i): f.name for i, f in enumerate(fields)}
     code = template.__code__
@@ -398,8 +382,8 @@ def hash_action(cls: type, *, frozen: bool, eq: bool) -> str:
     """The standard library's rule without ``unsafe_hash``: a class that defines its own
     ``__hash__`` keeps it; otherwise an ``eq`` class gets one when frozen and is unhashable
     when not; a class without ``eq`` keeps what it inherits."""
-    own = cls.__dict__.get("__hash__", dataclasses.MISSING)
-    explicit = not (own is dataclasses.MISSING or (own is None and "__eq__" in cls.__dict__))
+    own = cls.__dict__.get("__hash__", fs.MISSING)
+    explicit = not (own is fs.MISSING or (own is None and "__eq__" in cls.__dict__))
     if explicit or not eq:
         return "keep"
     return "add" if frozen else "none"
@@ -408,16 +392,15 @@ def hash_action(cls: type, *, frozen: bool, eq: bool) -> str:
 def frozen_methods(cls: type[Any], fields: FieldTuple) -> dict[str, Callable[..., None]]:
     """A frozen class's ``__setattr__`` and ``__delattr__``: its fields refuse both."""
     names = frozenset(f.name for f in fields)
-    error = dataclasses.FrozenInstanceError
 
     def __setattr__(self: Any, name: str, value: Any) -> None:
         if type(self) is cls or name in names:
-            raise error(f"cannot assign to field {name!r}")
+            raise fs.standard().FrozenInstanceError(f"cannot assign to field {name!r}")
         super(cls, self).__setattr__(name, value)
 
     def __delattr__(self: Any, name: str) -> None:
         if type(self) is cls or name in names:
-            raise error(f"cannot delete field {name!r}")
+            raise fs.standard().FrozenInstanceError(f"cannot delete field {name!r}")
         super(cls, self).__delattr__(name)
 
     return {"__setattr__": __setattr__, "__delattr__": __delattr__}
@@ -453,10 +436,10 @@ def record_params(cls: type[Any], *, frozen: bool, eq: bool) -> None:
 def signature_text(fields: FieldTuple) -> str:
     """An undocumented dataclass's docstring, as the standard library writes it."""
 
-    def shown(f: dataclasses.Field[Any]) -> str:
-        kind = inspect.formatannotation(f.type)
-        default = "" if f.default is dataclasses.MISSING else f" = {f.default!r}"
-        if f.default_factory is not dataclasses.MISSING:
+    def shown(f: fs.Field) -> str:
+        kind = repr(f.type) if isinstance(f.type, str) else annotation_text(f.type)
+        default = "" if f.own_default is fs.MISSING else f" = {f.own_default!r}"
+        if f.own_factory is not fs.MISSING:
             default = " = <factory>"
         return f"{f.name}: {kind}{default}"
 
@@ -471,3 +454,10 @@ class _Factory:
 
 
 _HAS_DEFAULT_FACTORY = _Factory()
+
+
+def annotation_text(kind: Any) -> str:
+    """An annotation that is not a text, as ``inspect.signature`` shows it."""
+    import inspect  # rare (the package's annotations are texts), and ~10 ms to import
+
+    return inspect.formatannotation(kind)

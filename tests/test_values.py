@@ -22,8 +22,9 @@ from kprobes import initcode, values
 Decorator = Callable[..., Any]
 
 
-def classes(dataclass: Decorator) -> dict[str, type]:
-    """One family of classes, made by ``dataclass`` (the standard's or ours)."""
+def classes(dataclass: Decorator, field: Callable[..., Any] = field) -> dict[str, type]:
+    """One family of classes, made by ``dataclass`` (the standard's or ours), their fields
+    by ``field`` (the standard's, or ours: kprobes.fields)."""
 
     @dataclass(frozen=True, slots=True)
     class Point:
@@ -86,6 +87,8 @@ def classes(dataclass: Decorator) -> dict[str, type]:
 
 STANDARD = classes(dataclasses.dataclass)
 OURS = classes(values.dataclass)
+# The package's own way: kprobes.values's field(), which needs no ``dataclasses`` module.
+OWN = classes(values.dataclass, values.field)
 
 
 def made_by_ours(cls: type) -> bool:
@@ -94,8 +97,8 @@ def made_by_ours(cls: type) -> bool:
     return any(getattr(m, "__module__", None) == "kprobes.values" for m in vars(cls).values())
 
 
-def both(name: str) -> tuple[type, type]:
-    return STANDARD[name], OURS[name]
+def both(name: str, family: str = "ours") -> tuple[type, type]:
+    return STANDARD[name], (OURS if family == "ours" else OWN)[name]
 
 
 def outcome(fn: Callable[[], Any]) -> tuple[str, Any]:
@@ -115,9 +118,10 @@ def test_ours_are_made_here_and_are_dataclasses() -> None:
     assert values.made_here(type("Plain", (), {"__annotations__": {}}), True)
 
 
+@pytest.mark.parametrize("family", ["ours", "own fields"])
 @pytest.mark.parametrize("name", sorted(STANDARD))
-def test_the_same_shape(name: str) -> None:
-    standard, ours = both(name)
+def test_the_same_shape(name: str, family: str) -> None:
+    standard, ours = both(name, family)
     assert [(f.name, f.type, f.default, f.compare, f.repr) for f in dataclasses.fields(ours)] == [
         (f.name, f.type, f.default, f.compare, f.repr) for f in dataclasses.fields(standard)
     ]
@@ -152,9 +156,12 @@ CASES: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
 ]
 
 
+@pytest.mark.parametrize("family", ["ours", "own fields"])
 @pytest.mark.parametrize(("name", "args", "kwargs"), CASES)
-def test_the_same_values(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    standard, ours = both(name)
+def test_the_same_values(
+    name: str, args: tuple[Any, ...], kwargs: dict[str, Any], family: str
+) -> None:
+    standard, ours = both(name, family)
     made_s = outcome(lambda: standard(*args, **kwargs))
     made_o = outcome(lambda: ours(*args, **kwargs))
     if made_s[0] == "raised":
@@ -268,8 +275,8 @@ def test_the_standard_errors_of_a_bad_class(name: str) -> None:
 def test_the_fields_made_here_are_the_standard_ones() -> None:
     """Every field attribute, the ClassVar kept out, the class attributes as the standard
     decorator leaves them (a slot, or a plain default on a class without slots)."""
-    for name in STANDARD:
-        standard, ours = both(name)
+    for name, family in [(name, family) for name in STANDARD for family in ("ours", "own")]:
+        standard, ours = both(name, family)
         assert [repr(f) for f in ours.__dataclass_fields__.values()] == [  # type: ignore[attr-defined]
             repr(f)
             for f in standard.__dataclass_fields__.values()  # type: ignore[attr-defined]
@@ -279,8 +286,59 @@ def test_the_fields_made_here_are_the_standard_ones() -> None:
             for k, v in vars(standard).items()
             if k in standard.__dataclass_fields__  # type: ignore[attr-defined]
         }
-    assert [f.name for f in dataclasses.fields(OURS["Point"])] == ["x", "y", "label"]
-    assert OURS["Point"].unit == "px"  # type: ignore[attr-defined]
+    for made in (OURS, OWN):
+        assert [f.name for f in dataclasses.fields(made["Point"])] == ["x", "y", "label"]
+        assert [f.name for f in values.fields(made["Point"])] == ["x", "y", "label"]
+        assert made["Point"].unit == "px"  # type: ignore[attr-defined]
+
+
+def test_our_functions_take_the_standard_classes_too() -> None:
+    """kprobes.values's ``fields`` and ``replace`` on a class the standard decorator made
+    (the package's exceptions go to it), and on ours, give what the standard ones give."""
+    for made in (STANDARD, OURS, OWN):
+        point = made["Point"](1, 2)
+        assert values.fields(point) == dataclasses.fields(point)
+        assert values.replace(point, y=5) == dataclasses.replace(point, y=5)
+        assert repr(values.replace(point, label="q")) == repr(made["Point"](1, 2, "q"))
+        tagged = made["Tagged"]("n", ["a"])
+        assert outcome(lambda t=tagged: values.replace(t, name="")) == outcome(
+            lambda t=tagged: dataclasses.replace(t, name="")
+        )
+        assert dataclasses.asdict(made["Nested"](point)) == {
+            "inner": {"x": 1, "y": 2, "label": "p"},
+            "more": (),
+        }
+    for call in (values.fields, dataclasses.fields):
+        assert outcome(lambda c=call: c(1))[0] == "raised"
+    assert outcome(lambda: values.replace(1)) == outcome(lambda: dataclasses.replace(1))
+
+
+def test_a_standard_dataclass_derived_from_one_with_own_fields() -> None:
+    base = OWN["Point"]
+
+    @dataclasses.dataclass(frozen=True)
+    class Labelled(base):  # type: ignore[misc,valid-type]
+        colour: str = "red"
+
+    value = Labelled(1, 2, "a", "blue")
+    assert repr(value).endswith("Labelled(x=1, y=2, label='a', colour='blue')")
+    assert [f.name for f in dataclasses.fields(Labelled)] == ["x", "y", "label", "colour"]
+    assert Labelled(1) == Labelled(1, 0, "p", "red")
+
+
+@pytest.mark.parametrize("command", ["count", "trace"])
+def test_the_tool_runs_without_the_dataclasses_module(command: str) -> None:
+    """``dataclasses`` imports ``inspect``, ``ast``, ``dis`` and ``tokenize`` (11-17 ms of a
+    start): a command on our own backend must not need it (kprobes.fields). (The kernel's
+    backends read ELF files with pyelftools, whose ``pprint`` imports it.)"""
+    code = (
+        "import sys\n"
+        "from kprobes.cli.main import main\n"
+        f"code = main(['{command}', '-c', 'true', 'libc:malloc'])\n"
+        "print(code, sorted(m for m in ('dataclasses', 'inspect') if m in sys.modules))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert run.stdout.splitlines()[-1] == "0 []", run.stdout + run.stderr
 
 
 def test_every_value_of_the_package_is_a_dataclass_made_here() -> None:

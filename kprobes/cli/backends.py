@@ -33,13 +33,12 @@ import os
 import signal
 import time
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import field
 from typing import Protocol
 
 from kprobes.errors import ProbeError, ProbeRejected
 from kprobes.model import Event
 from kprobes.spec import ProbeSpec
-from kprobes.values import dataclass
+from kprobes.values import dataclass, field
 
 Sink = Callable[[Event], None]
 BACKENDS = ("ptrace", "uprobes", "kernel")

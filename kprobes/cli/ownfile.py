@@ -4,9 +4,9 @@ point names code in a file"; docs/decisions.md)."""
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 from kprobes.spec import ProbeSpec, SymbolLocation
+from kprobes.values import replace
 
 
 def own_file(pid: int) -> str | None:

@@ -16,7 +16,6 @@ import errno
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import field
 
 from kprobes.cli.backends import UPROBES_BUFFER_KB, Backend, Placed, Sink
 from kprobes.cli.notes import Progress
@@ -32,7 +31,7 @@ from kprobes.spec import FileOffsetLocation, ProbeSpec, SymbolLocation
 from kprobes.tracefs.kernel import Kernel
 from kprobes.tracefs.target import TraceTarget
 from kprobes.tracefs.uprobes import Uprobes
-from kprobes.values import dataclass
+from kprobes.values import dataclass, field
 
 
 @dataclass(slots=True)

@@ -11,11 +11,10 @@ target then decides whether the code allows it, and a refusal is final for that 
 from __future__ import annotations
 
 import enum
-from dataclasses import field
 from typing import TYPE_CHECKING, Any, Final
 
 from kprobes.errors import InternalError
-from kprobes.values import dataclass
+from kprobes.values import dataclass, field
 
 if TYPE_CHECKING:
     from kprobes.core.probes import Kprobe

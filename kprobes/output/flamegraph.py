@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable
-from dataclasses import field
 from xml.sax.saxutils import escape, quoteattr
 
-from kprobes.values import dataclass
+from kprobes.values import dataclass, field
 
 WIDTH = 1200
 FRAME_HEIGHT = 16

@@ -19,7 +19,6 @@ from __future__ import annotations
 import errno
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import field
 from typing import TYPE_CHECKING, Any
 
 from kprobes.arch.x86_64.retstack import Linear
@@ -32,7 +31,7 @@ from kprobes.process.fast.probe import FastProbe
 from kprobes.process.fetch.evaluate import ArgFetcher, CommCache, CpuReader, Memory, Symbolizer
 from kprobes.process.fetch.fast import data_resolver, file_resolver
 from kprobes.spec import AddressLocation, FileOffsetLocation, ProbeSpec, SymbolLocation, parse
-from kprobes.values import dataclass
+from kprobes.values import dataclass, field
 
 if TYPE_CHECKING:
     from kprobes.process.target import Process

@@ -19,8 +19,6 @@ lines, and arguments after a delete command.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from kprobes.errors import SpecError
 from kprobes.spec.fetchargs import ArgContext, is_symbol, parse_arg
 from kprobes.spec.lexical import (
@@ -43,6 +41,7 @@ from kprobes.spec.types import (
     ProbeSpec,
     SymbolLocation,
 )
+from kprobes.values import replace
 
 MAX_TRACE_ARGS = 128
 KRETPROBE_MAXACTIVE_MAX = 4096

@@ -33,7 +33,6 @@ import struct
 import threading
 import zlib
 from collections.abc import Iterator
-from dataclasses import field
 from typing import Final
 
 from elftools.common.exceptions import DWARFError, ELFError
@@ -59,7 +58,7 @@ from kprobes.symbols.dwarf_types import (
     origins,
 )
 from kprobes.symbols.elf import ElfImage, SymbolKind
-from kprobes.values import dataclass
+from kprobes.values import dataclass, field
 
 # Where distributions install separate debug files (gdb's "debug-file-directory").
 DEBUG_ROOTS: tuple[str, ...] = ("/usr/lib/debug",)

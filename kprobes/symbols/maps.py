@@ -17,12 +17,11 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Iterator
-from dataclasses import field
 from typing import Final
 
 from kprobes.errors import TargetError
 from kprobes.symbols.elf import ElfImage
-from kprobes.values import dataclass
+from kprobes.values import dataclass, field
 
 _DELETED: Final = " (deleted)"
 _PAGE_MASK: Final = ~0xFFF

@@ -54,7 +54,6 @@ import re
 import struct
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe
@@ -83,6 +82,7 @@ from kprobes.tracefs.lines import uprobe_location
 from kprobes.tracefs.points import AnyProbe, ProbePoint
 from kprobes.tracefs.programfiles import ProgramFiles, find_command
 from kprobes.tracefs.target import Sink, TraceTarget
+from kprobes.values import replace
 
 _NUMBER = re.compile(r"0x[0-9a-fA-F]+|\d+")
 

@@ -35,7 +35,6 @@ label, which records the fault; it never becomes the program's SIGSEGV. This is 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import field
 from typing import Final
 
 from iced_x86 import Code, Code_, Instruction, MemoryOperand, Register, Register_
@@ -43,7 +42,7 @@ from iced_x86 import Code, Code_, Instruction, MemoryOperand, Register, Register
 from kprobes.arch.x86_64.abi import FETCH_FAULT_MAGIC
 from kprobes.arch.x86_64.detour import Block, at, mov_load, mov_store
 from kprobes.errors import InternalError, TargetError
-from kprobes.values import dataclass
+from kprobes.values import dataclass, field
 
 MASK64: Final = (1 << 64) - 1
 FAULTED: Final = 1 << 32

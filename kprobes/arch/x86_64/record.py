@@ -24,7 +24,6 @@ TSC_AUX), else from ``rdtscp``, which also waits for older instructions to retir
 
 from __future__ import annotations
 
-from dataclasses import field
 from enum import Enum
 from typing import Final
 
@@ -45,7 +44,7 @@ from kprobes.arch.x86_64.stackwalk import CLOBBERS as WALK_CLOBBERS
 from kprobes.arch.x86_64.stackwalk import STATUS as STACK_STATUS
 from kprobes.arch.x86_64.stackwalk import StackWalk, emit_stack_walk
 from kprobes.errors import InternalError
-from kprobes.values import dataclass
+from kprobes.values import dataclass, field
 
 _GPRS: Final[dict[str, Register_]] = {
     "rax": Register.RAX, "rcx": Register.RCX, "rdx": Register.RDX, "rbx": Register.RBX,

@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-from dataclasses import field
-
 from kprobes.arch.x86_64.emulate import Emulator
 from kprobes.arch.x86_64.plan import Plan, PlanKind
 from kprobes.linux import ptrace
-from kprobes.values import dataclass
+from kprobes.values import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,6 @@ not been reported yet: it cannot run until we resume it.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import struct
 from typing import TYPE_CHECKING, Any
@@ -20,6 +19,7 @@ from kprobes.core.retprobes import KretprobeInstance, Task
 from kprobes.errors import InternalError
 from kprobes.linux import ptrace
 from kprobes.process.engine.cpus import WINDOW
+from kprobes.values import replace
 
 if TYPE_CHECKING:
     from kprobes.core.table import ProbeSite
@@ -193,7 +193,7 @@ class Thread:
         req = self.req
         want = req.syscall_cont if on else req.plain_cont
         if req.cont is not want:
-            self.req = dataclasses.replace(req, cont=want)
+            self.req = replace(req, cont=want)
 
     @property
     def is_tracing_syscalls(self) -> bool:

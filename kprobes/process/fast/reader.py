@@ -44,7 +44,6 @@ import struct
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from kprobes.arch.x86_64 import ring_block
@@ -69,7 +68,7 @@ from kprobes.process.fast.interleave import decode_interleaved
 from kprobes.process.fast.probe import FastProbe
 from kprobes.process.fetch.evaluate import Memory
 from kprobes.process.fetch.fast import entry_registers
-from kprobes.values import dataclass
+from kprobes.values import dataclass, replace
 
 if TYPE_CHECKING:
     from kprobes.core.table import ProbeSite, ProbeTable

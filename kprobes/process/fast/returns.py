@@ -22,7 +22,6 @@ import os
 import struct
 import time
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import field
 from typing import TYPE_CHECKING, Final
 
 from kprobes.arch.x86_64 import retstack as rs
@@ -39,7 +38,7 @@ from kprobes.linux.tsc import read_tsc
 from kprobes.process.engine.xol import MARK_SIZE
 from kprobes.process.inject import calls
 from kprobes.symbols.maps import read_maps
-from kprobes.values import dataclass
+from kprobes.values import dataclass, field
 
 if TYPE_CHECKING:
     from kprobes.core.optimizer import SiteOpt

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Iterable, Iterator
-from dataclasses import field
 from typing import TYPE_CHECKING, Final
 
 from kprobes.arch.x86_64 import shared_area as sa
@@ -20,7 +19,7 @@ from kprobes.process.fast.lease import Lease
 from kprobes.process.fast.reader import RingReader
 from kprobes.process.fast.returns import ReturnStacks
 from kprobes.process.fast.shield import Shield
-from kprobes.values import dataclass
+from kprobes.values import dataclass, field
 
 if TYPE_CHECKING:
     from kprobes.process.engine.threads import Thread
