@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import compileall
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -41,10 +42,22 @@ CASES = (
 
 def once(argv: list[str], tree: str | None = None) -> float:
     start = time.perf_counter()
+    before = cpu_of_children()
     subprocess.run(
         argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, **where(tree)
     )
+    CPU.append(cpu_of_children() - before)
     return time.perf_counter() - start
+
+
+# The CPU time (user and system) of each ``once``, the last one last: steadier than the
+# wall clock on a machine whose other guests take its CPUs now and then.
+CPU: list[float] = []
+
+
+def cpu_of_children() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 STARTS = (
@@ -70,12 +83,15 @@ def where(tree: str | None) -> dict[str, Any]:
     return {"cwd": tree, "env": {**os.environ, "PYTHONPATH": tree}}
 
 
-def row(label: str, times: list[float], width: int = 42) -> str:
+def row(label: str, times: list[float], width: int = 42, cpu: list[float] | None = None) -> str:
     times = sorted(times)
-    return (
+    text = (
         f"{label:{width}} median {statistics.median(times):6.0f}  "
         f"min {times[0]:6.0f}  max {times[-1]:6.0f}"
     )
+    if cpu:
+        text += f"  cpu median {statistics.median(cpu) * 1000:4.0f} min {min(cpu) * 1000:4.0f}"
+    return text
 
 
 def interleaved(runs: int, against: str) -> None:
@@ -85,18 +101,24 @@ def interleaved(runs: int, against: str) -> None:
     trees = {"this": here, "other": os.path.abspath(against)}
     for tree in trees.values():
         compileall.compile_dir(os.path.join(tree, "kprobes"), quiet=1)
-    print(f"this = {here}, other = {trees['other']}; {runs} runs each, interleaved, wall ms")
+    print(
+        f"this = {here}, other = {trees['other']}; {runs} runs each, interleaved, wall ms "
+        "(and the command's CPU time)"
+    )
     cases = [(label, argv, once) for label, argv in CASES[1:]]
     cases.append(("count -c 'date +%s%N' libc:malloc, to main", STARTS[1], to_start))
     for label, argv, measure in cases:
         times: dict[str, list[float]] = {name: [] for name in trees}
+        cpu: dict[str, list[float]] = {name: [] for name in trees}
         for name in trees:
             measure(argv, trees[name])  # warm the page cache
         for run in range(runs):
             for name in sorted(trees, reverse=run % 2 == 1):
+                CPU.clear()
                 times[name].append(measure(argv, trees[name]) * 1000)
+                cpu[name].extend(CPU)
         for name in trees:
-            print(row(f"{name:5} {label}", times[name], width=50))
+            print(row(f"{name:5} {label}", times[name], width=50, cpu=cpu[name]))
 
 
 def main() -> None:
@@ -113,10 +135,14 @@ def main() -> None:
 
     compileall.compile_dir(os.path.dirname(kprobes.__file__), quiet=1)
     env_path = os.environ.get("PYTHONPATH", "")
-    print(f"PYTHONPATH={env_path or '(unset)'}; {args.runs} runs each, wall ms")
+    print(
+        f"PYTHONPATH={env_path or '(unset)'}; {args.runs} runs each, wall ms "
+        "(and the command's CPU time)"
+    )
     for label, argv in CASES:
         once(argv)  # warm the page cache
-        print(row(label, [once(argv) * 1000 for _ in range(args.runs)]))
+        CPU.clear()
+        print(row(label, [once(argv) * 1000 for _ in range(args.runs)], cpu=list(CPU)))
     label, argv = STARTS
     to_start(argv)
     times = [to_start(argv) * 1000 for _ in range(args.runs)]

@@ -31,6 +31,7 @@ from support import run_main as kprobes
 from kprobes.cli.session import Session, event_fields, parse_spec
 from kprobes.output.jsonl import format_json
 from kprobes.output.text import format_event
+from kprobes.process.fast import batch as batch_mod
 from kprobes.process.fast import columns as columns_mod
 from kprobes.process.fast import reader as reader_mod
 from kprobes.process.fast.interleave import Interleaved
@@ -157,13 +158,13 @@ def test_a_filter_on_the_batch_path_keeps_what_the_sink_keeps(
 
 def test_max_events_keeps_the_handlers_path(target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     made = []
-    plan_decoder = reader_mod.plan_decoder
+    plan_decoder = batch_mod.plan_decoder  # the reader imports it on its first batch
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         made.append(args[0])
         return plan_decoder(*args, **kwargs)
 
-    monkeypatch.setattr(reader_mod, "plan_decoder", spy)
+    monkeypatch.setattr(batch_mod, "plan_decoder", spy)
     out, err = kprobes("trace", "-n", "5", "-c", f"{target} 1000", "p work i=%di:u32")
     assert [line.rpartition("=")[2] for line in out.splitlines()] == list(map(str, range(5)))
     assert made == [] and "5 events" in err

@@ -23,7 +23,6 @@ from functools import partial
 from kprobes.cli.backends import Backend, Glob, Placed, Sink, Tried
 from kprobes.cli.ownfile import in_own_file, own_file
 from kprobes.cli.sigint import is_in_trace_stop
-from kprobes.cli.stack_options import TIER_NOTE, WHY_TRAP_RETURNS
 from kprobes.cli.targets import open_targets
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import InstancePool, Kretprobe, KretprobeInstance
@@ -252,6 +251,8 @@ class PtraceBackend(Backend):
             return
         proc.optimization = False
         self._stacks_on_traps = True  # said once, here: no note per probe
+        from kprobes.cli.stack_options import TIER_NOTE, WHY_TRAP_RETURNS
+
         sys.stderr.write(TIER_NOTE.format(why=WHY_TRAP_RETURNS))
 
     def _follow(self, member: Process) -> None:

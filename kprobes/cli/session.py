@@ -37,7 +37,6 @@ from kprobes.cli.ownfile import in_file
 from kprobes.cli.sigint import RunInterrupted, SafeInterrupt
 from kprobes.cli.spellings import read_spelling
 from kprobes.cli.targets import add_target_arguments, say_pending
-from kprobes.cli.wallclock import realtime_offset_ns
 from kprobes.core.retprobes import Kretprobe
 from kprobes.errors import SpecError, TargetError
 from kprobes.model import Event
@@ -367,6 +366,8 @@ class Session:
         asked: float | None
         try:
             if self.wall_clock:
+                from kprobes.cli.wallclock import realtime_offset_ns  # -T's alone
+
                 self.wall_offset_ns = realtime_offset_ns(backend.event_clock)
             if self.prepare is not None:
                 self.prepare(backend)

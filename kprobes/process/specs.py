@@ -21,12 +21,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kprobes.arch.x86_64.retstack import Linear
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe, KretprobeInstance
 from kprobes.errors import InternalError, ProbeRejected, SpecError, TargetError
 from kprobes.model import ArgValue, Event
-from kprobes.process.fast.batch import BatchOutput
 from kprobes.process.fast.probe import FastProbe
 from kprobes.process.fetch.evaluate import ArgFetcher, CommCache, CpuReader, Memory, Symbolizer
 from kprobes.process.fetch.fast import data_resolver, file_resolver
@@ -34,6 +32,7 @@ from kprobes.spec import AddressLocation, FileOffsetLocation, ProbeSpec, SymbolL
 from kprobes.values import dataclass, field
 
 if TYPE_CHECKING:
+    from kprobes.process.fast.batch import BatchOutput
     from kprobes.process.target import Process
 
 Sink = Callable[[Event], None]
@@ -43,7 +42,7 @@ StackSink = Callable[[Event, int], None]
 LineHandler = Callable[[Any, Event], Any]
 # The output that takes a spec's events as rows, a batch at a time (process/fast/batch.py),
 # where nothing needs each event as a value; None: the sink gets each event.
-BatchOutputs = Callable[[ProbeSpec], BatchOutput | None]
+BatchOutputs = Callable[[ProbeSpec], "BatchOutput | None"]
 _now = time.monotonic
 
 
@@ -339,6 +338,8 @@ class SpecTracer:
         ``hist -H``'s (its one fetch-arg, ``$retval``: the command checked it); into linear
         buckets only where the program can."""
         if self.linear is not None:
+            from kprobes.arch.x86_64.retstack import Linear  # return probes' code: on use
+
             try:
                 Linear(*self.linear)
             except InternalError:

@@ -39,7 +39,6 @@ from kprobes.errors import (
 )
 from kprobes.linux import ptrace
 from kprobes.model import BlacklistEntry
-from kprobes.process.engine.contracts import Injector
 from kprobes.process.engine.prepared import Prepared
 from kprobes.symbols.elf import SymbolKind
 from kprobes.symbols.maps import read_maps
@@ -50,6 +49,7 @@ if TYPE_CHECKING:
 
     from kprobes.core.table import ProbeTable
     from kprobes.process.engine.attachment import Attachment
+    from kprobes.process.engine.contracts import Injector
 
 _MAX_FUNC_DECODE = 1 << 20
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from kprobes.arch.x86_64.plan import PlanKind, step_fixup
 from kprobes.arch.x86_64.regs import REG_INDEX
@@ -30,7 +31,6 @@ from kprobes.linux import ptrace
 from kprobes.process.engine import events as ev
 from kprobes.process.engine import owners
 from kprobes.process.engine.breakpoints import Breakpoints
-from kprobes.process.engine.contracts import FastTier, FaultFixer, Guardian
 from kprobes.process.engine.cpus import Placement
 from kprobes.process.engine.lifecycle import Lifecycle
 from kprobes.process.engine.prepared import Prepared
@@ -41,6 +41,9 @@ from kprobes.process.engine.tracee import Tracee, TraceeKind
 from kprobes.process.engine.trampoline import Trampoline
 from kprobes.process.engine.world import World, put_back
 from kprobes.process.engine.xol import XolArea
+
+if TYPE_CHECKING:
+    from kprobes.process.engine.contracts import FastTier, FaultFixer, Guardian
 
 S = ThreadState
 # Members looked up once: in CPython 3.11 reading an attribute of an Enum class goes through

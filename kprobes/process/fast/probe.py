@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe
 from kprobes.model import EntryData, Event, UserStack
-from kprobes.process.fast.batch import BatchOutput
 from kprobes.process.fetch.evaluate import ArgFetcher, Memory
 from kprobes.process.fetch.fast import Resolver, data_resolver, file_resolver
 from kprobes.spec import SymbolLocation, parse
 from kprobes.values import dataclass
 
 if TYPE_CHECKING:
+    from kprobes.process.fast.batch import BatchOutput
     from kprobes.spec import ProbeSpec
     from kprobes.symbols.resolve import SymbolResolver
 

@@ -46,7 +46,6 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
-from kprobes.arch.x86_64 import ring_block
 from kprobes.arch.x86_64 import shared_area as sa
 from kprobes.arch.x86_64.capture import (
     ENTRY_DATA,
@@ -61,17 +60,17 @@ from kprobes.arch.x86_64.stackwalk import WalkResult, read_walk_at
 from kprobes.core.probes import Kprobe
 from kprobes.core.retprobes import Kretprobe
 from kprobes.errors import ProbeError
-from kprobes.linux.tsc import TscClock
 from kprobes.model import ArgValue, EntryData, Event, UserStack
-from kprobes.process.fast.batch import Decoder, plan_decoder
-from kprobes.process.fast.interleave import decode_interleaved
 from kprobes.process.fast.probe import FastProbe
 from kprobes.process.fetch.evaluate import Memory
 from kprobes.process.fetch.fast import entry_registers
 from kprobes.values import dataclass, replace
 
 if TYPE_CHECKING:
+    from kprobes.arch.x86_64 import ring_block
     from kprobes.core.table import ProbeSite, ProbeTable
+    from kprobes.linux.tsc import TscClock
+    from kprobes.process.fast.batch import Decoder
 
 _U64: Final = struct.Struct("<Q").unpack_from
 BATCH: Final = 16384  # records read by a poll: run(timeout) returns between batches
@@ -199,6 +198,8 @@ class RingReader:
         of its entry, or of the returns of ``owner``, a return probe whose entry it is, or
         (``entry_data``) of ``owner``'s entry action."""
         if self._clock is None:
+            from kprobes.linux.tsc import TscClock  # a record probe's: on its first site
+
             self._clock = TscClock()
         rid = len(self.sites) + 1
         is_return = owner is not None and not entry_data
@@ -289,6 +290,8 @@ class RingReader:
     def _drain(self, limit: int) -> int:
         assert self._clock is not None
         self._clock.sample()
+        from kprobes.arch.x86_64 import ring_block  # the records' code: with the first site
+
         blocks = [ring_block.read_block(view, limit=limit) for view in self._areas()]
         for block in blocks:
             self.dropped += block.dropped
@@ -336,6 +339,8 @@ class RingReader:
         runs = block.runs
         view = memoryview(block.data)
         batcher_of = self._run_batcher
+        from kprobes.process.fast.interleave import decode_interleaved
+
         together = decode_interleaved(block, batcher_of, self._clock.segment_of)
         for i, run in enumerate(runs):
             if self._is_late() or self.table.pending_error is not None:
@@ -401,6 +406,8 @@ class RingReader:
     ) -> Batcher | None:
         assert self._clock is not None and fp.batch is not None
         try:
+            from kprobes.process.fast.batch import plan_decoder
+
             plan = plan_decoder(fp.spec, fp.resolvers, rs.plan, rs.site.addr)
         except ProbeError:
             # Its @symbol asked of a program that is gone (a short one, its records read
