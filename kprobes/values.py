@@ -26,8 +26,8 @@ the tool (docs/performance.md). Here:
 
 Type checkers see ``dataclasses.dataclass`` itself (the name is re-exported under
 ``TYPE_CHECKING``, as are ``field``, ``fields`` and ``replace``), so the classes are checked
-as the standard library's. tests/test_values.py
-builds the same classes with both decorators and compares what they do.
+as the standard library's. tests/test_values.py builds the same classes with both decorators
+and compares what they do.
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ def made_here(cls: type, frozen: bool) -> bool:
 
 
 def make(cls: type, *, frozen: bool, slots: bool, eq: bool) -> type:
-    """The dataclass: the standard decorator's fields and class, this module's methods."""
+    """The dataclass: its fields and class as the standard decorator makes them, this
+    module's methods."""
     documented = bool(cls.__doc__)
     made = dataclass_class(cls, frozen=frozen, eq=eq, slots=slots)
     fields = fs.fields(made)
