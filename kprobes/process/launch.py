@@ -235,7 +235,7 @@ def _seize_all(tracer: Tracer, main: Tracee) -> None:
                     tracer.add_thread(main, tid, ThreadState.NEW)
                     continue
                 raise _not_traceable(pid, tid, exc) from exc
-            tracer.add_thread(main, tid, ThreadState.RUNNING)
+            tracer.add_thread(main, tid, ThreadState.RUNNING, seized=True)
     if not main.threads:
         raise TargetError(f"process {pid} exited while being attached", errno=errno.ESRCH)
 

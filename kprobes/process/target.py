@@ -517,7 +517,7 @@ class Process:
         the image gets its probes now; adopted (family), once it is resumed (pending.py)."""
         tracer = self._tracer
         main = tracer.add_tracee(self.pid, TraceeKind.MAIN)
-        thread = tracer.add_thread(main, tid, ThreadState.STOPPED)
+        thread = tracer.add_thread(main, tid, ThreadState.STOPPED, seized=hold)
         thread.event_stopped = True
         thread.exec_landing = True
         if hold:

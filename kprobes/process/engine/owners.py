@@ -15,6 +15,7 @@ its int3 before the reap (``set_aside``).
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from kprobes.process.engine import events as ev
@@ -27,10 +28,22 @@ _OWNERS: dict[int, Tracer] = {}  # every tid traced by a Tracer of this process
 _UNCLAIMED: dict[int, list[int]] = {}  # stops of tids no tracer has claimed yet
 
 
-def claim(tracer: Tracer, tid: int) -> list[int]:
-    """``tracer`` owns ``tid`` from now on; the stops that came for it before, in order."""
+def claim(tracer: Tracer, tid: int, *, seized: bool = False) -> list[int]:
+    """``tracer`` owns ``tid`` from now on; the stops that came for it before, in order.
+
+    What is kept under a tid may be an earlier process's: the kernel gives pids again, and
+    a child of this Python process that no tracer traced (a ``Popen`` of the host program)
+    was reaped by a tracer's wait when it exited, its exit kept here for good. A thread
+    just ``seized`` (attached, or spawned and seized) had no stop for anyone before: all of
+    it is dropped. A new thread's first report is a stop: the exits before it go too
+    (tests/test_reused_pids.py)."""
     _OWNERS[tid] = tracer
-    return _UNCLAIMED.pop(tid, [])
+    kept = _UNCLAIMED.pop(tid, [])
+    if seized:
+        return []
+    while kept and (os.WIFEXITED(kept[0]) or os.WIFSIGNALED(kept[0])):
+        del kept[0]
+    return kept
 
 
 def release(tracer: Tracer, tid: int) -> None:

@@ -128,10 +128,15 @@ class Tracer:
             self.main = tracee
         return tracee
 
-    def add_thread(self, tracee: Tracee, tid: int, state: ThreadState) -> Thread:
+    def add_thread(
+        self, tracee: Tracee, tid: int, state: ThreadState, *, seized: bool = False
+    ) -> Thread:
+        """``tid`` is ours: ``seized`` by us just now (attached, or spawned), or a new
+        thread or child an event of ours named (its stops that came first are its own)."""
         thread = tracee.add_thread(tid, state)
         self.threads[tid] = thread
-        self.world.inbox.extend((tid, status) for status in owners.claim(self, tid))
+        claimed = owners.claim(self, tid, seized=seized)
+        self.world.inbox.extend((tid, status) for status in claimed)
         return thread
 
     def drop_thread(self, thread: Thread) -> None:
