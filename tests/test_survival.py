@@ -276,6 +276,14 @@ def thread_state(pid: int) -> str:
     return "; ".join(said)
 
 
+def how_it_ended(prog: subprocess.Popen[bytes]) -> str:
+    """What a program that ended where it should still wait said (read after its state)."""
+    if prog.poll() is None:
+        return ""
+    out, err = prog.communicate(timeout=10)
+    return f"; it ended with {prog.returncode}: {out!r} {err[-500:]!r}"
+
+
 @pytest.mark.parametrize(("mode", "nr"), [("read", 0), ("poll", 7)])
 def test_tool_killed_inside_an_injection_into_a_blocked_syscall(popen, build, mode, nr):
     """The thread the tool borrows is blocked in ``read`` (restarted by the kernel from its
@@ -325,7 +333,9 @@ def test_tool_killed_inside_an_injection_into_a_blocked_syscall(popen, build, mo
         support.wait_until(
             lambda p=prog, a=again: blocked_in(p.pid) in a,
             20,
-            lambda p=prog, k=stall_at, s=said: f"{mode} again ({k}, {s!r}): {thread_state(p.pid)}",
+            lambda p=prog, k=stall_at, s=said: (
+                f"{mode} again ({k}, {s!r}): {thread_state(p.pid)}{how_it_ended(p)}"
+            ),
         )
         out, err = prog.communicate(b"hello\n", timeout=30)
         assert (prog.returncode, out) == (0, want), (stall_at, out, err.decode()[-2000:])
