@@ -37,10 +37,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Final
 
-from iced_x86 import Code, Code_, Instruction, MemoryOperand, Register, Register_
-
 from kprobes.arch.x86_64.abi import FETCH_FAULT_MAGIC
 from kprobes.arch.x86_64.detour import Block, at, mov_load, mov_store
+from kprobes.arch.x86_64.iced import Code, Code_, Instruction, MemoryOperand, Register, Register_
 from kprobes.errors import InternalError, TargetError
 from kprobes.values import dataclass, field
 

@@ -21,8 +21,14 @@ import errno
 from collections.abc import Iterator
 from typing import Final
 
-from iced_x86 import Code, Decoder, DecoderError, Formatter, FormatterSyntax, Instruction
-
+from kprobes.arch.x86_64.iced import (
+    Code,
+    Decoder,
+    DecoderError,
+    Formatter,
+    FormatterSyntax,
+    Instruction,
+)
 from kprobes.errors import InternalError, NotABoundary
 from kprobes.values import dataclass
 

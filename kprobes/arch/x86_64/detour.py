@@ -36,7 +36,9 @@ import errno
 from enum import Enum
 from typing import Final, Protocol
 
-from iced_x86 import (
+from kprobes.arch.x86_64.abi import RED_ZONE
+from kprobes.arch.x86_64.encode import jmp_rel32
+from kprobes.arch.x86_64.iced import (
     BlockEncoder,
     Code,
     Code_,
@@ -46,9 +48,6 @@ from iced_x86 import (
     Register,
     Register_,
 )
-
-from kprobes.arch.x86_64.abi import RED_ZONE
-from kprobes.arch.x86_64.encode import jmp_rel32
 from kprobes.arch.x86_64.jumpopt import Region, relocate_region
 from kprobes.errors import InternalError, NotRelocatable
 from kprobes.values import dataclass

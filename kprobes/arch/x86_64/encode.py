@@ -18,9 +18,8 @@ import errno
 import struct
 from typing import Final
 
-from iced_x86 import Decoder
-
 from kprobes.arch.x86_64.decode import MAX_INSN_LEN, decode_raw
+from kprobes.arch.x86_64.iced import Decoder
 from kprobes.errors import InternalError, NotRelocatable
 
 INT3: Final = b"\xcc"

@@ -36,10 +36,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Final
 
-from iced_x86 import Code, Decoder, DecoderError, FlowControl, Instruction, Mnemonic, OpKind
-
 from kprobes.arch.x86_64.decode import MAX_INSN_LEN, format_instruction
 from kprobes.arch.x86_64.encode import JMP_REL32_LEN, relocate_rip_relative
+from kprobes.arch.x86_64.iced import (
+    Code,
+    Decoder,
+    DecoderError,
+    FlowControl,
+    Instruction,
+    Mnemonic,
+    OpKind,
+)
 from kprobes.arch.x86_64.plan import plan_instruction
 from kprobes.errors import InternalError, NotRelocatable
 from kprobes.values import dataclass

@@ -20,9 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Final
 
-from iced_x86 import Decoder, Encoder, FlowControl, OpKind
-
 from kprobes.arch.x86_64.detour import DETOUR_MAX
+from kprobes.arch.x86_64.iced import Decoder, Encoder, FlowControl, OpKind
 
 _RED_ZONE_STEP: Final = bytes.fromhex("488d642480")  # lea rsp, [rsp-0x80]
 _JMP_REL32: Final = 0xE9

@@ -29,7 +29,9 @@ import errno
 from enum import Enum
 from typing import Final
 
-from iced_x86 import (
+from kprobes.arch.x86_64.decode import decode_raw, format_instruction
+from kprobes.arch.x86_64.encode import INT3, jmp_rel32, relocate_rip_relative
+from kprobes.arch.x86_64.iced import (
     Code,
     Code_,
     FlowControl,
@@ -41,9 +43,6 @@ from iced_x86 import (
     Register_,
     RegisterExt,
 )
-
-from kprobes.arch.x86_64.decode import decode_raw, format_instruction
-from kprobes.arch.x86_64.encode import INT3, jmp_rel32, relocate_rip_relative
 from kprobes.errors import InternalError, NotRelocatable
 from kprobes.values import dataclass
 

@@ -27,8 +27,6 @@ from __future__ import annotations
 from enum import Enum
 from typing import Final
 
-from iced_x86 import Code, Instruction, MemoryOperand, Register, Register_
-
 from kprobes.arch.x86_64 import shared_area as area
 from kprobes.arch.x86_64.capture import CapturePlan, LoadReg, emit_captures
 from kprobes.arch.x86_64.detour import (
@@ -40,6 +38,7 @@ from kprobes.arch.x86_64.detour import (
     mov_store,
     rip_operand,
 )
+from kprobes.arch.x86_64.iced import Code, Instruction, MemoryOperand, Register, Register_
 from kprobes.arch.x86_64.stackwalk import CLOBBERS as WALK_CLOBBERS
 from kprobes.arch.x86_64.stackwalk import STATUS as STACK_STATUS
 from kprobes.arch.x86_64.stackwalk import StackWalk, emit_stack_walk

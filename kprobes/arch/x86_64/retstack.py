@@ -42,9 +42,8 @@ from __future__ import annotations
 
 from typing import Final
 
-from iced_x86 import Code, Instruction, MemoryOperand, Register, Register_
-
 from kprobes.arch.x86_64.detour import Block, Frame, at, mov_load, mov_store
+from kprobes.arch.x86_64.iced import Code, Instruction, MemoryOperand, Register, Register_
 from kprobes.arch.x86_64.record import RecordAction, ThreadId
 from kprobes.arch.x86_64.shadow import (
     CAPACITY,

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from typing import Final
 
-from iced_x86 import Code, Instruction, MemoryOperand, Register
-
 from kprobes.arch.x86_64.capture import ENTRY_DATA, ENTRY_TSC, entry_word
 from kprobes.arch.x86_64.detour import EFLAGS, Block, Frame, at, mov_load, mov_store
+from kprobes.arch.x86_64.iced import Code, Instruction, MemoryOperand, Register
 from kprobes.arch.x86_64.retstack import (
     C_HIST,
     C_LHIST,

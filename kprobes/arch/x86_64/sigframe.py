@@ -41,10 +41,9 @@ from __future__ import annotations
 import struct
 from typing import Final
 
-from iced_x86 import Code, Code_, Mnemonic, OpKind, Register
-
 from kprobes.arch.x86_64.abi import RED_ZONE
 from kprobes.arch.x86_64.decode import MAX_INSN_LEN, decode_raw
+from kprobes.arch.x86_64.iced import Code, Code_, Mnemonic, OpKind, Register
 from kprobes.arch.x86_64.regs import REG_INDEX, REGS_SIZE
 from kprobes.errors import NotABoundary
 from kprobes.values import dataclass

@@ -38,10 +38,9 @@ import struct
 from collections.abc import Iterator
 from typing import Final
 
-from iced_x86 import Code, Instruction, Register
-
 from kprobes.arch.x86_64.capture import LoadReg
 from kprobes.arch.x86_64.detour import Block, Frame, at, mov_load, mov_store, rip_operand
+from kprobes.arch.x86_64.iced import Code, Instruction, Register
 from kprobes.arch.x86_64.record import register_loader
 from kprobes.arch.x86_64.stackwalk import CLOBBERS as WALK_CLOBBERS
 from kprobes.arch.x86_64.stackwalk import (

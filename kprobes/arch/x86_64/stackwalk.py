@@ -71,11 +71,10 @@ from collections.abc import Sequence
 from enum import IntEnum
 from typing import Final
 
-from iced_x86 import Code, Instruction, MemoryOperand, Register, Register_
-
 from kprobes.arch.x86_64 import shadow
 from kprobes.arch.x86_64.abi import FETCH_FAULT_MAGIC
 from kprobes.arch.x86_64.detour import Block, at, mov_load, mov_store
+from kprobes.arch.x86_64.iced import Code, Instruction, MemoryOperand, Register, Register_
 from kprobes.errors import InternalError
 from kprobes.values import dataclass
 

@@ -9,9 +9,8 @@ stack that retstack.py keeps (its layout: shadow.py).
 
 from __future__ import annotations
 
-from iced_x86 import Code, Instruction, Register
-
 from kprobes.arch.x86_64.detour import Block, Frame, at, mov_load, mov_store
+from kprobes.arch.x86_64.iced import Code, Instruction, Register
 from kprobes.arch.x86_64.record import ThreadId
 from kprobes.arch.x86_64.retstack import (
     R8,
