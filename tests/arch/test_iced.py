@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
 
 import iced_x86
@@ -47,6 +48,7 @@ def test_the_table_is_what_the_script_writes_today(tmp_path: Path) -> None:
 
 
 def test_every_value_is_iced_x86s_own() -> None:
+    assert version("iced-x86") == iced_names.VERSION
     for family, table in FAMILIES.items():
         module = getattr(iced_x86, family)
         assert table, family
@@ -109,6 +111,23 @@ def test_a_name_the_table_lacks_is_read_from_iced_x86() -> None:
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert run.stdout == "read\n", run.stderr
+
+
+def test_another_iced_x86_than_the_tables_is_used_whole() -> None:
+    """The table holds one version's values: with another version installed (here, a table
+    that says it was written from another), every name comes from iced-x86 itself."""
+    code = (
+        "import sys\n"
+        "from kprobes.arch.x86_64 import iced_names\n"
+        "iced_names.VERSION = '0.0.1'\n"
+        "from kprobes.arch.x86_64 import iced\n"
+        "import iced_x86\n"
+        "assert iced.Code is iced_x86.Code and iced.Register is iced_x86.Register\n"
+        "assert iced.Decoder is iced_x86.Decoder\n"
+        "print('whole')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert run.stdout == "whole\n", run.stderr
 
 
 def test_a_command_needs_only_the_native_module(build: Callable[[str], Path]) -> None:

@@ -5,6 +5,9 @@ Written by scripts/build-iced-names from iced-x86 1.21.0: do not edit.
 
 from typing import Final
 
+# iced.py uses the table only with this version of iced-x86 installed.
+VERSION: Final = "1.21.0"
+
 CODE: Final[dict[str, int]] = {
     "ADD_R64_RM64": 12,
     "ADD_RM64_IMM8": 249,
