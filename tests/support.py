@@ -740,3 +740,18 @@ def read_then_close(popen: Any, argv: list[Any], n: int) -> tuple[list[bytes], s
     tool.stdout.close()
     err = tool.stderr.read().decode()
     return lines, err, tool.wait(timeout=120)
+
+
+def run_build_script(name: str, out: Path) -> str:
+    """Run ``scripts/NAME OUT`` (a generator of one of the package's tables) with this
+    interpreter; what it wrote."""
+    repo = Path(__file__).resolve().parents[1]
+    subprocess.run(
+        ["sh", str(repo / "scripts" / name), str(out)],
+        check=True,
+        cwd=repo,
+        capture_output=True,
+        timeout=120,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+    return out.read_text()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+import support
 
 from kprobes import initcode, values
 
@@ -386,21 +386,14 @@ def test_the_compiled_templates_are_the_package_shapes(tmp_path: Path) -> None:
     """initcode.py holds the templates of (almost) every shape the package's classes have:
     scripts/build-inits writes the table anew and the two are compared."""
     out = tmp_path / "initcode.py"
-    subprocess.run(
-        ["sh", str(REPO / "scripts" / "build-inits"), str(out)],
-        check=True,
-        cwd=REPO,
-        capture_output=True,
-        timeout=120,
-        env={**os.environ, "PYTHON": sys.executable},
-    )
+    text = support.run_build_script("build-inits", out)
     scope: dict[str, Any] = {}
-    exec(compile(out.read_text(), str(out), "exec"), scope)
+    exec(compile(text, str(out), "exec"), scope)
     missing = set(scope["TEMPLATES"]) - set(initcode.TEMPLATES)
     assert len(missing) <= SHAPES_MISSING_AT_MOST, (
         f"{len(missing)} shapes of dataclass compiled at every start: run scripts/build-inits"
     )
-    assert out.read_text().startswith(inspect.getsource(initcode)[:200])
+    assert text.startswith(inspect.getsource(initcode)[:200])
 
 
 def test_each_compiled_template_is_the_text_it_was_made_from() -> None:

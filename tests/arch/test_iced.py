@@ -7,7 +7,6 @@ records through the native module alone, and that a name the table lacks still r
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import iced_x86
+import support
 
 from kprobes.arch.x86_64 import iced, iced_names
 
@@ -34,17 +34,9 @@ FAMILIES = {
 def test_the_table_is_what_the_script_writes_today(tmp_path: Path) -> None:
     """Every constant the package reads is in the table, with the installed iced's value:
     the script writes the table anew from the package's source and the two are compared."""
-    out = tmp_path / "iced_names.py"
-    subprocess.run(
-        ["sh", str(REPO / "scripts" / "build-iced-names"), str(out)],
-        check=True,
-        cwd=REPO,
-        capture_output=True,
-        timeout=120,
-        env={**os.environ, "PYTHON": sys.executable},
-    )
+    written = support.run_build_script("build-iced-names", tmp_path / "iced_names.py")
     committed = (REPO / "kprobes" / "arch" / "x86_64" / "iced_names.py").read_text()
-    assert out.read_text() == committed, "run scripts/build-iced-names"
+    assert written == committed, "run scripts/build-iced-names"
 
 
 def test_every_value_is_iced_x86s_own() -> None:
