@@ -31,6 +31,11 @@ FAMILIES = {
 }
 
 
+def python(code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` run by a new interpreter of this one, from the checkout: a start of its own."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+
+
 def test_the_table_is_what_the_script_writes_today(tmp_path: Path) -> None:
     """Every constant the package reads is in the table, with the installed iced's value:
     the script writes the table anew from the package's source and the two are compared."""
@@ -82,7 +87,7 @@ def test_the_classes_are_iced_x86s_whichever_is_imported_first() -> None:
     ours, theirs = "from kprobes.arch.x86_64 import iced", "import iced_x86"
     for first, second in ((ours, theirs), (theirs, ours)):
         code = check.format(first=first, second=second)
-        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        run = python(code)
         assert run.stdout == "same\n", run.stderr
 
 
@@ -101,7 +106,7 @@ def test_a_name_the_table_lacks_is_read_from_iced_x86() -> None:
         "except AttributeError:\n"
         "    print('read')\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    run = python(code)
     assert run.stdout == "read\n", run.stderr
 
 
@@ -118,7 +123,7 @@ def test_another_iced_x86_than_the_tables_is_used_whole() -> None:
         "assert iced.Decoder is iced_x86.Decoder\n"
         "print('whole')\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    run = python(code)
     assert run.stdout == "whole\n", run.stderr
 
 
@@ -134,7 +139,7 @@ def test_a_command_needs_only_the_native_module(build: Callable[[str], Path]) ->
         f"t = main(['trace', '-c', '{target} 3', '-U', 'work%return r=$retval'])\n"
         "print(c, t, sorted(m for m in sys.modules if m.startswith('iced_x86')))\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    run = python(code)
     lines = run.stdout.splitlines()
     assert lines[-1] == "0 0 ['iced_x86._iced_x86_py']", run.stdout + run.stderr
     rows = [line.split() for line in lines]
